@@ -1,0 +1,37 @@
+# The two commands a newcomer needs: `make demo` and `make test` (see README.md).
+# Both create .venv inside the repo if missing and install the pinned CPU stack (constraints.txt).
+SHELL := /bin/bash
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The stamp's name changes whenever the pins or the project metadata change, so the venv is refreshed.
+STAMP := $(VENV)/.installed-$(shell cat constraints.txt pyproject.toml | sha1sum | cut -c1-12)
+PIP := $(PY) -m pip install -q --disable-pip-version-check -c constraints.txt
+
+.PHONY: venv demo test test-fast bench clean
+venv: $(STAMP)
+
+$(STAMP):
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "installing the pinned CPU stack into $(VENV) (torch 2.13.0+cpu, fbgemm-gpu-cpu 1.8.0, torchrec 1.8.0)"
+	$(PIP) setuptools "torch==2.13.0+cpu" fbgemm-gpu-cpu tensordict torchmetrics tqdm pyre-extensions iopath numpy PyYAML tensorboard pytest
+	@# torchrec declares a dependency on the CUDA fbgemm-gpu, which breaks `import torchrec` on CPU torch.
+	$(PIP) --no-deps torchrec
+	$(PIP) --no-deps --no-build-isolation -e .
+	@$(PY) -c "import torchrec, fbgemm_gpu, recsys; print('stack ok: torch', __import__('torch').__version__, 'torchrec', torchrec.__version__)"
+	@rm -f $(VENV)/.installed-* && touch $@
+
+demo: venv
+	$(VENV)/bin/recsys train --config configs/experiments/demo.yaml
+
+test: venv
+	$(VENV)/bin/pytest -q
+
+test-fast: venv
+	$(VENV)/bin/pytest -q -m "not slow"
+
+bench: venv
+	$(PY) tools/bench_train.py
+
+clean:
+	rm -rf $(VENV) runs data_cache

@@ -1,0 +1,54 @@
+"""`recsys` command line. `recsys train --config FILE [key=value ...]` checks the config (one-line
+errors, before any process starts), preprocesses raw data once, then launches torchrun with
+`train.nproc_per_node` local processes running `recsys.train`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+from recsys.config import ConfigError, load_config
+
+
+def _train(args: argparse.Namespace) -> int:
+    try:
+        cfg = load_config(args.config, args.overrides)
+        from recsys.data.source import prepare_data
+
+        prepare_data(cfg)  # once, in this process, so workers find the shards ready
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:  # e.g. a data file with too many malformed rows
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    worker = ["-m", "recsys.train", "--config", args.config, *args.overrides]
+    if cfg.train.nproc_per_node == 1 and not args.torchrun:
+        cmd = [sys.executable, *worker]
+    else:
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={cfg.train.nproc_per_node}", *worker,
+        ]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.train.nproc_per_node)))
+    return subprocess.call(cmd, env=env)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="recsys", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("train", help="train a model (launches torchrun)")
+    p.add_argument("--config", required=True, help="experiment YAML, e.g. configs/experiments/demo.yaml")
+    p.add_argument("--torchrun", action="store_true", help="use torchrun even for one process")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.batch_size=8192 resume=true")
+    args = parser.parse_args(argv)
+    if args.command == "train":
+        return _train(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,337 @@
+"""Experiment configuration: typed dataclasses, YAML files and `key=value` overrides.
+
+Every problem with a config (unknown key, wrong type, impossible value, missing file) is a
+`ConfigError` with a one-line message naming the file and the dotted key, raised before any
+process group starts, so a typo never costs a cluster allocation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad configuration; the message is one line that names the file and key."""
+
+
+@dataclass
+class ModelConfig:
+    """Model architecture. Defaults follow the CowClip paper (DNN 400-400-400) except the
+    embedding dim: the paper uses 10, FBGEMM's fused kernels need dims divisible by 4, so 16."""
+
+    name: str = "deepfm"  # deepfm | wide_deep | dcn | dcnv2
+    embedding_dim: int = 16
+    dnn: list[int] = field(default_factory=lambda: [400, 400, 400])
+    cross_layers: int = 3  # dcn / dcnv2
+    cross_low_rank: int = 0  # dcnv2: 0 = full-rank matrix cross layers
+    dropout: float = 0.0
+    # Embedding rows start uniform with this standard deviation (CowClip reference: 1e-2).
+    embedding_init_std: float = 0.01
+
+
+@dataclass
+class DataConfig:
+    """Where batches come from. `synthetic` is the embedded default (no files needed)."""
+
+    source: str = "synthetic"  # synthetic | criteo | avazu
+    # criteo/avazu: raw files (a file, a directory or a glob); preprocessed once into cache_dir.
+    path: str = ""
+    format: str = "auto"  # criteo: auto | tsv | csv
+    cache_dir: str = ""  # default: <run_dir>/../data_cache/<name of path>
+    eval_fraction: float = 0.1  # criteo/avazu: the last fraction of rows is the eval split
+    max_bad_fraction: float = 0.01
+    # Table sizes: a preset name or an explicit list (raw ids are hashed into these sizes).
+    cardinalities: Union[str, list[int]] = "criteo_kaggle_filtered"
+    # synthetic source
+    train_rows: int = 1_000_000  # rows per epoch
+    eval_rows: int = 100_000
+    seed: int = 0
+    zipf_exponent: float = 1.05
+    teacher_head: int = 2000  # ids (by popularity rank) per field that carry signal
+    teacher_dim: int = 4
+    teacher_scale: float = 1.0
+    positive_rate: float = 0.25
+
+
+@dataclass
+class OptimConfig:
+    """Optimizers: embeddings are updated inside the backward (FBGEMM fused); dense by Adam."""
+
+    embedding: str = "rowwise_adagrad"  # rowwise_adagrad | adagrad | sgd
+    embedding_lr: float = 0.05
+    embedding_eps: float = 1e-8
+    dense_lr: float = 1e-3
+    dense_weight_decay: float = 0.0
+
+
+@dataclass
+class TrainConfig:
+    batch_size: int = 1024  # global batch; each rank gets batch_size / world_size rows
+    epochs: int = 1
+    max_steps: int = 0  # 0: run `epochs` epochs
+    eval_every: int = 0  # steps between evals; 0: only at the end
+    eval_batch_size: int = 8192
+    log_every: int = 20
+    nproc_per_node: int = 2
+    device: str = "auto"  # auto | cpu | cuda
+    seed: int = 0
+    threads_per_rank: int = 0  # 0: cores / local ranks
+
+
+@dataclass
+class ShardingConfig:
+    planner: str = "torchrec"  # torchrec: torchrec's EmbeddingShardingPlanner
+    # Sharding types the planner may use (empty: all it offers on the device).
+    sharding_types: list[str] = field(default_factory=list)
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 0  # 0: only at the end
+    keep: int = 2
+
+
+@dataclass
+class ExperimentConfig:
+    name: str = "experiment"
+    run_dir: str = ""  # default: runs/<name>
+    resume: bool = False
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def resolved_run_dir(self) -> Path:
+        return Path(self.run_dir or os.path.join("runs", self.name))
+
+
+# Table-size presets (Criteo Kaggle C1..C26; see docs/data.md for where they come from).
+CARDINALITY_PRESETS: dict[str, list[int]] = {
+    "criteo_kaggle_filtered": [
+        1446, 554, 157339, 117822, 306, 18, 11882, 630, 5, 39530, 5131, 156656, 3176, 28, 11043,
+        148913, 12, 4560, 2003, 5, 154564, 18, 17, 53031, 82, 40955,
+    ],
+    "criteo_kaggle_raw": [
+        1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27,
+        14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
+    ],
+    "criteo_1tb": [
+        45833188, 36746, 17245, 7413, 20243, 3, 7114, 1441, 62, 29275261, 1572176, 345138, 10,
+        2209, 11267, 128, 4, 974, 14, 48937457, 11316796, 40094537, 452104, 12606, 104, 35,
+    ],
+    # Avazu's 22 categorical fields hashed into tables sized after its vocabularies (min count 2).
+    "avazu": [
+        240, 7, 7, 4737, 7745, 26, 8552, 559, 36, 2686408, 6729486, 8251, 5, 4, 2626, 8, 9, 435,
+        4, 68, 172, 60,
+    ],
+}
+
+_MODELS = ("deepfm", "wide_deep", "dcn", "dcnv2")
+_SOURCES = ("synthetic", "criteo", "avazu")
+_EMB_OPTIMS = ("rowwise_adagrad", "adagrad", "sgd")
+
+
+def cardinalities(data: DataConfig) -> list[int]:
+    """The table sizes a data config asks for."""
+    if isinstance(data.cardinalities, str):
+        return list(CARDINALITY_PRESETS[data.cardinalities])
+    return list(data.cardinalities)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading and checking
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Checks `value` against the annotation `tp`; ints are accepted where floats are expected."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        errors = []
+        for option in typing.get_args(tp):
+            try:
+                return _coerce(value, option, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list of {_type_name(item_tp)}, got {value!r}")
+        return [_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{where}: expected a string, got {value!r}")
+    raise TypeError(f"unsupported config type {tp}")
+
+
+def _apply(obj: Any, values: dict[str, Any], source: str, prefix: str = "") -> None:
+    """Writes a nested dict into a dataclass tree, refusing unknown keys."""
+    hints = typing.get_type_hints(type(obj))
+    names = [f.name for f in dataclasses.fields(obj)]
+    if not isinstance(values, dict):
+        raise ConfigError(f"{source}: {prefix.rstrip('.') or 'top level'}: expected a mapping, got {values!r}")
+    for key, value in values.items():
+        dotted = f"{prefix}{key}"
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
+            raise ConfigError(f"{source}: unknown key '{dotted}'{hint}")
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            _apply(current, value, source, dotted + ".")
+        else:
+            setattr(obj, key, _coerce(value, hints[key], f"{source}: key '{dotted}'"))
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`train.batch_size=8192` -> ("train.batch_size", 8192); values are read as YAML scalars."""
+    if "=" not in text:
+        raise ConfigError(f"override '{text}': expected key=value")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def _nest(key: str, value: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    node = out
+    parts = key.split(".")
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+    node[parts[-1]] = value
+    return out
+
+
+def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> ExperimentConfig:
+    """Reads a YAML experiment file, applies overrides and validates the result."""
+    cfg = ExperimentConfig()
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            values = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" line {mark.line + 1}" if mark is not None else ""
+            raise ConfigError(f"{p}:{where} is not valid YAML ({getattr(e, 'problem', e)})") from None
+        _apply(cfg, values, str(p))
+    for text in overrides:
+        key, value = parse_override(text)
+        _apply(cfg, _nest(key, value), f"override '{text}'")
+    validate(cfg, str(path) if path is not None else "config")
+    return cfg
+
+
+def validate(cfg: ExperimentConfig, source: str = "config") -> None:
+    """Impossible values, checked before any process starts."""
+
+    def bad(key: str, why: str) -> None:
+        raise ConfigError(f"{source}: key '{key}': {why}")
+
+    m, d, t, o = cfg.model, cfg.data, cfg.train, cfg.optim
+    if m.name not in _MODELS:
+        bad("model.name", f"unknown model '{m.name}' (choose from {', '.join(_MODELS)})")
+    if m.embedding_dim <= 0 or m.embedding_dim % 4:
+        bad("model.embedding_dim", f"{m.embedding_dim} is not a positive multiple of 4 (FBGEMM fused kernels need it)")
+    if not m.dnn or any(h <= 0 for h in m.dnn):
+        bad("model.dnn", f"{m.dnn}: need at least one positive layer width")
+    if not 0.0 <= m.dropout < 1.0:
+        bad("model.dropout", f"{m.dropout} is not in [0, 1)")
+    if m.cross_layers < 0:
+        bad("model.cross_layers", "must be >= 0")
+    if d.source not in _SOURCES:
+        bad("data.source", f"unknown source '{d.source}' (choose from {', '.join(_SOURCES)})")
+    if isinstance(d.cardinalities, str) and d.cardinalities not in CARDINALITY_PRESETS:
+        bad("data.cardinalities", f"unknown preset '{d.cardinalities}' (choose from {', '.join(CARDINALITY_PRESETS)} or give a list)")
+    cards = cardinalities(d)
+    if any(c <= 0 for c in cards):
+        bad("data.cardinalities", "table sizes must be positive")
+    if d.source == "synthetic":
+        if len(cards) != 26:
+            bad("data.cardinalities", f"the synthetic Criteo-like source has 26 fields, got {len(cards)} sizes")
+        if d.train_rows < t.batch_size:
+            bad("data.train_rows", f"{d.train_rows} rows is less than one batch of {t.batch_size}")
+        if d.eval_rows <= 0:
+            bad("data.eval_rows", "must be positive")
+        if not 0.0 < d.positive_rate < 1.0:
+            bad("data.positive_rate", f"{d.positive_rate} is not in (0, 1)")
+        if d.zipf_exponent <= 0:
+            bad("data.zipf_exponent", "must be positive")
+    else:
+        if not d.path:
+            bad("data.path", f"source '{d.source}' needs a path to raw files")
+        if d.format not in ("auto", "tsv", "csv"):
+            bad("data.format", f"unknown format '{d.format}' (auto, tsv or csv)")
+        if d.source == "criteo" and len(cards) != 26:
+            bad("data.cardinalities", f"Criteo has 26 categorical fields, got {len(cards)} sizes")
+        if d.source == "avazu" and len(cards) != 22:
+            bad("data.cardinalities", f"Avazu has 22 categorical fields, got {len(cards)} sizes (use the 'avazu' preset)")
+        if not 0.0 < d.eval_fraction < 1.0:
+            bad("data.eval_fraction", f"{d.eval_fraction} is not in (0, 1)")
+    if not 0.0 <= d.max_bad_fraction <= 1.0:
+        bad("data.max_bad_fraction", f"{d.max_bad_fraction} is not in [0, 1]")
+    if o.embedding not in _EMB_OPTIMS:
+        bad("optim.embedding", f"unknown embedding optimizer '{o.embedding}' (choose from {', '.join(_EMB_OPTIMS)})")
+    for key in ("embedding_lr", "dense_lr"):
+        if getattr(o, key) <= 0:
+            bad(f"optim.{key}", "must be positive")
+    if t.nproc_per_node <= 0:
+        bad("train.nproc_per_node", "must be positive")
+    if t.batch_size <= 0:
+        bad("train.batch_size", "must be positive")
+    # Under torchrun the world size is known; before launch it is nproc_per_node (one node).
+    world = int(os.environ.get("WORLD_SIZE", t.nproc_per_node))
+    if t.batch_size % world:
+        bad("train.batch_size", f"{t.batch_size} is not divisible by the world size {world}")
+    if t.eval_batch_size <= 0 or t.eval_batch_size % world:
+        bad("train.eval_batch_size", f"{t.eval_batch_size} is not a positive multiple of the world size {world}")
+    if t.epochs <= 0 and t.max_steps <= 0:
+        bad("train.epochs", "need epochs > 0 or max_steps > 0")
+    if t.device not in ("auto", "cpu", "cuda"):
+        bad("train.device", f"unknown device '{t.device}' (auto, cpu or cuda)")
+    if t.log_every <= 0:
+        bad("train.log_every", "must be positive")
+    if cfg.sharding.planner not in ("torchrec",):
+        bad("sharding.planner", f"unknown planner '{cfg.sharding.planner}' (torchrec)")
+    if cfg.checkpoint.keep <= 0:
+        bad("checkpoint.keep", "must be positive")
+
+
+def to_dict(cfg: ExperimentConfig) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def dump(cfg: ExperimentConfig) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)

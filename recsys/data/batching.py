@@ -1,0 +1,75 @@
+"""Turning rows into torchrec `Batch`es: per-rank slices of global batches, at any step.
+
+The mapping step -> rows is fixed (global batch b of an epoch is rows [b*B, (b+1)*B) of the
+split; rank r of W takes the r-th of W equal slices), so a run resumed at step s reads exactly
+the rows an uninterrupted run would, and 1-process and N-process runs see the same global batch.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+import torch
+from torchrec.datasets.utils import Batch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from recsys.data.source import DataSource
+from recsys.data.synthetic import RowBlock
+
+
+def to_batch(block: RowBlock, keys: list[str], cardinalities: np.ndarray) -> Batch:
+    """Rows -> Batch. Raw ids are hashed into the tables (id mod size); -1 (missing) gives an
+    empty bag, so a missing field contributes a zero embedding, not a shared 'missing' row."""
+    ids = block.sparse
+    valid_t = (ids >= 0).T  # KJT values are key-major: all of feature 0, then feature 1, ...
+    rows_t = np.where(valid_t, ids.T % cardinalities[:, None], 0)
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=keys,
+        values=torch.from_numpy(np.ascontiguousarray(rows_t[valid_t])),
+        lengths=torch.from_numpy(valid_t.reshape(-1).astype(np.int32)),
+    )
+    return Batch(
+        dense_features=torch.from_numpy(np.ascontiguousarray(block.dense, dtype=np.float32)),
+        sparse_features=kjt,
+        labels=torch.from_numpy(np.ascontiguousarray(block.labels, dtype=np.float32)),
+    )
+
+
+def rank_rows(step_in_epoch: int, global_batch: int, rank: int, world: int) -> tuple[int, int]:
+    """Row range of `rank`'s slice of global batch `step_in_epoch`."""
+    local = global_batch // world
+    start = step_in_epoch * global_batch + rank * local
+    return start, start + local
+
+
+def steps_per_epoch(source: DataSource, split: int, global_batch: int) -> int:
+    return source.num_rows(split) // global_batch  # the last partial batch is dropped
+
+
+def train_batches(
+    source: DataSource, global_batch: int, rank: int, world: int, start_step: int, stop_step: int
+) -> Iterator[Batch]:
+    """Training batches for steps [start_step, stop_step), wrapping over epochs."""
+    from recsys.data.source import TRAIN
+
+    per_epoch = steps_per_epoch(source, TRAIN, global_batch)
+    cards = np.asarray(source.cardinalities, dtype=np.int64)
+    for step in range(start_step, stop_step):
+        lo, hi = rank_rows(step % per_epoch, global_batch, rank, world)
+        yield to_batch(source.read(TRAIN, lo, hi), source.sparse_names, cards)
+
+
+def eval_blocks(source: DataSource, global_batch: int, rank: int, world: int) -> Iterator[RowBlock]:
+    """This rank's slices of the eval split; every row is evaluated once (the tail batch is padded
+    by truncation: ranks get equal slices of the last, smaller global batch)."""
+    from recsys.data.source import EVAL
+
+    n = source.num_rows(EVAL)
+    for start in range(0, n, global_batch):
+        size = min(global_batch, n - start)
+        local = size // world
+        if local == 0:
+            break
+        lo = start + rank * local
+        yield source.read(EVAL, lo, lo + local)

@@ -1,0 +1,189 @@
+"""CTR models on `torchrec.EmbeddingBagCollection`: DeepFM, Wide&Deep, DCN, DCNv2.
+
+Each model maps (dense features [B, num_dense], KeyedJaggedTensor of 26 single-id fields) to one
+logit per sample. The embedding collections are the only sharded parts; everything else is a
+small dense network that DistributedModelParallel replicates (DDP).
+
+The first-order ("wide"/linear) weights of DeepFM and Wide&Deep live in their own collection of
+tables 4 columns wide whose columns are summed: FBGEMM's fused kernels need row widths that are
+multiples of 4, and a width-1 table would fall back to a data-parallel dense table whose whole
+gradient is all-reduced every step. Summing 4 columns that receive identical gradients is a
+width-1 weight with a 4x learning rate; the columns start at zero.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torchrec.modules.crossnet import CrossNet, LowRankCrossNet, VectorCrossNet
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.modules.mlp import MLP
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from recsys.config import ModelConfig
+
+WIDE_DIM = 4
+
+
+def embedding_bag_collection(
+    prefix: str, names: list[str], cards: list[int], dim: int, init_std: float, device: torch.device
+) -> EmbeddingBagCollection:
+    """One table per feature. FBGEMM kernels initialise rows uniformly in [min, max], so a
+    standard deviation s becomes the interval +-s*sqrt(3)."""
+    half = init_std * math.sqrt(3.0)
+    tables = [
+        EmbeddingBagConfig(
+            name=f"{prefix}{name}",
+            embedding_dim=dim,
+            num_embeddings=card,
+            feature_names=[name],
+            pooling=PoolingType.SUM,
+            weight_init_min=-half,
+            weight_init_max=half,
+        )
+        for name, card in zip(names, cards)
+    ]
+    return EmbeddingBagCollection(tables=tables, device=device)
+
+
+def deep_tower(in_features: int, cfg: ModelConfig, device: torch.device) -> nn.Module:
+    """The 400-400-400 ReLU tower (torchrec's MLP), optionally with dropout between layers."""
+    if cfg.dropout == 0.0:
+        return MLP(in_features, list(cfg.dnn), device=device)
+    layers: list[nn.Module] = []
+    width = in_features
+    for h in cfg.dnn:
+        layers += [nn.Linear(width, h, device=device), nn.ReLU(), nn.Dropout(cfg.dropout)]
+        width = h
+    return nn.Sequential(*layers)
+
+
+class CTRModel(nn.Module):
+    """Base: holds the embedding collection and the concatenated dense+embedding input."""
+
+    def __init__(
+        self, names: list[str], cards: list[int], num_dense: int, cfg: ModelConfig, device: torch.device,
+        emb_device: torch.device | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_fields = len(names)
+        self.dim = cfg.embedding_dim
+        # Tables are built on `meta`: DistributedModelParallel materialises only each rank's
+        # shards, and the planner can plan tables far larger than this machine's memory.
+        self.emb_device = emb_device or torch.device("meta")
+        self.embeddings = embedding_bag_collection("t_", names, cards, cfg.embedding_dim, cfg.embedding_init_std, self.emb_device)
+        self.in_features = num_dense + self.num_fields * self.dim
+
+    def embed(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns ([B, F*D] pooled embeddings, [B, num_dense + F*D] tower input)."""
+        emb = self.embeddings(sparse).values()
+        return emb, torch.cat([dense, emb], dim=1)
+
+
+class _WideMixin:
+    def _init_wide(self, names: list[str], cards: list[int], num_dense: int, device: torch.device) -> None:
+        self.wide = embedding_bag_collection("w_", names, cards, WIDE_DIM, 0.0, self.emb_device)
+        self.dense_linear = nn.Linear(num_dense, 1, device=device) if num_dense else None
+        if self.dense_linear is not None:  # the linear part starts at zero, like the wide tables
+            nn.init.zeros_(self.dense_linear.weight)
+            nn.init.zeros_(self.dense_linear.bias)
+
+    def _wide_logit(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
+        out = self.wide(sparse).values().sum(dim=1)
+        if self.dense_linear is not None:
+            out = out + self.dense_linear(dense).squeeze(1)
+        return out
+
+
+def factorization_machine(emb: torch.Tensor) -> torch.Tensor:
+    """Second-order FM term sum_{f<g} <v_f, v_g> of [B, F, D] field embeddings -> [B].
+
+    Not torchrec.modules.deepfm.FactorizationMachine: that module flattens the input to
+    [B, F*D] before the square-of-sum trick, so it also multiplies different dimensions of
+    different fields (and dimensions within one field) with each other, which is not the FM
+    of the DeepFM paper (tests/test_models.py checks this one against explicit dot products).
+    """
+    s = emb.sum(dim=1)
+    return 0.5 * (s.pow(2).sum(dim=1) - emb.pow(2).sum(dim=(1, 2)))
+
+
+class DeepFM(CTRModel, _WideMixin):
+    """logit = linear(sparse, dense) + FM(sparse embeddings) + DNN([dense, embeddings])."""
+
+    def __init__(self, names, cards, num_dense, cfg: ModelConfig, device: torch.device, emb_device=None) -> None:
+        super().__init__(names, cards, num_dense, cfg, device, emb_device)
+        self._init_wide(names, cards, num_dense, device)
+        self.dnn = deep_tower(self.in_features, cfg, device)
+        self.head = nn.Linear(cfg.dnn[-1], 1, device=device)
+
+    def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
+        emb, x = self.embed(dense, sparse)
+        fm = factorization_machine(emb.view(-1, self.num_fields, self.dim))
+        return self._wide_logit(dense, sparse) + fm + self.head(self.dnn(x)).squeeze(1)
+
+
+class WideDeep(CTRModel, _WideMixin):
+    """logit = linear(sparse, dense) + DNN([dense, embeddings])."""
+
+    def __init__(self, names, cards, num_dense, cfg: ModelConfig, device: torch.device, emb_device=None) -> None:
+        super().__init__(names, cards, num_dense, cfg, device, emb_device)
+        self._init_wide(names, cards, num_dense, device)
+        self.dnn = deep_tower(self.in_features, cfg, device)
+        self.head = nn.Linear(cfg.dnn[-1], 1, device=device)
+
+    def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
+        _, x = self.embed(dense, sparse)
+        return self._wide_logit(dense, sparse) + self.head(self.dnn(x)).squeeze(1)
+
+
+class DCN(CTRModel):
+    """Deep & Cross: a cross network and the DNN side by side on [dense, embeddings], then a
+    linear layer on their concatenation. v1 uses vector cross layers, v2 matrix (or low-rank)."""
+
+    def __init__(self, names, cards, num_dense, cfg: ModelConfig, device: torch.device, emb_device=None, v2: bool = False) -> None:
+        super().__init__(names, cards, num_dense, cfg, device, emb_device)
+        n = self.in_features
+        if not v2:
+            cross: nn.Module = VectorCrossNet(n, cfg.cross_layers)
+        elif cfg.cross_low_rank > 0:
+            cross = LowRankCrossNet(n, cfg.cross_layers, cfg.cross_low_rank)
+        else:
+            cross = CrossNet(n, cfg.cross_layers)
+        self.cross = cross.to(device)
+        self.dnn = deep_tower(n, cfg, device)
+        self.head = nn.Linear(n + cfg.dnn[-1], 1, device=device)
+
+    def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
+        _, x = self.embed(dense, sparse)
+        return self.head(torch.cat([self.cross(x), self.dnn(x)], dim=1)).squeeze(1)
+
+
+def build_model(
+    cfg: ModelConfig, names: list[str], cards: list[int], num_dense: int, device: torch.device,
+    emb_device: torch.device | None = None,
+) -> nn.Module:
+    """Builds a model by name: embedding tables on `meta`, the dense network on `device`."""
+    if cfg.name == "deepfm":
+        return DeepFM(names, cards, num_dense, cfg, device, emb_device)
+    if cfg.name == "wide_deep":
+        return WideDeep(names, cards, num_dense, cfg, device, emb_device)
+    if cfg.name in ("dcn", "dcnv2"):
+        return DCN(names, cards, num_dense, cfg, device, emb_device, v2=cfg.name == "dcnv2")
+    raise ValueError(f"unknown model '{cfg.name}'")
+
+
+class TrainModule(nn.Module):
+    """Wraps any CTR model (dense, KJT) -> logits into what TrainPipelineSparseDist expects:
+    batch -> (loss, (loss, logits, labels))."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        logits = self.model(batch.dense_features, batch.sparse_features)
+        loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+        return loss, (loss.detach(), logits.detach(), batch.labels)

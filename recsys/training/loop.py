@@ -1,0 +1,171 @@
+"""The training job: config -> data -> model -> plan -> sharded model -> train loop -> metrics and
+checkpoints. Runs inside each torchrun worker; `recsys.train` is its thin entry point."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+from recsys import config as config_mod
+from recsys.config import ExperimentConfig
+from recsys.data.batching import steps_per_epoch, train_batches
+from recsys.data.source import TRAIN, DataSource, build_source, prepare_data
+from recsys.models.ctr import TrainModule, build_model
+from recsys.optim.dense import combined_optimizer, dense_optimizer
+from recsys.optim.embedding import attach_embedding_optimizer, embedding_sharders
+from recsys.training.checkpoint import Checkpointer
+from recsys.training.distributed import DistEnv, init_distributed
+from recsys.training.metrics import MetricsWriter, evaluate, write_json_atomic
+from recsys.training.progress import Progress
+from sharding.planner import make_plan
+
+log = logging.getLogger("recsys.train")
+
+# A user model factory: (config, data source) -> nn.Module mapping (dense, KJT) -> logits.
+ModelFactory = Callable[[ExperimentConfig, DataSource], nn.Module]
+
+
+def default_model(cfg: ExperimentConfig, source: DataSource, device: torch.device) -> nn.Module:
+    return build_model(cfg.model, source.sparse_names, source.cardinalities, len(source.dense_names), device)
+
+
+@dataclass
+class Job:
+    cfg: ExperimentConfig
+    env: DistEnv
+    source: DataSource
+    dmp: DistributedModelParallel
+    optimizer: Any
+    dense_optimizer: Any
+    checkpointer: Checkpointer
+    run_dir: Path
+
+
+def setup(cfg: ExperimentConfig, model_factory: ModelFactory | None = None) -> Job:
+    env = init_distributed(cfg.train)
+    torch.manual_seed(cfg.train.seed)
+    run_dir = cfg.resolved_run_dir()
+    if env.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        prepare_data(cfg)
+        (run_dir / "config.yaml").write_text(config_mod.dump(cfg))
+    dist.barrier()
+    source = build_source(cfg)
+
+    model = model_factory(cfg, source) if model_factory else default_model(cfg, source, env.device)
+    attach_embedding_optimizer(model, cfg.optim)
+    module = TrainModule(model)
+    sharders = embedding_sharders(cfg.optim)
+    local_batch = cfg.train.batch_size // env.world_size
+    plan = make_plan(cfg.sharding, module, sharders, env.device, env.local_world_size, local_batch)
+    if env.is_main:
+        (run_dir / "plan.txt").write_text(str(plan) + "\n")
+    dmp = DistributedModelParallel(module, device=env.device, plan=plan, sharders=sharders)
+    dense = dense_optimizer(dmp, cfg.optim)
+    optimizer = combined_optimizer(dmp, dense)
+    ckpt = Checkpointer(run_dir / "checkpoints", env.rank, env.world_size, cfg.checkpoint.keep)
+    return Job(cfg, env, source, dmp, optimizer, dense, ckpt, run_dir)
+
+
+def _mean_across_ranks(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t.item()) / dist.get_world_size()
+
+
+def run(cfg: ExperimentConfig, model_factory: ModelFactory | None = None) -> dict[str, Any] | None:
+    """Trains and evaluates; returns the summary on rank 0 (None elsewhere)."""
+    job = setup(cfg, model_factory)
+    env, t = job.env, cfg.train
+    per_epoch = steps_per_epoch(job.source, TRAIN, t.batch_size)
+    total = t.max_steps or t.epochs * per_epoch
+
+    start_step, resumed_from = 0, None
+    if cfg.resume:
+        latest = job.checkpointer.latest()
+        if latest is not None:
+            extra = job.checkpointer.load(latest, job.dmp, job.optimizer, job.dense_optimizer)
+            start_step, resumed_from = int(extra["step"]), str(latest)
+            if env.is_main:
+                log.info("resumed from %s at step %d", latest, start_step)
+        elif env.is_main:
+            log.info("resume=true but no checkpoint in %s: starting from scratch", job.checkpointer.root)
+    writer = MetricsWriter(job.run_dir, env.is_main, resume_step=start_step if resumed_from else None)
+    if env.is_main:
+        log.info(
+            "training %s on %d rank(s) (%s, %s): %d steps of %d samples (%d steps/epoch)",
+            cfg.model.name, env.world_size, env.device, env.backend, total, t.batch_size, per_epoch,
+        )
+
+    pipeline = TrainPipelineSparseDist(job.dmp, job.optimizer, env.device)
+    batches = train_batches(job.source, t.batch_size, env.rank, env.world_size, start_step, total)
+    progress = Progress(total, start_step, t.batch_size)
+    wall0 = time.perf_counter()
+    loss_sum, loss_n = 0.0, 0
+    last_eval: dict[str, Any] = {}
+
+    def eval_now(step: int) -> dict[str, Any]:
+        with progress.pause():
+            pipeline.detach()
+            result = evaluate(job.dmp, job.source, t.eval_batch_size, env.rank, env.world_size, env.device)
+            record = {"kind": "eval", "step": step, "epoch": step / per_epoch, **result}
+            writer.log(record)
+            if env.is_main:
+                oracle = f" (oracle {result['oracle_auc']:.4f})" if "oracle_auc" in result else ""
+                log.info("eval step %d: auc %.4f%s logloss %.4f", step, result["auc"], oracle, result["logloss"])
+            pipeline.attach(job.dmp)
+        return record
+
+    def checkpoint_now(step: int) -> None:
+        with progress.pause():
+            job.checkpointer.save(step, job.dmp, job.optimizer, {"samples": step * t.batch_size})
+
+    for step in range(start_step + 1, total + 1):
+        step_loss, _, _ = pipeline.progress(batches)
+        loss_sum += float(step_loss)
+        loss_n += 1
+        if step % t.log_every == 0 or step == total:
+            loss = _mean_across_ranks(loss_sum / loss_n)
+            stats = progress.update(step)
+            writer.log({"kind": "train", "step": step, "epoch": step / per_epoch, "loss": loss, **stats})
+            if env.is_main:
+                log.info(progress.line(step, step / per_epoch, loss, stats))
+            loss_sum, loss_n = 0.0, 0
+        if t.eval_every and step % t.eval_every == 0 and step != total:
+            last_eval = eval_now(step)
+        if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step != total:
+            checkpoint_now(step)
+
+    train_wall = time.perf_counter() - wall0
+    last_eval = eval_now(total)
+    checkpoint_now(total)
+    summary = {
+        "name": cfg.name,
+        "model": cfg.model.name,
+        "world_size": env.world_size,
+        "device": str(env.device),
+        "steps": total,
+        "global_batch": t.batch_size,
+        "samples": total * t.batch_size,
+        "resumed_from": resumed_from,
+        "train_wall_s_this_run": train_wall,
+        "samples_per_s_this_run": (total - start_step) * t.batch_size / max(train_wall, 1e-9),
+        **{k: v for k, v in last_eval.items() if k not in ("kind",)},
+    }
+    if "oracle_auc" in summary:
+        summary["auc_gap_to_oracle"] = summary["oracle_auc"] - summary["auc"]
+    writer.close()
+    if env.is_main:
+        write_json_atomic(job.run_dir / "summary.json", summary)
+        log.info("summary: %s", {k: summary[k] for k in ("auc", "logloss", "oracle_auc") if k in summary})
+    dist.barrier()
+    return summary if env.is_main else None

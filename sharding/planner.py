@@ -1,0 +1,55 @@
+"""Planner seam: the one function the trainer calls to turn a model into a ShardingPlan.
+
+For now it is torchrec's own `EmbeddingShardingPlanner` on a `Topology` built from the process
+group; the topology-aware planner plugs in here (`sharding.planner=<name>`) with the same
+`plan()` / `collective_plan()` contract.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.types import ModuleSharder, ShardingPlan
+
+from recsys.config import ShardingConfig
+
+
+def embedding_tables(model: nn.Module) -> list[str]:
+    """Names of all tables in the model's EmbeddingBagCollections."""
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    return [
+        t.name for m in model.modules() if isinstance(m, EmbeddingBagCollection) for t in m.embedding_bag_configs()
+    ]
+
+
+def build_planner(
+    cfg: ShardingConfig,
+    model: nn.Module,
+    world_size: int,
+    local_world_size: int,
+    compute_device: str,
+    batch_size_per_rank: int,
+) -> EmbeddingShardingPlanner:
+    topology = Topology(world_size=world_size, local_world_size=local_world_size, compute_device=compute_device)
+    constraints = None
+    if cfg.sharding_types:
+        constraints = {name: ParameterConstraints(sharding_types=list(cfg.sharding_types)) for name in embedding_tables(model)}
+    return EmbeddingShardingPlanner(topology=topology, batch_size=batch_size_per_rank, constraints=constraints)
+
+
+def make_plan(
+    cfg: ShardingConfig,
+    model: nn.Module,
+    sharders: list[ModuleSharder[nn.Module]],
+    device: torch.device,
+    local_world_size: int,
+    batch_size_per_rank: int,
+    pg: dist.ProcessGroup | None = None,
+) -> ShardingPlan:
+    """Plans on rank 0 and broadcasts, so every rank shards identically."""
+    world = dist.get_world_size(pg)
+    planner = build_planner(cfg, model, world, local_world_size, device.type, batch_size_per_rank)
+    return planner.collective_plan(model, sharders, pg or dist.GroupMember.WORLD)

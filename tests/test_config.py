@@ -1,0 +1,90 @@
+"""Config errors are one line, name the file and the key, and happen before anything starts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from recsys.config import ConfigError, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = REPO / "configs" / "experiments" / "demo.yaml"
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "exp.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_demo_config_loads_with_overrides():
+    cfg = load_config(DEMO, ["train.batch_size=8192", "resume=true", "model.dnn=[64,32]"])
+    assert cfg.train.batch_size == 8192 and cfg.resume is True and cfg.model.dnn == [64, 32]
+    assert cfg.model.name == "deepfm" and cfg.data.source == "synthetic"
+
+
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("train:\n  batchsize: 10\n", "unknown key 'train.batchsize' (did you mean 'train.batch_size'?)"),
+        ("trian:\n  batch_size: 10\n", "unknown key 'trian' (did you mean 'train'?)"),
+        ("train:\n  batch_size: many\n", "key 'train.batch_size': expected an integer, got 'many'"),
+        ("train:\n  batch_size: 1.5\n", "key 'train.batch_size': expected an integer"),
+        ("optim:\n  dense_lr: fast\n", "key 'optim.dense_lr': expected a number"),
+        ("resume: maybe\n", "key 'resume': expected true or false"),
+        ("model:\n  dnn: 400\n", "key 'model.dnn': expected a list of int"),
+        ("train:\n  batch_size: 1001\n  nproc_per_node: 2\n", "key 'train.batch_size': 1001 is not divisible by the world size 2"),
+        ("model:\n  embedding_dim: 10\n", "key 'model.embedding_dim': 10 is not a positive multiple of 4"),
+        ("model:\n  name: fm\n", "key 'model.name': unknown model 'fm'"),
+        ("data:\n  source: criteo\n", "key 'data.path': source 'criteo' needs a path"),
+        ("data:\n  cardinalities: criteo_big\n", "key 'data.cardinalities': unknown preset 'criteo_big'"),
+        ("data:\n  train_rows: 10\n", "key 'data.train_rows': 10 rows is less than one batch"),
+        ("train: [1, 2]\n", "train: expected a mapping"),
+        ("train:\n  batch_size: [\n", "is not valid YAML"),
+    ],
+)
+def test_bad_config_names_file_and_key(tmp_path, text, needle):
+    path = _write(tmp_path, text)
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    msg = str(e.value)
+    assert needle in msg
+    assert "\n" not in msg
+    if "override" not in msg:
+        assert str(path) in msg
+
+
+def test_bad_override_is_named():
+    with pytest.raises(ConfigError, match=r"override 'train.batch_sise=8': unknown key 'train.batch_sise'"):
+        load_config(DEMO, ["train.batch_sise=8"])
+    with pytest.raises(ConfigError, match=r"expected key=value"):
+        load_config(DEMO, ["train.batch_size"])
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_cli_fails_fast_with_one_line(tmp_path):
+    """The launcher refuses before torchrun starts: exit 2, one line naming the key."""
+    p = _write(tmp_path, "train:\n  batch_size: 1001\n")
+    r = subprocess.run(
+        [sys.executable, "-m", "recsys.cli", "train", "--config", str(p)], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 2
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and "train.batch_size" in lines[0] and str(p) in lines[0]
+    assert "torch.distributed" not in r.stderr
+
+
+def test_cli_missing_data_file(tmp_path):
+    p = _write(tmp_path, f"data:\n  source: criteo\n  path: {tmp_path}/missing.tsv\n")
+    r = subprocess.run(
+        [sys.executable, "-m", "recsys.cli", "train", "--config", str(p)], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 2
+    assert "data.path" in r.stderr and "missing.tsv" in r.stderr
