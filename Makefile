@@ -24,8 +24,9 @@ $(STAMP):
 demo: venv
 	$(VENV)/bin/recsys train --config configs/experiments/demo.yaml
 
+# pytest exits 5 when it collects no tests; that is not a failure of the suite.
 test: venv
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q || [ $$? -eq 5 ]
 
 test-fast: venv
 	$(VENV)/bin/pytest -q -m "not slow"

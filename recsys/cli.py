@@ -18,10 +18,8 @@ def _train(args: argparse.Namespace) -> int:
         from recsys.data.source import prepare_data
 
         prepare_data(cfg)  # once, in this process, so workers find the shards ready
-    except (ConfigError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except ValueError as e:  # e.g. a data file with too many malformed rows
+    except (ConfigError, FileNotFoundError, FileExistsError, ValueError) as e:
+        # ValueError: e.g. a data file with more malformed rows than data.max_bad_fraction
         print(f"error: {e}", file=sys.stderr)
         return 2
     worker = ["-m", "recsys.train", "--config", args.config, *args.overrides]

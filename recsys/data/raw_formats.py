@@ -23,7 +23,7 @@ import operator
 import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterable, Iterator, Literal, Sequence
+from typing import Any, BinaryIO, Iterable, Iterator, Literal, Sequence
 
 import numpy as np
 
@@ -61,11 +61,8 @@ MAX_BAD_LINES_KEPT = 5
 _PROGRESS_EVERY_ROWS = 10_000_000
 
 _LABELS: dict[bytes, float] = {b"0": 0.0, b"1": 1.0, b"0.0": 0.0, b"1.0": 1.0}
-_HEX_DIGITS = b"0123456789abcdefABCDEF"
 _MAX_HEX_LEN = 8
 _BOM = b"\xef\xbb\xbf"
-
-CriteoFormat = Literal["tsv", "csv"]
 
 
 @dataclass
@@ -250,7 +247,7 @@ class _LineSource:
 
 
 # --------------------------------------------------------------------------------------------
-# Chunk parsers (the hot loops: plain bytes.split, no per-field function calls beyond int/float)
+# Chunk parsers: per line only bytes.split runs in Python; per-field work is vectorised
 # --------------------------------------------------------------------------------------------
 
 
@@ -461,7 +458,9 @@ def _existing_manifest(out_dir: Path, kind: str, paths: list[Path], overwrite: b
     """The manifest of a complete, matching ``out_dir`` (skip work), else None (build it)."""
     if overwrite or not (out_dir.exists() or out_dir.is_symlink()):
         return None
-    if out_dir.is_dir() and not any(out_dir.iterdir()):
+    if not out_dir.is_dir():
+        raise FileExistsError(f"{out_dir} exists and is not a directory; pass overwrite=True to replace it")
+    if not any(out_dir.iterdir()):
         return None  # an empty directory is replaced by the atomic rename
     try:
         manifest = ShardedDataset.open(out_dir).manifest

@@ -115,8 +115,7 @@ def prepare_data(cfg: ExperimentConfig) -> None:
     files = raw_files(cfg)
     out = shard_dir(cfg)
     if cfg.data.source == "criteo":
-        fmt = cfg.data.format if cfg.data.format != "auto" else raw_formats.detect_format(files[0])
-        raw_formats.preprocess_criteo(files, out, fmt=fmt, max_bad_fraction=cfg.data.max_bad_fraction)
+        raw_formats.preprocess_criteo(files, out, fmt=cfg.data.format, max_bad_fraction=cfg.data.max_bad_fraction)
     else:
         raw_formats.preprocess_avazu(files, out, max_bad_fraction=cfg.data.max_bad_fraction)
 

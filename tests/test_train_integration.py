@@ -1,0 +1,149 @@
+"""Multi-process integration: real torchrun, gloo process groups, DistributedModelParallel and
+FBGEMM kernels. Slow (tens of seconds each); CI runs them."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SMOKE = REPO / "configs" / "experiments" / "smoke.yaml"
+RECSYS = [sys.executable, "-m", "recsys.cli", "train", "--config", str(SMOKE)]
+
+pytestmark = pytest.mark.slow
+
+
+def _run(args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+    r = subprocess.run(RECSYS + args, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
+def _summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def test_two_process_run_learns(tmp_path):
+    run_dir = tmp_path / "run"
+    r = _run([f"run_dir={run_dir}", "train.max_steps=300", "train.eval_every=150"])
+    s = _summary(run_dir)
+    assert s["world_size"] == 2 and s["steps"] == 300 and s["samples"] == 300 * 512
+    # a real AUC: far above chance, and most of the way to the teacher's (oracle) AUC
+    assert s["auc"] > 0.70, s
+    assert s["oracle_auc"] - s["auc"] < 0.12, s
+    records = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [x for x in records if x["kind"] == "eval"]
+    assert [x["step"] for x in evals] == [150, 300]
+    assert evals[1]["auc"] > evals[0]["auc"] - 0.01
+    train = [x for x in records if x["kind"] == "train"]
+    assert train[-1]["loss"] < train[0]["loss"]
+    assert all(x["samples_per_s"] > 0 for x in train)
+    # progress lines with throughput and ETA on stderr
+    assert "samples/s" in r.stderr and "ETA" in r.stderr
+    assert (run_dir / "plan.txt").read_text().count("table_wise") + (run_dir / "plan.txt").read_text().count("data_parallel") > 0
+    assert list((run_dir / "tb").glob("events.out.tfevents.*"))
+    assert (run_dir / "checkpoints" / "step_000000300" / "COMMITTED").is_file()
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float) -> None:
+    t0 = time.time()
+    while not path.exists():
+        if proc.poll() is not None:
+            raise AssertionError(f"training ended before {path} appeared")
+        if time.time() - t0 > timeout:
+            raise AssertionError(f"{path} did not appear in {timeout} s")
+        time.sleep(0.05)
+
+
+def test_sigkill_and_resume_matches_uninterrupted_run(tmp_path):
+    common = ["train.max_steps=160", "checkpoint.every_steps=40", "train.log_every=10"]
+    straight = tmp_path / "straight"
+    _run([f"run_dir={straight}", *common])
+
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(
+        RECSYS + [f"run_dir={killed}", *common],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    try:
+        _wait_for(killed / "checkpoints" / "step_000000080" / "COMMITTED", proc, timeout=300)
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher, torchrun and both workers at once
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert not (killed / "summary.json").exists()
+
+    r = _run([f"run_dir={killed}", *common, "resume=true"])
+    assert "resumed from" in r.stderr
+    a, b = _summary(straight), _summary(killed)
+    assert b["resumed_from"] and b["resumed_from"].endswith(tuple(f"step_{s:09d}" for s in (80, 120)))
+    for key in ("auc", "logloss", "oracle_auc"):
+        assert b[key] == pytest.approx(a[key], abs=1e-6), (key, a[key], b[key])
+    # the resumed run's log reads like the uninterrupted one: same train steps, no duplicates
+    steps = lambda d: [json.loads(l)["step"] for l in (d / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    assert steps(killed) == steps(straight)
+    losses = lambda d: [json.loads(l).get("loss") for l in (d / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    assert losses(killed) == pytest.approx(losses(straight), abs=1e-6)
+
+
+def test_half_written_checkpoint_is_ignored(tmp_path):
+    """A crash mid-save leaves only a .tmp directory; resume never picks it up."""
+    run_dir = tmp_path / "run"
+    _run([f"run_dir={run_dir}", "train.max_steps=40", "checkpoint.every_steps=20"])
+    ckpts = run_dir / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_000000020", "step_000000040"]
+    # fake a crash while writing step 60: a .tmp dir with partial content and no marker
+    partial = ckpts / "step_000000060.tmp"
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"partial")
+    # and a directory with the final name but no COMMITTED marker (e.g. copied by hand, truncated)
+    (ckpts / "step_000000080").mkdir()
+    r = _run([f"run_dir={run_dir}", "train.max_steps=60", "checkpoint.every_steps=20", "resume=true"])
+    assert "step_000000040" in r.stderr
+    assert _summary(run_dir)["resumed_from"].endswith("step_000000040")
+    assert not partial.exists()
+
+
+SHARED = REPO.parent / "shared" / "data"
+
+
+@pytest.mark.skipif(not (SHARED / "criteo_kaggle_sample_1k.tsv").exists(), reason="shared data not present")
+def test_train_on_raw_criteo_tsv(tmp_path):
+    """Raw Criteo TSV -> preprocessed shards -> 2-rank sharded training -> eval on the last 10%."""
+    run_dir, cache = tmp_path / "run", tmp_path / "cache"
+    args = [
+        f"run_dir={run_dir}", "data.source=criteo", f"data.path={SHARED / 'criteo_kaggle_sample_1k.tsv'}",
+        f"data.cache_dir={cache}", "data.cardinalities=criteo_kaggle_filtered", "train.batch_size=64",
+        "train.eval_batch_size=64", "train.epochs=2", "train.log_every=5",
+    ]
+    _run(args)
+    s = _summary(run_dir)
+    manifest = json.loads((cache / "manifest.json").read_text())
+    assert manifest["num_rows"] == 1000
+    assert s["steps"] == 2 * (900 // 64)
+    assert s["eval_rows"] == 100  # the last 10% of 1000 rows, each evaluated once
+    assert 0.0 <= s["auc"] <= 1.0 and s["logloss"] > 0 and "oracle_auc" not in s
+
+
+@pytest.mark.skipif(not (SHARED / "criteo_sample_200.csv").exists(), reason="shared data not present")
+def test_too_many_bad_rows_stops_before_launch(tmp_path):
+    lines = (SHARED / "criteo_sample_200.csv").read_text().splitlines()
+    for i in (3, 10, 20):
+        lines[i] = lines[i].replace(",", ";", 5)  # wrong column count
+    bad = tmp_path / "bad.csv"
+    bad.write_text("\n".join(lines) + "\n")
+    r = subprocess.run(
+        RECSYS + [f"run_dir={tmp_path / 'run'}", "data.source=criteo", f"data.path={bad}", f"data.cache_dir={tmp_path / 'c'}"],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )
+    assert r.returncode == 2
+    assert str(bad) in r.stderr and "first bad lines: 4, 11, 21" in r.stderr
+    assert not (tmp_path / "c").exists() and not (tmp_path / "run").exists()
