@@ -52,6 +52,33 @@ def test_two_process_run_learns(tmp_path):
     assert (run_dir / "checkpoints" / "step_000000300" / "COMMITTED").is_file()
 
 
+def _descendants(pid: int) -> list[int]:
+    """pid and all its descendants, from /proc (torchrun starts its workers in new sessions, so
+    killing the launcher's process group would leave them running)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL the whole tree at once, like a node losing power."""
+    for p in _descendants(pid):
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def _wait_for(path: Path, proc: subprocess.Popen, timeout: float) -> None:
     t0 = time.time()
     while not path.exists():
@@ -74,11 +101,12 @@ def test_sigkill_and_resume_matches_uninterrupted_run(tmp_path):
     )
     try:
         _wait_for(killed / "checkpoints" / "step_000000080" / "COMMITTED", proc, timeout=300)
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher, torchrun and both workers at once
+        _kill_tree(proc.pid)  # the launcher, torchrun and both workers
         proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            _kill_tree(proc.pid)
+    time.sleep(1)
     assert not (killed / "summary.json").exists()
 
     r = _run([f"run_dir={killed}", *common, "resume=true"])

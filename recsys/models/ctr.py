@@ -5,10 +5,11 @@ logit per sample. The embedding collections are the only sharded parts; everythi
 small dense network that DistributedModelParallel replicates (DDP).
 
 The first-order ("wide"/linear) weights of DeepFM and Wide&Deep live in their own collection of
-tables 4 columns wide whose columns are summed: FBGEMM's fused kernels need row widths that are
+tables 4 columns wide whose columns are averaged: FBGEMM's fused kernels need row widths that are
 multiples of 4, and a width-1 table would fall back to a data-parallel dense table whose whole
-gradient is all-reduced every step. Summing 4 columns that receive identical gradients is a
-width-1 weight with a 4x learning rate; the columns start at zero.
+gradient is all-reduced every step. The 4 columns start at zero and receive identical gradients,
+so they stay equal and their mean is one weight; with a row-wise (Adagrad, Adam) update, whose
+step does not depend on the gradient's scale, it moves exactly like a width-1 weight would.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ class _WideMixin:
             nn.init.zeros_(self.dense_linear.bias)
 
     def _wide_logit(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
-        out = self.wide(sparse).values().sum(dim=1)
+        out = self.wide(sparse).values().sum(dim=1) / WIDE_DIM
         if self.dense_linear is not None:
             out = out + self.dense_linear(dense).squeeze(1)
         return out
