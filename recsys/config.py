@@ -56,7 +56,7 @@ class DataConfig:
     eval_rows: int = 100_000
     seed: int = 0
     zipf_exponent: float = 1.05
-    teacher_head: int = 2000  # ids (by popularity rank) per field that carry signal
+    teacher_head: int = 200  # ids (by popularity rank) per field that carry signal
     teacher_dim: int = 4
     teacher_scale: float = 1.0
     positive_rate: float = 0.25
@@ -67,7 +67,7 @@ class OptimConfig:
     """Optimizers: embeddings are updated inside the backward (FBGEMM fused); dense by Adam."""
 
     embedding: str = "rowwise_adagrad"  # rowwise_adagrad | adagrad | sgd
-    embedding_lr: float = 0.05
+    embedding_lr: float = 0.005
     embedding_eps: float = 1e-8
     dense_lr: float = 1e-3
     dense_weight_decay: float = 0.0

@@ -36,8 +36,8 @@ def test_two_process_run_learns(tmp_path):
     s = _summary(run_dir)
     assert s["world_size"] == 2 and s["steps"] == 300 and s["samples"] == 300 * 512
     # a real AUC: far above chance, and most of the way to the teacher's (oracle) AUC
-    assert s["auc"] > 0.70, s
-    assert s["oracle_auc"] - s["auc"] < 0.12, s
+    assert s["auc"] > 0.75, s
+    assert s["oracle_auc"] - s["auc"] < 0.05, s
     records = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = [x for x in records if x["kind"] == "eval"]
     assert [x["step"] for x in evals] == [150, 300]
