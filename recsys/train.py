@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     # Our progress lines on rank 0; everyone else's (torchrec, fbgemm) only from WARNING up.
     logging.basicConfig(level=logging.WARNING, format=f"[rank{rank}] %(asctime)s %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("torchrec.distributed.utils").setLevel(logging.ERROR)  # per-table DP notices
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
     logging.getLogger("recsys").setLevel(logging.INFO if rank == 0 else logging.WARNING)
     warnings.filterwarnings("ignore", category=UserWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
+from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig
 from torchrec.distributed.types import ModuleSharder, ShardingPlan
 
 from recsys.config import ShardingConfig
@@ -33,7 +34,10 @@ def build_planner(
     compute_device: str,
     batch_size_per_rank: int,
 ) -> EmbeddingShardingPlanner:
-    topology = Topology(world_size=world_size, local_world_size=local_world_size, compute_device=compute_device)
+    topology = TopologyFactory.create_topology(
+        trainer_config=TrainerConfig(world_size=world_size, local_world_size=local_world_size),
+        kernel_config=KernelConfig(compute_device=compute_device),
+    )
     constraints = None
     if cfg.sharding_types:
         constraints = {name: ParameterConstraints(sharding_types=list(cfg.sharding_types)) for name in embedding_tables(model)}
