@@ -14,7 +14,7 @@ import torch
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recsys.data.source import DataSource
+from recsys.data.source import EVAL, TRAIN, DataSource
 from recsys.data.synthetic import RowBlock
 
 
@@ -51,8 +51,6 @@ def train_batches(
     source: DataSource, global_batch: int, rank: int, world: int, start_step: int, stop_step: int
 ) -> Iterator[Batch]:
     """Training batches for steps [start_step, stop_step), wrapping over epochs."""
-    from recsys.data.source import TRAIN
-
     per_epoch = steps_per_epoch(source, TRAIN, global_batch)
     cards = np.asarray(source.cardinalities, dtype=np.int64)
     for step in range(start_step, stop_step):
@@ -61,10 +59,8 @@ def train_batches(
 
 
 def eval_blocks(source: DataSource, global_batch: int, rank: int, world: int) -> Iterator[RowBlock]:
-    """This rank's slices of the eval split; every row is evaluated once (the tail batch is padded
-    by truncation: ranks get equal slices of the last, smaller global batch)."""
-    from recsys.data.source import EVAL
-
+    """This rank's slices of the eval split. Every row is evaluated once, except that the last,
+    smaller global batch is cut to a multiple of the world size (ranks need equal slices)."""
     n = source.num_rows(EVAL)
     for start in range(0, n, global_batch):
         size = min(global_batch, n - start)
@@ -73,3 +69,31 @@ def eval_blocks(source: DataSource, global_batch: int, rank: int, world: int) ->
             break
         lo = start + rank * local
         yield source.read(EVAL, lo, lo + local)
+
+
+def prefetch(batches: Iterator[Batch], depth: int = 2) -> Iterator[Batch]:
+    """Builds the next `depth` batches in a background thread while the model trains on the
+    current one (numpy releases the GIL for most of the generation work). Order is preserved,
+    so the step -> rows mapping is unchanged; an exception in the producer is re-raised here."""
+    import queue
+    import threading
+
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    done = object()
+
+    def produce() -> None:
+        try:
+            for b in batches:
+                q.put(b)
+            q.put(done)
+        except BaseException as e:  # handed to the consumer
+            q.put(e)
+
+    threading.Thread(target=produce, name="batch-prefetch", daemon=True).start()
+    while True:
+        item = q.get()
+        if item is done:
+            return
+        if isinstance(item, BaseException):
+            raise item
+        yield item

@@ -89,8 +89,16 @@ class CriteoLikeGenerator:
             self.offset[f] = int(rng.integers(0, n))
         self.head = np.minimum(self.cards, teacher_head)
         h = int(self.head.max())
-        self.w1 = (rng.standard_normal((self.num_sparse, h)) * _FIRST_ORDER_STD * teacher_scale).astype(np.float32)
-        self.v = (rng.standard_normal((self.num_sparse, h, teacher_dim)) * _FM_STD * math.sqrt(teacher_scale)).astype(np.float32)
+        w1 = rng.standard_normal((self.num_sparse, h)) * _FIRST_ORDER_STD * teacher_scale
+        v = rng.standard_normal((self.num_sparse, h, teacher_dim)) * _FM_STD * math.sqrt(teacher_scale)
+        # Flat tables with one zero row per field at index h: min(rank, h) sends every id
+        # outside the head there (a field smaller than h never reaches it), so the teacher is
+        # two gathers instead of masked arithmetic.
+        self._h = h
+        self._field_base = (np.arange(self.num_sparse, dtype=np.int64) * (h + 1))[None, :]
+        self.w1 = np.concatenate([w1, np.zeros((self.num_sparse, 1))], axis=1).astype(np.float32).reshape(-1)
+        self.v = np.concatenate([v, np.zeros((self.num_sparse, 1, teacher_dim))], axis=1).astype(np.float32)
+        self.v = self.v.reshape(-1, teacher_dim)
         # Dense counts: log-normal with per-feature location/spread, like Criteo's I1..I13.
         self.dense_mu = rng.uniform(0.0, 4.0, NUM_DENSE)
         self.dense_sigma = rng.uniform(0.5, 2.0, NUM_DENSE)
@@ -104,13 +112,11 @@ class CriteoLikeGenerator:
         """x: the dense features as the model sees them (log1p of the counts), so the dense
         term is learnable; a teacher using the pre-rounding values would add noise no model
         can remove."""
-        f_idx = np.arange(self.num_sparse)[None, :]
-        in_head = ranks < self.head[None, :]
-        r = np.where(in_head, ranks, 0)
-        first = np.where(in_head, self.w1[f_idx, r], 0.0).sum(axis=1)
-        v = np.where(in_head[..., None], self.v[f_idx, r], 0.0)  # [n, F, d]
+        idx = self._field_base + np.minimum(ranks, self._h)
+        first = self.w1[idx].sum(axis=1, dtype=np.float64)
+        v = self.v[idx]  # [n, F, d]
         s = v.sum(axis=1)
-        fm = 0.5 * ((s * s).sum(axis=1) - (v * v).sum(axis=(1, 2)))
+        fm = 0.5 * ((s * s).sum(axis=1) - (v * v).sum(axis=(1, 2))).astype(np.float64)
         zs = (x - self.dense_mu) / self.dense_sigma  # roughly standardised log-counts
         dense = zs @ self.wd + self.wd_cross * np.tanh(zs[:, 0] * zs[:, 1])
         return self.bias + first + fm + dense
