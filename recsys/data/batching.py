@@ -70,30 +70,3 @@ def eval_blocks(source: DataSource, global_batch: int, rank: int, world: int) ->
         lo = start + rank * local
         yield source.read(EVAL, lo, lo + local)
 
-
-def prefetch(batches: Iterator[Batch], depth: int = 2) -> Iterator[Batch]:
-    """Builds the next `depth` batches in a background thread while the model trains on the
-    current one (numpy releases the GIL for most of the generation work). Order is preserved,
-    so the step -> rows mapping is unchanged; an exception in the producer is re-raised here."""
-    import queue
-    import threading
-
-    q: queue.Queue = queue.Queue(maxsize=depth)
-    done = object()
-
-    def produce() -> None:
-        try:
-            for b in batches:
-                q.put(b)
-            q.put(done)
-        except BaseException as e:  # handed to the consumer
-            q.put(e)
-
-    threading.Thread(target=produce, name="batch-prefetch", daemon=True).start()
-    while True:
-        item = q.get()
-        if item is done:
-            return
-        if isinstance(item, BaseException):
-            raise item
-        yield item

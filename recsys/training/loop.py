@@ -17,7 +17,7 @@ from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
 from recsys import config as config_mod
 from recsys.config import ExperimentConfig
-from recsys.data.batching import prefetch, steps_per_epoch, train_batches
+from recsys.data.batching import steps_per_epoch, train_batches
 from recsys.data.source import TRAIN, DataSource, build_source, prepare_data
 from recsys.models.ctr import TrainModule, build_model
 from recsys.optim.dense import combined_optimizer, dense_optimizer
