@@ -90,7 +90,8 @@ class TrainConfig:
 @dataclass
 class ShardingConfig:
     planner: str = "torchrec"  # torchrec: torchrec's EmbeddingShardingPlanner
-    # Sharding types the planner may use (empty: all it offers on the device).
+    # Sharding types the planner may use. Empty: the model-parallel ones (TW, RW, CW, TWRW,
+    # TWCW). data_parallel tables are updated by the dense optimizer, so they are opt-in.
     sharding_types: list[str] = field(default_factory=list)
 
 
@@ -323,6 +324,10 @@ def validate(cfg: ExperimentConfig, source: str = "config") -> None:
         bad("train.device", f"unknown device '{t.device}' (auto, cpu or cuda)")
     if t.log_every <= 0:
         bad("train.log_every", "must be positive")
+    known_types = ("table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise", "data_parallel")
+    for st in cfg.sharding.sharding_types:
+        if st not in known_types:
+            bad("sharding.sharding_types", f"unknown sharding type '{st}' (choose from {', '.join(known_types)})")
     if cfg.sharding.planner not in ("torchrec",):
         bad("sharding.planner", f"unknown planner '{cfg.sharding.planner}' (torchrec)")
     if cfg.checkpoint.keep <= 0:

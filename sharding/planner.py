@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
 from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig
+from torchrec.distributed.types import ShardingType
 from torchrec.distributed.types import ModuleSharder, ShardingPlan
 
 from recsys.config import ShardingConfig
@@ -26,6 +27,22 @@ def embedding_tables(model: nn.Module) -> list[str]:
     ]
 
 
+# Model-parallel types only, by default: a data-parallel table gets torchrec's DENSE kernel, whose
+# full-table gradient is all-reduced by DDP and updated by the dense optimizer, not by the
+# configured fused embedding optimizer; so it is opt-in (sharding.sharding_types).
+MODEL_PARALLEL_TYPES = [
+    ShardingType.TABLE_WISE.value,
+    ShardingType.ROW_WISE.value,
+    ShardingType.COLUMN_WISE.value,
+    ShardingType.TABLE_ROW_WISE.value,
+    ShardingType.TABLE_COLUMN_WISE.value,
+]
+
+
+def allowed_sharding_types(cfg: ShardingConfig) -> list[str]:
+    return list(cfg.sharding_types) if cfg.sharding_types else list(MODEL_PARALLEL_TYPES)
+
+
 def build_planner(
     cfg: ShardingConfig,
     model: nn.Module,
@@ -38,9 +55,9 @@ def build_planner(
         trainer_config=TrainerConfig(world_size=world_size, local_world_size=local_world_size),
         kernel_config=KernelConfig(compute_device=compute_device),
     )
-    constraints = None
-    if cfg.sharding_types:
-        constraints = {name: ParameterConstraints(sharding_types=list(cfg.sharding_types)) for name in embedding_tables(model)}
+    constraints = {
+        name: ParameterConstraints(sharding_types=allowed_sharding_types(cfg)) for name in embedding_tables(model)
+    }
     return EmbeddingShardingPlanner(topology=topology, batch_size=batch_size_per_rank, constraints=constraints)
 
 

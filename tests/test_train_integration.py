@@ -47,7 +47,10 @@ def test_two_process_run_learns(tmp_path):
     assert all(x["samples_per_s"] > 0 for x in train)
     # progress lines with throughput and ETA on stderr
     assert "samples/s" in r.stderr and "ETA" in r.stderr
-    assert (run_dir / "plan.txt").read_text().count("table_wise") + (run_dir / "plan.txt").read_text().count("data_parallel") > 0
+    plan = (run_dir / "plan.txt").read_text()
+    # every table model-parallel (fused optimizer), none data-parallel (dense optimizer)
+    assert "data_parallel" not in plan and "fused" in plan
+    assert all(f"t_C{i} " in plan and f"w_C{i} " in plan for i in range(1, 27))
     assert list((run_dir / "tb").glob("events.out.tfevents.*"))
     assert (run_dir / "checkpoints" / "step_000000300" / "COMMITTED").is_file()
 
