@@ -159,13 +159,19 @@ def run(cfg: ExperimentConfig, model_factory: ModelFactory | None = None) -> dic
         "resumed_from": resumed_from,
         "train_wall_s_this_run": train_wall,
         "samples_per_s_this_run": (total - start_step) * t.batch_size / max(train_wall, 1e-9),
-        **{k: v for k, v in last_eval.items() if k not in ("kind",)},
+        **{k: v for k, v in last_eval.items() if k not in ("kind", "step", "epoch")},
     }
     if "oracle_auc" in summary:
         summary["auc_gap_to_oracle"] = summary["oracle_auc"] - summary["auc"]
     writer.close()
     if env.is_main:
         write_json_atomic(job.run_dir / "summary.json", summary)
+        try:
+            from recsys.training.plots import plot_run
+
+            plot_run(job.run_dir)
+        except ImportError:  # matplotlib is part of `make venv`; a bare install may lack it
+            log.info("matplotlib not installed: no curves.png")
         log.info("summary: %s", {k: summary[k] for k in ("auc", "logloss", "oracle_auc") if k in summary})
     dist.barrier()
     return summary if env.is_main else None
