@@ -12,13 +12,29 @@ import sys
 from recsys.config import ConfigError, load_config
 
 
+def _check_saved_plan(cfg) -> None:
+    """A saved plan for another model or world size fails here, before any process starts."""
+    import torch
+
+    from recsys.data.source import build_source
+    from recsys.models.ctr import TrainModule
+    from recsys.training.loop import default_model
+    from sharding import plan_io
+
+    tables = plan_io.model_tables(TrainModule(default_model(cfg, build_source(cfg), torch.device("cpu"))))
+    plan, header = plan_io.load_plan(cfg.plan)
+    plan_io.check_plan_fits(header, plan, tables, cfg.train.nproc_per_node, cfg.plan)
+
+
 def _train(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         from recsys.data.source import prepare_data
 
         prepare_data(cfg)  # once, in this process, so workers find the shards ready
-    except (ConfigError, FileNotFoundError, FileExistsError, ValueError) as e:
+        if cfg.plan:
+            _check_saved_plan(cfg)
+    except (ConfigError, FileNotFoundError, FileExistsError, ValueError) as e:  # PlanFileError too
         # ValueError: e.g. a data file with more malformed rows than data.max_bad_fraction
         print(f"error: {e}", file=sys.stderr)
         return 2

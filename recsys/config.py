@@ -106,6 +106,8 @@ class ExperimentConfig:
     name: str = "experiment"
     run_dir: str = ""  # default: runs/<name>
     resume: bool = False
+    # A saved plan file (sharding/plan_io.py; `recsys-plan`) to use instead of planning.
+    plan: str = ""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -330,6 +332,8 @@ def validate(cfg: ExperimentConfig, source: str = "config") -> None:
             bad("sharding.sharding_types", f"unknown sharding type '{st}' (choose from {', '.join(known_types)})")
     if cfg.sharding.planner not in ("torchrec",):
         bad("sharding.planner", f"unknown planner '{cfg.sharding.planner}' (torchrec)")
+    if cfg.plan and not Path(cfg.plan).is_file():
+        bad("plan", f"no such plan file {cfg.plan}")
     if cfg.checkpoint.keep <= 0:
         bad("checkpoint.keep", "must be positive")
 

@@ -178,3 +178,30 @@ def test_too_many_bad_rows_stops_before_launch(tmp_path):
     assert r.returncode == 2
     assert str(bad) in r.stderr and "first bad lines: 4, 11, 21" in r.stderr
     assert not (tmp_path / "c").exists() and not (tmp_path / "run").exists()
+
+
+def test_saved_plan_is_reused_and_checked(tmp_path):
+    """A run writes the plan it used; a second run given that file uses it unchanged; a plan for
+    another world size or model is refused before any process starts."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    _run([f"run_dir={first}", "train.max_steps=20"])
+    plan_file = first / "plan.json"
+    saved = json.loads(plan_file.read_text())
+    assert saved["format"] == "recsys-sharding-plan" and saved["world_size"] == 2
+    _run([f"run_dir={second}", "train.max_steps=20", f"plan={plan_file}"])
+    reused = json.loads((second / "plan.json").read_text())
+    assert reused["modules"] == saved["modules"]
+    assert reused["meta"]["loaded_from"] == str(plan_file)
+    assert (second / "plan.txt").read_text() == (first / "plan.txt").read_text()
+
+    for extra, needle in [
+        (["train.nproc_per_node=1"], "key 'world_size': plan is for 2 ranks, this job has 1"),
+        (["model.embedding_dim=12"], "key 'tables': plan is for another model"),
+    ]:
+        r = subprocess.run(
+            RECSYS + [f"run_dir={tmp_path / 'x'}", f"plan={plan_file}", *extra],
+            capture_output=True, text=True, timeout=120, cwd=REPO,
+        )
+        assert r.returncode == 2, r.stderr[-2000:]
+        lines = [l for l in r.stderr.splitlines() if l.strip()]
+        assert len(lines) == 1 and needle in lines[0] and str(plan_file) in lines[0]

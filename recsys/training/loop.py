@@ -26,6 +26,7 @@ from recsys.training.checkpoint import Checkpointer
 from recsys.training.distributed import DistEnv, init_distributed
 from recsys.training.metrics import MetricsWriter, evaluate, write_json_atomic
 from recsys.training.progress import Progress
+from sharding import plan_io
 from sharding.planner import make_plan
 
 log = logging.getLogger("recsys.train")
@@ -66,8 +67,16 @@ def setup(cfg: ExperimentConfig, model_factory: ModelFactory | None = None) -> J
     module = TrainModule(model)
     sharders = embedding_sharders(cfg.optim)
     local_batch = cfg.train.batch_size // env.world_size
-    plan = make_plan(cfg.sharding, module, sharders, env.device, env.local_world_size, local_batch)
-    if env.is_main:
+    tables = plan_io.model_tables(module)
+    if cfg.plan:  # a saved plan: it must be for this model and world size
+        plan, header = plan_io.load_plan(cfg.plan)
+        plan_io.check_plan_fits(header, plan, tables, env.world_size, cfg.plan)
+        meta = dict(header["meta"], loaded_from=str(cfg.plan))
+    else:
+        plan = make_plan(cfg.sharding, module, sharders, env.device, env.local_world_size, local_batch)
+        meta = {"planner": cfg.sharding.planner, "batch_size_per_rank": local_batch}
+    if env.is_main:  # the plan this run used, as a reusable file and as torchrec's table
+        plan_io.save_plan(run_dir / "plan.json", plan_io.plan_to_dict(plan, env.world_size, env.device.type, tables, meta))
         (run_dir / "plan.txt").write_text(str(plan) + "\n")
     dmp = DistributedModelParallel(module, device=env.device, plan=plan, sharders=sharders)
     dense = dense_optimizer(dmp, cfg.optim)

@@ -1,0 +1,119 @@
+"""Plan files: lossless round trips with torchrec ShardingPlans (including UVM-caching plans made
+for a GPU cluster on this CPU machine), one-line errors, atomic writes, and the checks a
+training job runs before using a saved plan."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.planner import EmbeddingShardingPlanner
+from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig, HardwareConfig
+
+from recsys.config import CARDINALITY_PRESETS, ModelConfig, OptimConfig
+from recsys.models.ctr import TrainModule, build_model
+from recsys.optim.embedding import attach_embedding_optimizer
+from sharding import plan_io
+from sharding.plan_io import PlanFileError
+
+NAMES = [f"C{i + 1}" for i in range(26)]
+
+
+def _model(cards):
+    m = TrainModule(build_model(ModelConfig(), NAMES, cards, 13, torch.device("meta")))
+    attach_embedding_optimizer(m, OptimConfig())
+    return m
+
+
+@pytest.fixture(scope="module")
+def gpu_plan():
+    """A 4-GPU plan for the raw Criteo tables with only 256 MB of HBM per GPU: the planner must
+    offload to UVM caching, so the plan carries cache params and enums."""
+    cards = CARDINALITY_PRESETS["criteo_kaggle_raw"]
+    model = _model(cards)
+    topo = TopologyFactory.create_topology(
+        trainer_config=TrainerConfig(world_size=4, local_world_size=4),
+        hardware_config=HardwareConfig(hbm_cap_bytes=256 * 1024**2),
+        kernel_config=KernelConfig(compute_device="cuda"),
+    )
+    plan = EmbeddingShardingPlanner(topology=topo, batch_size=2048).plan(model, [EmbeddingBagCollectionSharder()])
+    return model, plan
+
+
+def test_round_trip_is_lossless(gpu_plan, tmp_path):
+    model, plan = gpu_plan
+    kernels = {ps.compute_kernel for m in plan.plan.values() for ps in m.values()}
+    assert "fused_uvm_caching" in kernels  # the interesting case: cache params and enums
+    tables = plan_io.model_tables(model)
+    d = plan_io.plan_to_dict(plan, 4, "cuda", tables, {"by": "test"})
+    path = plan_io.save_plan(tmp_path / "plan.json", d)
+    back, header = plan_io.load_plan(path)
+    assert back.plan.keys() == plan.plan.keys()
+    for mod in plan.plan:
+        assert dict(back.plan[mod]) == dict(plan.plan[mod])  # dataclass equality, field by field
+    assert str(back) == str(plan)
+    assert header["world_size"] == 4 and header["tables"] == tables and header["meta"] == {"by": "test"}
+    # and again: the JSON is a fixed point
+    assert plan_io.plan_to_dict(back, 4, "cuda", tables, {"by": "test"}) == json.loads(path.read_text())
+
+
+def test_checks_for_another_model_or_world(gpu_plan):
+    model, plan = gpu_plan
+    tables = plan_io.model_tables(model)
+    header = {"world_size": 4, "tables": tables}
+    plan_io.check_plan_fits(header, plan, tables, 4, "p.json")
+    with pytest.raises(PlanFileError, match=r"p.json: key 'world_size': plan is for 4 ranks, this job has 2"):
+        plan_io.check_plan_fits(header, plan, tables, 2, "p.json")
+    other = plan_io.model_tables(_model(CARDINALITY_PRESETS["criteo_kaggle_filtered"]))
+    with pytest.raises(PlanFileError, match=r"key 'tables': plan is for another model \(table t_C1 is"):
+        plan_io.check_plan_fits({"world_size": 4, "tables": tables}, plan, other, 4, "p.json")
+
+
+@pytest.mark.parametrize(
+    "mutate, needle",
+    [
+        (lambda d: d.update(version=7), "key 'version': unsupported plan format version 7"),
+        (lambda d: d.update(format="x"), "not a sharding plan file"),
+        (lambda d: d.pop("world_size"), "key 'world_size': expected int"),
+        (lambda d: next(iter(next(iter(d["modules"].values()))["params"].values())).update(ranks="zero"), ".ranks: expected a list of ranks"),
+        (lambda d: next(iter(next(iter(d["modules"].values()))["params"].values())).update(colour=1), "unknown key 'colour'"),
+        (lambda d: next(iter(next(iter(d["modules"].values()))["params"].values())).update(
+            bounds_check_mode={"enum": "BoundsCheckMode", "name": "SOMETIMES"}), "'SOMETIMES' is not a BoundsCheckMode"),
+    ],
+)
+def test_bad_files_give_one_line_errors(gpu_plan, tmp_path, mutate, needle):
+    model, plan = gpu_plan
+    d = plan_io.plan_to_dict(plan, 4, "cuda", plan_io.model_tables(model))
+    mutate(d)
+    p = tmp_path / "bad.json"
+    p.write_text(json.dumps(d))
+    with pytest.raises(PlanFileError) as e:
+        plan_io.load_plan(p)
+    assert needle in str(e.value) and str(p) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_not_json_and_truncated(tmp_path):
+    p = tmp_path / "x.json"
+    p.write_text('{"format": "recsys-sharding-plan", "vers')
+    with pytest.raises(PlanFileError, match=r"x.json: not valid JSON \(line 1, column"):
+        plan_io.load_plan(p)
+    with pytest.raises(PlanFileError, match="no such plan file"):
+        plan_io.load_plan(tmp_path / "missing.json")
+
+
+def test_save_is_atomic(gpu_plan, tmp_path, monkeypatch):
+    """A failure while writing leaves the previous file intact and no partial file."""
+    model, plan = gpu_plan
+    d = plan_io.plan_to_dict(plan, 4, "cuda", plan_io.model_tables(model))
+    target = tmp_path / "plan.json"
+    target.write_text("previous")
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(plan_io.os, "fsync", boom)
+    with pytest.raises(OSError):
+        plan_io.save_plan(target, d)
+    assert target.read_text() == "previous"
