@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
-from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig
+from torchrec.distributed.planner.types import HardwareConfig, KernelConfig, TopologyFactory, TrainerConfig
 from torchrec.distributed.types import ShardingType
 from torchrec.distributed.types import ModuleSharder, ShardingPlan
 
@@ -50,9 +50,18 @@ def build_planner(
     local_world_size: int,
     compute_device: str,
     batch_size_per_rank: int,
+    hbm_bytes: int | None = None,
+    ddr_bytes: int | None = None,
 ) -> EmbeddingShardingPlanner:
+    """torchrec's planner on a uniform topology; hbm/ddr capacities per rank (torchrec's
+    defaults when None)."""
+    hardware = HardwareConfig(
+        **({"hbm_cap_bytes": hbm_bytes} if hbm_bytes is not None else {}),
+        **({"ddr_cap_bytes": ddr_bytes} if ddr_bytes is not None else {}),
+    )
     topology = TopologyFactory.create_topology(
         trainer_config=TrainerConfig(world_size=world_size, local_world_size=local_world_size),
+        hardware_config=hardware,
         kernel_config=KernelConfig(compute_device=compute_device),
     )
     constraints = {

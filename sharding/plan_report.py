@@ -1,0 +1,171 @@
+"""What a plan puts where: per-table placement and bytes, per-rank memory, and plan diffs.
+
+Memory model (the same one torchrec's planner uses for storage, simplified to what a plan file
+holds): a shard of R rows x C columns holds R*C weights of 4 bytes plus its optimizer state
+(row-wise Adagrad: one float per row; Adam: two floats per weight). Kernels decide where it
+lives: `fused`/`dense` on the device (HBM on GPUs, host memory on CPU ranks), `fused_uvm` in host
+memory, `fused_uvm_caching` in host memory plus an HBM cache of load_factor x the shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from torchrec.distributed.types import ShardingPlan
+
+BYTES_PER_WEIGHT = 4
+# Optimizer state per shard: (floats per weight, floats per row).
+OPTIMIZER_STATE = {"rowwise_adagrad": (0, 1), "adagrad": (1, 0), "sgd": (0, 0), "adam": (2, 0)}
+DEFAULT_CACHE_LOAD_FACTOR = 0.2  # torchrec's default when a plan leaves it unset
+
+
+@dataclass
+class ShardInfo:
+    rank: int
+    rows: int
+    cols: int
+    hbm_bytes: int
+    host_bytes: int
+
+
+@dataclass
+class TableInfo:
+    module: str
+    table: str
+    sharding_type: str
+    compute_kernel: str
+    ranks: list[int]
+    cache_load_factor: float | None
+    shards: list[ShardInfo] = field(default_factory=list)
+
+    @property
+    def hbm_bytes(self) -> int:
+        return sum(s.hbm_bytes for s in self.shards)
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(s.host_bytes for s in self.shards)
+
+
+def _shard_bytes(rows: int, cols: int, kernel: str, load_factor: float | None, optimizer: str, device: str) -> tuple[int, int]:
+    per_weight, per_row = OPTIMIZER_STATE.get(optimizer, (0, 1))
+    total = rows * cols * BYTES_PER_WEIGHT * (1 + per_weight) + rows * per_row * 4
+    if device != "cuda":  # CPU ranks: everything is host memory
+        return 0, total
+    if kernel == "fused_uvm":
+        return 0, total
+    if kernel == "fused_uvm_caching":
+        lf = DEFAULT_CACHE_LOAD_FACTOR if load_factor is None else load_factor
+        return int(rows * cols * BYTES_PER_WEIGHT * lf), total
+    return total, 0
+
+
+def table_infos(plan: ShardingPlan, header: dict[str, Any], optimizer: str = "rowwise_adagrad") -> list[TableInfo]:
+    device = header.get("compute_device", "cuda")
+    tables = header.get("tables", {})
+    out = []
+    for module, mplan in plan.plan.items():
+        for name, ps in mplan.items():
+            lf = ps.cache_params.load_factor if ps.cache_params is not None else None
+            info = TableInfo(module, name, ps.sharding_type, ps.compute_kernel, list(ps.ranks or []), lf)
+            if ps.sharding_spec is not None:
+                for s in ps.sharding_spec.shards:
+                    rows, cols = s.shard_sizes
+                    hbm, host = _shard_bytes(rows, cols, ps.compute_kernel, lf, optimizer, device)
+                    info.shards.append(ShardInfo(s.placement.rank(), rows, cols, hbm, host))
+            else:  # data-parallel: a full replica on every rank
+                shape = tables.get(name, {"num_embeddings": 0, "embedding_dim": 0})
+                for r in info.ranks:
+                    hbm, host = _shard_bytes(shape["num_embeddings"], shape["embedding_dim"], ps.compute_kernel, lf, "adam", device)
+                    info.shards.append(ShardInfo(r, shape["num_embeddings"], shape["embedding_dim"], hbm, host))
+            out.append(info)
+    return out
+
+
+def rank_memory(infos: list[TableInfo], world_size: int) -> list[dict[str, int]]:
+    ranks = [{"rank": r, "hbm_bytes": 0, "host_bytes": 0, "tables": 0} for r in range(world_size)]
+    for t in infos:
+        for s in t.shards:
+            if 0 <= s.rank < world_size:
+                ranks[s.rank]["hbm_bytes"] += s.hbm_bytes
+                ranks[s.rank]["host_bytes"] += s.host_bytes
+                ranks[s.rank]["tables"] += 1
+    return ranks
+
+
+def report(plan: ShardingPlan, header: dict[str, Any]) -> dict[str, Any]:
+    infos = table_infos(plan, header)
+    return {
+        "world_size": header["world_size"],
+        "compute_device": header["compute_device"],
+        "meta": header.get("meta", {}),
+        "tables": [dict(asdict(t), hbm_bytes=t.hbm_bytes, host_bytes=t.host_bytes) for t in infos],
+        "ranks": rank_memory(infos, header["world_size"]),
+    }
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:,.1f} MB"
+
+
+def format_text(rep: dict[str, Any]) -> str:
+    lines = [f"plan for {rep['world_size']} ranks ({rep['compute_device']})", ""]
+    lines.append(f"{'table':<12} {'module':<18} {'sharding':<18} {'kernel':<18} {'ranks':<14} {'cache lf':>8} {'HBM':>12} {'host':>12}")
+    for t in rep["tables"]:
+        ranks = ",".join(map(str, t["ranks"])) if len(t["ranks"]) <= 4 else f"{t['ranks'][0]}..{t['ranks'][-1]} ({len(t['ranks'])})"
+        lf = "" if t["cache_load_factor"] is None else f"{t['cache_load_factor']:.2f}"
+        lines.append(
+            f"{t['table']:<12} {t['module']:<18} {t['sharding_type']:<18} {t['compute_kernel']:<18} {ranks:<14} {lf:>8} "
+            f"{_mb(t['hbm_bytes']):>12} {_mb(t['host_bytes']):>12}"
+        )
+    lines += ["", f"{'rank':<6} {'tables':>6} {'HBM':>12} {'host':>12}"]
+    for r in rep["ranks"]:
+        lines.append(f"{r['rank']:<6} {r['tables']:>6} {_mb(r['hbm_bytes']):>12} {_mb(r['host_bytes']):>12}")
+    key = "hbm_bytes" if rep["compute_device"] == "cuda" else "host_bytes"
+    top = max(rep["ranks"], key=lambda r: r[key])
+    lines.append(f"largest: rank {top['rank']} with {_mb(top[key])} of {'HBM' if key == 'hbm_bytes' else 'host memory'}")
+    return "\n".join(lines)
+
+
+def diff(a_plan: ShardingPlan, a_header: dict, b_plan: ShardingPlan, b_header: dict) -> dict[str, Any]:
+    """Tables that moved or changed sharding/kernel/cache, and per-rank memory deltas (b - a)."""
+    a = {(t.module, t.table): t for t in table_infos(a_plan, a_header)}
+    b = {(t.module, t.table): t for t in table_infos(b_plan, b_header)}
+    changes = []
+    for key in sorted(set(a) | set(b)):
+        ta, tb = a.get(key), b.get(key)
+        if ta is None or tb is None:
+            changes.append({"table": key[1], "module": key[0], "change": "added" if ta is None else "removed"})
+            continue
+        what = {}
+        for attr in ("sharding_type", "compute_kernel", "ranks", "cache_load_factor"):
+            if getattr(ta, attr) != getattr(tb, attr):
+                what[attr] = [getattr(ta, attr), getattr(tb, attr)]
+        if [(s.rank, s.rows, s.cols) for s in ta.shards] != [(s.rank, s.rows, s.cols) for s in tb.shards] and "ranks" not in what:
+            what["shards"] = "resized"
+        if what:
+            changes.append({"table": key[1], "module": key[0], **what})
+    world = max(a_header["world_size"], b_header["world_size"])
+    ma = rank_memory(list(a.values()), world)
+    mb = rank_memory(list(b.values()), world)
+    ranks = [
+        {"rank": r, "hbm_bytes_delta": mb[r]["hbm_bytes"] - ma[r]["hbm_bytes"], "host_bytes_delta": mb[r]["host_bytes"] - ma[r]["host_bytes"]}
+        for r in range(world)
+    ]
+    return {"changes": changes, "ranks": ranks}
+
+
+def format_diff(d: dict[str, Any]) -> str:
+    if not d["changes"]:
+        lines = ["no table changed"]
+    else:
+        lines = [f"{len(d['changes'])} table(s) changed:"]
+        for c in d["changes"]:
+            detail = ", ".join(f"{k}: {v[0]} -> {v[1]}" if isinstance(v, list) and len(v) == 2 else f"{k}: {v}"
+                               for k, v in c.items() if k not in ("table", "module"))
+            lines.append(f"  {c['table']} ({c['module']}): {detail}")
+    lines.append("memory per rank (b - a):")
+    for r in d["ranks"]:
+        lines.append(f"  rank {r['rank']}: HBM {r['hbm_bytes_delta'] / 2**20:+,.1f} MB, host {r['host_bytes_delta'] / 2**20:+,.1f} MB")
+    return "\n".join(lines)

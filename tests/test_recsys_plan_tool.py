@@ -1,0 +1,92 @@
+"""`recsys-plan` on known plans: memory figures against an independent computation, diffs,
+validation exit codes, and error paths that write nothing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow  # each call imports torchrec and plans 52 tables: ~5 s
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = str(REPO / "configs" / "experiments" / "demo.yaml")
+RAW = ("--set", "data.cardinalities=criteo_kaggle_raw")
+RAW_SIZES = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27,
+             14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572]
+
+
+def tool(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tools.recsys_plan", *args], capture_output=True, text=True, cwd=REPO, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory):
+    d = tmp_path_factory.mktemp("plans")
+    roomy, tight = d / "roomy.json", d / "tight.json"
+    r = tool("make", "--config", DEMO, "--world-size", "8", "--hbm-gb", "16", "--out", str(roomy), *RAW)
+    assert r.returncode == 0, r.stderr
+    r = tool("make", "--config", DEMO, "--world-size", "8", "--hbm-gb", "0.25", "--out", str(tight), *RAW)
+    assert r.returncode == 0, r.stderr
+    return roomy, tight
+
+
+def test_show_json_memory_matches_independent_sum(plans):
+    roomy, tight = plans
+    rep = json.loads(tool("show", str(roomy), "--format", "json").stdout)
+    assert len(rep["tables"]) == 52 and rep["world_size"] == 8
+    # everything in HBM: weights (4 B) + one row-wise Adagrad float per row, for dims 16 and 4
+    expected = sum(n * (16 * 4 + 4) + n * (4 * 4 + 4) for n in RAW_SIZES)
+    assert sum(r["hbm_bytes"] for r in rep["ranks"]) == expected
+    assert sum(r["host_bytes"] for r in rep["ranks"]) == 0
+    text = tool("show", str(roomy)).stdout
+    assert "t_C3" in text and "largest: rank" in text
+
+
+def test_tight_hbm_offloads_to_host_and_diff_reports_it(plans):
+    roomy, tight = plans
+    rep = json.loads(tool("show", str(tight), "--format", "json").stdout)
+    kernels = {t["compute_kernel"] for t in rep["tables"]}
+    assert kernels & {"fused_uvm", "fused_uvm_caching"}
+    assert all(r["hbm_bytes"] <= 0.25 * 1024**3 for r in rep["ranks"])
+    assert sum(r["host_bytes"] for r in rep["ranks"]) > 0
+    d = json.loads(tool("diff", str(roomy), str(tight), "--format", "json").stdout)
+    moved = {c["table"] for c in d["changes"] if "compute_kernel" in c}
+    offloaded = {t["table"] for t in rep["tables"] if t["compute_kernel"].startswith("fused_uvm")}
+    assert offloaded <= moved
+    hbm_delta = sum(r["hbm_bytes_delta"] for r in d["ranks"])
+    assert hbm_delta < 0
+    assert "table(s) changed" in tool("diff", str(roomy), str(tight)).stdout
+    assert tool("diff", str(roomy), str(roomy)).stdout.startswith("no table changed")
+
+
+def test_validate_exit_codes(plans):
+    roomy, _ = plans
+    ok = tool("validate", str(roomy), "--config", DEMO, *RAW)
+    assert ok.returncode == 0 and ok.stdout.startswith("valid: 52 tables")
+    small = tool("validate", str(roomy), "--config", DEMO, "--hbm-gb", "0.1", *RAW)
+    assert small.returncode == 1 and "HBM" in small.stdout and "> 0.1 GB" in small.stdout
+    other = tool("validate", str(roomy), "--config", DEMO)  # filtered sizes: another model
+    assert other.returncode == 1 and "plan is for another model" in other.stdout
+    world = tool("validate", str(roomy), "--config", DEMO, "--world-size", "4", *RAW)
+    assert world.returncode == 1 and "plan is for 8 ranks, this job has 4" in world.stdout
+
+
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(plans, tmp_path):
+    roomy, _ = plans
+    bad = tmp_path / "bad.json"
+    bad.write_text(roomy.read_text()[:200])  # truncated
+    out = tmp_path / "report.txt"
+    for args in (["show", str(bad), "--out", str(out)], ["show", str(tmp_path / "none.json")],
+                 ["diff", str(roomy), str(bad), "--out", str(out)]):
+        r = tool(*args)
+        assert r.returncode == 2, args
+        assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("error: ")
+        assert not out.exists()
+    r = tool("make", "--config", DEMO, "--world-size", "8", "--local-world-size", "3", "--out", str(out))
+    assert r.returncode == 2 and "multiple of --local-world-size" in r.stderr and not out.exists()
+    r = tool("make", "--config", DEMO, "--out", str(out), "--set", "model.nmae=x")
+    assert r.returncode == 2 and "unknown key 'model.nmae'" in r.stderr and not out.exists()

@@ -1,0 +1,313 @@
+"""Topology files, the nvidia-smi importer and rank-pair bandwidths (fast: no torch)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sharding.bandwidth import (
+    bandwidth_matrix,
+    host_to_gpu_bandwidth,
+    nearest_nic,
+    pair_bandwidth,
+    shared_uplink_groups,
+)
+from sharding.topology import GB, TopologyError, dump_topology, load_topology, shipped_topologies
+from sharding.topology_import import import_topo, main as import_main, parse_topo_matrix
+
+GBs = 1e9
+TOPO_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "topo"
+
+# name -> (world size, local world size, compute device, diagonal bandwidth GB/s)
+SHIPPED = {
+    "cpu-gloo": (2, 2, "cpu", 10),  # 20 GB/s of DDR shared by 2 ranks
+    "dgx-a100": (8, 8, "cuda", 2039),
+    "dgx-a100-2host": (16, 8, "cuda", 2039),
+    "dgx-a100-16host": (128, 8, "cuda", 2039),
+    "dgx-h100": (8, 8, "cuda", 3350),
+    "dgx-h100-2host": (16, 8, "cuda", 3350),
+    "dgx-h100-16host": (128, 8, "cuda", 3350),
+    "pcie-8gpu-2socket": (8, 8, "cuda", 864),
+    "workstation-4gpu-nvlink-pairs": (4, 4, "cuda", 768),
+}
+
+
+def test_shipped_list_is_complete():
+    assert sorted(p.stem for p in shipped_topologies()) == sorted(SHIPPED)
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_shipped_loads_symmetric_matrix(name):
+    world, local, device, diag = SHIPPED[name]
+    t = load_topology(name)
+    assert (t.world_size, t.local_world_size, t.compute_device) == (world, local, device)
+    m = bandwidth_matrix(t)
+    assert m.shape == (world, world)
+    assert np.array_equal(m, m.T)
+    assert np.allclose(np.diag(m), diag * GBs)
+    assert (m > 0).all()
+    # the file format round-trips
+    again = load_topology_text(dump_topology(t), name)
+    assert again.world_size == world
+    assert np.allclose(bandwidth_matrix(again), m)
+
+
+def load_topology_text(text: str, name: str):
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        p = Path(d) / f"{name}.yaml"
+        p.write_text(text)
+        return load_topology(p)
+
+
+def test_dgx_a100():
+    t = load_topology("dgx-a100")
+    m = bandwidth_matrix(t)
+    off = m[~np.eye(8, dtype=bool)]
+    assert np.allclose(off, 300 * GBs)  # NVLink3 via NVSwitch: 12 x 25 GB/s, any pair
+    h = t.hosts[0]
+    assert h.gpus[0].hbm_bytes == 80 * GB and h.ddr_bytes == 2048 * GB
+    assert [g.numa for g in h.gpus] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [nearest_nic(h, i).name for i in range(8)] == [f"mlx5_{i}" for i in range(8)]
+    # UVM: a GPU's switch uplink (shared by its 2 GPUs) vs. one GPU alone
+    assert host_to_gpu_bandwidth(t, 0) == pytest.approx(12.5 * GBs)
+    assert host_to_gpu_bandwidth(t, 0, shared=False) == pytest.approx(25 * GBs)
+    assert host_to_gpu_bandwidth(t, 0, numa=1, shared=False) == pytest.approx(25 * GBs)
+    groups = shared_uplink_groups(t)
+    assert [(g.switch, g.ranks, g.nics) for g in groups][0] == ("sw0", (0, 1), ("mlx5_0", "mlx5_1"))
+
+
+def test_dgx_h100():
+    m = bandwidth_matrix(load_topology("dgx-h100"))
+    assert m[0, 7] == pytest.approx(450 * GBs) and m[3, 4] == pytest.approx(450 * GBs)
+
+
+def test_clusters_cross_host_is_nic_bandwidth():
+    t = load_topology("dgx-a100-2host")
+    assert t.hosts[0].name == "dgx-a100-0" and t.hosts[1].name == "dgx-a100-1"
+    assert t.locate(9) == (1, 1) and t.rank(1, 1) == 9
+    assert pair_bandwidth(t, 0, 1) == pytest.approx(300 * GBs)  # same host: NVLink
+    assert pair_bandwidth(t, 0, 8) == pytest.approx(25 * GBs)  # HDR 200 Gb/s
+    assert pair_bandwidth(t, 3, 12) == pytest.approx(25 * GBs)
+    t16 = load_topology("dgx-h100-16host")
+    assert t16.world_size == 128 and len({h.name for h in t16.hosts}) == 16
+    assert pair_bandwidth(t16, 0, 127) == pytest.approx(50 * GBs)  # NDR 400 Gb/s
+    assert pair_bandwidth(t16, 120, 127) == pytest.approx(450 * GBs)
+
+
+def test_pcie_server_ordering():
+    t = load_topology("pcie-8gpu-2socket")
+    same_switch, same_socket, cross_socket = (pair_bandwidth(t, 0, b) for b in (1, 2, 4))
+    assert same_switch > same_socket > cross_socket
+    assert same_switch == pytest.approx(25 * GBs)  # Gen4 x16 ports
+    assert same_socket == pytest.approx(12.5 * GBs)  # switch uplink shared by 2 GPUs
+    assert cross_socket == pytest.approx(10.4 * GBs)  # 41.6 GB/s socket link shared by 4 GPUs
+    # one pair alone: every path is a Gen4 x16 link
+    assert {pair_bandwidth(t, 0, b, shared=False) for b in (1, 2, 4)} == {25 * GBs}
+    h = t.hosts[0]
+    assert nearest_nic(h, 1).name == "mlx5_0" and nearest_nic(h, 3).name == "mlx5_0"
+    assert nearest_nic(h, 6).name == "mlx5_1"
+    assert host_to_gpu_bandwidth(t, 0, numa=1) < host_to_gpu_bandwidth(t, 0, numa=0)
+
+
+def test_workstation_nvlink_pairs():
+    t = load_topology("workstation-4gpu-nvlink-pairs")
+    assert pair_bandwidth(t, 0, 1) == pytest.approx(56.25 * GBs)
+    assert pair_bandwidth(t, 2, 3) == pytest.approx(56.25 * GBs)
+    assert pair_bandwidth(t, 1, 2) == pytest.approx(25 * GBs)
+
+
+def test_cpu_topology():
+    t = load_topology("cpu-gloo")
+    g = t.gpu(1)
+    assert g.hbm_bytes == 0 and g.pcie_switch is None
+    assert t.hosts[0].ddr_bytes == 16 * GB and t.ranks_on_numa(0, 0) == (0, 1)
+    assert pair_bandwidth(t, 0, 1, shared=False) == pytest.approx(20 * GBs)
+
+
+# --- bad files -------------------------------------------------------------------------------
+
+GOOD_HOST = """
+  - name: h
+    gpus: {count: 2, hbm_gb: 80, hbm_bw_gb_s: 2039}
+    pcie:
+      port_gb_s: 25
+      switches:
+        - {name: sw0, numa: 0, uplink_gb_s: 25, gpus: [0, 1], nics: [ib0]}
+    numa_nodes: [{ddr_gb: 512, ddr_bw_gb_s: 200}]
+    nics: [{name: ib0, speed_gbit_s: 200}]
+"""
+
+
+@pytest.mark.parametrize(
+    "edit, needle",
+    [
+        (("hbm_gb: 80", "hbm_gb: abc"), "key 'hosts[0].gpus.hbm_gb': expected a positive number, got 'abc'"),
+        (("hbm_gb: 80", "hbm_gbb: 80"), "key 'hosts[0].gpus.hbm_gbb': unknown key (did you mean 'hosts[0].gpus.hbm_gb'?)"),
+        (("gpus: [0, 1]", "gpus: [0, 5]"), "key 'hosts[0].pcie.switches[0].gpus[1]': GPU 5 does not exist"),
+        (("gpus: [0, 1]", "gpus: [0, 0]"), "key 'hosts[0].pcie.switches[0].gpus[1]': GPU 0 is already on switch 'sw0'"),
+        (("gpus: [0, 1]", "gpus: [0]"), "key 'hosts[0].pcie.switches': GPU 1 is on no switch"),
+        (("nics: [ib0]", "nics: [ib1]"), "key 'hosts[0].pcie.switches[0].nics[0]': NIC 'ib1' is not in hosts[0].nics (did you mean 'ib0'?)"),
+        (("numa: 0,", "numa: 3,"), "key 'hosts[0].pcie.switches[0].numa': NUMA node 3 does not exist"),
+        (("    numa_nodes: [{ddr_gb: 512, ddr_bw_gb_s: 200}]\n", ""), "key 'hosts[0].numa_nodes': missing required key"),
+        (("ddr_gb: 512, ", ""), "key 'hosts[0].numa_nodes[0].ddr_gb': missing required key"),
+        (("compute_device: cuda", "compute_device: tpu"), "key 'compute_device': expected one of cuda, cpu, got 'tpu'"),
+        (("    nics: [{name: ib0, speed_gbit_s: 200}]\n", "    nvlink: {kind: pairs, link_gb_s: 25, pairs: [[0, 2, 4]]}\n    nics: [{name: ib0, speed_gbit_s: 200}]\n"),
+         "key 'hosts[0].nvlink.pairs[0][1]': GPU 2 does not exist"),
+        (("    nics: [{name: ib0, speed_gbit_s: 200}]\n", "    nvlink: {kind: nvswitch, link_gb_s: 25}\n    nics: [{name: ib0, speed_gbit_s: 200}]\n"),
+         "key 'hosts[0].nvlink.links_per_gpu': missing required key"),
+        (("hosts:", "hosts:\n  - {from: nope.yaml, repeat: 2}"), "key 'hosts[0].from': no such file 'nope.yaml'"),
+        (("name: h", "name: h\n    repeat: 0"), "key 'hosts[0].repeat': expected an integer >= 1, got 0"),
+        (("hosts:", "hosts: [\n"), "invalid YAML: line"),
+    ],
+)
+def test_bad_files_give_one_line_errors(tmp_path, edit, needle):
+    text = "name: t\ncompute_device: cuda\nhosts:" + GOOD_HOST
+    assert edit[0] in text
+    p = tmp_path / "bad.yaml"
+    p.write_text(text.replace(edit[0], edit[1], 1))
+    with pytest.raises(TopologyError) as e:
+        load_topology(p)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("bad.yaml: ") and needle in msg, msg
+
+
+def test_good_base_file_loads(tmp_path):
+    p = tmp_path / "ok.yaml"
+    p.write_text("name: t\ncompute_device: cuda\nhosts:" + GOOD_HOST)
+    assert load_topology(p).world_size == 2
+
+
+def test_multi_host_needs_nics(tmp_path):
+    base = tmp_path / "one.yaml"
+    base.write_text("compute_device: cuda\nhosts:" + GOOD_HOST.replace("    nics: [{name: ib0, speed_gbit_s: 200}]\n", "").replace(", nics: [ib0]", ""))
+    two = tmp_path / "two.yaml"
+    two.write_text("hosts:\n  - {from: one.yaml, repeat: 2}\n")
+    with pytest.raises(TopologyError, match=r"^two.yaml: key 'hosts': host 'h-0' has no NICs but the cluster has 2 hosts$"):
+        load_topology(two)
+
+
+# --- nvidia-smi topo -m ------------------------------------------------------------------------
+
+CAPS = dict(hbm_gb=80, hbm_bw_gb_s=2000, ddr_gb=512, ddr_bw_gb_s=150, nic_gbit_s=200, pcie_gen=4)
+
+
+def _topo_file(name: str) -> Path:
+    p = TOPO_DATA / name
+    if not p.exists():
+        pytest.skip(f"{p} not present")
+    return p
+
+
+def test_import_every_sample_file():
+    if not TOPO_DATA.is_dir():
+        pytest.skip(f"{TOPO_DATA} not present")
+    files = sorted(TOPO_DATA.glob("*.txt"))
+    assert files
+    for f in files:
+        t = import_topo(f, **CAPS)
+        assert t.world_size == int(f.name.split("x-")[0])
+        m = bandwidth_matrix(t)
+        assert np.array_equal(m, m.T)
+
+
+def test_import_h100_nvswitch():
+    t = import_topo(_topo_file("8x-h100-sxm-nv18-no-nic.txt"), **CAPS)
+    h = t.hosts[0]
+    assert h.nvlink.kind == "nvswitch" and h.nvlink.links_per_gpu == 18
+    assert [g.numa for g in h.gpus] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert h.nics == () and len(h.pcie_switches) == 8  # no PCIe info behind NV18: one root port each
+    assert pair_bandwidth(t, 0, 7) == pytest.approx(450 * GBs)
+
+
+def test_import_rtx3090_bridge_pairs():
+    t = import_topo(_topo_file("4x-rtx3090-nvlink-bridge-pairs-nv4.txt"), **CAPS, nvlink_link_gb_s=14.0625)
+    h = t.hosts[0]
+    assert h.nvlink.kind == "pairs" and h.nvlink.pairs == ((0, 2, 4), (1, 3, 4))  # GPU0-GPU2, GPU1-GPU3
+    assert [g.numa for g in h.gpus] == [0, 0, 0, 0] and len(h.numa_nodes) == 1
+    assert pair_bandwidth(t, 0, 2) == pytest.approx(56.25 * GBs)
+    assert pair_bandwidth(t, 0, 1) == pytest.approx(25 * GBs)
+
+
+def test_import_v100_hybrid_cube_mesh():
+    t = import_topo(_topo_file("8x-v100-sxm2-hybrid-cube-mesh-nv1-nv2.txt"), **CAPS)
+    h = t.hosts[0]
+    assert h.nvlink.kind == "pairs"
+    links = {(a, b): n for a, b, n in h.nvlink.pairs}
+    assert links == {
+        (0, 1): 1, (0, 2): 1, (0, 3): 2, (0, 4): 2, (1, 2): 2, (1, 3): 1, (1, 5): 2, (2, 3): 2,
+        (2, 6): 1, (3, 7): 1, (4, 5): 1, (4, 6): 1, (4, 7): 2, (5, 6): 2, (5, 7): 1, (6, 7): 2,
+    }
+    assert all(sum(n for p, n in links.items() if g in p) == 6 for g in range(8))  # 6 links per V100
+    # no NUMA Affinity column: the CPU Affinity column splits the sockets
+    assert [g.numa for g in h.gpus] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert pair_bandwidth(t, 0, 5, shared=False) == pytest.approx(25 * GBs)  # SYS: PCIe across sockets
+
+
+def test_import_a100_mlx5_columns():
+    t = import_topo(_topo_file("2x-a100-nv12-mlx5-columns-tabs.txt"), **CAPS)
+    h = t.hosts[0]
+    assert h.nvlink.pairs == ((0, 1, 12),)
+    assert [g.numa for g in h.gpus] == [1, 1]
+    sw = h.switch(h.gpus[0].pcie_switch)
+    assert sw.gpus == (0, 1) and sw.nics == ("mlx5_6", "mlx5_7")  # PXB through the NICs
+    numa = {n.name: n.numa for n in h.nics}
+    assert numa == {"mlx5_0": 0, "mlx5_1": 0, "mlx5_2": 0, "mlx5_3": 0, "mlx5_4": 1, "mlx5_5": 1, "mlx5_6": 1, "mlx5_7": 1}
+    assert nearest_nic(h, 0).name == "mlx5_6" and nearest_nic(h, 1).name == "mlx5_7"
+
+
+def test_import_l40s_nic_legend():
+    t = import_topo(_topo_file("4x-l40s-2socket-2nic-nic-legend.txt"), **CAPS)
+    h = t.hosts[0]
+    assert [g.numa for g in h.gpus] == [0, 0, 1, 1] and h.nvlink.kind == "none"
+    assert [(n.name, n.numa) for n in h.nics] == [("mlx5_0", 1), ("mlx5_1", 1)]
+    assert h.switch(h.nics[0].pcie_switch).nics == ("mlx5_0", "mlx5_1") and h.switch(h.nics[0].pcie_switch).gpus == ()
+    # NODE (same socket) vs SYS (across sockets: a 20 GB/s socket link shared by 2 GPUs a side)
+    t = import_topo(_topo_file("4x-l40s-2socket-2nic-nic-legend.txt"), **{**CAPS, "inter_socket_gb_s": 20})
+    assert pair_bandwidth(t, 0, 1) == pytest.approx(25 * GBs) and pair_bandwidth(t, 0, 2) == pytest.approx(10 * GBs)
+
+
+def test_import_rtx4090_tabs_with_empty_cell():
+    t = import_topo(_topo_file("8x-rtx4090-2socket-2nic-tabs.txt"), **CAPS)
+    h = t.hosts[0]
+    assert [g.numa for g in h.gpus] == [0] * 4 + [1] * 4 and h.nvlink.kind == "none"
+    assert [(n.name, n.numa) for n in h.nics] == [("NIC0", 1), ("NIC1", 1)]  # PHB with GPU6
+    assert nearest_nic(h, 6).numa == 1
+
+
+def test_import_cli_writes_loadable_yaml(tmp_path, capsys):
+    out = tmp_path / "h100.yaml"
+    rc = import_main([str(_topo_file("8x-h100-sxm-nv18-no-nic.txt")), "--hbm-gb", "80", "--hbm-bw-gb-s", "3350", "-o", str(out)])
+    assert rc == 0
+    t = load_topology(out)
+    assert t.world_size == 8 and t.hosts[0].nvlink.kind == "nvswitch"
+
+
+SMALL = "\tGPU0\tGPU1\tCPU Affinity\tNUMA Affinity\nGPU0\t X \tNV4\t0-7\t0\nGPU1\tNV4\t X \t0-7\t0\n"
+
+
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        (SMALL.replace("NV4\t0-7", "NVX\t0-7", 1), "topo.txt: line 2, column 10: unknown token 'NVX' (GPU0 to GPU1)"),
+        (SMALL.replace("GPU1\tNV4\t X \t0-7\t0", "GPU1\tNV4\t0-7\t0"), "topo.txt: line 3: 3 cells after 'GPU1', expected 4"),
+        (SMALL.replace("GPU1\tNV4", "GPU1\tPIX"), "topo.txt: line 3, column 6: GPU1 to GPU0 is 'PIX' but GPU0 to GPU1 (line 2) is 'NV4'"),
+        (SMALL.replace("GPU1\tNV4\t X ", "GPU9\tNV4\t X "), "topo.txt: line 3, column 1: unknown row 'GPU9'"),
+        ("hello\n", "topo.txt: no header row naming GPU0"),
+        (SMALL.split("GPU1\tNV4")[0], "topo.txt: no row for GPU1"),
+    ],
+)
+def test_bad_topo_text(text, needle):
+    with pytest.raises(TopologyError) as e:
+        parse_topo_matrix(text, "topo.txt")
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(needle), msg
+
+
+def test_space_separated_small():
+    text = SMALL.replace("\t", "    ")
+    mx = parse_topo_matrix(text, "t")
+    assert mx.gpus == ("GPU0", "GPU1") and mx.cells[("GPU0", "GPU1")] == "NV4" and mx.numa_affinity["GPU1"] == "0"

@@ -1,0 +1,183 @@
+"""`recsys-plan`: make, show, diff and validate sharding plans.
+
+    recsys-plan make --config configs/experiments/demo.yaml --world-size 8 --compute-device cuda \
+        --hbm-gb 80 --out plan.json [--set data.cardinalities=criteo_kaggle_raw ...]
+    recsys-plan show plan.json [--format text|json] [--out report.txt]
+    recsys-plan diff a.json b.json [--format text|json]
+    recsys-plan validate plan.json --config configs/experiments/demo.yaml [--world-size N] [--hbm-gb G] [--set K=V]
+
+Plans are computed on this machine for any cluster (the model is built on `meta`). Exit codes:
+0 ok, 1 `validate` found problems (listed), 2 bad input (one line on stderr; no output file is
+written, or an existing one is left as it was).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from recsys.config import ConfigError, load_config
+
+
+class UsageError(ValueError):
+    pass
+
+
+def _model_and_tables(config: str, overrides: list[str]):
+    import torch
+
+    from recsys.data.source import build_source
+    from recsys.models.ctr import TrainModule
+    from recsys.optim.embedding import attach_embedding_optimizer
+    from recsys.training.loop import default_model
+    from sharding import plan_io
+
+    cfg = load_config(config, overrides)
+    model = TrainModule(default_model(cfg, build_source(cfg), torch.device("cpu")))
+    attach_embedding_optimizer(model, cfg.optim)
+    return cfg, model, plan_io.model_tables(model)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _emit(text: str, out: str | None) -> None:
+    if out:
+        _write_atomic(Path(out), text if text.endswith("\n") else text + "\n")
+    else:
+        print(text)
+
+
+def cmd_make(args: argparse.Namespace) -> int:
+    from recsys.optim.embedding import embedding_sharders
+    from sharding import plan_io
+    from sharding.planner import build_planner
+
+    cfg, model, tables = _model_and_tables(args.config, args.overrides)
+    world = args.world_size or cfg.train.nproc_per_node
+    local = args.local_world_size or min(world, 8)
+    if world <= 0 or world % local:
+        raise UsageError(f"--world-size {world} is not a positive multiple of --local-world-size {local}")
+    batch = (args.batch_size or cfg.train.batch_size) // world
+    if batch <= 0:
+        raise UsageError(f"--batch-size: fewer samples than ranks ({world})")
+    gb = 1024**3
+    planner = build_planner(
+        cfg.sharding, model, world, local, args.compute_device, batch,
+        hbm_bytes=int(args.hbm_gb * gb) if args.hbm_gb else None,
+        ddr_bytes=int(args.ddr_gb * gb) if args.ddr_gb else None,
+    )
+    try:
+        plan = planner.plan(model, embedding_sharders(cfg.optim))
+    except Exception as e:  # torchrec's PlannerError is multi-line; keep its first line
+        raise UsageError(f"planning failed: {str(e).strip().splitlines()[0]}") from None
+    meta = {"planner": cfg.sharding.planner, "config": str(args.config), "overrides": args.overrides,
+            "batch_size_per_rank": batch, "hbm_gb": args.hbm_gb, "ddr_gb": args.ddr_gb}
+    plan_io.save_plan(args.out, plan_io.plan_to_dict(plan, world, args.compute_device, tables, meta))
+    print(f"wrote {args.out}: {sum(len(m) for m in plan.plan.values())} tables on {world} ranks")
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from sharding import plan_io, plan_report
+
+    plan, header = plan_io.load_plan(args.plan)
+    rep = plan_report.report(plan, header)
+    _emit(json.dumps(rep, indent=1) if args.format == "json" else plan_report.format_text(rep), args.out)
+    return 0
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from sharding import plan_io, plan_report
+
+    a, ha = plan_io.load_plan(args.a)
+    b, hb = plan_io.load_plan(args.b)
+    d = plan_report.diff(a, ha, b, hb)
+    _emit(json.dumps(d, indent=1) if args.format == "json" else plan_report.format_diff(d), args.out)
+    return 0
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from sharding import plan_io, plan_report
+    from sharding.plan_io import PlanFileError
+
+    plan, header = plan_io.load_plan(args.plan)
+    _, _, tables = _model_and_tables(args.config, args.overrides)
+    world = args.world_size or header["world_size"]
+    problems: list[str] = []
+    try:
+        plan_io.check_plan_fits(header, plan, tables, world, str(args.plan))
+    except PlanFileError as e:
+        problems.append(str(e))
+    caps = {"hbm_bytes": ("HBM", args.hbm_gb), "host_bytes": ("host memory", args.ddr_gb)}
+    for r in plan_report.rank_memory(plan_report.table_infos(plan, header), header["world_size"]):
+        for key, (label, gbs) in caps.items():
+            if gbs and r[key] > gbs * 1024**3:
+                problems.append(f"rank {r['rank']}: {label} {r[key] / 1024**3:.2f} GB > {gbs} GB")
+    for p in problems:
+        print(f"invalid: {p}")
+    if not problems:
+        print(f"valid: {sum(len(m) for m in plan.plan.values())} tables, each placed once, on {world} ranks")
+    return 1 if problems else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="recsys-plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    m = sub.add_parser("make", help="plan a model for a cluster and write the plan file")
+    m.add_argument("--config", required=True, help="experiment YAML (model and data sections)")
+    m.add_argument("--world-size", type=int, default=0, help="ranks (default: train.nproc_per_node)")
+    m.add_argument("--local-world-size", type=int, default=0, help="ranks per host (default: min(world, 8))")
+    m.add_argument("--compute-device", choices=("cuda", "cpu"), default="cuda")
+    m.add_argument("--hbm-gb", type=float, default=0.0, help="HBM per GPU (default: torchrec's)")
+    m.add_argument("--ddr-gb", type=float, default=0.0, help="host memory per rank (default: torchrec's)")
+    m.add_argument("--batch-size", type=int, default=0, help="global batch (default: train.batch_size)")
+    m.add_argument("--out", required=True)
+    m.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
+    m.set_defaults(fn=cmd_make)
+    s = sub.add_parser("show", help="per-table placement and per-rank memory")
+    s.add_argument("plan")
+    s.add_argument("--format", choices=("text", "json"), default="text")
+    s.add_argument("--out")
+    s.set_defaults(fn=cmd_show)
+    d = sub.add_parser("diff", help="tables that moved or changed kernel; memory deltas per rank")
+    d.add_argument("a")
+    d.add_argument("b")
+    d.add_argument("--format", choices=("text", "json"), default="text")
+    d.add_argument("--out")
+    d.set_defaults(fn=cmd_diff)
+    v = sub.add_parser("validate", help="covers every table once, matches the world size, fits memory")
+    v.add_argument("plan")
+    v.add_argument("--config", required=True)
+    v.add_argument("--world-size", type=int, default=0)
+    v.add_argument("--hbm-gb", type=float, default=0.0)
+    v.add_argument("--ddr-gb", type=float, default=0.0)
+    v.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
+    v.set_defaults(fn=cmd_validate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    import logging
+    import warnings
+
+    logging.disable(logging.WARNING)  # torchrec's planner logs its own tables
+    warnings.filterwarnings("ignore")
+    try:
+        return args.fn(args)
+    except (ConfigError, UsageError, ValueError, FileNotFoundError) as e:  # PlanFileError is a ValueError
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
