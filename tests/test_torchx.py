@@ -153,3 +153,18 @@ def test_local_cwd_trains_and_writes_metrics(tmp_path):
     assert (run_dir / "checkpoints" / "step_000000040" / "COMMITTED").is_file()
     assert list(logs.rglob("*")), "torchx wrote no logs under log_dir"
     print(f"local_cwd run: {time.time() - t0:.1f} s")
+
+
+def test_plan_component_writes_a_plan_file(tmp_path):
+    """The `plan` component runs `recsys-plan make` as a job; bad input stops before submission."""
+    out, logs = tmp_path / "p16.json", tmp_path / "logs"
+    r = _torchx(["run", "-s", "local_cwd", "-cfg", f"log_dir={logs}", "torchx_components/launch.py:plan",
+                 "--config", "configs/experiments/demo.yaml", "--world_size", "16", "--hbm_gb", "80",
+                 "--out", str(out)], timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    plan = json.loads(out.read_text())
+    assert plan["format"] == "recsys-sharding-plan" and plan["world_size"] == 16 and plan["compute_device"] == "cuda"
+    assert len(plan["tables"]) == 52
+    bad = _torchx(["run", "-s", "local_cwd", "torchx_components/launch.py:plan", "--config",
+                   "configs/experiments/demo.yaml", "--world_size", "12", "--local_world_size", "8", "--out", str(out)])
+    assert bad.returncode != 0 and _lines(bad.stderr)[-1].startswith("error: plan: --world_size 12")

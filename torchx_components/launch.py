@@ -18,9 +18,10 @@ interpreter. The venv's `bin` is also put first on the job's PATH, so anything t
 `python`/`torchrun` by name gets the venv too. On a cluster that path must exist on every node
 (shared filesystem); pass `--python` to use another interpreter.
 
-TODO(plan component): a `plan` component that runs `recsys-plan make ...` belongs here once the
-`recsys-plan` tool is in the tree as a command (it is not yet); it is deliberately not defined,
-so that `torchx` never offers a component that cannot run.
+`plan` runs `recsys-plan make` as a one-process job (plans are made on CPU for any cluster):
+
+    torchx run -s local_cwd torchx_components/launch.py:plan \
+        --config configs/experiments/demo.yaml --world_size 16 --hbm_gb 80 --out plans/p16.json
 """
 
 import os
@@ -191,6 +192,77 @@ def train(
                 env=role_env,
                 port_map={"c10d": rdzv_port},
                 max_retries=max_retries,
+            )
+        ],
+    )
+
+
+def plan(
+    *overrides: str,
+    config: str,
+    out: str,
+    world_size: int = 8,
+    local_world_size: int = 8,
+    compute_device: str = "cuda",
+    hbm_gb: float = 0.0,
+    ddr_gb: float = 0.0,
+    batch_size: int = 0,
+    cpu: int = 1,
+    memMB: int = 4096,
+    name: str = "recsys-plan",
+    python: str = "",
+) -> specs.AppDef:
+    """Make a sharding plan with `recsys-plan make` (one process; the model is built on `meta`,
+    so a GPU cluster is planned on a CPU node). The config and options are checked before
+    submission.
+
+    Args:
+        overrides: key=value config overrides, e.g. data.cardinalities=criteo_kaggle_raw
+        config: experiment YAML (model and data sections), relative to the repository root or absolute
+        out: plan file to write (JSON; written atomically)
+        world_size: ranks of the cluster to plan for
+        local_world_size: ranks per host
+        compute_device: cuda or cpu
+        hbm_gb: HBM per GPU in GB (0: torchrec's default)
+        ddr_gb: host memory per rank in GB (0: torchrec's default)
+        batch_size: global batch (0: the config's train.batch_size)
+        cpu: CPU cores to request
+        memMB: memory in MB to request
+        name: job name
+        python: Python interpreter on the node; empty: the one running this component
+    """
+    if world_size < 1 or local_world_size < 1 or world_size % local_world_size:
+        raise LaunchError(f"plan: --world_size {world_size} is not a positive multiple of --local_world_size {local_world_size}")
+    if compute_device not in ("cuda", "cpu"):
+        raise LaunchError(f"plan: --compute_device must be cuda or cpu, got {compute_device!r}")
+    if hbm_gb < 0 or ddr_gb < 0 or batch_size < 0 or cpu < 1 or memMB < 1024:
+        raise LaunchError("plan: --hbm_gb, --ddr_gb, --batch_size must be >= 0, --cpu >= 1 and --memMB >= 1024")
+    from recsys.config import ConfigError, load_config
+
+    try:
+        load_config(config, list(overrides))
+    except ConfigError as e:
+        raise LaunchError(str(e).replace("\n", " ")) from None
+    python = python or sys.executable
+    cmd = [
+        python, "-m", "tools.recsys_plan", "make", "--config", config, "--out", out,
+        "--world-size", str(world_size), "--local-world-size", str(local_world_size),
+        "--compute-device", compute_device, "--hbm-gb", str(hbm_gb), "--ddr-gb", str(ddr_gb),
+        "--batch-size", str(batch_size),
+    ]
+    for o in overrides:
+        cmd += ["--set", o]
+    return specs.AppDef(
+        name=name,
+        roles=[
+            specs.Role(
+                name="planner",
+                image=REPO,
+                entrypoint="bash",
+                args=["-c", f"exec {_join(cmd)}"],
+                num_replicas=1,
+                resource=specs.Resource(cpu=cpu, gpu=0, memMB=memMB),
+                env={"PYTHONUNBUFFERED": "1"},
             )
         ],
     )

@@ -10,6 +10,11 @@ numbers) so data problems are visible in the log and in ``manifest.json``; a fil
 fraction exceeds ``max_bad_fraction`` aborts the whole run and nothing is written.
 
 Only the standard library and numpy are used; ``.gz`` inputs are read transparently.
+
+Not ``torchrec.datasets.criteo`` (``BinaryCriteoUtils.tsv_to_npys`` and friends): it has no
+per-row validation (a malformed line raises or is silently mis-parsed), no bad-row accounting,
+no CSV or Avazu layouts and no atomic output; its npy layout is close to ours, so its loaders
+remain an option for already-converted data.
 """
 
 from __future__ import annotations
