@@ -114,6 +114,8 @@ def factorization_machine(emb: torch.Tensor) -> torch.Tensor:
 class DeepFM(CTRModel, _WideMixin):
     """logit = linear(sparse, dense) + FM(sparse embeddings) + DNN([dense, embeddings])."""
 
+    use_fm = True
+
     def __init__(self, names, cards, num_dense, cfg: ModelConfig, device: torch.device, emb_device=None) -> None:
         super().__init__(names, cards, num_dense, cfg, device, emb_device)
         self._init_wide(names, cards, num_dense, device)
@@ -122,22 +124,16 @@ class DeepFM(CTRModel, _WideMixin):
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
         emb, x = self.embed(dense, sparse)
-        fm = factorization_machine(emb.view(-1, self.num_fields, self.dim))
-        return self._wide_logit(dense, sparse) + fm + self.head(self.dnn(x)).squeeze(1)
+        out = self._wide_logit(dense, sparse) + self.head(self.dnn(x)).squeeze(1)
+        if self.use_fm:
+            out = out + factorization_machine(emb.view(-1, self.num_fields, self.dim))
+        return out
 
 
-class WideDeep(CTRModel, _WideMixin):
-    """logit = linear(sparse, dense) + DNN([dense, embeddings])."""
+class WideDeep(DeepFM):
+    """logit = linear(sparse, dense) + DNN([dense, embeddings]): DeepFM without the FM term."""
 
-    def __init__(self, names, cards, num_dense, cfg: ModelConfig, device: torch.device, emb_device=None) -> None:
-        super().__init__(names, cards, num_dense, cfg, device, emb_device)
-        self._init_wide(names, cards, num_dense, device)
-        self.dnn = deep_tower(self.in_features, cfg, device)
-        self.head = nn.Linear(cfg.dnn[-1], 1, device=device)
-
-    def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
-        _, x = self.embed(dense, sparse)
-        return self._wide_logit(dense, sparse) + self.head(self.dnn(x)).squeeze(1)
+    use_fm = False
 
 
 class DCN(CTRModel):
