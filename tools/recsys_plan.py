@@ -2,7 +2,7 @@
 
     recsys-plan make --config configs/experiments/demo.yaml --world-size 8 --compute-device cuda \
         --hbm-gb 80 --out plan.json [--set data.cardinalities=criteo_kaggle_raw ...]
-    recsys-plan show plan.json [--format text|json] [--out report.txt]
+    recsys-plan show plan.json [--topology dgx-a100-2host] [--format text|json|html] [--out report.html]
     recsys-plan diff a.json b.json [--format text|json]
     recsys-plan validate plan.json --config configs/experiments/demo.yaml [--world-size N] [--hbm-gb G] [--set K=V]
 
@@ -87,11 +87,38 @@ def cmd_make(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from sharding import plan_io, plan_report
+    from sharding import plan_io, plan_report, plan_traffic
 
+    if args.format == "html" and not args.out:
+        raise UsageError("--format html needs --out FILE.html")
     plan, header = plan_io.load_plan(args.plan)
     rep = plan_report.report(plan, header)
-    _emit(json.dumps(rep, indent=1) if args.format == "json" else plan_report.format_text(rep), args.out)
+    topo = None
+    if args.topology:
+        from sharding.topology import load_topology
+
+        topo = load_topology(args.topology)  # a file or a shipped name; TopologyError is a ValueError
+        if topo.world_size != header["world_size"]:
+            raise UsageError(f"--topology {args.topology}: {topo.world_size} ranks, the plan has {header['world_size']}")
+    tr = None
+    if topo is not None or args.format == "html":
+        infos = plan_report.table_infos(plan, header)
+        tr = plan_traffic.traffic(infos, header["world_size"], plan_traffic.batch_size_of(header))
+        if topo is not None:
+            plan_traffic.apply_topology(tr, topo, infos, rep["ranks"])
+    if args.format == "html":
+        from sharding import plan_html
+
+        _emit(plan_html.render_html(rep, tr, topo), args.out)
+    elif args.format == "json":
+        if topo is not None:
+            rep["traffic"] = tr.to_dict()
+        _emit(json.dumps(rep, indent=1), args.out)
+    else:
+        text = plan_report.format_text(rep)
+        if topo is not None:
+            text += "\n\n" + plan_traffic.format_text(tr)
+        _emit(text, args.out)
     return 0
 
 
@@ -145,7 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.set_defaults(fn=cmd_make)
     s = sub.add_parser("show", help="per-table placement and per-rank memory")
     s.add_argument("plan")
-    s.add_argument("--format", choices=("text", "json"), default="text")
+    s.add_argument("--format", choices=("text", "json", "html"), default="text",
+                   help="html: one self-contained file with charts (needs --out)")
+    s.add_argument("--topology", help="topology YAML or shipped name (configs/topologies/): adds modeled time per rank")
     s.add_argument("--out")
     s.set_defaults(fn=cmd_show)
     d = sub.add_parser("diff", help="tables that moved or changed kernel; memory deltas per rank")

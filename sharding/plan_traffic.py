@@ -1,0 +1,298 @@
+"""A simple traffic and time model of one training step of a sharding plan.
+
+What it is for: reading a plan (`recsys-plan show`), not planning. Every number is per step and
+comes from the plan file alone (plus a topology for seconds); nothing is measured.
+
+Inputs: the plan's tables and shards (:func:`sharding.plan_report.table_infos`), ``B`` = the
+batch size per rank (the plan's ``meta.batch_size_per_rank``, default 512) and a pooling factor of
+1 (one id per feature per sample, as in our Criteo-like data). Pooled embeddings are fp32 (4
+bytes), ids int64 (8 bytes). ``W`` is the world size.
+
+Bytes between ranks (``fwd[a, b]`` = bytes rank ``a`` sends to rank ``b`` in the forward pass):
+
+- input-id distribution, every model-parallel type (TW, CW, TWCW, RW, TWRW): every rank ``a``
+  sends the ids of its ``B`` samples for the table's feature to each shard owner ``o != a``:
+  ``B * 8`` bytes per column shard (TW, CW, TWCW: every column shard needs every id) and
+  ``B * 8 * rows_s / rows`` for a row shard of ``rows_s`` rows (RW, TWRW: ids spread uniformly
+  over the rows, each id goes to the one shard holding its row).
+- pooled output, TW / CW / TWCW: the owner ``o`` of a shard of ``c`` columns sends
+  ``B * c * 4`` bytes of pooled output to every other rank (each rank's local batch).
+- pooled output, RW / TWRW: every shard owner ``o`` sends partial pooled sums of ``B * c * 4``
+  bytes to every other rank (the reduce-scatter; for TWRW the intra-host pre-reduction is not
+  modeled, so this is an upper bound).
+- DP (``data_parallel``): no forward traffic.
+
+Backward: for the model-parallel types the gradient of the pooled output goes back the way the
+output came, ``bwd = fwd_pooled.T`` (the ids are not sent again). DP tables all-reduce their whole
+gradient (``rows * cols * 4`` bytes) in a ring over their ranks: each rank sends
+``2 * (n - 1) / n * table bytes`` to its ring successor.
+
+Compute: a shard owner looks up every id routed to it, ``lookups * c * 4`` bytes read forward
+and the same written backward (``2 * lookups * c * 4``), at its HBM bandwidth (``fused`` /
+``dense``), or at its host-to-GPU bandwidth for ``fused_uvm`` (rows in host memory), or the HBM
+bandwidth for ``fused_uvm_caching`` (all hits assumed). Lookups per step: ``W * B`` for a column
+shard, ``W * B * rows_s / rows`` for a row shard, ``B`` for a DP replica.
+
+Time per rank (with a topology): ``comm = sum over peers p of (fwd[r, p] + bwd[r, p]) /
+pair_bandwidth(r, p)`` (the all-to-all view: links shared by the ranks that use them at once),
+split by link kind of the pair's path (:func:`sharding.bandwidth.pair_path`): NVLink, PCIe,
+network (another host), or shared memory (CPU ranks); ``total = compute + comm`` (no overlap).
+The critical rank is the one with the largest total; "why" names its dominant term (compute, or
+one link kind towards one host).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from sharding.plan_report import BYTES_PER_WEIGHT, TableInfo
+
+DEFAULT_BATCH_SIZE_PER_RANK = 512
+ID_BYTES = 8
+OUT_BYTES = 4
+
+COLUMN_TYPES = ("table_wise", "column_wise", "table_column_wise")
+ROW_TYPES = ("row_wise", "table_row_wise", "grid_shard")
+DP_TYPES = ("data_parallel",)
+LINK_KINDS = ("nvlink", "pcie", "network", "shm")
+LINK_LABELS = {"nvlink": "NVLink", "pcie": "PCIe", "network": "network", "shm": "shared memory"}
+
+
+@dataclass
+class Traffic:
+    world_size: int
+    batch_size_per_rank: int
+    fwd: np.ndarray  # [W, W] bytes a -> b, forward
+    bwd: np.ndarray  # [W, W] bytes a -> b, backward
+    lookups: np.ndarray  # [W] ids looked up per step (forward)
+    compute_bytes: np.ndarray  # [W] embedding bytes read + written per step (fwd + bwd)
+    uvm_bytes: np.ndarray  # [W] of compute_bytes, those read from / written to host memory (fused_uvm)
+    # filled by apply_topology
+    topology: str | None = None
+    compute_s: np.ndarray | None = None  # [W]
+    comm_s: dict[str, np.ndarray] = field(default_factory=dict)  # kind -> [W] seconds
+    bytes_by_kind: dict[str, np.ndarray] = field(default_factory=dict)  # kind -> [W] bytes sent
+    terms: list[dict[tuple[str, int | None], float]] = field(default_factory=list)  # per rank
+    critical: dict[str, Any] | None = None
+    hosts: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def total(self) -> np.ndarray:
+        return self.fwd + self.bwd
+
+    @property
+    def sent(self) -> np.ndarray:
+        return self.total.sum(axis=1)
+
+    @property
+    def received(self) -> np.ndarray:
+        return self.total.sum(axis=0)
+
+    @property
+    def total_s(self) -> np.ndarray | None:
+        if self.compute_s is None:
+            return None
+        return self.compute_s + sum(self.comm_s.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        ranks = []
+        for r in range(self.world_size):
+            d: dict[str, Any] = {
+                "rank": r, "sent_bytes": int(self.sent[r]), "received_bytes": int(self.received[r]),
+                "lookups": int(self.lookups[r]), "compute_bytes": int(self.compute_bytes[r]),
+            }
+            if self.compute_s is not None:
+                d["compute_s"] = float(self.compute_s[r])
+                d["comm_s"] = {k: float(v[r]) for k, v in self.comm_s.items()}
+                d["sent_bytes_by_link"] = {k: int(v[r]) for k, v in self.bytes_by_kind.items()}
+                d["total_s"] = float(self.total_s[r])
+            ranks.append(d)
+        out: dict[str, Any] = {
+            "model": "see sharding/plan_traffic.py", "batch_size_per_rank": self.batch_size_per_rank,
+            "forward_bytes": self.fwd.astype(np.int64).tolist(), "backward_bytes": self.bwd.astype(np.int64).tolist(),
+            "ranks": ranks,
+        }
+        if self.topology is not None:
+            out["topology"] = self.topology
+            out["critical"] = self.critical
+            out["hosts"] = self.hosts
+        return out
+
+
+def batch_size_of(header: dict[str, Any]) -> int:
+    b = (header.get("meta") or {}).get("batch_size_per_rank")
+    return int(b) if isinstance(b, int) and b > 0 else DEFAULT_BATCH_SIZE_PER_RANK
+
+
+def traffic(infos: list[TableInfo], world_size: int, batch_size_per_rank: int = DEFAULT_BATCH_SIZE_PER_RANK) -> Traffic:
+    """Bytes per step between every pair of ranks (module docstring), without a topology."""
+    W, B = world_size, batch_size_per_rank
+    fwd = np.zeros((W, W), dtype=np.float64)
+    bwd = np.zeros((W, W), dtype=np.float64)
+    lookups = np.zeros(W, dtype=np.float64)
+    compute = np.zeros(W, dtype=np.float64)
+    uvm = np.zeros(W, dtype=np.float64)
+    for t in infos:
+        shards = [s for s in t.shards if 0 <= s.rank < W]
+        if not shards:
+            continue
+        if t.sharding_type in DP_TYPES:
+            members = sorted({s.rank for s in shards})
+            n = len(members)
+            s0 = shards[0]
+            for s in shards:
+                lookups[s.rank] += B
+                compute[s.rank] += 2 * B * s.cols * BYTES_PER_WEIGHT
+            if n > 1:
+                per_rank = 2 * (n - 1) / n * s0.rows * s0.cols * BYTES_PER_WEIGHT
+                for i, r in enumerate(members):
+                    bwd[r, members[(i + 1) % n]] += per_rank
+            continue
+        row_sharded = t.sharding_type in ROW_TYPES
+        total_rows = sum(s.rows for s in shards) if row_sharded else None
+        for s in shards:
+            o = s.rank
+            frac = (s.rows / total_rows if total_rows else 0.0) if row_sharded else 1.0
+            # ids: every other rank -> owner
+            ids = np.full(W, B * ID_BYTES * frac)
+            ids[o] = 0
+            fwd[:, o] += ids
+            # pooled output (or partial sums): owner -> every other rank; backward the reverse
+            out = np.full(W, float(B * s.cols * OUT_BYTES))
+            out[o] = 0
+            fwd[o, :] += out
+            bwd[:, o] += out
+            n_lookups = W * B * frac
+            lookups[o] += n_lookups
+            compute[o] += 2 * n_lookups * s.cols * BYTES_PER_WEIGHT
+            if t.compute_kernel == "fused_uvm":
+                uvm[o] += 2 * n_lookups * s.cols * BYTES_PER_WEIGHT
+    return Traffic(W, B, fwd, bwd, lookups, compute, uvm)
+
+
+def link_kind(topo, a: int, b: int, path=None) -> str:
+    """NVLink, PCIe, network or shm (CPU ranks) for the path between two different ranks."""
+    from sharding.bandwidth import pair_path
+
+    path = pair_path(topo, a, b) if path is None else path
+    names = [link.name for link in path]
+    if topo.locate(a)[0] != topo.locate(b)[0] or any(n.startswith("network@") for n in names):
+        return "network"
+    if topo.compute_device == "cpu":
+        return "shm"
+    if any("/nvlink(" in n for n in names):
+        return "nvlink"
+    return "pcie"
+
+
+def _link_switch(topo, name: str, default_host: int) -> tuple[int, str] | None:
+    """(host index, switch name) of a PCIe link name from :func:`pair_path`, else None."""
+    h = default_host
+    if "#" in name and ":" in name:
+        head, name = name.split(":", 1)
+        try:
+            h = int(head.rsplit("#", 1)[1])
+        except ValueError:
+            return None
+    if "/" not in name:
+        return None
+    local = name.split("/", 1)[1]
+    sw = local.split(".", 1)[0]
+    if "." not in local:
+        return None
+    if any(s.name == sw for s in topo.hosts[h].pcie_switches):
+        return h, sw
+    return None
+
+
+def apply_topology(tr: Traffic, topo, infos: list[TableInfo] | None = None, rank_memory: list[dict] | None = None) -> Traffic:
+    """Seconds per rank, split by link kind, the critical rank and why, and per-host loads."""
+    from sharding.bandwidth import host_to_gpu_bandwidth, pair_bandwidth, pair_path
+
+    W = tr.world_size
+    if topo.world_size != W:
+        raise ValueError(f"topology {topo.name or topo.source}: {topo.world_size} ranks, the plan has {W}")
+    tr.topology = topo.name or topo.source
+    tr.comm_s = {k: np.zeros(W) for k in LINK_KINDS}
+    tr.bytes_by_kind = {k: np.zeros(W) for k in LINK_KINDS}
+    tr.compute_s = np.zeros(W)
+    tr.terms = [dict() for _ in range(W)]
+    switch_bytes: dict[tuple[int, str], float] = {}
+    total = tr.total
+    for a in range(W):
+        ha = topo.locate(a)[0]
+        for b in range(W):
+            if a == b or total[a, b] == 0:
+                continue
+            path = pair_path(topo, a, b)
+            kind = link_kind(topo, a, b, path)
+            secs = total[a, b] / pair_bandwidth(topo, a, b)
+            tr.comm_s[kind][a] += secs
+            tr.bytes_by_kind[kind][a] += total[a, b]
+            key = (kind, topo.locate(b)[0])
+            tr.terms[a][key] = tr.terms[a].get(key, 0.0) + secs
+            for sw in {x for x in (_link_switch(topo, link.name, ha) for link in path) if x is not None}:
+                switch_bytes[sw] = switch_bytes.get(sw, 0.0) + total[a, b]
+    for r in range(W):
+        h, i = topo.locate(r)
+        g = topo.hosts[h].gpus[i]
+        uvm = tr.uvm_bytes[r]
+        mem_bw = g.hbm_bw if topo.compute_device == "cuda" else pair_bandwidth(topo, r, r)
+        secs = (tr.compute_bytes[r] - uvm) / mem_bw
+        if uvm:
+            secs += uvm / host_to_gpu_bandwidth(topo, r)
+            if g.pcie_switch is not None:
+                switch_bytes[(h, g.pcie_switch)] = switch_bytes.get((h, g.pcie_switch), 0.0) + uvm
+        tr.compute_s[r] = secs
+        tr.terms[r][("compute", None)] = secs
+    tot = tr.total_s
+    crit = int(np.argmax(tot))
+    key, secs = max(tr.terms[crit].items(), key=lambda kv: kv[1])
+    share = secs / tot[crit] if tot[crit] > 0 else 0.0
+    if key[0] == "compute":
+        what = "embedding lookups (compute)"
+    else:
+        what = f"{LINK_LABELS[key[0]]} all-to-all to host {key[1]} ({topo.hosts[key[1]].name})"
+    tr.critical = {
+        "rank": crit, "total_s": float(tot[crit]), "dominant": key[0], "dominant_host": key[1], "share": float(share),
+        "why": f"rank {crit}: {share:.0%} of its modeled {tot[crit] * 1e3:.3f} ms per step is {what}",
+    }
+    tr.hosts = []
+    for h, host in enumerate(topo.hosts):
+        rs = [topo.rank(h, i) for i in range(len(host.gpus))]
+        mem = {"hbm_bytes": 0, "host_bytes": 0}
+        if rank_memory is not None:
+            for r in rs:
+                mem["hbm_bytes"] += rank_memory[r]["hbm_bytes"]
+                mem["host_bytes"] += rank_memory[r]["host_bytes"]
+        tr.hosts.append({
+            "host": h, "name": host.name, "ranks": rs,
+            "hbm_bytes": mem["hbm_bytes"], "hbm_capacity": sum(g.hbm_bytes for g in host.gpus),
+            "host_bytes": mem["host_bytes"], "host_capacity": host.ddr_bytes,
+            "pcie_switches": [
+                {"switch": s.name, "numa": s.numa, "gpus": [topo.rank(h, i) for i in s.gpus],
+                 "bytes_per_step": int(switch_bytes.get((h, s.name), 0.0)),
+                 "uplink_s": switch_bytes.get((h, s.name), 0.0) / s.uplink_bw}
+                for s in host.pcie_switches
+            ],
+        })
+    return tr
+
+
+def format_text(tr: Traffic) -> str:
+    """The modeled time per rank and the critical rank (needs :func:`apply_topology`)."""
+    lines = [f"modeled step on {tr.topology} (batch {tr.batch_size_per_rank} per rank; model: sharding/plan_traffic.py)",
+             f"{'rank':<6} {'sent':>12} {'compute ms':>11} " + " ".join(f"{LINK_LABELS[k] + ' ms':>11}" for k in LINK_KINDS) + f" {'total ms':>10}"]
+    for r in range(tr.world_size):
+        lines.append(f"{r:<6} {tr.sent[r] / 2**20:>9,.2f} MB {tr.compute_s[r] * 1e3:>11.4f} "
+                     + " ".join(f"{tr.comm_s[k][r] * 1e3:>11.4f}" for k in LINK_KINDS) + f" {tr.total_s[r] * 1e3:>10.4f}")
+    for h in tr.hosts:
+        loads = ", ".join(f"{s['switch']} {s['bytes_per_step'] / 2**20:,.1f} MB" for s in h["pcie_switches"])
+        lines.append(f"host {h['host']} ({h['name']}): HBM {h['hbm_bytes'] / 2**30:,.2f} / {h['hbm_capacity'] / 2**30:,.0f} GB, "
+                     f"host {h['host_bytes'] / 2**30:,.2f} / {h['host_capacity'] / 2**30:,.0f} GB"
+                     + (f"; PCIe switch load per step: {loads}" if loads else ""))
+    lines.append(f"critical: {tr.critical['why']}")
+    return "\n".join(lines)
