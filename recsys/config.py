@@ -89,7 +89,8 @@ class TrainConfig:
 
 @dataclass
 class ShardingConfig:
-    planner: str = "torchrec"  # torchrec: torchrec's EmbeddingShardingPlanner
+    planner: str = "torchrec"  # torchrec: torchrec's EmbeddingShardingPlanner; topology: sharding/topology_planner.py
+    topology: str = ""  # planner=topology: a topology file or shipped name (CPU runs default to cpu-gloo)
     # Sharding types the planner may use. Empty: the model-parallel ones (TW, RW, CW, TWRW,
     # TWCW). data_parallel tables are updated by the dense optimizer, so they are opt-in.
     sharding_types: list[str] = field(default_factory=list)
@@ -330,8 +331,8 @@ def validate(cfg: ExperimentConfig, source: str = "config") -> None:
     for st in cfg.sharding.sharding_types:
         if st not in known_types:
             bad("sharding.sharding_types", f"unknown sharding type '{st}' (choose from {', '.join(known_types)})")
-    if cfg.sharding.planner not in ("torchrec",):
-        bad("sharding.planner", f"unknown planner '{cfg.sharding.planner}' (torchrec)")
+    if cfg.sharding.planner not in ("torchrec", "topology"):
+        bad("sharding.planner", f"unknown planner '{cfg.sharding.planner}' (torchrec, topology)")
     if cfg.plan and not Path(cfg.plan).is_file():
         bad("plan", f"no such plan file {cfg.plan}")
     if cfg.checkpoint.keep <= 0:

@@ -54,7 +54,19 @@ def build_planner(
     ddr_bytes: int | None = None,
 ) -> EmbeddingShardingPlanner:
     """torchrec's planner on a uniform topology; hbm/ddr capacities per rank (torchrec's
-    defaults when None)."""
+    defaults when None). ``cfg.planner == "topology"``: the topology-aware planner
+    (sharding/topology_planner.py) on ``cfg.topology`` (default for CPU runs: ``cpu-gloo``)."""
+    if cfg.planner == "topology":
+        from sharding.topology_planner import TopologyAwarePlanner, cluster_for, default_constraints
+
+        cluster = cluster_for(cfg.topology, compute_device, world_size, local_world_size)
+        return TopologyAwarePlanner(
+            cluster,
+            batch_size_per_rank,
+            default_constraints(model, compute_device, allowed_sharding_types(cfg)),
+            hbm_bytes=hbm_bytes,
+            ddr_bytes=ddr_bytes,
+        )
     hardware = HardwareConfig(
         **({"hbm_cap_bytes": hbm_bytes} if hbm_bytes is not None else {}),
         **({"ddr_cap_bytes": ddr_bytes} if ddr_bytes is not None else {}),

@@ -1,0 +1,420 @@
+"""A rank-aware step-time model of a placed embedding plan on a :class:`ClusterTopology`.
+
+TorchRec's shard estimators do not know ranks; this model does. It scores a set of placed shards
+per rank and the step time is the slowest rank's:
+
+    time[r] = lookup[r] + host_io[r] + comm[r]
+
+- ``lookup``: bytes a rank's HBM-resident shards read and write (forward lookups, backward
+  gradient + fused optimizer update: ``LOOKUP_PASSES`` x rows looked up x dim x 4) over the
+  device's memory bandwidth (HBM; DDR of its NUMA node on CPU ranks).
+- ``host_io``: the same traffic for ``fused_uvm`` shards (all of it) and ``fused_uvm_caching``
+  shards (the miss fraction ``1 - load_factor``, as torchrec's estimator assumes) goes to host
+  memory over the GPU's PCIe path. Every link on that path is a shared resource: the GPU's port,
+  its switch uplink (shared by the GPUs below the switch), the NUMA node's DDR and, when the
+  memory lives on the other socket (its own node is full), the inter-socket link. A rank's
+  ``host_io`` is the busiest resource on its paths (bytes on it / its bandwidth).
+- ``comm``: the embedding collectives, from rank-pair bandwidths (``pair_bandwidth(shared=True)``).
+  Table-/column-wise: the owner sends each other rank its pooled slice in the forward all-to-all
+  and gets the gradient back in the backward; a pair's time is bytes / that pair's bandwidth and
+  a rank's sends add up (its egress is shared). Row-wise: reduce-scatter (forward) + all-gather
+  (backward) of the pooled output over a ring of the group, at the group's slowest pair.
+  Table-row-wise: the same inside the host, then the host's slice to every other rank.
+  Data-parallel: all-reduce of the gradient (ring, 2 (n-1)/n x table bytes) at the slowest pair.
+
+Entry points: :class:`TopologyCostModel` (``score(sharding_options)``,
+``score_sharding_plan(plan, tables)``, ``new_state()`` for incremental placement) and
+:class:`TopologyPerfModel`, a torchrec ``PerfModel`` whose ``rate(plan)`` is the modeled step
+time in milliseconds (the unit of torchrec's ``Perf``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import numpy as np
+from torchrec.distributed.planner.types import PerfModel, ShardingOption
+from torchrec.distributed.types import ShardingPlan
+
+from sharding.bandwidth import bandwidth_matrix
+from sharding.topology import ClusterTopology
+
+BYTES = 4  # fp32 weights
+LOOKUP_PASSES = 3  # forward read, backward gradient, optimizer read-modify-write (fused)
+DEFAULT_LOAD_FACTOR = 0.2
+UVM_KERNELS = ("fused_uvm", "fused_uvm_caching")
+_A2A = ("table_wise", "column_wise", "table_column_wise")
+
+
+@dataclass(frozen=True)
+class PlacedShard:
+    """One shard of one table on one rank (the unit the model scores)."""
+
+    table: str
+    sharding_type: str  # torchrec ShardingType value
+    kernel: str  # torchrec EmbeddingComputeKernel value
+    rank: int
+    rows: int
+    cols: int
+    table_rows: int
+    table_cols: int
+    pooling: float = 1.0  # sum of the table's features' pooling factors
+    load_factor: float | None = None
+    group: tuple[int, ...] = ()  # the ranks holding the table's shards (RW / TWRW / DP group)
+
+
+@dataclass
+class PlanCost:
+    step_time: float  # seconds, max over ranks
+    rank_time: np.ndarray  # seconds per rank
+    lookup: np.ndarray
+    host_io: np.ndarray
+    comm: np.ndarray
+    hbm_bytes: np.ndarray
+    host_bytes: np.ndarray
+
+    def as_dict(self) -> dict:
+        return {
+            "step_time_ms": self.step_time * 1e3,
+            "rank_time_ms": [round(x * 1e3, 4) for x in self.rank_time],
+            "max_hbm_bytes": int(self.hbm_bytes.max(initial=0)),
+            "max_host_bytes_per_rank": int(self.host_bytes.max(initial=0)),
+        }
+
+
+class TopologyCostModel:
+    def __init__(self, topo: ClusterTopology, batch_size_per_rank: int) -> None:
+        self.topo = topo
+        self.batch = int(batch_size_per_rank)
+        self.world = w = topo.world_size
+        self.cpu = topo.compute_device == "cpu"
+        self.bw = bw = bandwidth_matrix(topo, shared=True)
+        self.mem_bw = np.diag(bw).copy()
+        inv = np.zeros_like(bw)
+        off = ~np.eye(w, dtype=bool)
+        inv[off] = 1.0 / bw[off]
+        self.inv_bw = inv  # seconds per byte between distinct ranks, 0 on the diagonal
+        self.inv_rowsum = inv.sum(axis=1)
+        self.min_bw_all = float(bw[off].min()) if w > 1 else float("inf")
+        self.host_ranks = [tuple(topo.rank(h, i) for i in range(topo.local_world_size)) for h in range(len(topo.hosts))]
+        self.host_of = np.array([topo.locate(r)[0] for r in range(w)])
+        self._min_bw_cache: dict[tuple[int, ...], float] = {}
+        # host-memory resources: per GPU port, per switch uplink, per NUMA DDR, per socket link
+        self.res_bw: list[float] = []
+        self._res_index: dict[str, int] = {}
+        self.local_path: list[list[int]] = []  # resources a rank's local-NUMA host traffic crosses
+        self.numa_of: list[tuple[int, int]] = []
+        for r in range(w):
+            h, i = topo.locate(r)
+            host, g = topo.hosts[h], topo.gpu(r)
+            self.numa_of.append((h, g.numa))
+            path = []
+            if not self.cpu and g.pcie_switch is not None:
+                s = host.switch(g.pcie_switch)
+                path.append(self._res(f"{h}/port{i}", s.port_bw))
+                path.append(self._res(f"{h}/{s.name}.uplink", s.uplink_bw))
+            path.append(self._res(f"{h}/numa{g.numa}", host.numa(g.numa).ddr_bw))
+            self.local_path.append(path)
+        self.numa_cap = {
+            (h, n.index): n.ddr_bytes for h, host in enumerate(topo.hosts) for n in host.numa_nodes
+        }
+
+    def _res(self, name: str, bw: float) -> int:
+        if name not in self._res_index:
+            self._res_index[name] = len(self.res_bw)
+            self.res_bw.append(float(bw))
+        return self._res_index[name]
+
+    def remote_path(self, rank: int, numa: int) -> list[int]:
+        """Resources for a rank's traffic to host memory on another NUMA node of its host."""
+        h, i = self.topo.locate(rank)
+        host = self.topo.hosts[h]
+        path = self.local_path[rank][:-1]
+        path.append(self._res(f"{h}/inter_socket", host.inter_socket_bw))
+        path.append(self._res(f"{h}/numa{numa}", host.numa(numa).ddr_bw))
+        return path
+
+    def group_min_bw(self, group: tuple[int, ...]) -> float:
+        if len(group) <= 1:
+            return float("inf")
+        hit = self._min_bw_cache.get(group)
+        if hit is None:
+            if len(group) == self.world:
+                hit = self.min_bw_all
+            else:
+                idx = np.array(group)
+                sub = self.bw[np.ix_(idx, idx)]
+                hit = float(sub[~np.eye(len(idx), dtype=bool)].min())
+            self._min_bw_cache[group] = hit
+        return hit
+
+    def new_state(self) -> "CostState":
+        return CostState(self)
+
+    # --- scoring whole plans ------------------------------------------------------------------
+
+    def score_shards(self, shards: Iterable[PlacedShard]) -> PlanCost:
+        """Whole-plan score. Table-/column-wise device-resident shards (the bulk) are summed per
+        owner and their all-to-all applied as one matrix product; the rest go through ``add``."""
+        st = self.new_state()
+        owner_bytes = np.zeros(self.world)  # 2 x pooled slice bytes per owner
+        lookup_bytes = np.zeros(self.world)
+        for s in shards:
+            if s.sharding_type in _A2A and (self.cpu or s.kernel not in UVM_KERNELS):
+                owner_bytes[s.rank] += 2 * self.batch * s.cols * BYTES
+                lookup_bytes[s.rank] += st._lookup_bytes(s)
+                dev, host = st._memory(s)
+                st.hbm_bytes[s.rank] += dev
+                st.host_bytes[s.rank] += host
+                if host:
+                    st.numa_used[self.numa_of[s.rank]] += host
+            else:
+                st.add(s)
+        st.lookup += lookup_bytes / self.mem_bw
+        st.comm += self.inv_bw.T @ owner_bytes + owner_bytes * self.inv_rowsum
+        return st.cost()
+
+    def score(self, plan: list[ShardingOption]) -> PlanCost:
+        return self.score_shards(placed_from_options(plan))
+
+    def score_sharding_plan(self, plan: ShardingPlan, tables: dict[str, dict], pooling: dict[str, float] | None = None) -> PlanCost:
+        """A ShardingPlan + ``{table: {num_embeddings, embedding_dim}}`` (plan_io.model_tables)."""
+        return self.score_shards(placed_from_plan(plan, tables, pooling or {}))
+
+
+@dataclass
+class CostState:
+    """Per-rank accumulators, for scoring and for incremental (greedy) placement."""
+
+    model: TopologyCostModel
+    lookup: np.ndarray = field(init=False)
+    comm: np.ndarray = field(init=False)
+    res_bytes: np.ndarray = field(init=False)
+    rank_res: list[set[int]] = field(init=False)
+    hbm_bytes: np.ndarray = field(init=False)
+    host_bytes: np.ndarray = field(init=False)
+    numa_used: dict[tuple[int, int], int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        w = self.model.world
+        self.lookup = np.zeros(w)
+        self.comm = np.zeros(w)
+        self.res_bytes = np.zeros(len(self.model.res_bw) + 8 * len(self.model.topo.hosts) + 8)
+        self.rank_res = [set() for _ in range(w)]
+        self.hbm_bytes = np.zeros(w)
+        self.host_bytes = np.zeros(w)
+        self.numa_used = {k: 0 for k in self.model.numa_cap}
+
+    # traffic and comm of one shard ---------------------------------------------------------------
+
+    def _lookup_bytes(self, s: PlacedShard) -> float:
+        m = self.model
+        if s.sharding_type == "data_parallel":
+            return LOOKUP_PASSES * m.batch * s.pooling * s.cols * BYTES
+        frac = s.rows / max(1, s.table_rows)  # row-wise shards see their share of the lookups
+        return LOOKUP_PASSES * m.batch * m.world * s.pooling * s.cols * BYTES * frac
+
+    def _host_fraction(self, s: PlacedShard) -> float:
+        if self.model.cpu or s.kernel not in UVM_KERNELS:
+            return 0.0
+        if s.kernel == "fused_uvm":
+            return 1.0
+        lf = DEFAULT_LOAD_FACTOR if s.load_factor is None else s.load_factor
+        return max(0.0, 1.0 - lf)
+
+    def _comm_vector(self, s: PlacedShard) -> np.ndarray | float:
+        """Comm seconds this shard adds to every rank (vector) given its rank."""
+        m, w, r = self.model, self.model.world, s.rank
+        b = m.batch * s.cols * BYTES  # one rank's pooled slice of this shard, one direction
+        st = s.sharding_type
+        if st in ("table_wise", "column_wise", "table_column_wise"):
+            v = 2 * b * m.inv_bw[r]  # forward out + backward in, as seen by each peer
+            v = v.copy()
+            v[r] = 2 * b * m.inv_rowsum[r]
+            return v
+        if st == "row_wise":
+            g = s.group or tuple(range(w))
+            n = len(g)
+            # this shard's 1/n share of the ring reduce-scatter + all-gather of [B*W, cols]
+            t = 2 * (m.batch * w * s.cols * BYTES) * (n - 1) / n / m.group_min_bw(g) / n
+            v = np.zeros(w)
+            v[list(g)] = t
+            return v
+        if st == "table_row_wise":
+            g = s.group or m.host_ranks[m.host_of[r]]
+            n = len(g)
+            # the whole ring reduce-scatter + all-gather inside the host, on this shard's rank
+            t = 2 * (m.batch * w * s.cols * BYTES) * (n - 1) / n / m.group_min_bw(g)
+            part = b / n  # this rank's slice of the host-reduced output, to every rank off-host
+            off = m.host_of != m.host_of[r]
+            v = np.zeros(w)
+            v[off] = 2 * part * m.inv_bw[r][off]
+            v[r] = t + 2 * part * m.inv_bw[r][off].sum()
+            return v
+        if st == "data_parallel":
+            g = s.group or tuple(range(w))
+            n = len(g)
+            t = 2 * (n - 1) / n * s.rows * s.cols * BYTES / m.group_min_bw(g) if n > 1 else 0.0
+            v = np.zeros(w)
+            v[r] = t
+            return v
+        return 0.0
+
+    def _memory(self, s: PlacedShard) -> tuple[float, float]:
+        """(device bytes, host bytes): weights + row-wise optimizer state."""
+        total = s.rows * s.cols * BYTES + s.rows * BYTES
+        if self.model.cpu:
+            return 0.0, float(total)
+        if s.kernel == "fused_uvm":
+            return 0.0, float(total)
+        if s.kernel == "fused_uvm_caching":
+            lf = DEFAULT_LOAD_FACTOR if s.load_factor is None else s.load_factor
+            return s.rows * s.cols * BYTES * lf, float(total)
+        return float(total), 0.0
+
+    def host_path(self, s: PlacedShard, host_bytes: float) -> tuple[list[int], int]:
+        """Resources the shard's host traffic crosses: its local NUMA node's memory, or another
+        node of the host when the local one is full (then over the inter-socket link)."""
+        m = self.model
+        h, numa = m.numa_of[s.rank]
+        if m.cpu or self.numa_used[(h, numa)] + host_bytes <= m.numa_cap[(h, numa)]:
+            return m.local_path[s.rank], numa
+        best = None
+        for (hh, n), cap in m.numa_cap.items():
+            if hh == h and n != numa and self.numa_used[(hh, n)] + host_bytes <= cap:
+                best = n
+                break
+        return (m.local_path[s.rank], numa) if best is None else (m.remote_path(s.rank, best), best)
+
+    def add(self, s: PlacedShard) -> None:
+        m = self.model
+        lb = self._lookup_bytes(s)
+        hf = self._host_fraction(s)
+        self.lookup[s.rank] += lb * (1 - hf) / m.mem_bw[s.rank]
+        self.comm += self._comm_vector(s)
+        dev, host = self._memory(s)
+        self.hbm_bytes[s.rank] += dev
+        self.host_bytes[s.rank] += host
+        if host:
+            path, n = self.host_path(s, host)
+            self.numa_used[(m.numa_of[s.rank][0], n)] += host
+            self._grow()
+            if hf:
+                self.res_bytes[path] += lb * hf
+                self.rank_res[s.rank].update(path)
+
+    def _grow(self) -> None:
+        need = len(self.model.res_bw)
+        if need > len(self.res_bytes):
+            self.res_bytes = np.concatenate([self.res_bytes, np.zeros(need - len(self.res_bytes) + 8)])
+
+    def host_io(self) -> np.ndarray:
+        if not self.res_bytes.any():
+            return np.zeros(self.model.world)
+        bw = np.asarray(self.model.res_bw)
+        t = self.res_bytes[: len(bw)] / bw
+        return np.array([max((t[i] for i in rr), default=0.0) for rr in self.rank_res])
+
+    def rank_time(self) -> np.ndarray:
+        return self.lookup + self.host_io() + self.comm
+
+    def cost(self) -> PlanCost:
+        io = self.host_io()
+        rt = self.lookup + io + self.comm
+        return PlanCost(float(rt.max(initial=0.0)), rt, self.lookup.copy(), io, self.comm.copy(), self.hbm_bytes.copy(), self.host_bytes.copy())
+
+    # greedy support ------------------------------------------------------------------------------
+
+    def candidate_step_times(self, proto: PlacedShard, candidates: list[int]) -> np.ndarray:
+        """The modeled step time if ``proto`` (its rank ignored) were placed on each candidate.
+        Vectorized for device-resident shards; host-memory shards are evaluated one by one."""
+        m = self.model
+        base = self.rank_time()
+        cand = np.asarray(candidates)
+        hf = self._host_fraction(proto)
+        if hf == 0.0 and proto.sharding_type in ("table_wise", "column_wise", "table_column_wise"):
+            b = 2 * m.batch * proto.cols * BYTES
+            lb = self._lookup_bytes(proto)
+            mat = base[None, :] + b * m.inv_bw[cand]  # [cand, world]
+            own = base[cand] + lb / m.mem_bw[cand] + b * m.inv_rowsum[cand]
+            mat[np.arange(len(cand)), cand] = own
+            return mat.max(axis=1)
+        out = np.empty(len(cand))
+        for k, r in enumerate(cand):
+            trial = self.copy()
+            trial.add(_with_rank(proto, int(r)))
+            out[k] = trial.rank_time().max()
+        return out
+
+    def copy(self) -> "CostState":
+        c = CostState.__new__(CostState)
+        c.model = self.model
+        c.lookup = self.lookup.copy()
+        c.comm = self.comm.copy()
+        c.res_bytes = self.res_bytes.copy()
+        c.rank_res = [set(x) for x in self.rank_res]
+        c.hbm_bytes = self.hbm_bytes.copy()
+        c.host_bytes = self.host_bytes.copy()
+        c.numa_used = dict(self.numa_used)
+        return c
+
+
+def _with_rank(s: PlacedShard, rank: int) -> PlacedShard:
+    from dataclasses import replace
+
+    return replace(s, rank=rank)
+
+
+# --- conversions --------------------------------------------------------------------------------
+
+
+def _lf(cache_params) -> float | None:
+    return None if cache_params is None else cache_params.load_factor
+
+
+def placed_from_option(so: ShardingOption, rank_of=None) -> list[PlacedShard]:
+    rows, cols = int(so.tensor.shape[0]), int(so.tensor.shape[1])
+    pooling = float(sum(so.input_lengths)) if so.input_lengths else 1.0
+    ranks = tuple(sh.rank for sh in so.shards if sh.rank is not None)
+    group = ranks if so.sharding_type in ("row_wise", "table_row_wise", "data_parallel") else ()
+    out = []
+    for sh in so.shards:
+        if sh.rank is None:
+            continue
+        out.append(PlacedShard(so.name, so.sharding_type, so.compute_kernel, sh.rank, int(sh.size[0]), int(sh.size[1]),
+                               rows, cols, pooling, _lf(so.cache_params), group))
+    return out
+
+
+def placed_from_options(plan: list[ShardingOption]) -> list[PlacedShard]:
+    return [p for so in plan for p in placed_from_option(so)]
+
+
+def placed_from_plan(plan: ShardingPlan, tables: dict[str, dict], pooling: dict[str, float]) -> list[PlacedShard]:
+    out = []
+    for mplan in plan.plan.values():
+        for name, ps in mplan.items():
+            shape = tables[name]
+            rows, cols = int(shape["num_embeddings"]), int(shape["embedding_dim"])
+            lf = _lf(ps.cache_params)
+            pf = float(pooling.get(name, 1.0))
+            if ps.sharding_spec is not None:
+                shards = [(s.placement.rank(), s.shard_sizes[0], s.shard_sizes[1]) for s in ps.sharding_spec.shards]
+            else:
+                shards = [(r, rows, cols) for r in (ps.ranks or [])]
+            ranks = tuple(r for r, _, _ in shards)
+            group = ranks if ps.sharding_type in ("row_wise", "table_row_wise", "data_parallel") else ()
+            for r, nr, nc in shards:
+                out.append(PlacedShard(name, ps.sharding_type, ps.compute_kernel, r, int(nr), int(nc), rows, cols, pf, lf, group))
+    return out
+
+
+class TopologyPerfModel(PerfModel):
+    """torchrec PerfModel: the modeled step time (ms) of a partitioned plan."""
+
+    def __init__(self, cost_model: TopologyCostModel) -> None:
+        self.cost_model = cost_model
+
+    def rate(self, plan: list[ShardingOption]) -> float:
+        return self.cost_model.score(plan).step_time * 1e3

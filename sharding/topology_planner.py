@@ -1,0 +1,478 @@
+"""A topology-aware drop-in for torchrec's ``EmbeddingShardingPlanner``.
+
+It is torchrec's planner (enumerator, shard estimators, proposers, storage reservation, plan
+output) with three pieces swapped in through torchrec's extension points:
+
+- the ``Topology`` is built from a :class:`ClusterTopology` (HBM per GPU, host memory per rank =
+  host memory / ranks per host, bandwidths from the path model in ``sharding/bandwidth.py``);
+- :class:`TopologyPartitioner` places shards greedily by the modeled step time of
+  ``sharding/cost_model.py`` (rank-pair bandwidths, shared PCIe uplinks, NUMA placement) subject to
+  HBM per rank and host memory per host; row-wise-in-host groups stay inside one host (its NVLink
+  domain). It also runs torchrec's ``GreedyPerfPartitioner`` on the same proposal and keeps the
+  better of the two by the model, so it never does worse than torchrec's placement by that model;
+- :class:`TopologyPerfModel` rates plans, so torchrec's search keeps the best plan by that model.
+
+After the search, a callback raises the cache load factor of ``fused_uvm_caching`` tables into
+the HBM left free on their ranks. A model that cannot fit raises :class:`ModelDoesNotFitError`
+(a torchrec ``PlannerError``) with a one-line message.
+
+    planner = TopologyAwarePlanner(load_topology("dgx-a100-2host"), batch_size=512)
+    plan = planner.plan(model_on_meta, sharders)       # or collective_plan(model, sharders, pg)
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from typing import Optional
+
+import numpy as np
+import torch.distributed as dist
+from torch import nn
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
+from torchrec.distributed.planner.partitioners import GreedyPerfPartitioner
+from torchrec.distributed.planner.types import (
+    HardwareConfig,
+    KernelConfig,
+    Partitioner,
+    PlannerError,
+    PlannerErrorType,
+    ShardingOption,
+    Storage,
+    Topology,
+    TopologyFactory,
+    TrainerConfig,
+)
+from torchrec.distributed.types import ModuleSharder, ShardingPlan
+
+from sharding.bandwidth import host_to_gpu_bandwidth
+from sharding.cost_model import CostState, PlacedShard, TopologyCostModel, TopologyPerfModel, placed_from_option
+from sharding.topology import ClusterTopology, load_topology
+
+GIB = 1024**3
+UNIFORM = ("row_wise", "data_parallel")
+MAX_CACHE_LOAD_FACTOR = 0.8
+
+
+class ModelDoesNotFitError(PlannerError):
+    def __init__(self, message: str) -> None:
+        super().__init__(message=message, error_type=PlannerErrorType.INSUFFICIENT_STORAGE)
+
+
+def torchrec_topology(
+    topo: ClusterTopology, hbm_bytes: int | None = None, ddr_bytes: int | None = None
+) -> Topology:
+    """A torchrec ``Topology`` for the cluster: capacities per rank (host memory is the host's
+    divided by its ranks), bandwidths (bytes/ms, as torchrec wants) from the path model."""
+    from sharding.bandwidth import bandwidth_matrix
+
+    cpu = topo.compute_device == "cpu"
+    w, lw = topo.world_size, topo.local_world_size
+    bw = bandwidth_matrix(topo, shared=False)
+    same = np.equal.outer(np.arange(w) // lw, np.arange(w) // lw)
+    off = ~np.eye(w, dtype=bool)
+    intra = float(bw[same & off].min()) if (same & off).any() else None
+    inter = float(bw[~same].min()) if (~same).any() else None
+    ddr = min(h.ddr_bytes for h in topo.hosts) // lw
+    hbm = None if cpu else min(g.hbm_bytes for h in topo.hosts for g in h.gpus)
+    hardware = HardwareConfig(
+        hbm_cap_bytes=hbm_bytes if hbm_bytes is not None else hbm,
+        ddr_cap_bytes=ddr_bytes if ddr_bytes is not None else ddr,
+        intra_host_bw=None if intra is None else intra / 1e3,
+        inter_host_bw=None if inter is None else inter / 1e3,
+        hbm_mem_bw=None if cpu else min(g.hbm_bw for h in topo.hosts for g in h.gpus) / 1e3,
+        ddr_mem_bw=min(n.ddr_bw for h in topo.hosts for n in h.numa_nodes) / 1e3,
+        hbm_to_ddr_mem_bw=None if cpu else min(host_to_gpu_bandwidth(topo, r) for r in range(w)) / 1e3,
+    )
+    return TopologyFactory.create_topology(
+        trainer_config=TrainerConfig(world_size=w, local_world_size=lw),
+        hardware_config=hardware,
+        kernel_config=KernelConfig(compute_device=topo.compute_device, use_hardware_based_bandwidth=True),
+    )
+
+
+class TopologyPartitioner(Partitioner):
+    """Greedy placement by modeled step time (see module docstring)."""
+
+    def __init__(self, cost_model: TopologyCostModel, compare_default: bool = True) -> None:
+        self.cost_model = cost_model
+        self.compare_default = compare_default
+        self.last_storage_constraint: Topology | None = None
+
+    def partition(
+        self, proposal: list[ShardingOption], storage_constraint: Topology, hbm_per_device: Optional[int] = None
+    ) -> list[ShardingOption]:
+        self.last_storage_constraint = storage_constraint
+        self._partition(proposal, storage_constraint, hbm_per_device)
+        self.last = (id(proposal), _sig(proposal), self.cost_model.score(proposal).step_time)
+        return proposal
+
+    def cached_step_time(self, plan: list[ShardingOption]) -> float | None:
+        last = getattr(self, "last", None)
+        if last is not None and last[0] == id(plan) and last[1] == _sig(plan):
+            return last[2]
+        return None
+
+    def compare_with_default(self, plan: list[ShardingOption]) -> list[ShardingOption]:
+        """Re-place the chosen proposal with torchrec's GreedyPerfPartitioner and keep whichever
+        placement the cost model prefers (so ours is never worse than torchrec's on it)."""
+        sc = self.last_storage_constraint
+        if not self.compare_default or sc is None:
+            return plan
+        ours = _ranks(plan)
+        ours_cost = self.cost_model.score(plan).step_time
+        _reset(plan)
+        try:
+            GreedyPerfPartitioner().partition(plan, sc)
+            if self._fits_hosts(plan, sc) and self.cost_model.score(plan).step_time < ours_cost:
+                return plan
+        except PlannerError:
+            pass
+        _set_ranks(plan, ours)
+        return plan
+
+    # host memory is a per-host budget: torchrec's per-rank DDR split can be exceeded per rank
+    def _fits_hosts(self, plan: list[ShardingOption], sc: Topology) -> bool:
+        lw = sc.local_world_size
+        used: dict[int, float] = {}
+        for so in plan:
+            for sh in so.shards:
+                used[sh.rank // lw] = used.get(sh.rank // lw, 0) + sh.storage.ddr
+        cap = {h: sum(d.storage.ddr for d in sc.devices[h * lw:(h + 1) * lw]) for h in range(sc.world_size // lw)}
+        return all(u <= cap[h] for h, u in used.items())
+
+    def _partition(
+        self, proposal: list[ShardingOption], sc: Topology, hbm_per_device: Optional[int]
+    ) -> list[ShardingOption]:
+        m = self.cost_model
+        w, lw = sc.world_size, sc.local_world_size
+        if w != m.world:
+            raise PlannerError(f"topology world size {m.world} != planner world size {w}", PlannerErrorType.OTHER)
+        hbm_free = np.array([float(hbm_per_device or d.storage.hbm) for d in sc.devices])
+        nh = w // lw
+        host_free = np.array([sum(float(d.storage.ddr) for d in sc.devices[h * lw:(h + 1) * lw]) for h in range(nh)])
+        host_of = np.arange(w) // lw
+        st = m.new_state()
+        _reset(proposal)
+
+        def fits(rank: int, s: Storage) -> bool:
+            return s.hbm <= hbm_free[rank] and s.ddr <= host_free[host_of[rank]]
+
+        def take(rank: int, s: Storage) -> None:
+            hbm_free[rank] -= s.hbm
+            host_free[host_of[rank]] -= s.ddr
+
+        def fail(so: ShardingOption, what: str) -> PlannerError:
+            return PlannerError(
+                f"{so.name} ({so.sharding_type}, {so.compute_kernel}): {what}", PlannerErrorType.PARTITION
+            )
+
+        # 1. uniform options (RW, DP): shard i on rank i, as torchrec does
+        for so in proposal:
+            if so.sharding_type in UNIFORM:
+                if len(so.shards) != w:
+                    raise fail(so, f"{len(so.shards)} shards for {w} ranks")
+                for r, sh in enumerate(so.shards):
+                    if not fits(r, sh.storage):
+                        raise fail(so, f"shard does not fit on rank {r}")
+                    take(r, sh.storage)
+                    sh.rank = r
+                for p in placed_from_option(so):
+                    st.add(p)
+
+        rest = [so for so in proposal if so.sharding_type not in UNIFORM]
+        rest.sort(key=lambda so: (-sum(sh.perf.total for sh in so.shards), -sum(sh.storage.hbm + sh.storage.ddr for sh in so.shards), so.name))
+
+        # 2. table-row-wise: one host (its NVLink domain), shard i on its rank i
+        for so in rest:
+            if so.sharding_type != "table_row_wise":
+                continue
+            if len(so.shards) != lw:
+                raise fail(so, f"{len(so.shards)} shards for {lw} ranks per host")
+            best = None
+            for h in range(nh):
+                ranks = list(range(h * lw, (h + 1) * lw))
+                if not all(sh.storage.hbm <= hbm_free[r] for r, sh in zip(ranks, so.shards)):
+                    continue
+                if sum(sh.storage.ddr for sh in so.shards) > host_free[h]:
+                    continue
+                if nh == 1:
+                    for r, sh in zip(ranks, so.shards):
+                        sh.rank = r
+                    for p in placed_from_option(so):
+                        st.add(p)
+                    best = (None, h, st)
+                    break
+                trial = st.copy()
+                for r, sh in zip(ranks, so.shards):
+                    sh.rank = r
+                for p in placed_from_option(so):
+                    trial.add(p)
+                t = trial.rank_time()
+                key = (round(float(t.max()), 12), float(t.sum()), h)
+                if best is None or key < best[0]:
+                    best = (key, h, trial)
+            if best is None:
+                raise fail(so, "no host has room for it")
+            _, h, st = best
+            for r, sh in zip(range(h * lw, (h + 1) * lw), so.shards):
+                sh.rank = r
+                take(r, sh.storage)
+
+        # 3. table-/column-wise shards, heaviest first, each where the modeled step grows least
+        for so in rest:
+            if so.sharding_type == "table_row_wise":
+                continue
+            protos = placed_from_option(_with_all_ranks(so, 0))
+            host_lock = None
+            for sh, proto in zip(so.shards, protos):
+                cands = [r for r in range(w) if fits(r, sh.storage) and (host_lock is None or host_of[r] == host_lock)]
+                if not cands:
+                    raise fail(so, f"a shard needing {sh.storage} fits on no rank")
+                r = _pick(st, proto, cands)
+                sh.rank = r
+                take(r, sh.storage)
+                st.add(dataclasses.replace(proto, rank=r))
+                if so.sharding_type == "table_column_wise":
+                    host_lock = host_of[r]
+        return proposal
+
+
+def _pick(st: CostState, proto: PlacedShard, cands: list[int]) -> int:
+    """The candidate with the lowest resulting step time; ties: lowest resulting sum of rank
+    times (spreads host traffic over switches), then lowest rank."""
+    m = st.model
+    if len(cands) == 1:
+        return cands[0]
+    c = np.asarray(cands)
+    maxes = st.candidate_step_times(proto, cands)
+    if proto.kernel in ("fused_uvm", "fused_uvm_caching") and not m.cpu:
+        sums = np.empty(len(c))
+        for k, r in enumerate(c):
+            trial = st.copy()
+            trial.add(dataclasses.replace(proto, rank=int(r)))
+            sums[k] = trial.rank_time().sum()
+    else:
+        base = st.rank_time()
+        b = 2 * m.batch * proto.cols * 4
+        sums = base.sum() + b * m.inv_bw[c].sum(axis=1) + b * m.inv_rowsum[c] + st._lookup_bytes(proto) / m.mem_bw[c]
+    lo = maxes.min()
+    tol = 1e-9 * max(lo, 1e-12)
+    ok = maxes <= lo + tol
+    idx = np.flatnonzero(ok)
+    best = idx[np.lexsort((c[idx], sums[idx]))[0]]
+    return int(c[best])
+
+
+def _with_all_ranks(so: ShardingOption, rank: int) -> ShardingOption:
+    class _V:  # a light view with ranks filled in, for placed_from_option
+        pass
+
+    v = _V()
+    v.__dict__.update(name=so.name, tensor=so.tensor, input_lengths=so.input_lengths, sharding_type=so.sharding_type,
+                      compute_kernel=so.compute_kernel, cache_params=so.cache_params,
+                      shards=[dataclasses.replace(sh, rank=rank) for sh in so.shards])
+    return v  # type: ignore[return-value]
+
+
+def _sig(plan: list[ShardingOption]) -> tuple:
+    return tuple(sh.rank for so in plan for sh in so.shards)
+
+
+def _ranks(plan: list[ShardingOption]) -> list[list[int]]:
+    return [[sh.rank for sh in so.shards] for so in plan]
+
+
+def _set_ranks(plan: list[ShardingOption], ranks: list[list[int]]) -> None:
+    for so, rs in zip(plan, ranks):
+        for sh, r in zip(so.shards, rs):
+            sh.rank = r
+
+
+def _reset(plan: list[ShardingOption]) -> None:
+    for so in plan:
+        for sh in so.shards:
+            sh.rank = None
+
+
+class _CachedPerfModel(TopologyPerfModel):
+    """TopologyPerfModel that reuses the partitioner's score of the plan it just placed."""
+
+    def __init__(self, cost_model: TopologyCostModel, partitioner: TopologyPartitioner) -> None:
+        super().__init__(cost_model)
+        self.partitioner = partitioner
+
+    def rate(self, plan: list[ShardingOption]) -> float:
+        hit = self.partitioner.cached_step_time(plan)
+        return hit * 1e3 if hit is not None else super().rate(plan)
+
+
+class TopologyAwarePlanner(EmbeddingShardingPlanner):
+    """``EmbeddingShardingPlanner`` on a :class:`ClusterTopology` (see module docstring).
+
+    ``batch_size`` is per rank, as for torchrec's planner. ``constraints`` are torchrec
+    ``ParameterConstraints`` per table (default: model-parallel types, fused / UVM kernels).
+    """
+
+    def __init__(
+        self,
+        topology: ClusterTopology | str,
+        batch_size: int,
+        constraints: dict[str, ParameterConstraints] | None = None,
+        *,
+        hbm_bytes: int | None = None,
+        ddr_bytes: int | None = None,
+        compare_default: bool = True,
+        tune_cache_load_factor: bool = True,
+        timeout_seconds: int | None = 20,
+        proposer=None,
+        debug: bool = False,
+    ) -> None:
+        self.cluster = load_topology(topology) if isinstance(topology, str) else topology
+        self.cost_model = TopologyCostModel(self.cluster, batch_size)
+        self.partitioner = TopologyPartitioner(self.cost_model, compare_default=compare_default)
+        callbacks = [self.partitioner.compare_with_default]
+        if tune_cache_load_factor and self.cluster.compute_device != "cpu":
+            callbacks.append(self._tune_load_factors)
+        super().__init__(
+            topology=torchrec_topology(self.cluster, hbm_bytes, ddr_bytes),
+            batch_size=batch_size,
+            partitioner=self.partitioner,
+            performance_model=_CachedPerfModel(self.cost_model, self.partitioner),
+            constraints=constraints,
+            debug=debug,
+            callbacks=callbacks,
+            timeout_seconds=timeout_seconds,
+            proposer=proposer,
+        )
+
+    def plan(self, module: nn.Module, sharders: list[ModuleSharder[nn.Module]]) -> ShardingPlan:
+        if self._constraints is None:
+            self._constraints = default_constraints(module, self.cluster.compute_device)
+            self._enumerator._constraints = self._constraints  # the enumerator was built before
+        try:
+            return super().plan(module, sharders)
+        except ModelDoesNotFitError:
+            raise
+        except PlannerError as e:
+            raise ModelDoesNotFitError(fit_message(self.cluster, module, self._topology, e)) from None
+
+    def _tune_load_factors(self, plan: list[ShardingOption]) -> list[ShardingOption]:
+        """Raise each UVM-caching table's load factor into the HBM still free on its ranks
+        (largest tables first), up to ``MAX_CACHE_LOAD_FACTOR``."""
+        sc = self.partitioner.last_storage_constraint
+        if sc is None:
+            return plan
+        free = np.array([float(d.storage.hbm) for d in sc.devices])
+        for so in plan:
+            for sh in so.shards:
+                free[sh.rank] -= sh.storage.hbm
+        caching = [so for so in plan if so.compute_kernel == "fused_uvm_caching"]
+        caching.sort(key=lambda so: (-so.tensor.shape[0] * so.tensor.shape[1], so.name))
+        for so in caching:
+            cp = so.cache_params
+            lf = (cp.load_factor if cp is not None and cp.load_factor is not None else 0.2)
+            if lf >= MAX_CACHE_LOAD_FACTOR:
+                continue
+            # extra HBM per shard for each +1.0 of load factor
+            per = [(sh, sh.size[0] * sh.size[1] * 4) for sh in so.shards]
+            room = min((free[sh.rank] / b if b else math.inf) for sh, b in per)
+            new = min(MAX_CACHE_LOAD_FACTOR, lf + 0.95 * room)
+            new = math.floor(new * 100) / 100
+            if new <= lf + 0.01:
+                continue
+            for sh, b in per:
+                extra = b * (new - lf)
+                free[sh.rank] -= extra
+                sh.storage = Storage(hbm=int(sh.storage.hbm + extra), ddr=sh.storage.ddr, ssd=sh.storage.ssd)
+            from torchrec.distributed.types import CacheParams
+
+            so.cache_params = dataclasses.replace(cp, load_factor=new) if cp is not None else CacheParams(load_factor=new)
+        return plan
+
+
+def default_constraints(module: nn.Module, compute_device: str, sharding_types: list[str] | None = None) -> dict[str, ParameterConstraints]:
+    """Model-parallel sharding types; fused kernels, plus UVM and UVM caching on GPUs."""
+    from sharding.planner import MODEL_PARALLEL_TYPES
+
+    types = list(sharding_types or MODEL_PARALLEL_TYPES)
+    kernels = ["fused"] if compute_device == "cpu" else ["fused", "fused_uvm", "fused_uvm_caching"]
+    if "data_parallel" in types:
+        kernels.append("dense")
+    return {name: ParameterConstraints(sharding_types=types, compute_kernels=kernels) for name in _table_bytes(module)}
+
+
+def _table_bytes(module: nn.Module) -> dict[str, int]:
+    """Table -> weights + row-wise optimizer state bytes (fp32)."""
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+
+    out: dict[str, int] = {}
+    for m in module.modules():
+        if isinstance(m, EmbeddingBagCollection):
+            cfgs = m.embedding_bag_configs()
+        elif isinstance(m, EmbeddingCollection):
+            cfgs = m.embedding_configs()
+        else:
+            continue
+        for c in cfgs:
+            out[c.name] = c.num_embeddings * c.embedding_dim * 4 + c.num_embeddings * 4
+    return out
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:,.1f} GiB"
+
+
+def fit_message(cluster: ClusterTopology, module: nn.Module, topo: Topology, err: Exception) -> str:
+    """One line: what the model needs, what the cluster has, the largest tables, what would fit."""
+    tables = _table_bytes(module)
+    need = sum(tables.values())
+    top = sorted(tables.items(), key=lambda kv: (-kv[1], kv[0]))[:3]
+    w = cluster.world_size
+    cpu = cluster.compute_device == "cpu"
+    hbm_dev = 0 if cpu else min(g.hbm_bytes for h in cluster.hosts for g in h.gpus)
+    host = min(h.ddr_bytes for h in cluster.hosts)
+    avail_hbm, avail_host = hbm_dev * w, host * len(cluster.hosts)
+    per_rank = hbm_dev + host / cluster.local_world_size
+    ranks_needed = math.ceil(need / (0.85 * per_rank)) if per_rank else 0
+    if need > 0.85 * (avail_hbm + avail_host):
+        fix = (f"about {ranks_needed} ranks ({math.ceil(ranks_needed / cluster.local_world_size)} hosts like these), "
+               f"or smaller embedding_dim / fewer rows for the largest tables")
+    else:
+        fix = ("allow fused_uvm_caching / fused_uvm and row_wise sharding for the largest tables, "
+               "or smaller embedding_dim for them")
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return (
+        f"model does not fit {cluster.name or 'topology'} ({w} ranks, {len(cluster.hosts)} hosts): "
+        f"embeddings need {_gib(need)} (weights + optimizer state), available {_gib(hbm_dev)} HBM per device "
+        f"({_gib(avail_hbm)} in all) and {_gib(host)} host memory per host ({_gib(avail_host)} in all); "
+        f"largest tables: " + ", ".join(f"{n} {_gib(b)}" for n, b in top)
+        + f"; to fit: {fix}; planner said: {first[:200]}"
+    )
+
+
+def cpu_topology_like(template: ClusterTopology, world_size: int) -> ClusterTopology:
+    """A single-host CPU topology with ``world_size`` ranks, from a CPU template's first host."""
+    h = template.hosts[0]
+    g0 = h.gpus[0]
+    gpus = tuple(dataclasses.replace(g0, index=i) for i in range(world_size))
+    return dataclasses.replace(template, hosts=(dataclasses.replace(h, gpus=gpus),), name=f"{template.name}-{world_size}")
+
+
+def cluster_for(topology: str, compute_device: str, world_size: int, local_world_size: int) -> ClusterTopology:
+    """The cluster a training run plans for: ``topology`` (a file or shipped name), or the shipped
+    ``cpu-gloo`` one for CPU runs. CPU topologies are resized to the run's world size."""
+    name = topology or ("cpu-gloo" if compute_device == "cpu" else "")
+    if not name:
+        raise ValueError("sharding.planner=topology on cuda needs sharding.topology (a topology file or shipped name)")
+    cluster = load_topology(name)
+    if cluster.compute_device != compute_device:
+        raise ValueError(f"topology {name} is for {cluster.compute_device}, the run is on {compute_device}")
+    if cluster.world_size != world_size:
+        if compute_device == "cpu" and world_size == local_world_size:
+            return cpu_topology_like(cluster, world_size)
+        raise ValueError(
+            f"topology {name} has {cluster.world_size} ranks ({cluster.local_world_size} per host), the run has {world_size} ({local_world_size} per host)"
+        )
+    return cluster

@@ -1,0 +1,161 @@
+"""Benchmark: the topology-aware planner vs torchrec's default planner.
+
+For each shipped topology x model (Criteo Kaggle DeepFM tables; a Criteo-1TB-sized DLRM: 26
+tables, the 1TB cardinalities, dim 128; a synthetic 500-table model of mixed sizes and dims):
+planning time, modeled step time and per-rank memory of both plans, each plan scored by our cost
+model (sharding/cost_model.py) and by torchrec's own estimator (EmbeddingPerfEstimator on the
+default planner's topology, max over ranks of the shards' perf, as torchrec's NoopPerfModel).
+
+    .venv/bin/python tools/bench_planner.py --quick      # 3 topologies x 2 models
+    .venv/bin/python tools/bench_planner.py              # everything
+
+Prints progress and a table; the last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder  # noqa: E402
+from torchrec.distributed.planner import EmbeddingShardingPlanner  # noqa: E402
+from torchrec.distributed.planner.perf_models import NoopPerfModel  # noqa: E402
+from torchrec.distributed.planner.shard_estimators import EmbeddingPerfEstimator  # noqa: E402
+from torchrec.distributed.planner.types import HardwareConfig, KernelConfig, PlannerError, TopologyFactory, TrainerConfig  # noqa: E402
+from torchrec.modules.embedding_configs import EmbeddingBagConfig  # noqa: E402
+from torchrec.modules.embedding_modules import EmbeddingBagCollection  # noqa: E402
+
+from sharding.cost_model import TopologyCostModel  # noqa: E402
+from sharding.topology import load_topology, shipped_topologies  # noqa: E402
+from sharding.topology_planner import TopologyAwarePlanner, default_constraints  # noqa: E402
+
+KAGGLE = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992,
+          5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572]
+CRITEO_1TB = [39884406, 39043, 17289, 7420, 20263, 3, 7120, 1543, 63, 38532951, 2953546, 403346, 10, 2208,
+              11938, 155, 4, 976, 14, 39979771, 25641295, 39664984, 585935, 12972, 108, 36]
+
+
+def ebc(specs: list[tuple[int, int]]) -> EmbeddingBagCollection:
+    tables = [EmbeddingBagConfig(name=f"t_{i}", embedding_dim=d, num_embeddings=n, feature_names=[f"f_{i}"])
+              for i, (n, d) in enumerate(specs)]
+    return EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+
+
+def synthetic_500(seed: int = 0) -> list[tuple[int, int]]:
+    rng = np.random.default_rng(seed)
+    rows = np.exp(rng.uniform(np.log(100), np.log(5e6), 500)).astype(int)
+    dims = rng.choice([16, 32, 64, 128], 500, p=[0.3, 0.3, 0.25, 0.15])
+    return [(int(r), int(d)) for r, d in zip(rows, dims)]
+
+
+MODELS = {
+    "deepfm-kaggle": lambda: [(n, 16) for n in KAGGLE],
+    "dlrm-1tb": lambda: [(n, 128) for n in CRITEO_1TB],
+    "synthetic-500": synthetic_500,
+}
+
+
+def default_planner(cluster, batch: int, constraints) -> EmbeddingShardingPlanner:
+    """torchrec's planner as the trainer's `torchrec` choice builds it: same per-rank capacities
+    (host memory / ranks per host), torchrec's default bandwidths."""
+    hbm = None if cluster.compute_device == "cpu" else min(g.hbm_bytes for h in cluster.hosts for g in h.gpus)
+    topo = TopologyFactory.create_topology(
+        trainer_config=TrainerConfig(world_size=cluster.world_size, local_world_size=cluster.local_world_size),
+        hardware_config=HardwareConfig(hbm_cap_bytes=hbm, ddr_cap_bytes=min(h.ddr_bytes for h in cluster.hosts) // cluster.local_world_size),
+        kernel_config=KernelConfig(compute_device=cluster.compute_device),
+    )
+    return EmbeddingShardingPlanner(topology=topo, batch_size=batch, constraints=constraints, debug=False)
+
+
+def torchrec_score(opts, ref: EmbeddingShardingPlanner) -> float:
+    opts = copy.deepcopy(opts)
+    EmbeddingPerfEstimator(topology=ref._topology).estimate(opts, ref._enumerator._sharder_data_map)
+    return NoopPerfModel(ref._topology).rate(opts)
+
+
+def run_one(topo_name: str, model_name: str, batch: int) -> dict:
+    cluster = load_topology(topo_name)
+    module = ebc(MODELS[model_name]())
+    sharders = [EmbeddingBagCollectionSharder()]
+    cm = TopologyCostModel(cluster, batch)
+    row: dict = {"topology": topo_name, "model": model_name, "world": cluster.world_size}
+    results = {}
+    for who in ("default", "ours"):
+        cons = default_constraints(module, cluster.compute_device)
+        planner = default_planner(cluster, batch, cons) if who == "default" else TopologyAwarePlanner(cluster, batch, cons)
+        t0 = time.perf_counter()
+        try:
+            planner.plan(module, sharders)
+            err = None
+        except PlannerError as e:
+            err = str(e).splitlines()[0][:160]
+        dt = time.perf_counter() - t0
+        results[who] = (planner, err)
+        row[f"{who}_plan_s"] = round(dt, 2)
+        if err:
+            row[f"{who}_error"] = err
+            continue
+        opts = planner._best_plan
+        cost = cm.score(opts)
+        row[f"{who}_step_ms"] = round(cost.step_time * 1e3, 4)
+        row[f"{who}_max_hbm_gib"] = round(float(cost.hbm_bytes.max()) / 2**30, 2)
+        row[f"{who}_max_host_gib_per_rank"] = round(float(cost.host_bytes.max()) / 2**30, 2)
+        row[f"{who}_kernels"] = sorted({so.compute_kernel for so in opts})
+        row[f"{who}_types"] = sorted({so.sharding_type for so in opts})
+    ref = results["default"][0]
+    if not results["default"][1] and not results["ours"][1]:
+        for who in ("default", "ours"):
+            row[f"{who}_torchrec_est"] = round(torchrec_score(results[who][0]._best_plan, ref), 4)
+        row["ratio_ours_vs_default"] = round(row["ours_step_ms"] / row["default_step_ms"], 3)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="3 topologies x 2 models")
+    ap.add_argument("--batch-size", type=int, default=4096, help="per rank")
+    ap.add_argument("--topologies", nargs="*", default=None)
+    ap.add_argument("--models", nargs="*", default=None)
+    args = ap.parse_args(argv)
+    logging.disable(logging.WARNING)
+    if args.quick:
+        topos = args.topologies or ["dgx-a100", "pcie-8gpu-2socket", "dgx-a100-2host"]
+        models = args.models or ["deepfm-kaggle", "dlrm-1tb"]
+    else:
+        topos = args.topologies or [p.stem for p in shipped_topologies()]
+        models = args.models or list(MODELS)
+    rows = []
+    t_all = time.perf_counter()
+    for t in topos:
+        for m in models:
+            print(f"[bench] {t} x {m} ...", flush=True)
+            row = run_one(t, m, args.batch_size)
+            rows.append(row)
+            print("   ", {k: v for k, v in row.items() if not k.endswith(("_kernels", "_types"))}, flush=True)
+    print()
+    hdr = f"{'topology':<32} {'model':<14} {'world':>5} {'plan s (def/ours)':>18} {'step ms (def/ours)':>22} {'ratio':>6} {'torchrec est (def/ours)':>24} {'max HBM GiB (def/ours)':>22}"
+    print(hdr)
+    for r in rows:
+        if "ratio_ours_vs_default" not in r:
+            print(f"{r['topology']:<32} {r['model']:<14} {r['world']:>5} {r['default_plan_s']:>8}/{r['ours_plan_s']:<9} "
+                  f"default: {r.get('default_error', 'ok')[:60]} | ours: {r.get('ours_error', 'ok')[:60]}")
+            continue
+        print(f"{r['topology']:<32} {r['model']:<14} {r['world']:>5} {r['default_plan_s']:>8}/{r['ours_plan_s']:<9} "
+              f"{r['default_step_ms']:>10}/{r['ours_step_ms']:<11} {r['ratio_ours_vs_default']:>6} "
+              f"{r['default_torchrec_est']:>11}/{r['ours_torchrec_est']:<12} {r['default_max_hbm_gib']:>10}/{r['ours_max_hbm_gib']:<11}")
+    print(json.dumps({"quick": args.quick, "batch_size_per_rank": args.batch_size, "total_s": round(time.perf_counter() - t_all, 1), "rows": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
