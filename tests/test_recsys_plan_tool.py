@@ -90,3 +90,26 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(plans, tmp_path):
     assert r.returncode == 2 and "multiple of --local-world-size" in r.stderr and not out.exists()
     r = tool("make", "--config", DEMO, "--out", str(out), "--set", "model.nmae=x")
     assert r.returncode == 2 and "unknown key 'model.nmae'" in r.stderr and not out.exists()
+
+
+SHARED_TOPO = REPO.parent / "shared" / "data" / "topo" / "8x-h100-sxm-nv18-no-nic.txt"
+
+
+@pytest.mark.skipif(not SHARED_TOPO.exists(), reason="shared data not present")
+def test_make_with_topology_from_nvidia_smi_text(tmp_path):
+    """`make --topology topo.txt`: the nvidia-smi matrix is imported (capacities from the command
+    line), kept next to the plan, and the topology-aware planner plans for its 8 GPUs."""
+    out = tmp_path / "p.json"
+    r = tool("make", "--config", DEMO, "--topology", str(SHARED_TOPO), "--hbm-gb", "80", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(out.read_text())
+    assert plan["world_size"] == 8 and plan["meta"]["planner"] == "topology"
+    imported = tmp_path / "p.topology.yaml"
+    assert plan["meta"]["topology"] == str(imported) and imported.is_file()
+    shown = tool("show", str(out), "--topology", str(imported))
+    assert shown.returncode == 0 and "critical: rank" in shown.stdout
+    bad = tmp_path / "bad.txt"
+    bad.write_text(SHARED_TOPO.read_text().replace("NV18", "NVX", 1))
+    r = tool("make", "--config", DEMO, "--topology", str(bad), "--out", str(tmp_path / "q.json"))
+    assert r.returncode == 2 and "unknown token 'NVX'" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "q.json").exists()

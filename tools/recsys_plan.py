@@ -56,14 +56,43 @@ def _emit(text: str, out: str | None) -> None:
         print(text)
 
 
+def _load_cluster(name: str):
+    from sharding.topology import load_topology
+
+    return load_topology(name)
+
+
+def _topology_file(args: argparse.Namespace) -> str:
+    """A topology YAML or shipped name as is; an `nvidia-smi topo -m` text (.txt) is imported with
+    the capacities given on the command line and written next to the plan as <out>.topology.yaml."""
+    if not args.topology.endswith(".txt"):
+        return args.topology
+    from sharding.topology import dump_topology
+    from sharding.topology_import import import_topo
+
+    caps = {"hbm_gb": args.hbm_gb or 80.0, "hbm_bw_gb_s": args.hbm_bw_gb_s}
+    if args.ddr_gb:
+        caps["ddr_gb"] = args.ddr_gb
+    topo = import_topo(args.topology, **caps)
+    path = Path(args.out).with_suffix(".topology.yaml")
+    _write_atomic(path, dump_topology(topo, header=f"imported from {args.topology} by recsys-plan make"))
+    return str(path)
+
+
 def cmd_make(args: argparse.Namespace) -> int:
     from recsys.optim.embedding import embedding_sharders
     from sharding import plan_io
     from sharding.planner import build_planner
 
-    cfg, model, tables = _model_and_tables(args.config, args.overrides)
-    world = args.world_size or cfg.train.nproc_per_node
-    local = args.local_world_size or min(world, 8)
+    overrides = list(args.overrides)
+    cluster = None
+    if args.topology:  # the topology-aware planner on this hardware description
+        cluster_file = _topology_file(args)
+        cluster = _load_cluster(cluster_file)
+        overrides += ["sharding.planner=topology", f"sharding.topology={cluster_file}"]
+    cfg, model, tables = _model_and_tables(args.config, overrides)
+    world = args.world_size or (cluster.world_size if cluster else cfg.train.nproc_per_node)
+    local = args.local_world_size or (cluster.local_world_size if cluster else min(world, 8))
     if world <= 0 or world % local:
         raise UsageError(f"--world-size {world} is not a positive multiple of --local-world-size {local}")
     batch = (args.batch_size or cfg.train.batch_size) // world
@@ -79,7 +108,7 @@ def cmd_make(args: argparse.Namespace) -> int:
         plan = planner.plan(model, embedding_sharders(cfg.optim))
     except Exception as e:  # torchrec's PlannerError is multi-line; keep its first line
         raise UsageError(f"planning failed: {str(e).strip().splitlines()[0]}") from None
-    meta = {"planner": cfg.sharding.planner, "config": str(args.config), "overrides": args.overrides,
+    meta = {"planner": cfg.sharding.planner, "topology": cfg.sharding.topology, "config": str(args.config), "overrides": args.overrides,
             "batch_size_per_rank": batch, "hbm_gb": args.hbm_gb, "ddr_gb": args.ddr_gb}
     plan_io.save_plan(args.out, plan_io.plan_to_dict(plan, world, args.compute_device, tables, meta))
     print(f"wrote {args.out}: {sum(len(m) for m in plan.plan.values())} tables on {world} ranks")
@@ -164,6 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--world-size", type=int, default=0, help="ranks (default: train.nproc_per_node)")
     m.add_argument("--local-world-size", type=int, default=0, help="ranks per host (default: min(world, 8))")
     m.add_argument("--compute-device", choices=("cuda", "cpu"), default="cuda")
+    m.add_argument("--topology", default="", help="topology YAML, shipped name (configs/topologies) or `nvidia-smi topo -m` text (.txt): plan with the topology-aware planner")
+    m.add_argument("--hbm-bw-gb-s", type=float, default=2039.0, help="HBM bandwidth for an imported nvidia-smi topology (default: A100's)")
     m.add_argument("--hbm-gb", type=float, default=0.0, help="HBM per GPU (default: torchrec's)")
     m.add_argument("--ddr-gb", type=float, default=0.0, help="host memory per rank (default: torchrec's)")
     m.add_argument("--batch-size", type=int, default=0, help="global batch (default: train.batch_size)")
