@@ -113,3 +113,17 @@ def test_make_with_topology_from_nvidia_smi_text(tmp_path):
     r = tool("make", "--config", DEMO, "--topology", str(bad), "--out", str(tmp_path / "q.json"))
     assert r.returncode == 2 and "unknown token 'NVX'" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "q.json").exists()
+
+
+def test_diff_with_topology_reports_modeled_time_deltas(plans):
+    roomy, tight = plans
+    d = json.loads(tool("diff", str(roomy), str(tight), "--topology", "dgx-a100", "--format", "json").stdout)
+    per_plan = []
+    for p in (roomy, tight):
+        shown = json.loads(tool("show", str(p), "--topology", "dgx-a100", "--format", "json").stdout)
+        per_plan.append([r["total_s"] for r in shown["traffic"]["ranks"]])
+    for r in d["ranks"]:
+        assert r["modeled_s_delta"] == pytest.approx(per_plan[1][r["rank"]] - per_plan[0][r["rank"]])
+    assert d["modeled_step_s"] == pytest.approx([max(per_plan[0]), max(per_plan[1])])
+    r = tool("diff", str(roomy), str(tight), "--topology", "dgx-a100-2host")
+    assert r.returncode == 2 and "16 ranks, the plan has 8" in r.stderr

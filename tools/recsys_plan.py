@@ -157,8 +157,32 @@ def cmd_diff(args: argparse.Namespace) -> int:
     a, ha = plan_io.load_plan(args.a)
     b, hb = plan_io.load_plan(args.b)
     d = plan_report.diff(a, ha, b, hb)
-    _emit(json.dumps(d, indent=1) if args.format == "json" else plan_report.format_diff(d), args.out)
+    text = plan_report.format_diff(d)
+    if args.topology:  # modeled time per rank on this hardware, b - a
+        ta, tb = _modeled_seconds(a, ha, args.topology), _modeled_seconds(b, hb, args.topology)
+        for r in d["ranks"]:
+            r["modeled_s_delta"] = tb[r["rank"]] - ta[r["rank"]]
+        d["modeled_step_s"] = [max(ta), max(tb)]
+        text += "\nmodeled time per rank on {} (b - a): {}\nmodeled step (slowest rank): {:.4f} ms -> {:.4f} ms".format(
+            args.topology, ", ".join(f"{r['rank']}: {r['modeled_s_delta'] * 1e3:+.4f} ms" for r in d["ranks"]),
+            max(ta) * 1e3, max(tb) * 1e3,
+        )
+    _emit(json.dumps(d, indent=1) if args.format == "json" else text, args.out)
     return 0
+
+
+def _modeled_seconds(plan, header: dict, topology: str) -> list[float]:
+    """Per-rank modeled seconds per step (sharding/plan_traffic.py) of a plan on a topology."""
+    from sharding import plan_report, plan_traffic
+    from sharding.topology import load_topology
+
+    topo = load_topology(topology)
+    if topo.world_size != header["world_size"]:
+        raise UsageError(f"--topology {topology}: {topo.world_size} ranks, the plan has {header['world_size']}")
+    infos = plan_report.table_infos(plan, header)
+    tr = plan_traffic.traffic(infos, header["world_size"], plan_traffic.batch_size_of(header))
+    plan_traffic.apply_topology(tr, topo, infos, plan_report.rank_memory(infos, header["world_size"]))
+    return [float(x) for x in tr.total_s]
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -212,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("a")
     d.add_argument("b")
     d.add_argument("--format", choices=("text", "json"), default="text")
+    d.add_argument("--topology", default="", help="also report modeled time deltas per rank on this topology")
     d.add_argument("--out")
     d.set_defaults(fn=cmd_diff)
     v = sub.add_parser("validate", help="covers every table once, matches the world size, fits memory")
