@@ -14,7 +14,7 @@ venv: $(STAMP)
 $(STAMP):
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "installing the pinned CPU stack into $(VENV) (torch 2.13.0+cpu, fbgemm-gpu-cpu 1.8.0, torchrec 1.8.0)"
-	$(PIP) setuptools "torch==2.13.0+cpu" fbgemm-gpu-cpu tensordict torchmetrics tqdm pyre-extensions iopath numpy PyYAML tensorboard pytest matplotlib
+	$(PIP) setuptools "torch==2.13.0+cpu" fbgemm-gpu-cpu tensordict torchmetrics tqdm pyre-extensions iopath numpy PyYAML tensorboard pytest matplotlib ninja
 	@# torchrec declares a dependency on the CUDA fbgemm-gpu, which breaks `import torchrec` on CPU torch.
 	$(PIP) --no-deps torchrec
 	@# TorchX launcher (docs/launch.md): the pinned nightly. Never also `torchx` (the same module).

@@ -1,0 +1,223 @@
+"""Fused CowClip-Adam embedding backward + update: the C++ CPU op ``torch.ops.recsys.cowclip_adam_step_``
+(``recsys/optim/csrc/cowclip_adam.cpp``), built just in time, with the torch-ops reference
+(``recsys.optim.cowclip.cowclip_adam_step``) as fallback.
+
+One call updates ONE table in place, given the FBGEMM-style lookup of the batch (``indices`` [L],
+``offsets`` [B+1]) and ``grad_output`` [B, D], the gradient of the pooled (summed) embeddings. It is
+the update of ``cowclip_adam_step(..., update_scope="batch", l2_scope="batch", bias_correction="row")``:
+lazy Adam on the batch's unique rows, per-row bias correction, rows absent from the batch bit-identical.
+
+Build: ``torch.utils.cpp_extension.load(is_python_module=False)`` with ``-O3 -fopenmp`` into
+``<repo>/build/torch_extensions/`` (git-ignored; override with ``RECSYS_EXT_DIR``), serialised
+across processes (e.g. several ranks) by a file lock. Uses the venv's ``ninja``.
+``RECSYS_NO_CPP=1`` skips the build and uses the reference. On CUDA tensors the reference runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from recsys.optim.cowclip import CowClipAdamState, CowClipStats, cowclip_adam_step
+
+__all__ = [
+    "fused_cowclip_adam_step",
+    "fused_available",
+    "fallback_reason",
+    "load_extension",
+    "build_dir",
+]
+
+log = logging.getLogger(__name__)
+
+_NAME = "recsys_cowclip_adam"
+_SRC = Path(__file__).resolve().parent / "csrc" / "cowclip_adam.cpp"
+_REPO = Path(__file__).resolve().parents[2]
+
+_loaded: bool | None = None  # None: not tried yet
+_reason: str = "not loaded yet"
+_build_seconds: float | None = None
+_warned = False
+
+
+def build_dir() -> Path:
+    """Where the extension is built and cached (one directory per torch version / ABI)."""
+    root = os.environ.get("RECSYS_EXT_DIR")
+    base = Path(root) if root else _REPO / "build" / "torch_extensions"
+    tag = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__.replace('+', '_')}"
+    return base / tag / _NAME
+
+
+def _op_registered() -> bool:
+    try:
+        torch.ops.recsys.cowclip_adam_step_  # noqa: B018
+        return True
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _ninja_path_env() -> dict[str, str]:
+    """PATH with the venv's ninja first (cpp_extension runs plain ``ninja``)."""
+    dirs = [os.path.dirname(sys.executable)]
+    try:
+        import ninja  # type: ignore[import-not-found]
+
+        dirs.insert(0, ninja.BIN_DIR)
+    except Exception:  # noqa: BLE001 - the system ninja may still do
+        pass
+    return {"PATH": os.pathsep.join(dirs + [os.environ.get("PATH", "")])}
+
+
+def load_extension(require: bool = False, verbose: bool = False) -> bool:
+    """Build (if needed) and load the op once per process. Returns whether it is available.
+
+    With ``require=True`` a failure raises instead of falling back (tests, ``make venv`` prebuild).
+    """
+    global _loaded, _reason, _build_seconds
+    if _loaded is None:
+        if os.environ.get("RECSYS_NO_CPP", "") not in ("", "0"):
+            _loaded, _reason = False, "RECSYS_NO_CPP is set"
+        elif _op_registered():  # registered by someone else in this process
+            _loaded, _reason = True, "already registered"
+        else:
+            try:
+                _build_and_load(verbose)
+                _loaded, _reason = True, "built"
+            except Exception as e:  # noqa: BLE001 - any build/load failure means: fall back
+                msg = str(e).strip().splitlines()
+                _loaded, _reason = False, f"{type(e).__name__}: {msg[-1] if msg else ''}"[:500]
+    if require and not _loaded:
+        raise RuntimeError(f"CowClip C++ extension not available: {_reason}")
+    return bool(_loaded)
+
+
+def _build_and_load(verbose: bool) -> None:
+    global _build_seconds
+    from filelock import FileLock
+    from torch.utils import cpp_extension
+
+    d = build_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    old_path = os.environ.get("PATH", "")
+    with FileLock(str(d.parent / f"{_NAME}.build.lock"), timeout=600):
+        # We hold the only build lock: a `lock` baton of cpp_extension left by a killed build is stale
+        # (it would make this process wait forever).
+        stale = d / "lock"
+        if stale.exists():
+            stale.unlink()
+        os.environ.update(_ninja_path_env())
+        try:
+            cpp_extension.load(
+                name=_NAME,
+                sources=[str(_SRC)],
+                extra_cflags=["-O3", "-fopenmp", "-DNDEBUG"],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(d),
+                is_python_module=False,
+                verbose=verbose,
+            )
+        finally:
+            os.environ["PATH"] = old_path
+    _build_seconds = time.perf_counter() - t0
+    if not _op_registered():
+        raise RuntimeError("library loaded but torch.ops.recsys.cowclip_adam_step_ is not registered")
+
+
+def fused_available() -> bool:
+    """True when CPU calls of ``fused_cowclip_adam_step`` run the C++ op (builds it on first call)."""
+    return load_extension()
+
+
+def fallback_reason() -> str:
+    """Why the C++ op is (not) used, for logs."""
+    load_extension()
+    return _reason
+
+
+def build_seconds() -> float | None:
+    """Seconds spent in build/load in this process (None when nothing was built here)."""
+    return _build_seconds
+
+
+def _warn_once(why: str) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        log.warning("CowClip-Adam: using the torch-ops reference instead of the fused C++ op (%s)", why)
+
+
+def fused_cowclip_adam_step(
+    weight: Tensor,
+    state: CowClipAdamState,
+    indices: Tensor,
+    offsets: Tensor,
+    grad_output: Tensor,
+    per_sample_weights: Tensor | None = None,
+    *,
+    lr: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    r: float = 1.0,
+    zeta: float = 1e-5,
+    l2: float = 0.0,
+    clip: bool = True,
+    eps_mode: str = "torch",
+) -> CowClipStats:
+    """One lazy CowClip-Adam step of one table, in place on ``weight`` [N, D] and ``state``.
+
+    Same result as ``cowclip_adam_step(weight, state, indices, offsets, grad_output,
+    per_sample_weights, lr=..., betas=..., eps=..., r=..., zeta=..., l2=..., clip=...,
+    update_scope="batch", l2_scope="batch", bias_correction="row", eps_mode=...)``.
+    """
+    if eps_mode not in ("torch", "keras"):
+        raise ValueError(f"eps_mode must be torch|keras, got {eps_mode!r}")
+    on_cpu = weight.device.type == "cpu"
+    ok = (
+        on_cpu
+        and weight.dtype == torch.float32
+        and weight.dim() == 2
+        and weight.is_contiguous()
+        and state.exp_avg.is_contiguous()
+        and state.exp_avg_sq.is_contiguous()
+        and state.row_step.is_contiguous()
+    )
+    if ok and load_extension():
+        with torch.no_grad():
+            go = grad_output.detach()
+            if go.dtype != torch.float32 or not go.is_contiguous():
+                go = go.to(torch.float32).contiguous()
+            psw = per_sample_weights
+            if psw is not None:
+                psw = psw.detach().to(torch.float32).contiguous()
+            out = torch.ops.recsys.cowclip_adam_step_(
+                weight, state.exp_avg, state.exp_avg_sq, state.row_step,
+                indices.long().contiguous(), offsets.long().contiguous(), go, psw,
+                float(lr), float(betas[0]), float(betas[1]), float(eps), float(r), float(zeta), float(l2),
+                bool(clip), eps_mode == "keras",
+            )
+            state.step.add_(1)
+        n_unique, n_clipped = int(out[0]), out[1]
+        return CowClipStats(
+            unique_rows=n_unique,
+            clipped_rows=n_clipped,
+            clipped_fraction=n_clipped.to(torch.float32) / max(n_unique, 1),
+        )
+    if not on_cpu:
+        why = f"{weight.device.type} tensors"
+    elif not ok:
+        why = "weight not contiguous float32 [N, D]"
+    else:
+        why = _reason
+    _warn_once(why)
+    return cowclip_adam_step(
+        weight, state, indices, offsets, grad_output, per_sample_weights,
+        lr=lr, betas=betas, eps=eps, r=r, zeta=zeta, l2=l2, clip=clip,
+        update_scope="batch", l2_scope="batch", bias_correction="row", eps_mode=eps_mode,
+    )
