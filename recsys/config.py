@@ -85,6 +85,12 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda
     seed: int = 0
     threads_per_rank: int = 0  # 0: cores / local ranks
+    # Hierarchical (k-step merge) training, docs/kstep.md. hosts: how many hosts the world is
+    # split into (host-major ranks; 1 = plain synchronous training). Under torchrun a value of
+    # 1 with merge_every > 0 takes the host count from NNODES / GROUP_WORLD_SIZE.
+    hosts: int = 1
+    merge_every: int = 0  # k: average dense params and embedding shards across hosts every k steps; 0: off
+    merge_moments: bool = False  # also average optimizer state (Adam moments, Adagrad momentum)
 
 
 @dataclass
@@ -327,6 +333,18 @@ def validate(cfg: ExperimentConfig, source: str = "config") -> None:
         bad("train.device", f"unknown device '{t.device}' (auto, cpu or cuda)")
     if t.log_every <= 0:
         bad("train.log_every", "must be positive")
+    if t.hosts <= 0:
+        bad("train.hosts", "must be positive")
+    if t.merge_every < 0:
+        bad("train.merge_every", "must be >= 0 (0: no k-step merging)")
+    if t.hosts > 1 and t.merge_every == 0:
+        bad("train.merge_every", f"train.hosts={t.hosts} needs merge_every > 0 (hosts would never synchronise)")
+    if t.merge_moments and t.merge_every == 0:
+        bad("train.merge_moments", "only meaningful with train.merge_every > 0")
+    if t.merge_every > 0 and cfg.resume:
+        bad("resume", "not yet supported with train.merge_every > 0 (hierarchical runs write no checkpoints yet)")
+    if t.hosts > 1 and "WORLD_SIZE" in os.environ and world % t.hosts:
+        bad("train.hosts", f"the world size {world} is not divisible by {t.hosts} hosts")
     known_types = ("table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise", "data_parallel")
     for st in cfg.sharding.sharding_types:
         if st not in known_types:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+from torchrec.distributed.types import ShardingEnv
 
 from recsys import config as config_mod
 from recsys.config import ExperimentConfig
@@ -24,10 +25,12 @@ from recsys.optim.dense import combined_optimizer, dense_optimizer
 from recsys.optim.embedding import attach_embedding_optimizer, embedding_sharders
 from recsys.training.checkpoint import Checkpointer
 from recsys.training.distributed import DistEnv, init_distributed
+from recsys.training.hierarchy import HostGroups, build_host_groups, remap_plan_to_host, resolve_hosts
+from recsys.training.merge import KStepMerger
 from recsys.training.metrics import MetricsWriter, evaluate, write_json_atomic
 from recsys.training.progress import Progress
 from sharding import plan_io
-from sharding.planner import make_plan
+from sharding.planner import build_planner, make_plan
 
 log = logging.getLogger("recsys.train")
 
@@ -49,6 +52,8 @@ class Job:
     dense_optimizer: Any
     checkpointer: Checkpointer
     run_dir: Path
+    groups: HostGroups | None = None  # hierarchical training (train.merge_every > 0)
+    merger: KStepMerger | None = None
 
 
 def setup(cfg: ExperimentConfig, model_factory: ModelFactory | None = None) -> Job:
@@ -68,21 +73,39 @@ def setup(cfg: ExperimentConfig, model_factory: ModelFactory | None = None) -> J
     sharders = embedding_sharders(cfg.optim)
     local_batch = cfg.train.batch_size // env.world_size
     tables = plan_io.model_tables(module)
-    if cfg.plan:  # a saved plan: it must be for this model and world size
+    # Hierarchical training: shard over the host's ranks; the same plan on every host.
+    groups = build_host_groups(resolve_hosts(cfg.train.hosts)) if cfg.train.merge_every > 0 else None
+    shard_world = groups.ranks_per_host if groups else env.world_size
+    if cfg.plan:  # a saved plan: it must be for this model and world size (the host's, if hierarchical)
         plan, header = plan_io.load_plan(cfg.plan)
-        plan_io.check_plan_fits(header, plan, tables, env.world_size, cfg.plan)
+        plan_io.check_plan_fits(header, plan, tables, shard_world, cfg.plan)
         meta = dict(header["meta"], loaded_from=str(cfg.plan))
+    elif groups:  # planned for one host on global rank 0, broadcast to all hosts
+        planner = build_planner(
+            cfg.sharding, module, shard_world, min(env.local_world_size, shard_world), env.device.type, local_batch
+        )
+        plan = planner.collective_plan(module, sharders, dist.GroupMember.WORLD)
+        meta = {"planner": cfg.sharding.planner, "batch_size_per_rank": local_batch, "hosts": groups.hosts}
     else:
         plan = make_plan(cfg.sharding, module, sharders, env.device, env.local_world_size, local_batch)
         meta = {"planner": cfg.sharding.planner, "batch_size_per_rank": local_batch}
     if env.is_main:  # the plan this run used, as a reusable file and as torchrec's table
-        plan_io.save_plan(run_dir / "plan.json", plan_io.plan_to_dict(plan, env.world_size, env.device.type, tables, meta))
+        plan_io.save_plan(run_dir / "plan.json", plan_io.plan_to_dict(plan, shard_world, env.device.type, tables, meta))
         (run_dir / "plan.txt").write_text(str(plan) + "\n")
-    dmp = DistributedModelParallel(module, device=env.device, plan=plan, sharders=sharders)
+    sharding_env = {}
+    if groups:  # DMP over the host's ranks, with the plan moved onto them
+        plan = remap_plan_to_host(plan, groups, env.device.type)
+        sharding_env = {"env": ShardingEnv.from_process_group(groups.host_pg)}
+    dmp = DistributedModelParallel(module, device=env.device, plan=plan, sharders=sharders, **sharding_env)
     dense = dense_optimizer(dmp, cfg.optim)
     optimizer = combined_optimizer(dmp, dense)
     ckpt = Checkpointer(run_dir / "checkpoints", env.rank, env.world_size, cfg.checkpoint.keep)
-    return Job(cfg, env, source, dmp, optimizer, dense, ckpt, run_dir)
+    merger = None
+    if groups:
+        merger = KStepMerger(dmp, optimizer, groups.replica_pg, cfg.train.merge_every, cfg.train.merge_moments)
+        if env.is_main:
+            log.warning("hierarchical run (train.merge_every=%d): no checkpoints are written yet (docs/kstep.md)", cfg.train.merge_every)
+    return Job(cfg, env, source, dmp, optimizer, dense, ckpt, run_dir, groups, merger)
 
 
 def _mean_across_ranks(value: float) -> float:
@@ -120,6 +143,7 @@ def run(cfg: ExperimentConfig, model_factory: ModelFactory | None = None) -> dic
     progress = Progress(total, start_step, t.batch_size)
     wall0 = time.perf_counter()
     loss_sum, loss_n = 0.0, 0
+    bytes_logged, step_logged = 0.0, start_step
     last_eval: dict[str, Any] = {}
 
     def eval_now(step: int) -> dict[str, Any]:
@@ -135,16 +159,24 @@ def run(cfg: ExperimentConfig, model_factory: ModelFactory | None = None) -> dic
         return record
 
     def checkpoint_now(step: int) -> None:
+        if job.merger is not None:  # not yet supported for hierarchical runs (docs/kstep.md)
+            return
         with progress.pause():
             job.checkpointer.save(step, job.dmp, job.optimizer, {"samples": step * t.batch_size})
 
     for step in range(start_step + 1, total + 1):
         step_loss, _, _ = pipeline.progress(batches)
+        if job.merger is not None and not job.merger.step(step) and step == total:
+            job.merger.merge()  # the final model is the merged one
         loss_sum += float(step_loss)
         loss_n += 1
         if step % t.log_every == 0 or step == total:
             loss = _mean_across_ranks(loss_sum / loss_n)
             stats = progress.update(step)
+            if job.merger is not None:  # bytes that crossed hosts, all ranks, per step of this window
+                sent = _mean_across_ranks(job.merger.cross_host_bytes_total) * env.world_size
+                stats["cross_host_bytes_per_step"] = (sent - bytes_logged) / max(step - step_logged, 1)
+                bytes_logged, step_logged = sent, step
             writer.log({"kind": "train", "step": step, "epoch": step / per_epoch, "loss": loss, **stats})
             if env.is_main:
                 log.info(progress.line(step, step / per_epoch, loss, stats))
@@ -170,6 +202,15 @@ def run(cfg: ExperimentConfig, model_factory: ModelFactory | None = None) -> dic
         "samples_per_s_this_run": (total - start_step) * t.batch_size / max(train_wall, 1e-9),
         **{k: v for k, v in last_eval.items() if k not in ("kind", "step", "epoch")},
     }
+    if job.merger is not None:
+        m = job.merger
+        summary.update(
+            hosts=job.groups.hosts, merge_every=m.every_k, merge_moments=m.merge_moments, merges=m.merges,
+            cross_host_bytes_total=_mean_across_ranks(m.cross_host_bytes_total) * env.world_size,
+            merge_payload_bytes_per_rank=m.payload_bytes_per_merge,
+            replica_divergence=m.max_divergence(),
+        )
+        summary["cross_host_bytes_per_step"] = summary["cross_host_bytes_total"] / max(total - start_step, 1)
     if "oracle_auc" in summary:
         summary["auc_gap_to_oracle"] = summary["oracle_auc"] - summary["auc"]
     writer.close()

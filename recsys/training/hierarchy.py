@@ -1,0 +1,87 @@
+"""Host groups for hierarchical (k-step merge) training; see docs/kstep.md.
+
+The world is `hosts x ranks_per_host`, host-major: global rank g lives on host g // R with local
+rank g % R (torchrun's numbering with one agent per node). Two families of process groups:
+
+- `host_pg`: the R ranks of my host. Embeddings are sharded over it (DMP's ShardingEnv) and the
+  dense parameters are data-parallel over it (DMP's DDP wrapper uses the same group).
+- `replica_pg`: the H ranks that hold the same shard on every host (same local rank). The k-step
+  merger averages over it; it is the only traffic that crosses hosts.
+
+Every rank must create every group in the same order (torch.distributed's rule), which
+`dist.new_subgroups_by_enumeration` does.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+
+@dataclass
+class HostGroups:
+    hosts: int
+    ranks_per_host: int
+    host: int  # my host index
+    local_rank: int  # my rank inside my host
+    host_pg: dist.ProcessGroup
+    replica_pg: dist.ProcessGroup
+
+    @property
+    def host_ranks(self) -> list[int]:
+        return [self.host * self.ranks_per_host + r for r in range(self.ranks_per_host)]
+
+    @property
+    def replica_ranks(self) -> list[int]:
+        return [h * self.ranks_per_host + self.local_rank for h in range(self.hosts)]
+
+
+def resolve_hosts(configured: int) -> int:
+    """The host count: `train.hosts` when > 1, else torchrun's GROUP_WORLD_SIZE (the number of
+    agents = nodes with `--nnodes N`), else NNODES, else 1."""
+    if configured > 1:
+        return configured
+    for var in ("GROUP_WORLD_SIZE", "NNODES"):
+        if os.environ.get(var, "").isdigit() and int(os.environ[var]) > 0:
+            return int(os.environ[var])
+    return 1
+
+
+def build_host_groups(hosts: int) -> HostGroups:
+    """Creates host and replica groups on an initialised default process group. Collective:
+    every rank must call it, with the same `hosts`."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if hosts <= 0 or world % hosts:
+        raise ValueError(f"world size {world} is not divisible into {hosts} hosts")
+    per_host = world // hosts
+    host_lists = [list(range(h * per_host, (h + 1) * per_host)) for h in range(hosts)]
+    replica_lists = [list(range(r, world, per_host)) for r in range(per_host)]
+    host_pg, _ = dist.new_subgroups_by_enumeration(host_lists)
+    replica_pg, _ = dist.new_subgroups_by_enumeration(replica_lists)
+    return HostGroups(hosts, per_host, rank // per_host, rank % per_host, host_pg, replica_pg)
+
+
+def remap_plan_to_host(plan: Any, groups: HostGroups, device_type: str) -> Any:
+    """A copy of a plan made for ranks 0..R-1 with the shard placements moved to this host's
+    global ranks (ShardedTensor placements name global ranks, even on a subgroup); `ranks` stay
+    host-local because the sharders index per-rank lists of the group with them (DMPCollection
+    remaps both and translates back with ShardingEnv2D.remap_rank, which is CUDA-only)."""
+    from torch.distributed.remote_device import _remote_device
+    from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
+
+    plan = copy.deepcopy(plan)
+    offset = groups.host * groups.ranks_per_host
+    for module_plan in plan.plan.values():
+        for ps in module_plan.values():
+            # ps.ranks stay host-local: sharders index their per-rank lists with them
+            spec = ps.sharding_spec
+            if isinstance(spec, EnumerableShardingSpec) and spec.shards:
+                for shard in spec.shards:
+                    r = shard.placement.rank() + offset
+                    dev = "cpu" if device_type == "cpu" else f"{device_type}:{r % groups.ranks_per_host}"
+                    shard.placement = _remote_device(f"rank:{r}/{dev}")
+    return plan
