@@ -90,10 +90,12 @@ class Checkpointer:
                 json.dump(marker, f)
                 f.flush()
                 os.fsync(f.fileno())
-            if final.exists():  # a re-save of the same step (e.g. after resume): replace it
-                shutil.rmtree(final)
+            old = self.root / f"step_{step:09d}.old.tmp"
+            if final.exists():  # a re-save of the same step (e.g. after resume): move it aside
+                os.replace(final, old)  # deleted only once the new one is in place
             os.replace(tmp, final)
             _fsync_dir(self.root)
+            shutil.rmtree(old, ignore_errors=True)
             for old in self.committed()[: -self.keep]:
                 shutil.rmtree(old, ignore_errors=True)
         dist.barrier()
