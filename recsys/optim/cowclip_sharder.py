@@ -1,0 +1,372 @@
+"""CowClip-Adam as a drop-in for TorchRec pipelines: one sharder, one per-table tag.
+
+    from recsys.optim.cowclip_sharder import CowClipEmbeddingBagCollectionSharder, tag_cowclip_adam
+    tag_cowclip_adam(ebc.parameters(), lr=1e-4)                  # which tables, which hyperparameters
+    dmp = DistributedModelParallel(model, sharders=[CowClipEmbeddingBagCollectionSharder()], ...)
+
+Untagged tables of the same EBC keep the stock FBGEMM kernels. The tag is
+``apply_optimizer_in_backward(torchrec.optim.Adam, ..., {"optimizer": COWCLIP_ADAM, ...})``: the
+explicit ``optimizer`` key stops torchrec from mapping the class to an FBGEMM type, and the class
+``torchrec.optim.Adam`` makes the planner count 2 extra floats per weight (Adam's moments).
+
+How it plugs in (docs/design/cowclip.md section 1): ``ShardedCowClipEmbeddingBagCollection``
+overrides ``_create_lookups`` so every sharding type's lookup is our subclass, whose
+``_create_embedding_kernel`` builds ``CowClipEmbeddingBag`` for tagged groups. The plan keeps the
+kernels it already names (``fused`` for model-parallel, ``dense`` for data-parallel), so the
+planner's estimates and torchrec's state-dict plumbing (ShardedTensors per table) stay as they
+are, and the optimizer state goes through torchrec's ``EmbeddingFusedOptimizer`` into the DMP's
+``fused_optimizer`` state dict, i.e. into ``torch.distributed.checkpoint``.
+
+Column-wise and data-parallel CowClip tables are updated in ``fused_optimizer.step()`` (after
+backward, see ``recsys.optim.cowclip_exchange``): a loop that never calls the fused optimizer's
+``step()`` leaves them untouched. Table-wise, row-wise and table-row-wise update in backward.
+
+Relies on private torchrec 1.8 attributes of the sharding objects (``_grouped_embedding_configs``,
+``_grouped_embedding_configs_per_rank``, ``_rank``, ``_pg``, ``_env``, ``_device``);
+``tests/test_cowclip_sharded.py`` guards them so an upgrade fails loudly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+from torchrec.distributed.batched_embedding_kernel import BaseBatchedEmbeddingBag, EmbeddingFusedOptimizer
+from torchrec.distributed.composable.table_batched_embedding_slice import TableBatchedEmbeddingSlice
+from torchrec.distributed.embedding_lookup import GroupedPooledEmbeddingsLookup
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel, GroupedEmbeddingConfig
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder, ShardedEmbeddingBagCollection
+from torchrec.distributed.sharding.cw_sharding import CwPooledEmbeddingSharding
+from torchrec.distributed.sharding.dp_sharding import DpPooledEmbeddingSharding
+from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
+from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding
+from torchrec.distributed.sharding.twrw_sharding import TwRwPooledEmbeddingSharding
+from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.optim import Adam as TrecAdam
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizer, FusedOptimizerModule
+
+from recsys.optim.cowclip_exchange import ExchangeTable, column_wise_step, data_parallel_step
+from recsys.optim.cowclip_tbe import COWCLIP_ADAM, CowClipAdamTBE, CowClipHyper, cowclip_fused_params
+
+__all__ = [
+    "COWCLIP_ADAM",
+    "CowClipEmbeddingBag",
+    "CowClipEmbeddingBagCollectionSharder",
+    "ShardedCowClipEmbeddingBagCollection",
+    "is_cowclip",
+    "tag_cowclip_adam",
+]
+
+_CW_TYPES = (ShardingType.COLUMN_WISE.value, ShardingType.TABLE_COLUMN_WISE.value)
+_DP = ShardingType.DATA_PARALLEL.value
+
+
+def is_cowclip(fused_params: dict[str, Any] | None) -> bool:
+    return bool(fused_params) and fused_params.get("optimizer") == COWCLIP_ADAM
+
+
+def tag_cowclip_adam(params: Iterable[nn.Parameter], hyper: CowClipHyper | None = None, **kw: Any) -> None:
+    """Select CowClip-Adam for these embedding tables (``kw``: fields of ``CowClipHyper``; ``lr``
+    is accepted for ``learning_rate``)."""
+    if "lr" in kw:
+        kw["learning_rate"] = kw.pop("lr")
+    hyper = hyper or CowClipHyper(**kw)
+    apply_optimizer_in_backward(TrecAdam, list(params), cowclip_fused_params(hyper))
+
+
+# ---- the kernel -------------------------------------------------------------------------------
+class ReplicatedCowClipFusedOptimizer(FusedOptimizer):
+    """Optimizer state of data-parallel CowClip tables: plain tensors, identical on every replica
+    (torchrec's EmbeddingFusedOptimizer needs ShardedTensor metadata, which DP tables lack)."""
+
+    def __init__(self, config: GroupedEmbeddingConfig, tbe: CowClipAdamTBE) -> None:
+        self._tbe = tbe
+        params: dict[str, Tensor] = {}
+        state: dict[Any, Any] = {}
+        for table, weight, st in zip(config.embedding_tables, tbe.split_embedding_weights(), tbe.get_optimizer_state()):
+            params[f"{table.name}.weight"] = weight
+            state[weight] = {
+                f"{table.name}.momentum1": st["exp_avg"],
+                f"{table.name}.exp_avg_sq": st["exp_avg_sq"],
+                f"{table.name}.row_step": st["row_step"],
+            }
+        super().__init__(params, state, [{"params": list(params.values()), "lr": tbe.get_learning_rate()}])
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        self._tbe.set_learning_rate(self.param_groups[0]["lr"])
+
+    def step(self, closure: Any = None) -> None:
+        self._tbe.set_learning_rate(self.param_groups[0]["lr"])
+
+    def set_optimizer_step(self, step: int) -> None:
+        self._tbe.set_optimizer_step(step)
+
+    def update_hyper_parameters(self, params_dict: dict[str, Any]) -> None:
+        self._tbe.update_hyper_parameters(params_dict)
+
+
+class CowClipEmbeddingBag(BaseBatchedEmbeddingBag[Tensor], FusedOptimizerModule):
+    """torchrec embedding kernel over ``CowClipAdamTBE``; shaped like ``BatchedFusedEmbeddingBag``."""
+
+    def __init__(
+        self,
+        config: GroupedEmbeddingConfig,
+        pg: dist.ProcessGroup | None,
+        device: torch.device | None,
+        sharding_type: ShardingType | None,
+        mode: str,
+        replicated: bool,
+    ) -> None:
+        super().__init__(config, pg, device, sharding_type)
+        hyper = CowClipHyper.from_fused_params(config.fused_params)
+        self._emb_module = CowClipAdamTBE(
+            list(zip(self._local_rows, self._local_cols)), self._feature_table_map, hyper,
+            full_dims=self._embedding_dims, mode=mode, pooling_mode=self._pooling, device=device,
+        )
+        self.table_names = [t.name for t in config.embedding_tables]
+        self.replicated = replicated
+        self._optim: FusedOptimizer = (
+            ReplicatedCowClipFusedOptimizer(config, self._emb_module) if replicated
+            else EmbeddingFusedOptimizer(config, self._emb_module, pg)  # type: ignore[arg-type]
+        )
+        self.init_parameters()
+
+    @property
+    def emb_module(self) -> CowClipAdamTBE:  # type: ignore[override]
+        return self._emb_module
+
+    @property
+    def fused_optimizer(self) -> FusedOptimizer:
+        return self._optim
+
+    @property
+    def _param_per_table(self) -> dict[str, TableBatchedEmbeddingSlice]:  # type: ignore[override]
+        out = {}
+        tbe = self._emb_module
+        counts = dict(self.table_name_to_count)
+        for t, (rows, dim) in enumerate(tbe.embedding_specs):
+            name = self.table_names[t]
+            if name not in counts:
+                continue
+            n = counts.pop(name)  # shards of one table in one kernel are adjacent (CW on one rank)
+            off = tbe.weights_physical_offsets[t]
+            sl = TableBatchedEmbeddingSlice(tbe.weights, off, off + n * rows * dim, -1, dim)
+            sl._in_backward_optimizers = [EmptyFusedOptimizer()]  # keeps it away from the dense optimizer
+            out[name] = sl
+        return out
+
+    @_param_per_table.setter
+    def _param_per_table(self, v: dict[str, TableBatchedEmbeddingSlice]) -> None:
+        self.__dict__["_param_per_table"] = v
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+                      ) -> Iterator[tuple[str, Tensor]]:
+        yield from ()  # fused parameters are not buffers for outside optimizers (torchrec convention)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+                         ) -> Iterator[tuple[str, nn.Parameter]]:
+        for name, tensor in self.named_split_embedding_weights(prefix, recurse, remove_duplicate):
+            param = nn.Parameter(tensor, requires_grad=False)
+            param._in_backward_optimizers = [EmptyFusedOptimizer()]  # type: ignore[attr-defined]
+            yield name, param
+
+
+# ---- lookups ----------------------------------------------------------------------------------
+class CowClipGroupedPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
+    """A torchrec grouped lookup that builds ``CowClipEmbeddingBag`` for tagged groups."""
+
+    def __init__(self, grouped_configs: list[GroupedEmbeddingConfig], *, cowclip_mode: str, **kw: Any) -> None:
+        object.__setattr__(self, "_cowclip_mode", cowclip_mode)  # read by _create_embedding_kernel
+        super().__init__(grouped_configs, **kw)
+
+    def _create_embedding_kernel(self, config, device, pg, sharding_type, env):  # type: ignore[override]
+        if not is_cowclip(config.fused_params):
+            return super()._create_embedding_kernel(config, device, pg, sharding_type, env)
+        if config.compute_kernel not in (EmbeddingComputeKernel.FUSED, EmbeddingComputeKernel.DENSE):
+            raise ValueError(
+                f"CowClip-Adam tables {[t.name for t in config.embedding_tables]} need compute kernel "
+                f"fused (or dense for data_parallel), the plan says {config.compute_kernel.value}"
+            )
+        mode = "inline" if self._cowclip_mode == "inline" else "deferred"
+        return CowClipEmbeddingBag(config, pg, device, sharding_type, mode=mode, replicated=self._cowclip_mode == "dp")
+
+    def cowclip_kernels(self) -> list[CowClipEmbeddingBag]:
+        return [m for m in self._emb_modules if isinstance(m, CowClipEmbeddingBag)]
+
+    @property
+    def module(self) -> "CowClipGroupedPooledEmbeddingsLookup":
+        """``_initialize_torch_state`` unwraps DP lookups with ``.module`` (DDP); ours is not wrapped."""
+        return self
+
+
+class _ExchangeOptimizer(FusedOptimizer):
+    """No state; ``step()`` runs the column-wise / data-parallel exchange and update."""
+
+    def __init__(self, lookup: "CowClipExchangeLookup") -> None:
+        self._lookup = lookup
+        super().__init__({}, {}, [{"params": [], "lr": 0.0}])
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        pass
+
+    def step(self, closure: Any = None) -> None:
+        self._lookup.exchange_and_update()
+
+
+class CowClipExchangeLookup(CowClipGroupedPooledEmbeddingsLookup, FusedOptimizerModule):
+    """Lookup of a column-wise or data-parallel sharding with CowClip tables (on any rank: ranks that
+    hold none of them still join the exchange, so the collectives match)."""
+
+    def __init__(self, grouped_configs: list[GroupedEmbeddingConfig], *, cowclip_mode: str,
+                 exchange_tables: list[ExchangeTable], exchange_pg: dist.ProcessGroup | None, **kw: Any) -> None:
+        super().__init__(grouped_configs, cowclip_mode=cowclip_mode, **kw)
+        self.exchange_tables = exchange_tables
+        self.exchange_pg = exchange_pg
+        self._exchange_optim = _ExchangeOptimizer(self)
+
+    @property
+    def fused_optimizer(self) -> FusedOptimizer:
+        return self._exchange_optim
+
+    def exchange_and_update(self) -> None:
+        if not self.exchange_tables:
+            return
+        tbes = [(k.emb_module, k.table_names) for k in self.cowclip_kernels()]
+        for k in self.cowclip_kernels():  # the fused optimizer's lr (schedules) applies to step's update
+            k.emb_module.set_learning_rate(k.fused_optimizer.param_groups[0]["lr"])
+        if self._cowclip_mode == "dp":
+            data_parallel_step(self.exchange_tables, tbes, self.exchange_pg)
+        else:
+            column_wise_step(self.exchange_tables, tbes, self.exchange_pg)
+
+
+def _lookup_for(sharding: Any, cowclip_tables: dict[str, list[ExchangeTable]]) -> GroupedPooledEmbeddingsLookup:
+    """Mirrors the five torchrec ``create_lookup`` bodies (tw/rw/cw/twrw/dp_sharding.py)."""
+    L: Any = CowClipGroupedPooledEmbeddingsLookup
+    kw: dict[str, Any] = dict(device=sharding._device, env=sharding._env)
+    if isinstance(sharding, DpPooledEmbeddingSharding):
+        pg = sharding._env.process_group
+        return CowClipExchangeLookup(
+            sharding._grouped_embedding_configs, pg=pg, scale_weight_gradients=False, cowclip_mode="dp",
+            exchange_tables=cowclip_tables.get(_DP, []), exchange_pg=pg, **kw,
+        )
+    if isinstance(sharding, TwRwPooledEmbeddingSharding):
+        return L(sharding._grouped_embedding_configs_per_rank[sharding._rank], pg=sharding._pg,
+                 sharding_type=ShardingType.TABLE_ROW_WISE, cowclip_mode="inline", **kw)
+    if isinstance(sharding, RwPooledEmbeddingSharding):
+        return L(sharding._grouped_embedding_configs, pg=sharding._pg, sharding_type=ShardingType.ROW_WISE,
+                 cowclip_mode="inline", **kw)
+    if isinstance(sharding, CwPooledEmbeddingSharding):  # TwCw is a subclass
+        tables = [t for st in _CW_TYPES for t in cowclip_tables.get(st, [])]
+        return CowClipExchangeLookup(
+            sharding._grouped_embedding_configs, pg=sharding._pg, cowclip_mode="cw",
+            exchange_tables=sorted(set(tables), key=lambda t: t.name), exchange_pg=sharding._pg, **kw,
+        )
+    if isinstance(sharding, TwPooledEmbeddingSharding):
+        return L(sharding._grouped_embedding_configs, pg=sharding._pg, cowclip_mode="inline", **kw)
+    raise NotImplementedError(f"CowClip sharder: sharding {type(sharding).__name__} is not supported")
+
+
+def cowclip_tables_by_sharding_type(
+    module: EmbeddingBagCollection, params: dict[str, ParameterSharding], fused_params: dict[str, Any] | None
+) -> dict[str, list[ExchangeTable]]:
+    """The plan's CowClip tables per sharding type: the same on every rank (plan + module tags)."""
+    out: dict[str, list[ExchangeTable]] = {}
+    for cfg in module.embedding_bag_configs():
+        if cfg.name not in params:
+            continue
+        w = module.embedding_bags[cfg.name].weight
+        kwargs = (getattr(w, "_optimizer_kwargs", None) or [{}])[0]
+        tagged = is_cowclip(kwargs) or ("optimizer" not in kwargs and is_cowclip(fused_params))
+        if tagged:
+            st = params[cfg.name].sharding_type
+            out.setdefault(st, []).append(ExchangeTable(cfg.name, cfg.num_embeddings, cfg.embedding_dim))
+    for v in out.values():
+        v.sort(key=lambda t: t.name)
+    return out
+
+
+class ShardedCowClipEmbeddingBagCollection(ShardedEmbeddingBagCollection):
+    """``ShardedEmbeddingBagCollection`` whose lookups build CowClip kernels for tagged tables."""
+
+    def __init__(self, module: EmbeddingBagCollection, table_name_to_parameter_sharding: dict[str, ParameterSharding],
+                 env: ShardingEnv, fused_params: dict[str, Any] | None = None, device: torch.device | None = None,
+                 **kw: Any) -> None:
+        object.__setattr__(self, "_cowclip_tables", cowclip_tables_by_sharding_type(
+            module, table_name_to_parameter_sharding, fused_params))
+        super().__init__(module, table_name_to_parameter_sharding, env, fused_params, device, **kw)
+
+    def _create_lookups(self) -> None:
+        for sharding in self._embedding_shardings:
+            self._lookups.append(_lookup_for(sharding, self._cowclip_tables))
+
+    def init_data_parallel(self) -> None:
+        """Stock DDP-wraps data-parallel lookups; CowClip DP tables are merged by the exchange
+        instead (their kernel has no autograd gradient for DDP to reduce). Replicas start from
+        the same weights: broadcast from the group's first rank, as DDP's constructor would."""
+        cowclip_dp = [
+            (i, lk) for i, (s, lk) in enumerate(zip(self._embedding_shardings, self._lookups))
+            if isinstance(s, DpPooledEmbeddingSharding) and isinstance(lk, CowClipExchangeLookup) and lk.cowclip_kernels()
+        ]
+        for _, lk in cowclip_dp:
+            others = [m for m in lk._emb_modules if not isinstance(m, CowClipEmbeddingBag)]
+            if others:
+                raise NotImplementedError(
+                    "CowClip sharder: data-parallel tables of one EBC must all be CowClip-Adam or none "
+                    f"(found {len(others)} other data-parallel kernel(s))"
+                )
+        keep = {i for i, _ in cowclip_dp}
+        for i, (s, lk) in enumerate(zip(self._embedding_shardings, self._lookups)):
+            if not isinstance(s, DpPooledEmbeddingSharding) or i in keep:
+                continue
+            # the stock wrap (torchrec embeddingbag.py ShardedEmbeddingBagCollection.init_data_parallel)
+            self._lookups[i] = DistributedDataParallel(
+                module=lk,
+                device_ids=[self._device] if self._device is not None and self._device.type in {"cuda", "mtia"} else None,
+                process_group=self._env.process_group,
+                gradient_as_bucket_view=True,
+                broadcast_buffers=True,
+                static_graph=True,
+            )
+        pg = self._env.process_group
+        if pg is not None and dist.get_world_size(pg) > 1:
+            src = dist.get_global_rank(pg, 0)
+            for _, lk in cowclip_dp:
+                for k in lk.cowclip_kernels():
+                    dist.broadcast(k.emb_module.weights, src=src, group=pg)
+
+
+class CowClipEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
+    """Drop-in for ``EmbeddingBagCollectionSharder``: tagged tables train with CowClip-Adam."""
+
+    def shard(self, module: EmbeddingBagCollection, params: dict[str, ParameterSharding], env: ShardingEnv,
+              device: torch.device | None = None, module_fqn: str | None = None) -> ShardedCowClipEmbeddingBagCollection:
+        return ShardedCowClipEmbeddingBagCollection(
+            module=module, table_name_to_parameter_sharding=params, env=env, fused_params=self.fused_params,
+            device=device, qcomm_codecs_registry=self.qcomm_codecs_registry, module_fqn=module_fqn,
+            sharded_module_order_overwrite=self._sharded_module_order_overwrite,
+        )
+
+    @property
+    def sharded_module_type(self) -> type[ShardedCowClipEmbeddingBagCollection]:  # type: ignore[override]
+        return ShardedCowClipEmbeddingBagCollection
+
+    def sharding_types(self, compute_device_type: str) -> list[str]:
+        """Row-wise and table-row-wise run on CPU too (torchrec offers them on CUDA only)."""
+        types = super().sharding_types(compute_device_type)
+        for st in (ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value):
+            if st not in types:
+                types.append(st)
+        return types
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
+        """Our kernel keeps weights in device memory: no UVM / key-value kernels for this EBC."""
+        if sharding_type == _DP:
+            return [EmbeddingComputeKernel.DENSE.value]
+        return [EmbeddingComputeKernel.FUSED.value]

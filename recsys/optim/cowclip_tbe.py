@@ -1,0 +1,321 @@
+"""Table-batched CowClip-Adam embedding bags: the storage, forward and in-backward update that
+the sharded CowClip kernel (``recsys.optim.cowclip_sharder``) wraps.
+
+Why a subclass of FBGEMM's ``DenseTableBatchedEmbeddingBagsCodegen``: it already lays out T
+tables in one flat buffer (``weights``, ``weights_offsets``, ``D_offsets``) and has a CPU and
+CUDA pooled forward; we reuse both. FBGEMM has no Adam on CPU and no paper CowClip at all, so
+the backward is ours: the forward runs under ``no_grad`` inside an autograd Function whose
+backward receives ``grad_output`` [B, total_D] and updates only the rows of the batch in place.
+No weight gradient is ever materialised.
+
+Two update modes, chosen by the sharding type (docs/design/cowclip.md section 3):
+
+* ``inline`` (table-wise, row-wise, table-row-wise): the rank sees every sample that touches its
+  rows, with full rows, so counts and norms are global already; the update runs in backward,
+  with the fused C++ op (``recsys.optim.cowclip_kernel``) per table.
+* ``deferred`` (column-wise, data-parallel): backward only stages per-row gradients and counts;
+  the cross-rank exchange (norms of column shards, union of replicas' rows) and the update run
+  in the lookup's fused-optimizer ``step()`` (``recsys.optim.cowclip_exchange``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from fbgemm_gpu.split_embedding_configs import SparseType
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import DenseTableBatchedEmbeddingBagsCodegen
+from torch import Tensor
+
+from recsys.optim.cowclip import CowClipAdamState, _adam_rows, _clip_scale, batch_row_gradients
+from recsys.optim.cowclip_kernel import fused_cowclip_adam_step
+
+COWCLIP_ADAM = "recsys.cowclip_adam"  # value of fused_params["optimizer"] that selects our kernel
+
+# fused_params keys of ours; everything else torchrec/FBGEMM may add (cache_precision, ...) is ignored
+_OUR_KEYS = {
+    "optimizer", "learning_rate", "beta1", "beta2", "eps", "eps_mode", "cowclip", "cowclip_r",
+    "cowclip_zeta", "l2",
+}
+
+
+@dataclass(frozen=True)
+class CowClipHyper:
+    """Hyperparameters of one group of CowClip-Adam tables (they enter torchrec's table-grouping key
+    as fused params, so tables in one kernel share them)."""
+
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    eps_mode: str = "torch"  # "torch" (torch.optim.Adam) or "keras" (the paper's tf.keras Adam)
+    cowclip: bool = True  # False: plain lazy Adam (e.g. the wide/linear tables, as the paper does)
+    cowclip_r: float = 1.0
+    cowclip_zeta: float = 1e-5
+    l2: float = 0.0  # lambda of a Keras l2(lambda) regulariser, on the rows of the batch
+
+    @classmethod
+    def from_fused_params(cls, fp: dict[str, Any] | None) -> "CowClipHyper":
+        fp = dict(fp or {})
+        if fp.get("optimizer") != COWCLIP_ADAM:
+            raise ValueError(f"fused_params do not select CowClip-Adam: optimizer={fp.get('optimizer')!r}")
+        unknown = sorted(k for k in fp if (k.startswith("cowclip") or k in ("beta", "betas")) and k not in _OUR_KEYS)
+        if unknown:
+            raise ValueError(f"unknown CowClip fused_params key(s): {', '.join(unknown)}")
+        kw = {k: fp[k] for k in _OUR_KEYS - {"optimizer"} if k in fp}
+        hp = cls(**kw)
+        if hp.eps_mode not in ("torch", "keras"):
+            raise ValueError(f"CowClip fused_params eps_mode must be torch|keras, got {hp.eps_mode!r}")
+        return hp
+
+
+def cowclip_fused_params(hp: CowClipHyper) -> dict[str, Any]:
+    """The per-table optimizer kwargs (``apply_optimizer_in_backward``) that select our kernel.
+    ``lr`` is the name torchrec renames to ``learning_rate``."""
+    d = {k: getattr(hp, k) for k in _OUR_KEYS - {"optimizer", "learning_rate"}}
+    return {"optimizer": COWCLIP_ADAM, "lr": hp.learning_rate, **d}
+
+
+@dataclass
+class StagedRows:
+    """What the deferred backward leaves for the exchange: one local table shard's batch rows."""
+
+    table: int  # local table index in the TBE
+    rows: Tensor  # [U] int64, sorted local row ids
+    grads: Tensor  # [U, local_cols] (L2 term already added for column shards)
+    counts: Tensor  # [U] int64 distinct samples
+
+
+@dataclass
+class UpdateStats:
+    """Rows touched and clipped since the last ``take_stats`` (for logging; summed over tables)."""
+
+    unique_rows: int = 0
+    clipped_rows: int = 0
+    calls: int = 0
+
+    def add(self, unique: int, clipped: int) -> None:
+        self.unique_rows += unique
+        self.clipped_rows += clipped
+        self.calls += 1
+
+
+class _CowClipLookup(torch.autograd.Function):
+    """Pooled forward with FBGEMM; backward = CowClip-Adam row update, no gradient returned."""
+
+    @staticmethod
+    def forward(ctx, anchor: Tensor, tbe: "CowClipAdamTBE", indices: Tensor, offsets: Tensor,
+                psw: Tensor | None) -> Tensor:
+        ctx.tbe = tbe
+        ctx.save_for_backward(indices, offsets, psw if psw is not None else indices.new_empty(0, dtype=torch.float))
+        ctx.has_psw = psw is not None
+        with torch.no_grad():
+            return DenseTableBatchedEmbeddingBagsCodegen.forward(tbe, indices, offsets, psw)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):  # type: ignore[override]
+        indices, offsets, psw = ctx.saved_tensors
+        ctx.tbe.backward_update(grad_out, indices, offsets, psw if ctx.has_psw else None)
+        return None, None, None, None, None
+
+
+class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
+    """T local table (shards) in one flat buffer, with Adam moments of the same layout and a
+    per-row update counter (lazy Adam's bias-correction step, see ``recsys.optim.cowclip``).
+
+    ``full_dims[t]``: the table's full embedding dim (zeta' uses it; a column shard holds fewer).
+    ``clip[t]``: whether table t is clipped. ``mode``: ``inline`` or ``deferred`` (module doc).
+    """
+
+    def __init__(
+        self,
+        embedding_specs: list[tuple[int, int]],
+        feature_table_map: list[int],
+        hyper: CowClipHyper,
+        full_dims: list[int],
+        mode: str,
+        pooling_mode: PoolingMode = PoolingMode.SUM,
+        device: torch.device | None = None,
+    ) -> None:
+        device = device or torch.device("cpu")
+        if pooling_mode != PoolingMode.SUM:
+            raise NotImplementedError(f"CowClip-Adam kernel supports SUM pooling only, got {pooling_mode}")
+        if mode not in ("inline", "deferred"):
+            raise ValueError(f"mode must be inline|deferred, got {mode!r}")
+        if len(set(feature_table_map)) != len(feature_table_map):
+            raise NotImplementedError("CowClip-Adam kernel: a table read by several features is not supported")
+        super().__init__(
+            embedding_specs, feature_table_map, weights_precision=SparseType.FP32, pooling_mode=pooling_mode,
+            use_cpu=device.type == "cpu",
+        )
+        if device.type not in ("cpu",) and self.weights.device != device:
+            self.to(device)
+        # our weights are updated in place by the optimizer, never by autograd: a buffer, not a Parameter
+        w = self.weights.detach()
+        del self.weights
+        self.register_buffer("weights", w)
+        self.register_buffer("momentum1", torch.zeros_like(w))
+        self.register_buffer("momentum2", torch.zeros_like(w))
+        total_rows = sum(r for r, _ in embedding_specs)
+        self.register_buffer("row_step", torch.zeros(total_rows, dtype=torch.long, device=w.device))
+        self.hyper = hyper
+        self.lr = float(hyper.learning_rate)
+        self.full_dims = list(full_dims)
+        self.clip = [hyper.cowclip] * len(embedding_specs)
+        self.mode = mode
+        self.feature_table_map = list(feature_table_map)
+        self.feature_of_table = {t: f for f, t in enumerate(feature_table_map)}
+        row_starts = [0]
+        for r, _ in embedding_specs:
+            row_starts.append(row_starts[-1] + r)
+        self.row_starts = row_starts
+        self.staged: list[StagedRows] = []
+        self.stats = UpdateStats()
+        self._states = [self._state_views(t) for t in range(len(embedding_specs))]
+
+    # ---- views -------------------------------------------------------------------------------
+    def _view(self, flat: Tensor, t: int) -> Tensor:
+        rows, dim = self.embedding_specs[t]
+        off = self.weights_physical_offsets[t]
+        return flat[off : off + rows * dim].view(rows, dim)
+
+    def _state_views(self, t: int) -> CowClipAdamState:
+        return CowClipAdamState(
+            exp_avg=self._view(self.momentum1, t),
+            exp_avg_sq=self._view(self.momentum2, t),
+            row_step=self.row_step[self.row_starts[t] : self.row_starts[t + 1]],
+            step=torch.zeros((), dtype=torch.long, device=self.weights.device),
+        )
+
+    def split_embedding_weights(self) -> list[Tensor]:
+        return [self._view(self.weights, t) for t in range(len(self.embedding_specs))]
+
+    def get_optimizer_state(self) -> list[dict[str, Tensor]]:
+        """Per table, in the order torchrec's ``EmbeddingFusedOptimizer`` checkpoints: the first key
+        becomes ``<table>.momentum1``, the others keep their names."""
+        return [
+            {"exp_avg": s.exp_avg, "exp_avg_sq": s.exp_avg_sq, "row_step": s.row_step} for s in self._states
+        ]
+
+    # ---- the API torchrec's EmbeddingFusedOptimizer calls --------------------------------------
+    def get_learning_rate(self) -> float:
+        return self.lr
+
+    def set_learning_rate(self, lr: float) -> None:
+        self.lr = float(lr)
+
+    def set_optimizer_step(self, step: int) -> None:
+        """No global step to set: bias correction uses each row's own ``row_step`` (checkpointed)."""
+
+    def update_hyper_parameters(self, params_dict: dict[str, Any]) -> None:
+        kw = {k: v for k, v in params_dict.items() if k in _OUR_KEYS and k != "optimizer"}
+        if "lr" in params_dict:
+            kw["learning_rate"] = params_dict["lr"]
+        self.hyper = CowClipHyper(**{**self.hyper.__dict__, **kw})
+        self.lr = float(self.hyper.learning_rate)
+
+    # ---- forward / backward --------------------------------------------------------------------
+    def forward(  # type: ignore[override]
+        self,
+        indices: Tensor,
+        offsets: Tensor,
+        per_sample_weights: Tensor | None = None,
+        feature_requires_grad: Tensor | None = None,
+        batch_size_per_feature_per_rank: list[list[int]] | None = None,
+    ) -> Tensor:
+        if batch_size_per_feature_per_rank is not None:
+            raise NotImplementedError("CowClip-Adam kernel: variable batch size per feature (VBE) is not supported")
+        offsets = offsets.to(indices.dtype)
+        if per_sample_weights is not None:
+            per_sample_weights = per_sample_weights.detach().float()
+        if not torch.is_grad_enabled():
+            return DenseTableBatchedEmbeddingBagsCodegen.forward(self, indices, offsets, per_sample_weights)
+        anchor = torch.empty(0, device=self.weights.device, requires_grad=True)
+        return _CowClipLookup.apply(anchor, self, indices, offsets, per_sample_weights)
+
+    def _feature_slices(self, grad_out: Tensor, indices: Tensor, offsets: Tensor, psw: Tensor | None):
+        """Per local table t: (t, indices, offsets from 0, grad_output [B, D_t], psw) of its feature."""
+        F = len(self.feature_table_map)
+        B = (offsets.numel() - 1) // F
+        if B * F + 1 != offsets.numel() or grad_out.shape[0] != B:
+            raise RuntimeError(f"CowClip backward: {offsets.numel()} offsets for {F} features and {grad_out.shape[0]} bags")
+        D_offsets = self.D_offsets.tolist()
+        bounds = offsets[:: B].tolist() if B > 0 else [0] * (F + 1)
+        for t in range(len(self.embedding_specs)):
+            f = self.feature_of_table[t]
+            lo, hi = int(bounds[f]), int(bounds[f + 1])
+            idx = indices[lo:hi]
+            offs = offsets[f * B : (f + 1) * B + 1] - lo
+            go = grad_out[:, D_offsets[f] : D_offsets[f + 1]]
+            yield t, idx, offs, go, (psw[lo:hi] if psw is not None else None)
+
+    @torch.no_grad()
+    def backward_update(self, grad_out: Tensor, indices: Tensor, offsets: Tensor, psw: Tensor | None) -> None:
+        grad_out = grad_out.float()
+        for t, idx, offs, go, w in self._feature_slices(grad_out, indices, offsets, psw):
+            if self.mode == "inline":
+                st = fused_cowclip_adam_step(
+                    self._view(self.weights, t), self._states[t], idx, offs, go.contiguous(), w,
+                    lr=self.lr, betas=(self.hyper.beta1, self.hyper.beta2), eps=self.hyper.eps,
+                    r=self.hyper.cowclip_r, zeta=self._zeta_for_full_dim(t), l2=self.hyper.l2,
+                    clip=self.clip[t], eps_mode=self.hyper.eps_mode,
+                )
+                self.stats.add(st.unique_rows, int(st.clipped_rows))
+            else:
+                rows_local = self.embedding_specs[t][0]
+                rows, g, cnt = batch_row_gradients(idx, offs, go, w, num_rows=rows_local)
+                self.staged.append(StagedRows(t, rows, g, cnt))
+
+    def _zeta_for_full_dim(self, t: int) -> float:
+        """The fused op computes zeta' = r * sqrt(local D) * zeta; a table-wise/row-wise shard has
+        the full D, so this is zeta unchanged (kept explicit for column shards' sake)."""
+        local_d = self.embedding_specs[t][1]
+        return self.hyper.cowclip_zeta * math.sqrt(self.full_dims[t] / local_d)
+
+    # ---- the update half, used by the exchange -------------------------------------------------
+    @torch.no_grad()
+    def apply_rows(self, t: int, rows: Tensor, g: Tensor, counts: Tensor,
+                   wsq: Tensor | None = None, gsq: Tensor | None = None, add_l2: bool = True) -> None:
+        """Clip (with full-row squared norms ``wsq``/``gsq`` when given, else this shard's) and
+        apply Adam to ``rows`` of local table t. ``g`` must already hold the L2 term when
+        ``add_l2`` is False (column shards add it before their partial norms)."""
+        if rows.numel() == 0:
+            return
+        hp = self.hyper
+        st = self._states[t]
+        weight = self._view(self.weights, t)
+        w = weight.index_select(0, rows)
+        g = g.to(w.dtype)
+        if add_l2 and hp.l2:
+            g = g + (2 * hp.l2) * w
+        n_clipped = 0
+        if self.clip[t]:
+            wnorm = torch.sqrt(wsq) if wsq is not None else torch.linalg.vector_norm(w, dim=-1)
+            zeta_p = hp.cowclip_r * math.sqrt(self.full_dims[t]) * hp.cowclip_zeta
+            clip_t = hp.cowclip_r * counts.to(w.dtype) * torch.clamp(wnorm, min=zeta_p)
+            if gsq is not None:
+                gnorm = torch.sqrt(gsq)
+                denom = torch.maximum(gnorm, clip_t)
+                safe = torch.where(denom > 0, denom, torch.ones_like(denom))
+                scale = torch.where(denom > 0, clip_t / safe, torch.ones_like(denom))
+                clipped = gnorm > clip_t
+            else:
+                scale, clipped = _clip_scale(g, clip_t)
+            g = g * scale.unsqueeze(1)
+            n_clipped = int(clipped.sum())
+        m = st.exp_avg.index_select(0, rows)
+        v = st.exp_avg_sq.index_select(0, rows)
+        row_step = st.row_step.index_select(0, rows) + 1
+        _adam_rows(w, m, v, g, row_step, self.lr, hp.beta1, hp.beta2, hp.eps, hp.eps_mode)
+        weight.index_copy_(0, rows, w)
+        st.exp_avg.index_copy_(0, rows, m)
+        st.exp_avg_sq.index_copy_(0, rows, v)
+        st.row_step.index_copy_(0, rows, row_step)
+        self.stats.add(rows.numel(), n_clipped)
+
+    def take_staged(self) -> list[StagedRows]:
+        out, self.staged = self.staged, []
+        return out
