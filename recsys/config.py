@@ -66,11 +66,27 @@ class DataConfig:
 class OptimConfig:
     """Optimizers: embeddings are updated inside the backward (FBGEMM fused); dense by Adam."""
 
-    embedding: str = "rowwise_adagrad"  # rowwise_adagrad | adagrad | sgd
+    # rowwise_adagrad | adagrad | sgd (FBGEMM fused); cowclip_adam | adam (our fused kernel,
+    # recsys/optim/cowclip_sharder.py); fbgemm_cowclip (FBGEMM's native COWCLIP on rowwise Adagrad)
+    embedding: str = "rowwise_adagrad"
     embedding_lr: float = 0.005
     embedding_eps: float = 1e-8
     dense_lr: float = 1e-3
     dense_weight_decay: float = 0.0
+    # CowClip (paper: r=1, zeta=1e-5; the wide/linear tables unclipped; L2 lambda on embedding rows)
+    cowclip_r: float = 1.0
+    cowclip_zeta: float = 1e-5
+    cowclip_wide: bool = False  # also clip the wide/linear tables
+    embedding_l2: float = 0.0  # Keras l2(lambda) on the rows of the batch (cowclip_adam/adam)
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps_mode: str = "torch"  # torch (torch.optim.Adam) | keras (the paper's tf.keras Adam)
+    # Scaling rule (recsys/optim/scaling.py): hyperparameters above are for batch `scale_from_batch`;
+    # the run's train.batch_size scales them (0: off). cowclip: embedding lr x1, L2 x s, dense lr
+    # x sqrt(s); sqrt / linear: every lr x sqrt(s) / x s.
+    scale_from_batch: int = 0
+    scale_rule: str = "cowclip"
+    warmup_epochs: float = -1.0  # linear dense-lr warmup; -1: 1 epoch when scaling, else none
 
 
 @dataclass
@@ -149,7 +165,7 @@ CARDINALITY_PRESETS: dict[str, list[int]] = {
 
 _MODELS = ("deepfm", "wide_deep", "dcn", "dcnv2")
 _SOURCES = ("synthetic", "criteo", "avazu")
-_EMB_OPTIMS = ("rowwise_adagrad", "adagrad", "sgd")
+_EMB_OPTIMS = ("rowwise_adagrad", "adagrad", "sgd", "cowclip_adam", "adam", "fbgemm_cowclip")
 
 
 def cardinalities(data: DataConfig) -> list[int]:
@@ -317,6 +333,24 @@ def validate(cfg: ExperimentConfig, source: str = "config") -> None:
     for key in ("embedding_lr", "dense_lr"):
         if getattr(o, key) <= 0:
             bad(f"optim.{key}", "must be positive")
+    for key in ("cowclip_r", "cowclip_zeta"):
+        if getattr(o, key) <= 0:
+            bad(f"optim.{key}", "must be positive")
+    if o.embedding_l2 < 0:
+        bad("optim.embedding_l2", "must be >= 0")
+    if o.embedding_l2 and o.embedding not in ("cowclip_adam", "adam", "fbgemm_cowclip"):
+        bad("optim.embedding_l2", f"is only applied by cowclip_adam, adam and fbgemm_cowclip, not {o.embedding}")
+    for key in ("adam_beta1", "adam_beta2"):
+        if not 0.0 <= getattr(o, key) < 1.0:
+            bad(f"optim.{key}", f"{getattr(o, key)} is not in [0, 1)")
+    if o.adam_eps_mode not in ("torch", "keras"):
+        bad("optim.adam_eps_mode", f"unknown mode '{o.adam_eps_mode}' (torch or keras)")
+    if o.scale_from_batch < 0:
+        bad("optim.scale_from_batch", "must be >= 0 (0: no scaling)")
+    if o.scale_rule not in ("cowclip", "sqrt", "linear"):
+        bad("optim.scale_rule", f"unknown rule '{o.scale_rule}' (cowclip, sqrt or linear)")
+    if o.warmup_epochs < 0 and o.warmup_epochs != -1.0:
+        bad("optim.warmup_epochs", "must be >= 0 (or -1: 1 epoch when scaling)")
     if t.nproc_per_node <= 0:
         bad("train.nproc_per_node", "must be positive")
     if t.batch_size <= 0:

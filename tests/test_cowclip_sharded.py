@@ -27,6 +27,7 @@ LR, L2, R, ZETA = 0.02, 1e-3, 1.0, 0.05  # zeta large enough that the floor is a
 TABLES_2 = {
     "t_tw": (40, ("table_wise", 1)),
     "t_rw": (41, ("row_wise", None)),
+    "t_rw3": (3, ("row_wise", None)),  # a one-row shard: its per-row state must checkpoint as rows
     "t_cw": (42, ("column_wise", [0, 1])),
     "t_cw1": (43, ("column_wise", [1, 1])),  # two column shards in one kernel on rank 1
     "t_twrw": (44, ("table_row_wise", 0)),

@@ -34,6 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata, TensorProperties
 from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed.batched_embedding_kernel import BaseBatchedEmbeddingBag, EmbeddingFusedOptimizer
 from torchrec.distributed.composable.table_batched_embedding_slice import TableBatchedEmbeddingSlice
@@ -111,6 +113,52 @@ class ReplicatedCowClipFusedOptimizer(FusedOptimizer):
         self._tbe.update_hyper_parameters(params_dict)
 
 
+class CowClipFusedOptimizer(EmbeddingFusedOptimizer):
+    """torchrec's ``EmbeddingFusedOptimizer`` for the two Adam moments (pointwise ShardedTensors,
+    checkpointed as ``<t>.momentum1`` / ``<t>.exp_avg_sq``), plus ``<t>.row_step`` built here.
+
+    Why not let torchrec build ``row_step`` too: it classifies a state tensor with one element as a
+    per-table scalar, so a row-wise shard holding a single row (small tables split over ranks) gets
+    a different global layout on that rank than on the others and DCP rejects the checkpoint."""
+
+    def __init__(self, config: GroupedEmbeddingConfig, tbe: CowClipAdamTBE, pg: dist.ProcessGroup | None) -> None:
+        states = tbe.get_optimizer_state()
+        super().__init__(config, tbe, pg, all_optimizer_states=[
+            {k: v for k, v in st.items() if k != "row_step"} for st in states
+        ])  # type: ignore[arg-type]
+        local: dict[str, list[tuple[Tensor, ShardMetadata]]] = {}
+        for table, st in zip(config.embedding_tables, states):
+            local.setdefault(table.name, []).append((st["row_step"], table.local_metadata))
+        done: set[str] = set()
+        for table in config.embedding_tables:
+            if table.name in done:
+                continue
+            done.add(table.name)
+            weight = self.params[f"{table.name}.weight"]
+            self.state[weight][f"{table.name}.row_step"] = _rowwise_sharded(table, local[table.name], pg)
+
+
+def _rowwise_sharded(table: Any, local: list[tuple[Tensor, ShardMetadata]], pg: dist.ProcessGroup | None) -> ShardedTensor:
+    """A per-row state as a 1-D ShardedTensor laid out like torchrec's row-wise optimizer states:
+    row offsets of the weight's shards; for column-wise tables one full-length block per shard."""
+    shards = list(table.global_metadata.shards_metadata)
+    column_wise = table.local_cols != table.embedding_dim
+    if column_wise:
+        shards.sort(key=lambda m: m.shard_offsets[1])
+    mapping = {}
+    for i, m in enumerate(shards):
+        off = i * m.shard_sizes[0] if column_wise else m.shard_offsets[0]
+        mapping[m] = ShardMetadata(shard_sizes=[m.shard_sizes[0]], shard_offsets=[off], placement=m.placement)
+    size = table.global_metadata.size[0] * (len(shards) if column_wise else 1)
+    meta = ShardedTensorMetadata(
+        shards_metadata=list(mapping.values()), size=torch.Size([size]),
+        tensor_properties=TensorProperties(dtype=torch.long, layout=torch.strided, requires_grad=False),
+    )
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        local_shards=[Shard(t, mapping[m]) for t, m in local], sharded_tensor_metadata=meta, process_group=pg,
+    )
+
+
 class CowClipEmbeddingBag(BaseBatchedEmbeddingBag[Tensor], FusedOptimizerModule):
     """torchrec embedding kernel over ``CowClipAdamTBE``; shaped like ``BatchedFusedEmbeddingBag``."""
 
@@ -133,7 +181,7 @@ class CowClipEmbeddingBag(BaseBatchedEmbeddingBag[Tensor], FusedOptimizerModule)
         self.replicated = replicated
         self._optim: FusedOptimizer = (
             ReplicatedCowClipFusedOptimizer(config, self._emb_module) if replicated
-            else EmbeddingFusedOptimizer(config, self._emb_module, pg)  # type: ignore[arg-type]
+            else CowClipFusedOptimizer(config, self._emb_module, pg)
         )
         self.init_parameters()
 

@@ -121,3 +121,22 @@ def warmup_factor(step: int, warmup_steps: int) -> float:
     if warmup_steps == 0 or step >= warmup_steps:
         return 1.0
     return step / warmup_steps
+
+
+def effective_optim(optim: T, batch: int, steps_per_epoch: int) -> tuple[T, int]:
+    """The run's optimizer config after the scaling rule, and its dense-lr warmup steps.
+
+    ``optim`` is a ``recsys.config.OptimConfig``: with ``scale_from_batch > 0`` its embedding_lr,
+    dense_lr and embedding_l2 are the hyperparameters for that batch and are scaled to ``batch``
+    by ``scale_rule``; ``warmup_epochs`` -1 means one epoch when scaling (the paper), none otherwise.
+    The returned config has ``scale_from_batch = 0`` so it is never scaled twice.
+    """
+    base = getattr(optim, "scale_from_batch")
+    warm_epochs = getattr(optim, "warmup_epochs")
+    if warm_epochs == -1.0:
+        warm_epochs = 1.0 if base else 0.0
+    warmup_steps = int(warm_epochs * steps_per_epoch)
+    if not base:
+        return optim, warmup_steps
+    scaled = scale_hyperparameters(optim, base, batch, getattr(optim, "scale_rule"))
+    return dataclasses.replace(scaled, scale_from_batch=0), warmup_steps  # type: ignore[type-var]
