@@ -77,7 +77,8 @@ class OptimConfig:
     cowclip_r: float = 1.0
     cowclip_zeta: float = 1e-5
     cowclip_wide: bool = False  # also clip the wide/linear tables
-    embedding_l2: float = 0.0  # Keras l2(lambda) on the rows of the batch (cowclip_adam/adam)
+    embedding_l2: float = 0.0  # Keras l2(lambda) (cowclip_adam/adam/fbgemm_cowclip)
+    embedding_l2_scope: str = "batch"  # batch: rows of the batch only (lazy) | all: every row, every step
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps_mode: str = "torch"  # torch (torch.optim.Adam) | keras (the paper's tf.keras Adam)
@@ -107,6 +108,8 @@ class TrainConfig:
     hosts: int = 1
     merge_every: int = 0  # k: average dense params and embedding shards across hosts every k steps; 0: off
     merge_moments: bool = False  # also average optimizer state (Adam moments, Adagrad momentum)
+    merge_route: str = "auto"  # auto (hierarchical when a host has > 1 rank) | flat | hierarchical
+    pg_timeout_s: float = 600.0  # collective timeout of hierarchical runs: a lost host stops the job
 
 
 @dataclass
@@ -210,6 +213,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-5" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         raise ConfigError(f"{where}: expected a number, got {value!r}")
     if tp is str:
         if isinstance(value, str):
@@ -289,8 +297,9 @@ def validate(cfg: ExperimentConfig, source: str = "config") -> None:
     m, d, t, o = cfg.model, cfg.data, cfg.train, cfg.optim
     if m.name not in _MODELS:
         bad("model.name", f"unknown model '{m.name}' (choose from {', '.join(_MODELS)})")
-    if m.embedding_dim <= 0 or m.embedding_dim % 4:
-        bad("model.embedding_dim", f"{m.embedding_dim} is not a positive multiple of 4 (FBGEMM fused kernels need it)")
+    if m.embedding_dim <= 0 or (m.embedding_dim % 4 and cfg.optim.embedding not in ("cowclip_adam", "adam")):
+        bad("model.embedding_dim", f"{m.embedding_dim} is not a positive multiple of 4 (FBGEMM fused kernels need it; "
+            "optim.embedding=cowclip_adam|adam take any dim)")
     if not m.dnn or any(h <= 0 for h in m.dnn):
         bad("model.dnn", f"{m.dnn}: need at least one positive layer width")
     if not 0.0 <= m.dropout < 1.0:
@@ -343,6 +352,10 @@ def validate(cfg: ExperimentConfig, source: str = "config") -> None:
     for key in ("adam_beta1", "adam_beta2"):
         if not 0.0 <= getattr(o, key) < 1.0:
             bad(f"optim.{key}", f"{getattr(o, key)} is not in [0, 1)")
+    if o.embedding_l2_scope not in ("batch", "all"):
+        bad("optim.embedding_l2_scope", f"unknown scope '{o.embedding_l2_scope}' (batch or all)")
+    if o.embedding_l2_scope == "all" and o.embedding not in ("cowclip_adam", "adam"):
+        bad("optim.embedding_l2_scope", "'all' is implemented by the cowclip_adam and adam kernels only")
     if o.adam_eps_mode not in ("torch", "keras"):
         bad("optim.adam_eps_mode", f"unknown mode '{o.adam_eps_mode}' (torch or keras)")
     if o.scale_from_batch < 0:
@@ -375,8 +388,10 @@ def validate(cfg: ExperimentConfig, source: str = "config") -> None:
         bad("train.merge_every", f"train.hosts={t.hosts} needs merge_every > 0 (hosts would never synchronise)")
     if t.merge_moments and t.merge_every == 0:
         bad("train.merge_moments", "only meaningful with train.merge_every > 0")
-    if t.merge_every > 0 and cfg.resume:
-        bad("resume", "not yet supported with train.merge_every > 0 (hierarchical runs write no checkpoints yet)")
+    if t.merge_route not in ("auto", "flat", "hierarchical"):
+        bad("train.merge_route", f"unknown route '{t.merge_route}' (auto, flat or hierarchical)")
+    if t.pg_timeout_s <= 0:
+        bad("train.pg_timeout_s", "must be positive")
     if t.hosts > 1 and "WORLD_SIZE" in os.environ and world % t.hosts:
         bad("train.hosts", f"the world size {world} is not divisible by {t.hosts} hosts")
     known_types = ("table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise", "data_parallel")

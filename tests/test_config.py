@@ -43,6 +43,11 @@ def test_demo_config_loads_with_overrides():
         ("data:\n  cardinalities: criteo_big\n", "key 'data.cardinalities': unknown preset 'criteo_big'"),
         ("data:\n  train_rows: 10\n", "key 'data.train_rows': 10 rows is less than one batch"),
         ("train: [1, 2]\n", "train: expected a mapping"),
+        ("optim:\n  embedding_l2: 1e-5\n", "key 'optim.embedding_l2': is only applied by cowclip_adam"),
+        ("optim:\n  embedding: cowclip_adam\n  adam_eps_mode: tf\n", "key 'optim.adam_eps_mode': unknown mode 'tf'"),
+        ("optim:\n  embedding: adagrad\n  embedding_l2_scope: all\n", "key 'optim.embedding_l2_scope': 'all' is"),
+        ("optim:\n  scale_rule: cubic\n", "key 'optim.scale_rule': unknown rule 'cubic'"),
+        ("optim:\n  embedding: lamb\n", "key 'optim.embedding': unknown embedding optimizer 'lamb'"),
         ("train:\n  batch_size: [\n", "is not valid YAML"),
     ],
 )
@@ -55,6 +60,12 @@ def test_bad_config_names_file_and_key(tmp_path, text, needle):
     assert "\n" not in msg
     if "override" not in msg:
         assert str(path) in msg
+
+
+def test_cowclip_options_parse_and_any_dim_for_our_kernel(tmp_path):
+    path = _write(tmp_path, "model:\n  embedding_dim: 10\noptim:\n  embedding: cowclip_adam\n  embedding_l2: 1e-5\n")
+    cfg = load_config(path, ["optim.cowclip_zeta=1e-4"])
+    assert cfg.optim.embedding_l2 == 1e-5 and cfg.optim.cowclip_zeta == 1e-4 and cfg.model.embedding_dim == 10
 
 
 def test_bad_override_is_named():

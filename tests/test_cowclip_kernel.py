@@ -237,3 +237,204 @@ def test_clean_build_two_processes(tmp_path):
         assert p.returncode == 0, e[-2000:]
         assert o.startswith("ok")
     assert max(float(o.split()[1]) for o, _ in outs) < 90
+
+
+# ----------------------------------------------------------------------------- multi-table op
+
+
+def _tables_case(gen, specs, num_bags, weighted, max_len=4, int32=False, empty_feature=None):
+    """A flat table-batched group (tables of ``specs`` [(rows, dim, clip)], feature f reads table
+    T-1-f so feature and table order differ) and a feature-major KJT lookup with multi-hot bags."""
+    T = len(specs)
+    feature_table = list(reversed(range(T)))
+    woffs, rstarts = [0], [0]
+    for n, d, _ in specs:
+        woffs.append(woffs[-1] + n * d)
+        rstarts.append(rstarts[-1] + n)
+    weights = torch.randn(woffs[-1], generator=gen) * 0.02
+    weights[::7] *= 1e-7
+    m1 = torch.linspace(-1e-3, 1e-3, woffs[-1])
+    m2 = torch.linspace(0, 1e-4, woffs[-1])
+    row_step = torch.randint(0, 3, (rstarts[-1],), generator=gen)
+    dims = [specs[t][1] for t in feature_table]
+    d_off = [0]
+    for d in dims:
+        d_off.append(d_off[-1] + d)
+    idx_l, len_l, psw_l = [], [], []
+    for f, t in enumerate(feature_table):
+        n = specs[t][0]
+        hot = torch.tensor([0, 1, n - 1]) if n > 2 else None
+        i, o, _, p = make_batch(gen, n, specs[t][1], num_bags, max_len=max_len, id_range=min(n, 30 + 7 * f),
+                                weighted=True, hot=hot)
+        if f == empty_feature:
+            i, o, p = i[:0], torch.zeros_like(o), p[:0]
+        idx_l.append(i)
+        len_l.append(o[1:] - o[:-1])
+        psw_l.append(p)
+    indices = torch.cat(idx_l)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(torch.cat(len_l), 0)])
+    psw = torch.cat(psw_l) if weighted else None
+    grad = torch.randn(num_bags, d_off[-1], generator=gen) * 0.05
+    grad[torch.rand(num_bags, generator=gen) < 0.2] = 0
+    meta = torch.tensor([[woffs[t], specs[t][0], specs[t][1], d_off[f], rstarts[t], int(specs[t][2])]
+                         for f, t in enumerate(feature_table)], dtype=torch.long)
+    zeta = torch.tensor([1e-5 * (1 + f) for f in range(T)], dtype=torch.float64)
+    if int32:
+        indices, offsets = indices.int(), offsets.int()
+    return dict(weights=weights, m1=m1, m2=m2, row_step=row_step, meta=meta, zeta=zeta, indices=indices,
+                offsets=offsets, grad=grad, psw=psw, feature_table=feature_table, woffs=woffs, rstarts=rstarts,
+                specs=specs, d_off=d_off)
+
+
+def _tables_reference(c, **hp):
+    """Per-table reference on views of copies of the flat buffers; returns (buffers, stats [F, 2])."""
+    w, m1, m2, rs = c["weights"].clone(), c["m1"].clone(), c["m2"].clone(), c["row_step"].clone()
+    F = len(c["feature_table"])
+    B = (c["offsets"].numel() - 1) // F
+    offs = c["offsets"].long()
+    stats = torch.zeros(F, 2, dtype=torch.long)
+    for f, t in enumerate(c["feature_table"]):
+        n, d, clip = c["specs"][t]
+        lo, hi = int(offs[f * B]), int(offs[(f + 1) * B])
+        sl = slice(c["woffs"][t], c["woffs"][t + 1])
+        st = CowClipAdamState(m1[sl].view(n, d), m2[sl].view(n, d), rs[c["rstarts"][t]:c["rstarts"][t + 1]],
+                              torch.zeros((), dtype=torch.long))
+        out = cowclip_adam_step(
+            w[sl].view(n, d), st, c["indices"][lo:hi].long(), offs[f * B:(f + 1) * B + 1] - lo,
+            c["grad"][:, c["d_off"][f]:c["d_off"][f + 1]].contiguous(),
+            c["psw"][lo:hi] if c["psw"] is not None else None,
+            zeta=float(c["zeta"][f]), clip=clip, update_scope="batch", l2_scope="batch", bias_correction="row",
+            **hp)
+        stats[f, 0], stats[f, 1] = out.unique_rows, int(out.clipped_rows)
+    return (w, m1, m2, rs), stats
+
+
+def _tables_fused(c, **hp):
+    w, m1, m2, rs = c["weights"].clone(), c["m1"].clone(), c["m2"].clone(), c["row_step"].clone()
+    stats = ck.fused_cowclip_adam_tables(w, m1, m2, rs, c["meta"], c["zeta"], c["indices"], c["offsets"],
+                                         c["grad"], c["psw"], **hp)
+    return (w, m1, m2, rs), stats
+
+
+def _assert_tables_close(c, got, want, stats_got, stats_want):
+    (w, m1, m2, rs), (w_r, m1_r, m2_r, rs_r) = got, want
+    torch.testing.assert_close(w, w_r, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(m1, m1_r, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(m2, m2_r, rtol=1e-5, atol=1e-9)
+    assert torch.equal(rs, rs_r)
+    assert torch.equal(stats_got[:, 0], stats_want[:, 0])
+    assert (stats_got[:, 1] - stats_want[:, 1]).abs().max() <= 1
+    # rows of no table in the batch: bit-identical (flat buffers)
+    moved = (rs != c["row_step"])
+    rows_of = torch.repeat_interleave(moved, torch.tensor(
+        [c["specs"][t][1] for t in range(len(c["specs"])) for _ in range(c["specs"][t][0])]))
+    for new, old in ((w, c["weights"]), (m1, c["m1"]), (m2, c["m2"])):
+        assert torch.equal(new[~rows_of], old[~rows_of])
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("l2", [0.0, 1e-2])
+def test_tables_op_matches_reference(ext, seed, weighted, l2):
+    gen = torch.Generator().manual_seed(100 + seed)
+    specs = [(50, 16, True), (3, 4, True), (80, 7, False), (40, 33, True), (60, 8, True), (20, 1, False)]
+    c = _tables_case(gen, specs, num_bags=int(torch.randint(5, 40, (1,), generator=gen)), weighted=weighted)
+    hp = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, r=1.0, l2=l2)
+    got, sg = _tables_fused(c, **hp)
+    want, sw = _tables_reference(c, **hp)
+    _assert_tables_close(c, got, want, sg, sw)
+
+
+def test_tables_op_keras_int32_empty_feature_and_threads(ext):
+    gen = torch.Generator().manual_seed(7)
+    specs = [(500, 16, True), (300, 32, True), (200, 4, True), (100, 5, False)]
+    c = _tables_case(gen, specs, num_bags=300, weighted=True, max_len=6, int32=True, empty_feature=2)
+    hp = dict(lr=1e-3, betas=(0.8, 0.99), eps=1e-7, r=0.5, l2=1e-3, eps_mode="keras")
+    want, sw = _tables_reference(c, **hp)
+    old = torch.get_num_threads()
+    outs = []
+    try:
+        for nt in (1, 2, 8):  # 8 > tables: the row-parallel path
+            torch.set_num_threads(nt)
+            got, sg = _tables_fused(c, **hp)
+            _assert_tables_close(c, got, want, sg, sw)
+            outs.append(got)
+    finally:
+        torch.set_num_threads(old)
+    for a, b in zip(outs[0], outs[1]):
+        assert torch.equal(a, b)
+    for a, b in zip(outs[0], outs[2]):
+        assert torch.equal(a, b)
+    assert int(sg[2, 0]) == 0
+
+
+def test_tables_op_bad_inputs(ext):
+    gen = torch.Generator().manual_seed(3)
+    c = _tables_case(gen, [(30, 4, True), (20, 8, True)], num_bags=6, weighted=False)
+    hp = dict(lr=1e-2)
+    bad = dict(c, indices=c["indices"].clone())
+    f1_rows = c["specs"][c["feature_table"][1]][0]
+    bad["indices"][-1] = f1_rows  # the last index is the last feature's: one past its table
+    with pytest.raises(RuntimeError, match="out of range"):
+        _tables_fused(bad, **hp)
+    with pytest.raises(RuntimeError, match="bags"):
+        _tables_fused(dict(c, grad=c["grad"][:-1]), **hp)
+    with pytest.raises(RuntimeError, match="offsets"):
+        _tables_fused(dict(c, offsets=c["offsets"][:-2]), **hp)
+    meta = c["meta"].clone()
+    meta[0, 1] = 10_000
+    with pytest.raises(RuntimeError, match="outside"):
+        _tables_fused(dict(c, meta=meta), **hp)
+    # after failures the op still works (scratch state restored)
+    got, sg = _tables_fused(c, **hp)
+    want, sw = _tables_reference(c, **hp)
+    _assert_tables_close(c, got, want, sg, sw)
+
+
+def test_tbe_inline_backward_uses_tables_op(ext, monkeypatch):
+    """CowClipAdamTBE inline backward (one multi-table call) == its per-table fallback loop."""
+    from recsys.optim import cowclip_tbe as ct
+
+    gen = torch.Generator().manual_seed(11)
+    specs = [(40, 8), (25, 16), (30, 4)]
+    hyper = ct.CowClipHyper(learning_rate=1e-2, l2=1e-3, cowclip_zeta=1e-3)
+    tbes = []
+    for _ in range(2):
+        tbe = ct.CowClipAdamTBE(specs, [2, 0, 1], hyper, [8, 16, 4], mode="inline")
+        tbe.clip[1] = False
+        with torch.no_grad():
+            tbe.weights.copy_(torch.randn(tbe.weights.numel(), generator=torch.Generator().manual_seed(1)) * 0.05)
+        tbes.append(tbe)
+    calls = []
+    real = ck.fused_cowclip_adam_tables
+    monkeypatch.setattr(ct, "fused_cowclip_adam_tables", lambda *a, **k: calls.append(1) or real(*a, **k))
+    B = 9
+    for step in range(3):
+        lengths = torch.randint(0, 4, (3 * B,), generator=gen)
+        rows_f = [specs[t][0] for t in [2, 0, 1]]
+        vals = torch.cat([torch.randint(0, min(6, rows_f[i // B]), (int(n),), generator=gen)
+                          for i, n in enumerate(lengths)])
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(lengths, 0)])
+        psw = torch.rand(vals.numel(), generator=gen) + 0.5
+        target = torch.randn(B, 28, generator=gen)
+        for k, tbe in enumerate(tbes):
+            if k == 1:
+                monkeypatch.setattr(ct, "fused_available", lambda: False)  # per-table loop
+            out = tbe(vals, offsets, psw)
+            ((out - target) ** 2).mean().backward()
+        monkeypatch.setattr(ct, "fused_available", ck.fused_available)
+        torch.testing.assert_close(tbes[0].weights, tbes[1].weights, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(tbes[0].momentum2, tbes[1].momentum2, rtol=1e-5, atol=1e-9)
+        assert torch.equal(tbes[0].row_step, tbes[1].row_step)
+    assert len(calls) == 3
+    assert tbes[0].stats.unique_rows == tbes[1].stats.unique_rows
+
+
+def test_tables_op_rejects_shared_tables(ext):
+    gen = torch.Generator().manual_seed(4)
+    c = _tables_case(gen, [(30, 4, True), (20, 4, True)], num_bags=5, weighted=False)
+    meta = c["meta"].clone()
+    meta[1, 0], meta[1, 4] = meta[0, 0], meta[0, 4]  # both features on one table: would race
+    meta[1, 1] = meta[0, 1]
+    with pytest.raises(RuntimeError, match="distinct"):
+        _tables_fused(dict(c, meta=meta), lr=1e-2)

@@ -106,3 +106,19 @@ def test_bad_base_and_warmup_inputs():
     for args in ((-1, 10), (0, -1), (1.5, 10)):
         with pytest.raises(ValueError):
             warmup_factor(*args)
+
+
+def test_effective_optim_applies_the_rule_once_with_one_epoch_warmup():
+    from recsys.config import OptimConfig
+    from recsys.optim.scaling import effective_optim
+
+    base = OptimConfig(embedding="cowclip_adam", embedding_lr=1e-4, dense_lr=8e-4, embedding_l2=1e-5,
+                       scale_from_batch=1024)
+    eff, warm = effective_optim(base, 8192, steps_per_epoch=122)
+    assert eff.embedding_lr == 1e-4 and eff.scale_from_batch == 0 and warm == 122
+    assert math.isclose(eff.dense_lr, 22.6274e-4, rel_tol=1e-5)  # the reference's 8K command line
+    assert math.isclose(eff.embedding_l2, 8e-5, rel_tol=1e-9)
+    assert effective_optim(eff, 8192, 122) == (eff, 0)  # never scaled twice; no warmup unless asked
+    lin, _ = effective_optim(dataclasses.replace(base, scale_rule="linear", warmup_epochs=0.5), 8192, 122)
+    assert math.isclose(lin.embedding_lr, 8e-4) and math.isclose(lin.dense_lr, 6.4e-3) and lin.embedding_l2 == 1e-5
+    assert effective_optim(dataclasses.replace(base, warmup_epochs=0.5), 8192, 122)[1] == 61

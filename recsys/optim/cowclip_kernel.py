@@ -2,10 +2,18 @@
 (``recsys/optim/csrc/cowclip_adam.cpp``), built just in time, with the torch-ops reference
 (``recsys.optim.cowclip.cowclip_adam_step``) as fallback.
 
-One call updates ONE table in place, given the FBGEMM-style lookup of the batch (``indices`` [L],
-``offsets`` [B+1]) and ``grad_output`` [B, D], the gradient of the pooled (summed) embeddings. It is
-the update of ``cowclip_adam_step(..., update_scope="batch", l2_scope="batch", bias_correction="row")``:
-lazy Adam on the batch's unique rows, per-row bias correction, rows absent from the batch bit-identical.
+``fused_cowclip_adam_step`` updates ONE table in place, given the FBGEMM-style lookup of the batch
+(``indices`` [L], ``offsets`` [B+1]) and ``grad_output`` [B, D], the gradient of the pooled (summed)
+embeddings. It is the update of ``cowclip_adam_step(..., update_scope="batch", l2_scope="batch",
+bias_correction="row")``: lazy Adam on the batch's unique rows, per-row bias correction, rows absent
+from the batch bit-identical.
+
+``fused_cowclip_adam_tables`` (op ``torch.ops.recsys.cowclip_adam_tables_``) does the same for all
+tables of a table-batched group in one call, shaped like FBGEMM's CPU TBE backward: flat
+weights/momentum1/momentum2/row_step buffers, one ``feature_meta`` row per feature, the KJT's
+``indices``/``offsets`` [F*B+1] and ``grad_output`` [B, total_D]. It is what
+``CowClipAdamTBE.backward_update`` (inline mode) calls: no per-table Python or dispatch overhead,
+tables processed in parallel.
 
 Build: ``torch.utils.cpp_extension.load(is_python_module=False)`` with ``-O3 -fopenmp`` into
 ``<repo>/build/torch_extensions/`` (git-ignored; override with ``RECSYS_EXT_DIR``), serialised
@@ -27,7 +35,10 @@ from torch import Tensor
 from recsys.optim.cowclip import CowClipAdamState, CowClipStats, cowclip_adam_step
 
 __all__ = [
+    "advise_huge_pages",
     "fused_cowclip_adam_step",
+    "fused_cowclip_adam_tables",
+    "FEATURE_META_COLUMNS",
     "fused_available",
     "fallback_reason",
     "load_extension",
@@ -57,6 +68,7 @@ def build_dir() -> Path:
 def _op_registered() -> bool:
     try:
         torch.ops.recsys.cowclip_adam_step_  # noqa: B018
+        torch.ops.recsys.cowclip_adam_tables_  # noqa: B018
         return True
     except (AttributeError, RuntimeError):
         return False
@@ -117,7 +129,7 @@ def _build_and_load(verbose: bool) -> None:
             cpp_extension.load(
                 name=_NAME,
                 sources=[str(_SRC)],
-                extra_cflags=["-O3", "-fopenmp", "-DNDEBUG"],
+                extra_cflags=["-O3", "-fopenmp", "-DNDEBUG", "-fno-math-errno"],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(d),
                 is_python_module=False,
@@ -127,7 +139,36 @@ def _build_and_load(verbose: bool) -> None:
             os.environ["PATH"] = old_path
     _build_seconds = time.perf_counter() - t0
     if not _op_registered():
-        raise RuntimeError("library loaded but torch.ops.recsys.cowclip_adam_step_ is not registered")
+        raise RuntimeError("library loaded but torch.ops.recsys.cowclip_adam_step_/cowclip_adam_tables_ "
+                           "are not registered")
+
+
+def advise_huge_pages(tensors) -> int:
+    """Back the tensors' memory with 2 MB transparent huge pages, in place (same addresses, so every
+    view stays valid): ``madvise(MADV_HUGEPAGE)`` then ``madvise(MADV_COLLAPSE)`` (Linux >= 6.1) on
+    the 2 MB-aligned part of each. Returns the bytes collapsed (0 where the kernel or THP setting
+    refuses; never raises). Not called by default: it is a storage-allocation choice (a one-time
+    copy of the tables, seconds for GBs). At 1M rows x 26 tables lazy Adam's 4 random rows per id
+    (w, m, v, row_step) cost 4 page walks with 4 KB pages; see docs/benchmarks.md (CowClip)."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        madvise = libc.madvise
+    except (OSError, AttributeError):
+        return 0
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    MADV_HUGEPAGE, MADV_COLLAPSE, HP = 14, 25, 2 << 20
+    done = 0
+    for t in tensors:
+        if t.device.type != "cpu" or not t.is_contiguous():
+            continue
+        p = t.data_ptr()
+        a = (p + HP - 1) & ~(HP - 1)
+        n = (p + t.numel() * t.element_size() - a) & ~(HP - 1)
+        if n > 0 and madvise(a, n, MADV_HUGEPAGE) == 0 and madvise(a, n, MADV_COLLAPSE) == 0:
+            done += n
+    return done
 
 
 def fused_available() -> bool:
@@ -151,6 +192,62 @@ def _warn_once(why: str) -> None:
     if not _warned:
         _warned = True
         log.warning("CowClip-Adam: using the torch-ops reference instead of the fused C++ op (%s)", why)
+
+
+FEATURE_META_COLUMNS = ("weights_offset", "rows", "dim", "grad_col", "row_start", "clip")
+
+
+def fused_cowclip_adam_tables(
+    weights: Tensor,
+    momentum1: Tensor,
+    momentum2: Tensor,
+    row_step: Tensor,
+    feature_meta: Tensor,
+    zeta: Tensor,
+    indices: Tensor,
+    offsets: Tensor,
+    grad_output: Tensor,
+    per_sample_weights: Tensor | None = None,
+    *,
+    lr: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    r: float = 1.0,
+    l2: float = 0.0,
+    eps_mode: str = "torch",
+) -> Tensor:
+    """One lazy CowClip-Adam step of every table of a table-batched group, in place.
+
+    ``weights``/``momentum1``/``momentum2``: flat float32 buffers; ``row_step``: flat int64 [total rows].
+    ``feature_meta``: int64 [F, 6], per feature f (which reads exactly one table; no two features
+    the same table): ``FEATURE_META_COLUMNS`` = offset of the table in the flat buffers, its rows,
+    its dim D, its first column in ``grad_output``, its first entry in ``row_step``, clip (0/1).
+    ``zeta``: float64 [F], the per-table zeta (the op uses zeta' = r * sqrt(D) * zeta).
+    ``indices`` [L] and ``offsets`` [F*B+1] (same integer dtype, int32 or int64): the KJT lookup,
+    feature-major; ``grad_output`` [B, total_D] float32 with unit column stride.
+
+    Per table, the same result as ``fused_cowclip_adam_step`` on that table's views (and so as the
+    reference); the tables' 0-dim ``step`` counters are not touched. Returns int64 [F, 2]:
+    (unique rows, clipped rows) per feature. Requires the C++ extension (``fused_available()``)
+    and CPU tensors: callers fall back to a per-table loop otherwise.
+    """
+    if eps_mode not in ("torch", "keras"):
+        raise ValueError(f"eps_mode must be torch|keras, got {eps_mode!r}")
+    load_extension(require=True)
+    if grad_output.dtype != torch.float32 or grad_output.stride(-1) != 1:
+        grad_output = grad_output.to(torch.float32).contiguous()
+    if offsets.dtype != indices.dtype:
+        offsets = offsets.to(indices.dtype)
+    if indices.dtype not in (torch.int32, torch.int64):
+        indices, offsets = indices.long(), offsets.long()
+    psw = per_sample_weights
+    if psw is not None and (psw.dtype != torch.float32 or not psw.is_contiguous()):
+        psw = psw.to(torch.float32).contiguous()
+    return torch.ops.recsys.cowclip_adam_tables_(
+        weights, momentum1, momentum2, row_step, feature_meta, zeta,
+        indices.contiguous(), offsets.contiguous(), grad_output, psw,
+        float(lr), float(betas[0]), float(betas[1]), float(eps), float(r), float(l2), eps_mode == "keras",
+    )
 
 
 def fused_cowclip_adam_step(

@@ -58,6 +58,7 @@ from recsys.optim.cowclip_tbe import COWCLIP_ADAM, CowClipAdamTBE, CowClipHyper,
 
 __all__ = [
     "COWCLIP_ADAM",
+    "take_update_stats",
     "CowClipEmbeddingBag",
     "CowClipEmbeddingBagCollectionSharder",
     "ShardedCowClipEmbeddingBagCollection",
@@ -418,3 +419,25 @@ class CowClipEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         if sharding_type == _DP:
             return [EmbeddingComputeKernel.DENSE.value]
         return [EmbeddingComputeKernel.FUSED.value]
+
+
+def cowclip_tbes(model: nn.Module) -> list[CowClipAdamTBE]:
+    """This rank's CowClip tables. torchrec 1.8 keeps a sharded module's lookups in a plain list
+    (``_lookups``), out of ``modules()``, so look there."""
+    out: list[CowClipAdamTBE] = []
+    for m in model.modules():
+        for lk in getattr(m, "_lookups", []) or []:
+            lk = getattr(lk, "module", lk)  # DDP-wrapped data-parallel lookups
+            out.extend(x for x in lk.modules() if isinstance(x, CowClipAdamTBE))
+    return out
+
+
+def take_update_stats(model: nn.Module) -> tuple[int, int]:
+    """(rows updated, rows whose gradient CowClip scaled down) since the last call, summed over this
+    rank's CowClip kernels; resets the counters. (0, 0) when the model has none."""
+    unique = clipped = 0
+    for m in cowclip_tbes(model):
+        unique += m.stats.unique_rows
+        clipped += m.stats.clipped_rows
+        m.stats.unique_rows = m.stats.clipped_rows = m.stats.calls = 0
+    return unique, clipped

@@ -12,7 +12,7 @@ Two update modes, chosen by the sharding type (docs/design/cowclip.md section 3)
 
 * ``inline`` (table-wise, row-wise, table-row-wise): the rank sees every sample that touches its
   rows, with full rows, so counts and norms are global already; the update runs in backward,
-  with the fused C++ op (``recsys.optim.cowclip_kernel``) per table.
+  with one call of the fused multi-table C++ op (``recsys.optim.cowclip_kernel``) per group.
 * ``deferred`` (column-wise, data-parallel): backward only stages per-row gradients and counts;
   the cross-rank exchange (norms of column shards, union of replicas' rows) and the update run
   in the lookup's fused-optimizer ``step()`` (``recsys.optim.cowclip_exchange``).
@@ -30,15 +30,16 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import DenseTableBatchedEmbeddingBagsCodegen
 from torch import Tensor
 
-from recsys.optim.cowclip import CowClipAdamState, _adam_rows, _clip_scale, batch_row_gradients
-from recsys.optim.cowclip_kernel import fused_cowclip_adam_step
+from recsys.optim.cowclip import CowClipAdamState, _adam_rows, _clip_scale, batch_row_gradients, cowclip_adam_step
+from recsys.optim.cowclip_kernel import advise_huge_pages, fused_available, fused_cowclip_adam_step, fused_cowclip_adam_tables
 
+HUGE_PAGE_MIN_BYTES = 64 << 20  # tables smaller than this stay on whatever pages they got
 COWCLIP_ADAM = "recsys.cowclip_adam"  # value of fused_params["optimizer"] that selects our kernel
 
 # fused_params keys of ours; everything else torchrec/FBGEMM may add (cache_precision, ...) is ignored
 _OUR_KEYS = {
     "optimizer", "learning_rate", "beta1", "beta2", "eps", "eps_mode", "cowclip", "cowclip_r",
-    "cowclip_zeta", "l2",
+    "cowclip_zeta", "l2", "update_scope",
 }
 
 
@@ -55,7 +56,11 @@ class CowClipHyper:
     cowclip: bool = True  # False: plain lazy Adam (e.g. the wide/linear tables, as the paper does)
     cowclip_r: float = 1.0
     cowclip_zeta: float = 1e-5
-    l2: float = 0.0  # lambda of a Keras l2(lambda) regulariser, on the rows of the batch
+    l2: float = 0.0  # lambda of a Keras l2(lambda) regulariser
+    # "batch": lazy Adam, only the batch's rows move (L2 on them only). "all": the reference's dense
+    # semantics, every row of the table gets the L2 gradient and an Adam step each step (O(table)
+    # per step, table-wise / row-wise shards only): for measuring what lazy L2 changes.
+    update_scope: str = "batch"
 
     @classmethod
     def from_fused_params(cls, fp: dict[str, Any] | None) -> "CowClipHyper":
@@ -69,6 +74,8 @@ class CowClipHyper:
         hp = cls(**kw)
         if hp.eps_mode not in ("torch", "keras"):
             raise ValueError(f"CowClip fused_params eps_mode must be torch|keras, got {hp.eps_mode!r}")
+        if hp.update_scope not in ("batch", "all"):
+            raise ValueError(f"CowClip fused_params update_scope must be batch|all, got {hp.update_scope!r}")
         return hp
 
 
@@ -118,7 +125,10 @@ class _CowClipLookup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: Tensor):  # type: ignore[override]
         indices, offsets, psw = ctx.saved_tensors
-        ctx.tbe.backward_update(grad_out, indices, offsets, psw if ctx.has_psw else None)
+        if ctx.tbe.hyper.update_scope == "all":
+            ctx.tbe.backward_update_all_rows(grad_out, indices, offsets, psw if ctx.has_psw else None)
+        else:
+            ctx.tbe.backward_update(grad_out, indices, offsets, psw if ctx.has_psw else None)
         return None, None, None, None, None
 
 
@@ -161,6 +171,10 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
         self.register_buffer("momentum2", torch.zeros_like(w))
         total_rows = sum(r for r, _ in embedding_specs)
         self.register_buffer("row_step", torch.zeros(total_rows, dtype=torch.long, device=w.device))
+        if w.device.type == "cpu" and w.numel() * 4 >= HUGE_PAGE_MIN_BYTES:
+            # lazy Adam touches 4 random rows per id (w, m, v, row_step): 2 MB pages save the page
+            # walks (docs/benchmarks.md, CowClip: 20.8 -> 13.7 ms at 26 x 1M rows, batch 8K)
+            advise_huge_pages([self.weights, self.momentum1, self.momentum2, self.row_step])
         self.hyper = hyper
         self.lr = float(hyper.learning_rate)
         self.full_dims = list(full_dims)
@@ -254,7 +268,37 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
 
     @torch.no_grad()
     def backward_update(self, grad_out: Tensor, indices: Tensor, offsets: Tensor, psw: Tensor | None) -> None:
+        """Inline mode: one call of the multi-table C++ op for all tables (CPU, extension built),
+        else one ``fused_cowclip_adam_step`` per table. Deferred mode: stage per-table row
+        gradients and counts for the exchange."""
         grad_out = grad_out.float()
+        if self.mode == "inline" and self.weights.device.type == "cpu" and fused_available():
+            F = len(self.feature_table_map)
+            B = (offsets.numel() - 1) // F
+            if B * F + 1 != offsets.numel() or grad_out.shape[0] != B:
+                raise RuntimeError(
+                    f"CowClip backward: {offsets.numel()} offsets for {F} features and {grad_out.shape[0]} bags")
+            hp = self.hyper
+            # per-feature table description, rebuilt only when what it depends on changes
+            key = (hp.cowclip_zeta, tuple(self.clip), tuple(self.full_dims))
+            cached = getattr(self, "_fused_meta", None)
+            if cached is None or cached[0] != key:
+                D_offsets = self.D_offsets.tolist()
+                meta = torch.tensor(
+                    [[self.weights_physical_offsets[t], self.embedding_specs[t][0], self.embedding_specs[t][1],
+                      D_offsets[f], self.row_starts[t], int(bool(self.clip[t]))]
+                     for f, t in enumerate(self.feature_table_map)], dtype=torch.long)
+                zeta = torch.tensor([self._zeta_for_full_dim(t) for t in self.feature_table_map], dtype=torch.float64)
+                cached = self._fused_meta = (key, meta, zeta)
+            stats = fused_cowclip_adam_tables(
+                self.weights, self.momentum1, self.momentum2, self.row_step, cached[1], cached[2],
+                indices, offsets, grad_out, psw,
+                lr=self.lr, betas=(hp.beta1, hp.beta2), eps=hp.eps, r=hp.cowclip_r, l2=hp.l2,
+                eps_mode=hp.eps_mode,
+            )
+            for unique, clipped in stats.tolist():
+                self.stats.add(unique, clipped)
+            return
         for t, idx, offs, go, w in self._feature_slices(grad_out, indices, offsets, psw):
             if self.mode == "inline":
                 st = fused_cowclip_adam_step(
@@ -268,6 +312,46 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
                 rows_local = self.embedding_specs[t][0]
                 rows, g, cnt = batch_row_gradients(idx, offs, go, w, num_rows=rows_local)
                 self.staged.append(StagedRows(t, rows, g, cnt))
+
+    @torch.no_grad()
+    def backward_update_all_rows(self, grad_out: Tensor, indices: Tensor, offsets: Tensor, psw: Tensor | None) -> None:
+        """``update_scope="all"``: the reference's dense step, every row every step, as a few in-place
+        passes over the shard instead of the reference's full-table gradient.
+
+        A row absent from the batch has g = 2*l2*w and cnt = 1; its clip r*max(||w||, zeta') is
+        above ||g|| = 2*l2*||w|| whenever 2*l2 < r, so it is never clipped and its Adam step is the
+        closed form below. Rows of the batch get the batch update (clip with cnt, Adam) from
+        their values before that pass. All rows share the step (every row moves every step)."""
+        if self.mode != "inline":
+            raise NotImplementedError("CowClip update_scope='all' needs table-wise or row-wise sharding")
+        hp = self.hyper
+        if 2 * hp.l2 >= hp.cowclip_r:
+            raise ValueError(f"CowClip update_scope='all' assumes 2*l2 < cowclip_r (l2={hp.l2}, r={hp.cowclip_r})")
+        b1, b2 = hp.beta1, hp.beta2
+        for t, idx, offs, go, w_psw in self._feature_slices(grad_out.float(), indices, offsets, psw):
+            weight, st = self._view(self.weights, t), self._states[t]
+            if weight.shape[0] == 0:
+                continue
+            rows, g, cnt = batch_row_gradients(idx, offs, go.contiguous(), w_psw, num_rows=weight.shape[0])
+            saved = [x.index_select(0, rows) for x in (weight, st.exp_avg, st.exp_avg_sq)]
+            step = int(st.row_step[0]) + 1
+            m, v = st.exp_avg, st.exp_avg_sq
+            m.mul_(b1)
+            v.mul_(b2)
+            if hp.l2:
+                m.add_(weight, alpha=(1 - b1) * 2 * hp.l2)
+                v.addcmul_(weight, weight, value=(1 - b2) * 4 * hp.l2 * hp.l2)
+            bc1, bc2 = 1 - b1**step, 1 - b2**step
+            if hp.eps_mode == "keras":
+                weight.addcdiv_(m, v.sqrt().add_(hp.eps), value=-self.lr * math.sqrt(bc2) / bc1)
+            else:
+                weight.addcdiv_(m, v.sqrt().div_(math.sqrt(bc2)).add_(hp.eps), value=-self.lr / bc1)
+            st.row_step.fill_(step)
+            # the batch rows: back to their values before this step, then the real update
+            for x, old in zip((weight, m, v), saved):
+                x.index_copy_(0, rows, old)
+            st.row_step.index_fill_(0, rows, step - 1)
+            self.apply_rows(t, rows, g, cnt, add_l2=True)
 
     def _zeta_for_full_dim(self, t: int) -> float:
         """The fused op computes zeta' = r * sqrt(local D) * zeta; a table-wise/row-wise shard has

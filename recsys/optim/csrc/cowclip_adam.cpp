@@ -1,22 +1,44 @@
-// Fused CowClip-Adam backward+update for one pooled-sum embedding table (CPU).
+// Fused CowClip-Adam backward+update for pooled-sum embedding tables (CPU).
 //
-// recsys::cowclip_adam_step_ performs, in place, exactly the update of
-//   recsys.optim.cowclip.cowclip_adam_step(weight, state, indices, offsets, grad_output, psw,
-//       update_scope="batch", l2_scope="batch", bias_correction="row", eps_mode=...)
-// except for state.step (a 0-dim counter the Python wrapper increments):
+// Two ops, one kernel:
 //
-//   1. (row, occurrence) pairs are radix-sorted by row (stable, so occurrences of a row stay in
-//      index order and their bags are non-decreasing);
-//   2. per unique row k (parallel with at::parallel_for over unique rows):
-//        g = sum_i grad_output[bag(i)] * psw[i]     (same summation order as index_add_)
-//        cnt = distinct bags containing k
-//        g += 2*l2*w                               (if l2 > 0)
+//   recsys::cowclip_adam_tables_   all tables of a table-batched group in ONE call, shaped like
+//       FBGEMM's CPU TBE backward: flat weights / momentum1 / momentum2 / row_step buffers, a
+//       per-feature table description, the KJT's indices and offsets [F*B+1] for all features and
+//       grad_output [B, total_D]. Used by recsys.optim.cowclip_tbe.CowClipAdamTBE (inline mode).
+//   recsys::cowclip_adam_step_     one table [N, D] per call (the original op; tests, bench).
+//
+// Per table (feature f reads table t; every table is read by one feature) this is, in place,
+// exactly the update of
+//   recsys.optim.cowclip.cowclip_adam_step(weight_t, state_t, indices_f, offsets_f, grad_output[:, cols_f],
+//       psw_f, update_scope="batch", l2_scope="batch", bias_correction="row", eps_mode=...)
+// except for state.step (a 0-dim counter the Python wrapper of the one-table op increments):
+//
+//   phase 1 (per table, bags in order): occurrences are deduplicated with an open-addressing hash
+//     table keyed by row (no sort). grad_output is read once, sequentially (bag b's row is read
+//     once per table, instead of once per occurrence in row order as a sort-based pass would),
+//     and accumulated into a per-unique-row buffer in occurrence order (the summation order of
+//     the reference's index_add_):
+//        g_k   = sum_i grad_output[bag(i)] * psw[i]
+//        cnt_k = distinct bags containing k       (bags arrive in order: count changes of bag)
+//   phase 2 (per unique row, software-prefetched w/m/v/row_step rows a few rows ahead):
+//        g += 2*l2*w                                (if l2 > 0)
 //        clip = r*cnt*max(||w||, r*sqrt(D)*zeta);  g *= clip / max(||g||, clip)   (if clip)
 //        Adam with per-row bias correction t = ++row_step[k]
 //   Rows not in the batch are never read or written.
 //
-// Returns an int64 tensor [2]: (unique rows U, rows whose gradient was scaled down).
-// Arithmetic mirrors the float32 torch ops of the reference (scalars rounded to float first).
+// Parallelism: over tables (at::parallel_for, one task per table, phases 1+2 back to back so the
+// accumulator is still in cache) when there are at least as many tables as threads, else per table
+// with phase 2 parallel over unique rows. Tables own disjoint rows, unique rows are independent,
+// so results do not depend on the thread count.
+//
+// No per-call allocation proportional to anything: scratch (hash table, accumulators) is
+// thread-local, grow-only, and sized by the batch (occurrences per table), never by the table.
+// Bias corrections 1-b1^t and sqrt(1-b2^t) come from a cached per-(beta1, beta2) table for
+// t < 2^15 instead of two powf calls per row.
+//
+// Arithmetic mirrors the float32 torch ops of the reference (scalars rounded to float first);
+// norms are accumulated in double (4 independent lanes).
 // Only <ATen/ATen.h> and <torch/library.h>: no Python.h; built by recsys/optim/cowclip_kernel.py.
 
 #include <ATen/ATen.h>
@@ -27,32 +49,446 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
 #include <vector>
 
 namespace {
 
-// Stable LSD radix sort of 64-bit keys by bits [lo, lo + nbits). `tmp` is scratch of keys.size().
-void radix_sort_bits(std::vector<uint64_t>& keys, std::vector<uint64_t>& tmp, int lo, int nbits) {
-  if (nbits <= 0 || keys.size() < 2) return;
-  const int passes = (nbits + 10) / 11;
-  const int digit = (nbits + passes - 1) / passes;
-  const uint64_t mask = (uint64_t(1) << digit) - 1;
-  std::vector<int64_t> hist(size_t(1) << digit);
-  const size_t n = keys.size();
-  for (int p = 0; p < passes; ++p) {
-    const int shift = lo + p * digit;
-    std::fill(hist.begin(), hist.end(), 0);
-    for (size_t i = 0; i < n; ++i) hist[(keys[i] >> shift) & mask]++;
-    int64_t sum = 0;
-    for (auto& h : hist) {
-      const int64_t c = h;
-      h = sum;
-      sum += c;
+// ------------------------------------------------------------------------------------------
+// hyperparameters, as float32 like the reference's torch ops see them
+
+struct BiasTable {
+  float b1 = -1.f, b2 = -1.f;
+  std::vector<float> bc1, bc2s;  // index t (>= 1)
+};
+
+constexpr int64_t kBiasTableSize = int64_t(1) << 15;
+
+inline float t_saturation(float b) {
+  // 1 - b^t rounds to 1.0f once b^t < 2^-25: skip powf there (its underflow path is slow)
+  return b > 0.f && b < 1.f ? 30.f / -std::log(b) : 1e30f;
+}
+
+// Cached bias-correction table per (beta1, beta2); a few distinct pairs at most per process.
+std::shared_ptr<const BiasTable> bias_table(float b1, float b2) {
+  static std::mutex mu;
+  static std::vector<std::shared_ptr<const BiasTable>> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  for (const auto& c : cache)
+    if (c->b1 == b1 && c->b2 == b2) return c;
+  auto t = std::make_shared<BiasTable>();
+  t->b1 = b1;
+  t->b2 = b2;
+  t->bc1.resize(kBiasTableSize);
+  t->bc2s.resize(kBiasTableSize);
+  const float s1 = t_saturation(b1), s2 = t_saturation(b2);
+  t->bc1[0] = t->bc2s[0] = 0.f;  // t = 0 never occurs (t = ++row_step >= 1)
+  for (int64_t i = 1; i < kBiasTableSize; ++i) {
+    const float tf = static_cast<float>(i);
+    t->bc1[i] = tf > s1 ? 1.f : 1.f - std::pow(b1, tf);
+    t->bc2s[i] = tf > s2 ? 1.f : std::sqrt(1.f - std::pow(b2, tf));
+  }
+  if (cache.size() >= 8) cache.erase(cache.begin());
+  cache.push_back(t);
+  return t;
+}
+
+struct Hyper {
+  float b1, b2, omb1, omb2, lr, eps, l2x2, r;
+  bool l2, keras;
+  float t_sat1, t_sat2;
+  std::shared_ptr<const BiasTable> bias;
+
+  Hyper(double lr_, double beta1, double beta2, double eps_, double r_, double l2_, bool keras_)
+      : b1(static_cast<float>(beta1)),
+        b2(static_cast<float>(beta2)),
+        omb1(static_cast<float>(1.0 - beta1)),
+        omb2(static_cast<float>(1.0 - beta2)),
+        lr(static_cast<float>(lr_)),
+        eps(static_cast<float>(eps_)),
+        l2x2(static_cast<float>(2.0 * l2_)),
+        r(static_cast<float>(r_)),
+        l2(l2_ != 0.0),
+        keras(keras_),
+        t_sat1(t_saturation(b1)),
+        t_sat2(t_saturation(b2)),
+        bias(bias_table(b1, b2)) {}
+
+  inline void correction(int64_t t, float& bc1, float& bc2s) const {
+    if (t < kBiasTableSize) {
+      bc1 = bias->bc1[t];
+      bc2s = bias->bc2s[t];
+      return;
     }
-    for (size_t i = 0; i < n; ++i) tmp[hist[(keys[i] >> shift) & mask]++] = keys[i];
-    keys.swap(tmp);
+    const float tf = static_cast<float>(t);
+    bc1 = tf > t_sat1 ? 1.f : 1.f - std::pow(b1, tf);
+    bc2s = tf > t_sat2 ? 1.f : std::sqrt(1.f - std::pow(b2, tf));
+  }
+};
+
+// ------------------------------------------------------------------------------------------
+// one table's work
+
+template <typename index_t>
+struct Job {
+  float* W;  // table base [N, D] (row-major, contiguous)
+  float* M;
+  float* V;
+  int64_t* RS;  // row_step [N]
+  int64_t N, D;
+  const index_t* idx;  // all indices (absolute positions from off[])
+  const index_t* off;  // B+1 entries: bag b is idx[off[b] .. off[b+1])
+  const float* psw;    // per-index weights (absolute positions) or nullptr
+  const float* G;      // grad_output of bag 0, first column of this table
+  int64_t ldg;         // grad_output row stride
+  int64_t B;
+  float zeta_p;  // r * sqrt(D_full) * zeta
+  bool clip;
+};
+
+// Thread-local, grow-only scratch. Invariant between calls: hash[] is all -1.
+struct Scratch {
+  std::vector<int32_t> hash;  // slot of the row at this hash position, or -1
+  std::vector<int32_t> hpos;  // [U] hash position of slot (to reset hash[] after use)
+  std::vector<int64_t> rows;  // [U] row of slot
+  std::vector<int32_t> cnt;   // [U] distinct bags
+  std::vector<int32_t> last;  // [U] last bag seen
+  std::vector<float> acc;     // [U*D] gradient accumulators
+  int64_t U = 0;
+  int64_t hmask = 0;
+  int hbits = 0;
+
+  template <typename T>
+  static void grow(std::vector<T>& v, size_t n, T fill = T()) {
+    if (v.size() < n) v.resize(std::max(n, v.size() + v.size() / 2), fill);
+  }
+  void reserve(int64_t L, int64_t D) {
+    hbits = 4;
+    while ((int64_t(1) << hbits) < 2 * L) ++hbits;
+    hmask = (int64_t(1) << hbits) - 1;
+    grow(hash, size_t(hmask + 1), int32_t(-1));
+    grow(hpos, size_t(L));
+    grow(rows, size_t(L));
+    grow(cnt, size_t(L));
+    grow(last, size_t(L));
+    grow(acc, size_t(L * D));
+    U = 0;
+  }
+  void reset_hash() {
+    for (int64_t u = 0; u < U; ++u) hash[hpos[u]] = -1;
+  }
+};
+
+Scratch& thread_scratch() {
+  static thread_local Scratch s;
+  return s;
+}
+
+// Prefetch distances (measured on a 2-core AMD EPYC, D=16; 6/12/24 rows ahead were within noise).
+// Phase 1 also prefetches a row's w/m/v/row_step lines when it first meets the row, so their DRAM
+// latency overlaps the hashing and accumulation; phase 2 re-prefetches rows ahead for large batches
+// whose first touch has been evicted by then.
+constexpr int kPrefetchRows = 12;       // phase 2: rows ahead
+constexpr bool kPrefetchInsert = true;  // phase 1: prefetch a new row's state
+constexpr int kPrefetchBags = 8;        // phase 1: grad_output rows ahead
+
+// Software prefetch into all cache levels. On x86 as inline asm: with GCC 12 (-O3, generic
+// x86-64) the __builtin_prefetch calls of the row loop compiled to NO instruction (checked with
+// objdump; the first version of this op asked for write prefetches and got none), the asm is kept.
+inline void prefetch(const void* p) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
+#else
+  __builtin_prefetch(p, 0, 3);
+#endif
+}
+
+template <int DD>
+inline void prefetch_lines(const float* p, int64_t D) {
+  const int64_t n = DD > 0 ? DD : D;
+  for (int64_t d = 0; d < n; d += 16) prefetch(p + d);
+}
+
+enum class Status { kOk, kBadId, kBadOffsets };
+
+// Phase 1: dedup + accumulate. On a bad id or offsets it restores the hash invariant and returns
+// the error (`bad`: the offending id) before anything was written to the table.
+template <int DD, typename index_t>
+Status accumulate(const Job<index_t>& job, Scratch& s, int64_t& bad) {
+  const int64_t D = DD > 0 ? DD : job.D;
+  const int64_t B = job.B;
+  const index_t* off = job.off;
+  const int64_t L = static_cast<int64_t>(off[B]) - static_cast<int64_t>(off[0]);
+  s.reserve(std::max<int64_t>(L, 1), D);
+  int32_t* H = s.hash.data();
+  int32_t* hpos = s.hpos.data();
+  int64_t* rows = s.rows.data();
+  int32_t* cnt = s.cnt.data();
+  int32_t* last = s.last.data();
+  float* acc = s.acc.data();
+  const int shift = 64 - s.hbits;
+  const int64_t mask = s.hmask;
+  int64_t U = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t st = off[b], en = off[b + 1];
+    if (en < st) {
+      s.U = U;
+      s.reset_hash();
+      s.U = 0;
+      return Status::kBadOffsets;
+    }
+    if (en == st) continue;
+    if (b + kPrefetchBags < B) prefetch_lines<DD>(job.G + (b + kPrefetchBags) * job.ldg, D);
+    const float* go = job.G + b * job.ldg;
+    for (int64_t i = st; i < en; ++i) {
+      const int64_t k = static_cast<int64_t>(job.idx[i]);
+      if (k < 0 || k >= job.N) {
+        s.U = U;
+        s.reset_hash();
+        s.U = 0;
+        bad = k;
+        return Status::kBadId;
+      }
+      const float wt = job.psw ? job.psw[i] : 1.f;  // go * 1.0f == go exactly
+      int64_t h = static_cast<int64_t>((uint64_t(k) * 0x9E3779B97F4A7C15ull) >> shift);
+      while (true) {
+        const int32_t sl = H[h];
+        if (sl < 0) {
+          const int32_t n = static_cast<int32_t>(U++);
+          H[h] = n;
+          hpos[n] = static_cast<int32_t>(h);
+          rows[n] = k;
+          cnt[n] = 1;
+          last[n] = static_cast<int32_t>(b);
+          float* a = acc + int64_t(n) * D;
+          for (int64_t d = 0; d < D; ++d) a[d] = go[d] * wt;
+          if (kPrefetchInsert) {
+            prefetch_lines<DD>(job.W + k * D, D);
+            prefetch_lines<DD>(job.M + k * D, D);
+            prefetch_lines<DD>(job.V + k * D, D);
+            prefetch(job.RS + k);
+          }
+          break;
+        }
+        if (rows[sl] == k) {
+          if (last[sl] != b) {
+            ++cnt[sl];
+            last[sl] = static_cast<int32_t>(b);
+          }
+          float* a = acc + int64_t(sl) * D;
+          for (int64_t d = 0; d < D; ++d) {
+            const float c = go[d] * wt;
+            a[d] += c;
+          }
+          break;
+        }
+        h = (h + 1) & mask;
+      }
+    }
+  }
+  s.U = U;
+  return Status::kOk;
+}
+
+// L2, clip and Adam of one row: g (the accumulated gradient, scratch) -> w, m, v. The pointers never
+// alias (__restrict__ lets the loops vectorise; scalars are locals for the same reason).
+// Returns whether the gradient was scaled down.
+template <int DD>
+inline bool row_update(float* __restrict__ g, float* __restrict__ w, float* __restrict__ m,
+                       float* __restrict__ v, int64_t D_, int64_t t, int32_t cnt, bool clip, float zeta_p,
+                       const Hyper& hp) {
+  const int64_t D = DD > 0 ? DD : D_;
+  bool clipped = false;
+  if (hp.l2) {
+    const float l2x2 = hp.l2x2;
+    for (int64_t d = 0; d < D; ++d) {
+      const float x = l2x2 * w[d];
+      g[d] += x;
+    }
+  }
+  if (clip) {
+    double ws[4] = {0, 0, 0, 0}, gs[4] = {0, 0, 0, 0};
+    int64_t d = 0;
+    for (; d + 4 <= D; d += 4) {
+      for (int j = 0; j < 4; ++j) {
+        ws[j] += double(w[d + j]) * double(w[d + j]);
+        gs[j] += double(g[d + j]) * double(g[d + j]);
+      }
+    }
+    for (; d < D; ++d) {
+      ws[0] += double(w[d]) * double(w[d]);
+      gs[0] += double(g[d]) * double(g[d]);
+    }
+    const float wnorm = static_cast<float>(std::sqrt((ws[0] + ws[1]) + (ws[2] + ws[3])));
+    const float gnorm = static_cast<float>(std::sqrt((gs[0] + gs[1]) + (gs[2] + gs[3])));
+    const float clip_t = (hp.r * static_cast<float>(cnt)) * std::max(wnorm, zeta_p);
+    const float denom = std::max(gnorm, clip_t);
+    const float scale = denom > 0.f ? clip_t / denom : 1.f;
+    clipped = gnorm > clip_t;
+    for (int64_t j = 0; j < D; ++j) g[j] *= scale;
+  }
+  float bc1, bc2s;
+  hp.correction(t, bc1, bc2s);
+  const float b1 = hp.b1, b2 = hp.b2, omb1 = hp.omb1, omb2 = hp.omb2, lr = hp.lr, eps = hp.eps;
+  if (hp.keras) {
+    const float step = lr * bc2s / bc1;
+    for (int64_t d = 0; d < D; ++d) {
+      const float gd = g[d];
+      const float md = m[d] * b1 + omb1 * gd;
+      const float vd = v[d] * b2 + omb2 * gd * gd;
+      m[d] = md;
+      v[d] = vd;
+      const float q = md / (std::sqrt(vd) + eps);
+      w[d] -= step * q;
+    }
+  } else {
+    for (int64_t d = 0; d < D; ++d) {
+      const float gd = g[d];
+      const float md = m[d] * b1 + omb1 * gd;
+      const float vd = v[d] * b2 + omb2 * gd * gd;
+      m[d] = md;
+      v[d] = vd;
+      const float num = lr * (md / bc1);
+      const float den = std::sqrt(vd) / bc2s + eps;
+      w[d] -= num / den;
+    }
+  }
+  return clipped;
+}
+
+// Phase 2 over unique rows [u0, u1) of the scratch: L2, clip, Adam. Returns rows clipped.
+template <int DD, typename index_t>
+int64_t update_rows(const Job<index_t>& job, const Scratch& s, const Hyper& hp, int64_t u0, int64_t u1) {
+  const int64_t D = DD > 0 ? DD : job.D;
+  const int64_t* rows = s.rows.data();
+  const int32_t* cnt = s.cnt.data();
+  float* acc = const_cast<float*>(s.acc.data());
+  float* W = job.W;
+  float* M = job.M;
+  float* V = job.V;
+  int64_t* RS = job.RS;
+  auto prefetch_row = [&](int64_t u) {
+    const int64_t k = rows[u];
+    prefetch_lines<DD>(W + k * D, D);
+    prefetch_lines<DD>(M + k * D, D);
+    prefetch_lines<DD>(V + k * D, D);
+    prefetch(RS + k);
+  };
+  for (int64_t u = u0; u < std::min(u1, u0 + kPrefetchRows); ++u) prefetch_row(u);
+  int64_t clipped = 0;
+  for (int64_t u = u0; u < u1; ++u) {
+    if (u + kPrefetchRows < u1) prefetch_row(u + kPrefetchRows);
+    const int64_t k = rows[u];
+    const int64_t t = RS[k] + 1;
+    RS[k] = t;
+    clipped += row_update<DD>(acc + u * D, W + k * D, M + k * D, V + k * D, D, t, cnt[u], job.clip, job.zeta_p, hp);
+  }
+  return clipped;
+}
+
+void check_status(Status st, int64_t bad, int64_t N) {
+  TORCH_CHECK(st != Status::kBadOffsets, "offsets must be non-decreasing");
+  TORCH_CHECK(st != Status::kBadId, "embedding ids out of range [0, ", N, "): ", bad);
+}
+
+// Whole table in the calling thread (phases 1 and 2). out: (U, clipped).
+template <int DD, typename index_t>
+void run_job_serial(const Job<index_t>& job, const Hyper& hp, int64_t* out) {
+  Scratch& s = thread_scratch();
+  int64_t bad = 0;
+  check_status(accumulate<DD>(job, s, bad), bad, job.N);
+  out[0] = s.U;
+  out[1] = update_rows<DD>(job, s, hp, 0, s.U);
+  s.reset_hash();
+}
+
+// Phase 1 in the calling thread, phase 2 parallel over unique rows.
+template <int DD, typename index_t>
+void run_job_rows_parallel(const Job<index_t>& job, const Hyper& hp, int64_t* out) {
+  Scratch& s = thread_scratch();
+  int64_t bad = 0;
+  check_status(accumulate<DD>(job, s, bad), bad, job.N);
+  std::atomic<int64_t> clipped{0};
+  const int64_t grain = std::max<int64_t>(64, 16384 / std::max<int64_t>(job.D, 1));
+  try {
+    at::parallel_for(0, s.U, grain, [&](int64_t b, int64_t e) {
+      clipped.fetch_add(update_rows<DD>(job, s, hp, b, e), std::memory_order_relaxed);
+    });
+  } catch (...) {
+    s.reset_hash();
+    throw;
+  }
+  out[0] = s.U;
+  out[1] = clipped.load();
+  s.reset_hash();
+}
+
+template <typename index_t, typename Fn>
+void dispatch_dim(int64_t D, Fn&& fn) {
+  switch (D) {
+    case 1: fn(std::integral_constant<int, 1>()); break;
+    case 2: fn(std::integral_constant<int, 2>()); break;
+    case 4: fn(std::integral_constant<int, 4>()); break;
+    case 8: fn(std::integral_constant<int, 8>()); break;
+    case 16: fn(std::integral_constant<int, 16>()); break;
+    case 32: fn(std::integral_constant<int, 32>()); break;
+    case 64: fn(std::integral_constant<int, 64>()); break;
+    case 128: fn(std::integral_constant<int, 128>()); break;
+    default: fn(std::integral_constant<int, 0>()); break;
   }
 }
+
+// Runs all jobs; stats[j] = (U, clipped).
+template <typename index_t>
+void run_jobs(const std::vector<Job<index_t>>& jobs, const Hyper& hp, int64_t* stats) {
+  const int64_t J = static_cast<int64_t>(jobs.size());
+  const int nthreads = at::get_num_threads();
+  if (J >= nthreads || nthreads <= 1 || at::in_parallel_region()) {
+    at::parallel_for(0, J, 1, [&](int64_t b, int64_t e) {
+      for (int64_t j = b; j < e; ++j) {
+        dispatch_dim<index_t>(jobs[j].D, [&](auto dd) {
+          run_job_serial<decltype(dd)::value>(jobs[j], hp, stats + 2 * j);
+        });
+      }
+    });
+  } else {
+    for (int64_t j = 0; j < J; ++j) {
+      dispatch_dim<index_t>(jobs[j].D, [&](auto dd) {
+        run_job_rows_parallel<decltype(dd)::value>(jobs[j], hp, stats + 2 * j);
+      });
+    }
+  }
+}
+
+void check_state(const at::Tensor& weight, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+                 const at::Tensor& row_step) {
+  TORCH_CHECK(weight.scalar_type() == at::kFloat, "weight must be float32");
+  TORCH_CHECK(weight.is_contiguous() && exp_avg.is_contiguous() && exp_avg_sq.is_contiguous(),
+              "weight, exp_avg, exp_avg_sq must be contiguous");
+  TORCH_CHECK(exp_avg.sizes() == weight.sizes() && exp_avg_sq.sizes() == weight.sizes(),
+              "optimizer state shape does not match weight");
+  TORCH_CHECK(exp_avg.scalar_type() == at::kFloat && exp_avg_sq.scalar_type() == at::kFloat,
+              "exp_avg, exp_avg_sq must be float32");
+  TORCH_CHECK(row_step.dim() == 1 && row_step.scalar_type() == at::kLong && row_step.is_contiguous(),
+              "row_step must be a contiguous int64 vector");
+}
+
+const float* check_psw(const std::optional<at::Tensor>& per_sample_weights, int64_t L) {
+  if (per_sample_weights.has_value() && per_sample_weights->defined()) {
+    const auto& p = *per_sample_weights;
+    TORCH_CHECK(p.dim() == 1 && p.numel() == L && p.scalar_type() == at::kFloat && p.is_contiguous(),
+                "per_sample_weights must be a contiguous float32 [L]");
+    return p.data_ptr<float>();
+  }
+  return nullptr;
+}
+
+// ------------------------------------------------------------------------------------------
+// one table per call
 
 at::Tensor cowclip_adam_step_cpu(
     at::Tensor weight, at::Tensor exp_avg, at::Tensor exp_avg_sq, at::Tensor row_step,
@@ -61,16 +497,8 @@ at::Tensor cowclip_adam_step_cpu(
     double lr, double beta1, double beta2, double eps, double r, double zeta, double l2,
     bool clip, bool keras_eps) {
   TORCH_CHECK(weight.dim() == 2, "weight must be [N, D]");
-  TORCH_CHECK(weight.scalar_type() == at::kFloat, "weight must be float32");
-  TORCH_CHECK(weight.is_contiguous() && exp_avg.is_contiguous() && exp_avg_sq.is_contiguous(),
-              "weight, exp_avg, exp_avg_sq must be contiguous");
-  TORCH_CHECK(exp_avg.sizes() == weight.sizes() && exp_avg_sq.sizes() == weight.sizes(),
-              "optimizer state shape does not match weight");
-  TORCH_CHECK(exp_avg.scalar_type() == at::kFloat && exp_avg_sq.scalar_type() == at::kFloat,
-              "exp_avg, exp_avg_sq must be float32");
-  TORCH_CHECK(row_step.dim() == 1 && row_step.size(0) == weight.size(0) &&
-                  row_step.scalar_type() == at::kLong && row_step.is_contiguous(),
-              "row_step must be a contiguous int64 [N]");
+  check_state(weight, exp_avg, exp_avg_sq, row_step);
+  TORCH_CHECK(row_step.size(0) == weight.size(0), "row_step must be a contiguous int64 [N]");
   TORCH_CHECK(indices.dim() == 1 && offsets.dim() == 1, "indices and offsets must be 1-D");
   TORCH_CHECK(indices.scalar_type() == at::kLong && offsets.scalar_type() == at::kLong,
               "indices and offsets must be int64");
@@ -83,179 +511,129 @@ at::Tensor cowclip_adam_step_cpu(
   TORCH_CHECK(B >= 0, "offsets must have B+1 entries");
   TORCH_CHECK(grad_output.size(0) == B, "offsets has ", B, " bags but grad_output has ", grad_output.size(0), " rows");
   TORCH_CHECK(grad_output.size(1) == D, "grad_output dim ", grad_output.size(1), " != weight dim ", D);
-  TORCH_CHECK(L < (int64_t(1) << 32), "too many indices for one call");
-  const float* psw = nullptr;
-  if (per_sample_weights.has_value() && per_sample_weights->defined()) {
-    const auto& p = *per_sample_weights;
-    TORCH_CHECK(p.dim() == 1 && p.numel() == L && p.scalar_type() == at::kFloat && p.is_contiguous(),
-                "per_sample_weights must be a contiguous float32 [L]");
-    psw = p.data_ptr<float>();
-  }
+  TORCH_CHECK(N < (int64_t(1) << 32), "table too large");
+  TORCH_CHECK(L < (int64_t(1) << 30) && B < (int64_t(1) << 31), "too many indices for one call");
+  const float* psw = check_psw(per_sample_weights, L);
   auto stats = at::zeros({2}, at::kLong);
   if (L == 0) return stats;
-
-  const int64_t* idx = indices.data_ptr<int64_t>();
   const int64_t* off = offsets.data_ptr<int64_t>();
   TORCH_CHECK(off[0] == 0 && off[B] == L, "offsets must start at 0 and end at len(indices)");
 
-  // bag of each occurrence
-  std::vector<int32_t> bag_of(L);
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t s = off[b], e = off[b + 1];
-    TORCH_CHECK(s <= e, "offsets must be non-decreasing");
-    for (int64_t i = s; i < e; ++i) bag_of[i] = static_cast<int32_t>(b);
-  }
+  Job<int64_t> job{weight.data_ptr<float>(), exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(),
+                   row_step.data_ptr<int64_t>(), N, D, indices.data_ptr<int64_t>(), off, psw,
+                   grad_output.data_ptr<float>(), D, B,
+                   static_cast<float>(r * std::sqrt(static_cast<double>(D)) * zeta), clip};
+  const Hyper hp(lr, beta1, beta2, eps, r, l2, keras_eps);
+  std::vector<Job<int64_t>> jobs{job};
+  run_jobs(jobs, hp, stats.data_ptr<int64_t>());
+  return stats;
+}
 
-  // keys: row in the upper 32 bits (N < 2^32), occurrence in the lower 32 bits
-  TORCH_CHECK(N < (int64_t(1) << 32), "table too large");
-  std::vector<uint64_t> keys(L), tmp(L);
-  for (int64_t i = 0; i < L; ++i) {
-    const int64_t k = idx[i];
-    TORCH_CHECK(k >= 0 && k < N, "embedding ids out of range [0, ", N, "): ", k);
-    keys[i] = (uint64_t(k) << 32) | uint64_t(i);
-  }
-  int nbits = 0;
-  while (nbits < 32 && (uint64_t(1) << nbits) < uint64_t(N)) ++nbits;
-  radix_sort_bits(keys, tmp, 32, nbits);
-  std::vector<uint64_t>().swap(tmp);
+// ------------------------------------------------------------------------------------------
+// all tables of a table-batched group per call
 
-  // segment starts of unique rows
-  std::vector<int64_t> seg;
-  seg.reserve(std::min<int64_t>(L, N) + 1);
-  seg.push_back(0);
-  for (int64_t i = 1; i < L; ++i)
-    if ((keys[i] >> 32) != (keys[i - 1] >> 32)) seg.push_back(i);
-  const int64_t U = static_cast<int64_t>(seg.size());
-  seg.push_back(L);
-
-  float* W = weight.data_ptr<float>();
-  float* M = exp_avg.data_ptr<float>();
-  float* V = exp_avg_sq.data_ptr<float>();
+template <typename index_t>
+void tables_impl(at::Tensor& weights, at::Tensor& m1, at::Tensor& m2, at::Tensor& row_step,
+                 const int64_t* meta, const double* zeta, int64_t F, const at::Tensor& indices,
+                 const at::Tensor& offsets, const at::Tensor& grad_output, const float* psw,
+                 const Hyper& hp, double r, int64_t* stats) {
+  const int64_t B = F > 0 ? (offsets.numel() - 1) / F : 0;
+  const int64_t L = indices.numel();
+  const index_t* idx = indices.data_ptr<index_t>();
+  const index_t* off = offsets.data_ptr<index_t>();
+  TORCH_CHECK(static_cast<int64_t>(off[0]) == 0 && static_cast<int64_t>(off[F * B]) == L,
+              "offsets must start at 0 and end at len(indices)");
+  const int64_t ldg = grad_output.stride(0);
+  float* W = weights.data_ptr<float>();
+  float* M1 = m1.data_ptr<float>();
+  float* M2 = m2.data_ptr<float>();
   int64_t* RS = row_step.data_ptr<int64_t>();
   const float* G = grad_output.data_ptr<float>();
+  std::vector<Job<index_t>> jobs;
+  jobs.reserve(F);
+  std::vector<int64_t> job_feature;
+  job_feature.reserve(F);
+  for (int64_t f = 0; f < F; ++f) {
+    const int64_t* mf = meta + 6 * f;
+    const int64_t woff = mf[0], N = mf[1], D = mf[2], col = mf[3], rstart = mf[4];
+    const bool clip = mf[5] != 0;
+    const int64_t lo = off[f * B], hi = off[(f + 1) * B];
+    if (hi - lo == 0 || B == 0) continue;
+    TORCH_CHECK(hi - lo < (int64_t(1) << 30), "too many indices for one table");
+    jobs.push_back(Job<index_t>{W + woff, M1 + woff, M2 + woff, RS + rstart, N, D, idx, off + f * B, psw,
+                                G + col, ldg, B,
+                                static_cast<float>(r * std::sqrt(static_cast<double>(D)) * zeta[f]), clip});
+    job_feature.push_back(f);
+  }
+  std::vector<int64_t> js(2 * jobs.size(), 0);
+  run_jobs(jobs, hp, js.data());
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    stats[2 * job_feature[j]] = js[2 * j];
+    stats[2 * job_feature[j] + 1] = js[2 * j + 1];
+  }
+}
 
-  // scalars as the float32 torch ops of the reference see them
-  const float b1f = static_cast<float>(beta1), b2f = static_cast<float>(beta2);
-  const float omb1 = static_cast<float>(1.0 - beta1), omb2 = static_cast<float>(1.0 - beta2);
-  const float lrf = static_cast<float>(lr), epsf = static_cast<float>(eps);
-  const float l2x2 = static_cast<float>(2.0 * l2);
-  const float rf = static_cast<float>(r);
-  const float zeta_p = static_cast<float>(r * std::sqrt(static_cast<double>(D)) * zeta);
-  std::atomic<int64_t> n_clipped{0};
-
-  // 1 - b^t rounds to 1.0f once b^t < 2^-25: skip powf there (its underflow path is slow)
-  const float t_sat1 = b1f > 0.f && b1f < 1.f ? 30.f / -std::log(b1f) : 1e30f;
-  const float t_sat2 = b2f > 0.f && b2f < 1.f ? 30.f / -std::log(b2f) : 1e30f;
-
-  // Software prefetch: rows are visited in increasing order but sparsely, so the hardware
-  // prefetcher does not help; fetch w/m/v/row_step of a row kPF rows ahead, and the
-  // grad_output rows of the occurrence kPFO ahead.
-  constexpr int64_t kPF = 6, kPFO = 8;
-  auto prefetch_row = [&](int64_t u) {
-    const int64_t k = static_cast<int64_t>(keys[seg[u]] >> 32);
-    for (int64_t d = 0; d < D; d += 16) {
-      __builtin_prefetch(W + k * D + d, 1, 3);
-      __builtin_prefetch(M + k * D + d, 1, 3);
-      __builtin_prefetch(V + k * D + d, 1, 3);
+at::Tensor cowclip_adam_tables_cpu(
+    at::Tensor weights, at::Tensor momentum1, at::Tensor momentum2, at::Tensor row_step,
+    const at::Tensor& feature_meta, const at::Tensor& zeta, const at::Tensor& indices,
+    const at::Tensor& offsets, const at::Tensor& grad_output,
+    const std::optional<at::Tensor>& per_sample_weights,
+    double lr, double beta1, double beta2, double eps, double r, double l2, bool keras_eps) {
+  TORCH_CHECK(weights.dim() == 1, "weights must be the flat 1-D buffer");
+  check_state(weights, momentum1, momentum2, row_step);
+  TORCH_CHECK(feature_meta.dim() == 2 && feature_meta.size(1) == 6 && feature_meta.scalar_type() == at::kLong &&
+                  feature_meta.is_contiguous(),
+              "feature_meta must be a contiguous int64 [F, 6] "
+              "(weights_offset, rows, dim, grad_col, row_start, clip)");
+  const int64_t F = feature_meta.size(0);
+  TORCH_CHECK(zeta.dim() == 1 && zeta.numel() == F && zeta.scalar_type() == at::kDouble && zeta.is_contiguous(),
+              "zeta must be a contiguous float64 [F]");
+  TORCH_CHECK(indices.dim() == 1 && offsets.dim() == 1, "indices and offsets must be 1-D");
+  TORCH_CHECK(indices.scalar_type() == offsets.scalar_type() &&
+                  (indices.scalar_type() == at::kLong || indices.scalar_type() == at::kInt),
+              "indices and offsets must both be int64 or both int32");
+  TORCH_CHECK(indices.is_contiguous() && offsets.is_contiguous(), "indices/offsets must be contiguous");
+  TORCH_CHECK(grad_output.dim() == 2 && grad_output.scalar_type() == at::kFloat && grad_output.stride(1) == 1,
+              "grad_output must be float32 [B, total_D] with unit column stride");
+  TORCH_CHECK(F > 0 && (offsets.numel() - 1) % F == 0, "offsets must have F*B+1 entries");
+  const int64_t B = (offsets.numel() - 1) / F;
+  TORCH_CHECK(grad_output.size(0) == B, "offsets has ", B, " bags per feature but grad_output has ",
+              grad_output.size(0), " rows");
+  TORCH_CHECK(B < (int64_t(1) << 31), "too many bags for one call");
+  const float* psw = check_psw(per_sample_weights, indices.numel());
+  const int64_t* meta = feature_meta.data_ptr<int64_t>();
+  for (int64_t f = 0; f < F; ++f) {
+    const int64_t* mf = meta + 6 * f;
+    TORCH_CHECK(mf[0] >= 0 && mf[1] >= 0 && mf[2] > 0 && mf[0] + mf[1] * mf[2] <= weights.numel(),
+                "feature ", f, ": table outside the weights buffer");
+    TORCH_CHECK(mf[3] >= 0 && mf[3] + mf[2] <= grad_output.size(1), "feature ", f, ": columns outside grad_output");
+    TORCH_CHECK(mf[4] >= 0 && mf[4] + mf[1] <= row_step.numel(), "feature ", f, ": rows outside row_step");
+    TORCH_CHECK(mf[1] < (int64_t(1) << 32), "feature ", f, ": table too large");
+  }
+  {
+    // tables are updated in parallel: their rows (and row_step entries) must not overlap
+    std::vector<std::pair<int64_t, int64_t>> wr(F), rr(F);
+    for (int64_t f = 0; f < F; ++f) {
+      wr[f] = {meta[6 * f], meta[6 * f] + meta[6 * f + 1] * meta[6 * f + 2]};
+      rr[f] = {meta[6 * f + 4], meta[6 * f + 4] + meta[6 * f + 1]};
     }
-    __builtin_prefetch(RS + k, 1, 3);
-  };
-  auto prefetch_occ = [&](int64_t j) {
-    const int64_t i = static_cast<int64_t>(keys[j] & 0xffffffffu);
-    const float* go = G + int64_t(bag_of[i]) * D;
-    for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(go + d, 0, 3);
-  };
-
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(D, 1));
-  at::parallel_for(0, U, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> g(D);
-    int64_t local_clipped = 0;
-    for (int64_t u = begin; u < std::min(end, begin + kPF); ++u) prefetch_row(u);
-    for (int64_t j = seg[begin]; j < std::min(seg[end], seg[begin] + kPFO); ++j) prefetch_occ(j);
-    for (int64_t u = begin; u < end; ++u) {
-      if (u + kPF < end) prefetch_row(u + kPF);
-      const int64_t s = seg[u], e = seg[u + 1];
-      const int64_t k = static_cast<int64_t>(keys[s] >> 32);
-      std::fill(g.begin(), g.end(), 0.f);
-      int64_t cnt = 0, last_bag = -1;
-      const int64_t jend = seg[end];
-      for (int64_t j = s; j < e; ++j) {
-        if (j + kPFO < jend) prefetch_occ(j + kPFO);
-        const int64_t i = static_cast<int64_t>(keys[j] & 0xffffffffu);
-        const int64_t b = bag_of[i];
-        if (b != last_bag) {
-          ++cnt;
-          last_bag = b;
-        }
-        const float* go = G + b * D;
-        if (psw) {
-          const float wt = psw[i];
-          for (int64_t d = 0; d < D; ++d) {
-            const float c = go[d] * wt;
-            g[d] += c;
-          }
-        } else {
-          for (int64_t d = 0; d < D; ++d) g[d] += go[d];
-        }
-      }
-      float* w = W + k * D;
-      float* m = M + k * D;
-      float* v = V + k * D;
-      if (l2 != 0.0) {
-        for (int64_t d = 0; d < D; ++d) {
-          const float t = l2x2 * w[d];
-          g[d] += t;
-        }
-      }
-      if (clip) {
-        double ws = 0.0, gs = 0.0;
-        for (int64_t d = 0; d < D; ++d) {
-          ws += double(w[d]) * double(w[d]);
-          gs += double(g[d]) * double(g[d]);
-        }
-        const float wnorm = static_cast<float>(std::sqrt(ws));
-        const float gnorm = static_cast<float>(std::sqrt(gs));
-        const float clip_t = (rf * static_cast<float>(cnt)) * std::max(wnorm, zeta_p);
-        const float denom = std::max(gnorm, clip_t);
-        const float scale = denom > 0.f ? clip_t / denom : 1.f;
-        if (gnorm > clip_t) ++local_clipped;
-        for (int64_t d = 0; d < D; ++d) g[d] *= scale;
-      }
-      const int64_t t = RS[k] + 1;
-      RS[k] = t;
-      const float tf = static_cast<float>(t);
-      const float bc1 = tf > t_sat1 ? 1.f : 1.f - std::pow(b1f, tf);
-      const float bc2s = tf > t_sat2 ? 1.f : std::sqrt(1.f - std::pow(b2f, tf));
-      if (keras_eps) {
-        const float step = lrf * bc2s / bc1;
-        for (int64_t d = 0; d < D; ++d) {
-          const float gd = g[d];
-          const float md = m[d] * b1f + omb1 * gd;
-          const float vd = v[d] * b2f + omb2 * gd * gd;
-          m[d] = md;
-          v[d] = vd;
-          const float q = md / (std::sqrt(vd) + epsf);
-          w[d] -= step * q;
-        }
-      } else {
-        for (int64_t d = 0; d < D; ++d) {
-          const float gd = g[d];
-          const float md = m[d] * b1f + omb1 * gd;
-          const float vd = v[d] * b2f + omb2 * gd * gd;
-          m[d] = md;
-          v[d] = vd;
-          const float num = lrf * (md / bc1);
-          const float den = std::sqrt(vd) / bc2s + epsf;
-          w[d] -= num / den;
-        }
-      }
+    for (auto* v : {&wr, &rr}) {
+      std::sort(v->begin(), v->end());
+      for (int64_t f = 1; f < F; ++f)
+        TORCH_CHECK((*v)[f].first >= (*v)[f - 1].second || (*v)[f].first == (*v)[f].second ||
+                        (*v)[f - 1].first == (*v)[f - 1].second,
+                    "features must read distinct, non-overlapping tables");
     }
-    n_clipped.fetch_add(local_clipped, std::memory_order_relaxed);
-  });
-
-  auto* st = stats.data_ptr<int64_t>();
-  st[0] = U;
-  st[1] = n_clipped.load();
+  }
+  auto stats = at::zeros({F, 2}, at::kLong);
+  if (indices.numel() == 0) return stats;
+  const Hyper hp(lr, beta1, beta2, eps, r, l2, keras_eps);
+  if (indices.scalar_type() == at::kLong)
+    tables_impl<int64_t>(weights, momentum1, momentum2, row_step, meta, zeta.data_ptr<double>(), F, indices,
+                         offsets, grad_output, psw, hp, r, stats.data_ptr<int64_t>());
+  else
+    tables_impl<int32_t>(weights, momentum1, momentum2, row_step, meta, zeta.data_ptr<double>(), F, indices,
+                         offsets, grad_output, psw, hp, r, stats.data_ptr<int64_t>());
   return stats;
 }
 
@@ -267,8 +645,14 @@ TORCH_LIBRARY(recsys, m) {
       "Tensor(d!) row_step, Tensor indices, Tensor offsets, Tensor grad_output, "
       "Tensor? per_sample_weights, float lr, float beta1, float beta2, float eps, float r, "
       "float zeta, float l2, bool clip, bool keras_eps) -> Tensor");
+  m.def(
+      "cowclip_adam_tables_(Tensor(a!) weights, Tensor(b!) momentum1, Tensor(c!) momentum2, "
+      "Tensor(d!) row_step, Tensor feature_meta, Tensor zeta, Tensor indices, Tensor offsets, "
+      "Tensor grad_output, Tensor? per_sample_weights, float lr, float beta1, float beta2, "
+      "float eps, float r, float l2, bool keras_eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(recsys, CPU, m) {
   m.impl("cowclip_adam_step_", &cowclip_adam_step_cpu);
+  m.impl("cowclip_adam_tables_", &cowclip_adam_tables_cpu);
 }
