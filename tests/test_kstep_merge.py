@@ -161,3 +161,66 @@ def test_two_hosts_k1_sgd_close_to_synchronous(tmp_path):
     assert "hosts" not in sync and hier["hosts"] == 2
     assert hier["auc"] == pytest.approx(sync["auc"], abs=0.02), (sync, hier)
     assert hier["logloss"] == pytest.approx(sync["logloss"], abs=0.02), (sync, hier)
+
+
+# -- merge routes, 4 processes = 2 hosts of 2 ranks ---------------------------------------------
+
+
+def _route_worker(rank: int, port: int, out: str, steps: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=4)
+    torch.set_num_threads(1)
+    from recsys.training.hierarchy import build_host_groups
+    from recsys.training.merge import KStepMerger
+
+    groups = build_host_groups(2)
+    assert (groups.host, groups.local_rank, groups.replica_ranks) == (rank // 2, rank % 2, [rank % 2, 2 + rank % 2])
+    g = torch.Generator().manual_seed(0)
+    xs, ys = torch.randn(steps, 4, 8, 4, generator=g), torch.randn(steps, 4, 8, 1, generator=g)
+
+    def train(route: str, same_in_host: bool) -> tuple[list[torch.Tensor], KStepMerger]:
+        torch.manual_seed(1)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        merger = KStepMerger(model, opt, groups.replica_pg, 2, merge_moments=True, host_pg=groups.host_pg, route=route)
+        # same_in_host: both ranks of a host see the host's data (as under DDP): equal copies
+        data = groups.host if same_in_host else rank
+        for s in range(steps):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(xs[s, data]), ys[s, data]).backward()
+            opt.step()
+            merger.step(s + 1)
+        state = [opt.state[p][k].clone() for p in model.parameters() for k in ("exp_avg", "exp_avg_sq")]
+        return [p.detach().clone() for p in model.parameters()] + state, merger
+
+    flat, mf = train("flat", True)
+    hier, mh = train("auto", True)
+    odd, mo = train("hierarchical", False)  # copies differ inside the host: falls back to flat
+    odd_flat, _ = train("flat", False)
+    result = {
+        "equal": all(torch.equal(a, b) for a, b in zip(flat, hier)),
+        "odd_equal": all(torch.equal(a, b) for a, b in zip(odd, odd_flat)),
+        "routes": [mf.route, mh.route, mo.route],
+        "payload": [mf.payload_bytes_per_merge, mh.payload_bytes_per_merge],
+        "bytes": [mf.cross_host_bytes_total, mh.cross_host_bytes_total],
+        "merges": mh.merges, "divergence": mh.max_divergence(), "state": mh.state_dict(),
+    }
+    results = [None] * 4
+    dist.all_gather_object(results, result)
+    if rank == 0:
+        Path(out).write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def test_hierarchical_route_equals_flat_with_fewer_cross_host_bytes(tmp_path):
+    out = tmp_path / "out.json"
+    steps = 8
+    mp.start_processes(_route_worker, args=(_free_port(), str(out), steps), nprocs=4, start_method="spawn")
+    n = 4 * 8 + 8 + 8 + 1  # parameters; x3 with both Adam moments
+    for r in json.loads(out.read_text()):
+        assert r["equal"] and r["odd_equal"], r  # bitwise the same model as the flat route
+        assert r["routes"] == ["flat", "hierarchical", "flat"], r
+        assert r["payload"] == [4 * 3 * n, 4 * -(-3 * n // 2)], r  # each rank sends half (one bucket, padded)
+        assert r["bytes"] == [steps // 2 * p for p in r["payload"]], r  # 2 hosts: 2*(H-1)/H = 1
+        assert r["merges"] == steps // 2 and r["divergence"] == 0.0
+        assert r["state"]["intra_host_bytes_total"] == steps // 2 * 4 * -(-3 * n // 2), r

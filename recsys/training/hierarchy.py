@@ -10,14 +10,23 @@ rank g % R (torchrun's numbering with one agent per node). Two families of proce
 
 Every rank must create every group in the same order (torch.distributed's rule), which
 `dist.new_subgroups_by_enumeration` does.
+
+Host failure: a collective waiting for a dead peer fails when the peer's sockets close (a killed
+process) or, when nothing tells the survivors (power loss, network partition), after the process
+group timeout. torch's default for gloo is 30 minutes; `build_host_groups(hosts, timeout)` sets
+the given timeout on the new groups and on the default group, so a host that dies between
+merges stops the job within that bound (`pg_timeout_from_env`: RECSYS_PG_TIMEOUT_S, default
+600 s). The timeout must exceed the longest time one host can spend without a collective that
+the others wait on (an eval, a checkpoint write, k steps of training).
 """
 
 from __future__ import annotations
 
 import copy
 import os
-from typing import Any
 from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
@@ -51,17 +60,35 @@ def resolve_hosts(configured: int) -> int:
     return 1
 
 
-def build_host_groups(hosts: int) -> HostGroups:
+DEFAULT_PG_TIMEOUT_S = 600.0
+
+
+def pg_timeout_from_env(default: float = DEFAULT_PG_TIMEOUT_S) -> timedelta:
+    """The collective timeout for hierarchical runs: RECSYS_PG_TIMEOUT_S seconds (default 600)."""
+    raw = os.environ.get("RECSYS_PG_TIMEOUT_S", "")
+    try:
+        seconds = float(raw) if raw else default
+    except ValueError:
+        raise ValueError(f"RECSYS_PG_TIMEOUT_S={raw!r} is not a number of seconds") from None
+    if seconds <= 0:
+        raise ValueError(f"RECSYS_PG_TIMEOUT_S={raw!r} must be positive")
+    return timedelta(seconds=seconds)
+
+
+def build_host_groups(hosts: int, timeout: timedelta | None = None) -> HostGroups:
     """Creates host and replica groups on an initialised default process group. Collective:
-    every rank must call it, with the same `hosts`."""
+    every rank must call it, with the same `hosts`. With `timeout`, the new groups and the default
+    group time out collectives after it (a dead host stops the job instead of hanging it)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     if hosts <= 0 or world % hosts:
         raise ValueError(f"world size {world} is not divisible into {hosts} hosts")
     per_host = world // hosts
     host_lists = [list(range(h * per_host, (h + 1) * per_host)) for h in range(hosts)]
     replica_lists = [list(range(r, world, per_host)) for r in range(per_host)]
-    host_pg, _ = dist.new_subgroups_by_enumeration(host_lists)
-    replica_pg, _ = dist.new_subgroups_by_enumeration(replica_lists)
+    host_pg, _ = dist.new_subgroups_by_enumeration(host_lists, timeout=timeout)
+    replica_pg, _ = dist.new_subgroups_by_enumeration(replica_lists, timeout=timeout)
+    if timeout is not None:
+        dist.distributed_c10d._set_pg_timeout(timeout)  # the default group: barriers, metrics
     return HostGroups(hosts, per_host, rank // per_host, rank % per_host, host_pg, replica_pg)
 
 

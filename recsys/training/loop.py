@@ -4,6 +4,7 @@ checkpoints. Runs inside each torchrun worker; `recsys.train` is its thin entry 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,11 +22,13 @@ from recsys.config import ExperimentConfig
 from recsys.data.batching import steps_per_epoch, train_batches
 from recsys.data.source import TRAIN, DataSource, build_source, prepare_data
 from recsys.models.ctr import TrainModule, build_model
-from recsys.optim.dense import combined_optimizer, dense_optimizer
+from recsys.optim.dense import DenseLrWarmup, combined_optimizer, dense_optimizer
+from recsys.optim.scaling import effective_optim
+from recsys.optim.cowclip_sharder import take_update_stats
 from recsys.optim.embedding import attach_embedding_optimizer, embedding_sharders
 from recsys.training.checkpoint import Checkpointer
 from recsys.training.distributed import DistEnv, init_distributed
-from recsys.training.hierarchy import HostGroups, build_host_groups, remap_plan_to_host, resolve_hosts
+from recsys.training.hierarchy import HostGroups, build_host_groups, pg_timeout_from_env, remap_plan_to_host, resolve_hosts
 from recsys.training.merge import KStepMerger
 from recsys.training.metrics import MetricsWriter, evaluate, write_json_atomic
 from recsys.training.progress import Progress
@@ -54,6 +57,7 @@ class Job:
     run_dir: Path
     groups: HostGroups | None = None  # hierarchical training (train.merge_every > 0)
     merger: KStepMerger | None = None
+    warmup: DenseLrWarmup | None = None  # dense-lr warmup of the scaling rule
 
 
 def setup(cfg: ExperimentConfig, model_factory: ModelFactory | None = None) -> Job:
@@ -67,14 +71,22 @@ def setup(cfg: ExperimentConfig, model_factory: ModelFactory | None = None) -> J
     dist.barrier()
     source = build_source(cfg)
 
+    # the scaling rule (optim.scale_from_batch): hyperparameters for this batch size, dense-lr warmup
+    optim_cfg, warmup_steps = effective_optim(cfg.optim, cfg.train.batch_size,
+                                              steps_per_epoch(source, TRAIN, cfg.train.batch_size))
+    if env.is_main and cfg.optim.scale_from_batch:
+        log.info("scaling rule %s from batch %d to %d: embedding_lr %.4g, dense_lr %.4g, embedding_l2 %.4g, "
+                 "dense warmup %d steps", cfg.optim.scale_rule, cfg.optim.scale_from_batch, cfg.train.batch_size,
+                 optim_cfg.embedding_lr, optim_cfg.dense_lr, optim_cfg.embedding_l2, warmup_steps)
+
     model = model_factory(cfg, source) if model_factory else default_model(cfg, source, env.device)
-    attach_embedding_optimizer(model, cfg.optim)
+    attach_embedding_optimizer(model, optim_cfg)
     module = TrainModule(model)
-    sharders = embedding_sharders(cfg.optim)
+    sharders = embedding_sharders(optim_cfg)
     local_batch = cfg.train.batch_size // env.world_size
     tables = plan_io.model_tables(module)
     # Hierarchical training: shard over the host's ranks; the same plan on every host.
-    groups = build_host_groups(resolve_hosts(cfg.train.hosts)) if cfg.train.merge_every > 0 else None
+    groups = build_host_groups(resolve_hosts(cfg.train.hosts), pg_timeout_from_env(cfg.train.pg_timeout_s)) if cfg.train.merge_every > 0 else None
     shard_world = groups.ranks_per_host if groups else env.world_size
     if cfg.plan:  # a saved plan: it must be for this model and world size (the host's, if hierarchical)
         plan, header = plan_io.load_plan(cfg.plan)
@@ -97,15 +109,18 @@ def setup(cfg: ExperimentConfig, model_factory: ModelFactory | None = None) -> J
         plan = remap_plan_to_host(plan, groups, env.device.type)
         sharding_env = {"env": ShardingEnv.from_process_group(groups.host_pg)}
     dmp = DistributedModelParallel(module, device=env.device, plan=plan, sharders=sharders, **sharding_env)
-    dense = dense_optimizer(dmp, cfg.optim)
+    dense = dense_optimizer(dmp, optim_cfg)
     optimizer = combined_optimizer(dmp, dense)
-    ckpt = Checkpointer(run_dir / "checkpoints", env.rank, env.world_size, cfg.checkpoint.keep)
+    warmup = DenseLrWarmup(dense, optim_cfg.dense_lr, warmup_steps) if warmup_steps else None
+    ckpt = Checkpointer(run_dir / "checkpoints", env.rank, env.world_size, cfg.checkpoint.keep, groups)
     merger = None
-    if groups:
-        merger = KStepMerger(dmp, optimizer, groups.replica_pg, cfg.train.merge_every, cfg.train.merge_moments)
-        if env.is_main:
-            log.warning("hierarchical run (train.merge_every=%d): no checkpoints are written yet (docs/kstep.md)", cfg.train.merge_every)
-    return Job(cfg, env, source, dmp, optimizer, dense, ckpt, run_dir, groups, merger)
+    if groups:  # train.merge_route (RECSYS_MERGE_ROUTE overrides): auto (hierarchical when R > 1) | flat | hierarchical
+        merger = KStepMerger(
+            dmp, optimizer, groups.replica_pg, cfg.train.merge_every, cfg.train.merge_moments,
+            host_pg=groups.host_pg, route=os.environ.get("RECSYS_MERGE_ROUTE", cfg.train.merge_route),
+        )
+        ckpt.per_host_optim = not cfg.train.merge_moments  # unmerged moments: each host saves its own
+    return Job(cfg, env, source, dmp, optimizer, dense, ckpt, run_dir, groups, merger, warmup)
 
 
 def _mean_across_ranks(value: float) -> float:
@@ -122,11 +137,16 @@ def run(cfg: ExperimentConfig, model_factory: ModelFactory | None = None) -> dic
     total = t.max_steps or t.epochs * per_epoch
 
     start_step, resumed_from = 0, None
-    if cfg.resume:
+    # RECSYS_RESUME=1: the same as resume=true
+    if cfg.resume or os.environ.get("RECSYS_RESUME") == "1":
         latest = job.checkpointer.latest()
         if latest is not None:
             extra = job.checkpointer.load(latest, job.dmp, job.optimizer, job.dense_optimizer)
             start_step, resumed_from = int(extra["step"]), str(latest)
+            # FBGEMM's COWCLIP/counter modes keep their iteration outside the state dict
+            job.optimizer.set_optimizer_step(start_step)
+            if job.merger is not None:
+                job.merger.load_state_dict(extra["rank_state"].get("merger", {}))
             if env.is_main:
                 log.info("resumed from %s at step %d", latest, start_step)
         elif env.is_main:
@@ -144,6 +164,13 @@ def run(cfg: ExperimentConfig, model_factory: ModelFactory | None = None) -> dic
     wall0 = time.perf_counter()
     loss_sum, loss_n = 0.0, 0
     bytes_logged, step_logged = 0.0, start_step
+    bytes_from_step = start_step  # the merger's byte counters cover steps (bytes_from_step, total]
+    if job.merger is not None and resumed_from:
+        bytes_logged = _mean_across_ranks(job.merger.cross_host_bytes_total) * env.world_size
+        bytes_from_step = 0 if job.merger.merges else start_step
+    ckpt_every = cfg.checkpoint.every_steps
+    if job.merger is not None and ckpt_every:  # checkpoints only at merge steps (docs/kstep.md)
+        ckpt_every = -(-ckpt_every // job.merger.every_k) * job.merger.every_k
     last_eval: dict[str, Any] = {}
 
     def eval_now(step: int) -> dict[str, Any]:
@@ -159,12 +186,13 @@ def run(cfg: ExperimentConfig, model_factory: ModelFactory | None = None) -> dic
         return record
 
     def checkpoint_now(step: int) -> None:
-        if job.merger is not None:  # not yet supported for hierarchical runs (docs/kstep.md)
-            return
+        rank_state = {"merger": job.merger.state_dict()} if job.merger is not None else None
         with progress.pause():
-            job.checkpointer.save(step, job.dmp, job.optimizer, {"samples": step * t.batch_size})
+            job.checkpointer.save(step, job.dmp, job.optimizer, {"samples": step * t.batch_size}, rank_state)
 
     for step in range(start_step + 1, total + 1):
+        if job.warmup is not None:
+            job.warmup.before_step(step)
         step_loss, _, _ = pipeline.progress(batches)
         if job.merger is not None and not job.merger.step(step) and step == total:
             job.merger.merge()  # the final model is the merged one
@@ -177,13 +205,20 @@ def run(cfg: ExperimentConfig, model_factory: ModelFactory | None = None) -> dic
                 sent = _mean_across_ranks(job.merger.cross_host_bytes_total) * env.world_size
                 stats["cross_host_bytes_per_step"] = (sent - bytes_logged) / max(step - step_logged, 1)
                 bytes_logged, step_logged = sent, step
+            if job.warmup is not None:
+                stats["dense_lr"] = job.dense_optimizer.param_groups[0]["lr"]
+            unique, clipped = take_update_stats(job.dmp)
+            if unique:  # CowClip kernels: share of updated rows whose gradient was clipped (all ranks)
+                uc = torch.tensor([unique, clipped], dtype=torch.float64)
+                dist.all_reduce(uc)
+                stats["clipped_row_fraction"] = float(uc[1] / uc[0])
             writer.log({"kind": "train", "step": step, "epoch": step / per_epoch, "loss": loss, **stats})
             if env.is_main:
                 log.info(progress.line(step, step / per_epoch, loss, stats))
             loss_sum, loss_n = 0.0, 0
         if t.eval_every and step % t.eval_every == 0 and step != total:
             last_eval = eval_now(step)
-        if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step != total:
+        if ckpt_every and step % ckpt_every == 0 and step != total:
             checkpoint_now(step)
 
     train_wall = time.perf_counter() - wall0
@@ -206,11 +241,12 @@ def run(cfg: ExperimentConfig, model_factory: ModelFactory | None = None) -> dic
         m = job.merger
         summary.update(
             hosts=job.groups.hosts, merge_every=m.every_k, merge_moments=m.merge_moments, merges=m.merges,
+            merge_route=m.route, checkpoint_every_steps=ckpt_every,
             cross_host_bytes_total=_mean_across_ranks(m.cross_host_bytes_total) * env.world_size,
             merge_payload_bytes_per_rank=m.payload_bytes_per_merge,
             replica_divergence=m.max_divergence(),
         )
-        summary["cross_host_bytes_per_step"] = summary["cross_host_bytes_total"] / max(total - start_step, 1)
+        summary["cross_host_bytes_per_step"] = summary["cross_host_bytes_total"] / max(total - bytes_from_step, 1)
     if "oracle_auc" in summary:
         summary["auc_gap_to_oracle"] = summary["oracle_auc"] - summary["auc"]
     writer.close()

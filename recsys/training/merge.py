@@ -17,6 +17,20 @@ The all-reduce works in place on the real storage: the embedding shards are the 
 the fused optimizer's ShardedTensors, which are views of FBGEMM's weight / momentum buffers.
 Tensors are coalesced into flat buffers per dtype (at most `bucket_bytes` each), so a merge is a
 handful of collectives, not one per table.
+
+Routes (`route=`):
+- "flat": every tensor is all-reduced over replica_pg. The dense parameters (and dense moments)
+  are the same on every rank of a host (DDP), so the R replica groups of a host all send the
+  same dense bytes across hosts: R times more than needed.
+- "hierarchical" (default when `host_pg` has more than one rank): embedding shards (distinct per
+  rank) go as in "flat"; for the host-replicated tensors rank r of the host takes the r-th of R
+  slices of the flat buffer (no communication: its copy is the host's copy), all-reduces only that
+  slice across hosts over replica_pg, and the slices are all-gathered inside the host. This is
+  reduce-scatter / cross-host all-reduce / all-gather with the reduce-scatter free because the
+  host's copies are already equal. Cross-host bytes of the dense part: 1/R of "flat". The
+  results are bitwise those of "flat" (same elements averaged over the same H values). At the
+  first merge the host copies are checked to be equal (checksums over host_pg); if they are not
+  (a loop without DDP), the merger falls back to "flat" with a warning.
 """
 
 from __future__ import annotations
@@ -60,9 +74,23 @@ class KStepMerger:
         every_k: int,
         merge_moments: bool = False,
         bucket_bytes: int = 64 << 20,
+        host_pg: dist.ProcessGroup | None = None,
+        route: str = "auto",
     ) -> None:
         if every_k <= 0:
             raise ValueError(f"every_k must be positive, got {every_k}")
+        if route not in ("auto", "flat", "hierarchical"):
+            raise ValueError(f"route must be auto, flat or hierarchical, got {route!r}")
+        host_size = dist.get_world_size(host_pg) if host_pg is not None else 1
+        if route == "hierarchical" and host_size == 1:
+            route = "flat"  # one rank per host: nothing to split
+        if route == "auto":
+            route = "hierarchical" if host_size > 1 else "flat"
+        self.route = route
+        self.host_pg = host_pg
+        self.host_size = host_size
+        self.host_rank = dist.get_rank(host_pg) if host_pg is not None else 0
+        self._checked_replicated = False
         self.dmp = dmp
         self.optimizer = optimizer
         self.pg = replica_pg
@@ -72,18 +100,32 @@ class KStepMerger:
         self.hosts = dist.get_world_size(replica_pg) if replica_pg is not None else 1
         self.merges = 0
         self.cross_host_bytes_total = 0  # bytes this rank sent across hosts (ring all-reduce model)
-        self.payload_bytes_per_merge = 0  # bytes this rank averages per merge
+        self.payload_bytes_per_merge = 0  # bytes this rank averages across hosts per merge
+        self.intra_host_bytes_total = 0  # hierarchical route: all-gather bytes inside the host (model)
         self._avg_ok = True
 
+    # -- resume ----------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, int]:
+        """The counters (per rank); checkpoints save them so totals survive a resume."""
+        return {
+            "merges": self.merges, "cross_host_bytes_total": self.cross_host_bytes_total,
+            "intra_host_bytes_total": self.intra_host_bytes_total,
+        }
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.merges = int(state.get("merges", 0))
+        self.cross_host_bytes_total = int(state.get("cross_host_bytes_total", 0))
+        self.intra_host_bytes_total = int(state.get("intra_host_bytes_total", 0))
+
     # -- what gets merged ------------------------------------------------------------------------
-    def _param_tensors(self) -> list[torch.Tensor]:
+    def _param_tensors(self) -> list[tuple[torch.Tensor, bool]]:
         values = _params_of(self.optimizer)
         fused = getattr(self.dmp, "fused_optimizer", None)
         if fused is not None and fused is not self.optimizer:
             values += list(fused.params.values())
-        return [t for v in values for t in _local_tensors(v)]
+        return [(t, _host_replicated(v)) for v in values for t in _local_tensors(v)]
 
-    def _state_tensors(self) -> list[torch.Tensor]:
+    def _state_tensors(self) -> list[tuple[torch.Tensor, bool]]:
         out = []
         opts = [self.optimizer]
         fused = getattr(self.dmp, "fused_optimizer", None)
@@ -94,20 +136,43 @@ class KStepMerger:
                 for key, value in state.items():
                     if key in _SKIP_STATE_KEYS:
                         continue
-                    out += [t for t in _local_tensors(value) if t.is_floating_point()]
+                    rep = _host_replicated(value)
+                    out += [(t, rep) for t in _local_tensors(value) if t.is_floating_point()]
         return out
 
-    def tensors(self) -> list[torch.Tensor]:
-        """Every tensor a merge averages, without duplicates (same storage, offset and shape)."""
+    def _counter_tensors(self) -> list[torch.Tensor]:
+        """Integer state of the fused (embedding) optimizer: not averaged, max-reduced."""
+        fused = getattr(self.dmp, "fused_optimizer", None)
+        out, seen = [], set()
+        for state in (fused.state.values() if fused is not None else []):
+            for key, value in state.items():
+                if key in _SKIP_STATE_KEYS:
+                    continue
+                for t in _local_tensors(value):
+                    k = (t.data_ptr(), tuple(t.shape))
+                    if t.numel() and not t.is_floating_point() and t.dtype != torch.bool and k not in seen:
+                        seen.add(k)
+                        out.append(t)
+        return out
+
+    def classified(self) -> list[tuple[torch.Tensor, bool]]:
+        """(tensor, replicated inside the host) for every tensor a merge averages, without
+        duplicates (same storage, offset and shape). Replicated: plain tensors (the dense
+        parameters and their optimizer state, kept equal inside the host by DDP); not
+        replicated: local shards of ShardedTensors / DTensors (embedding shards, their state)."""
         seen, out = set(), []
-        for t in self._param_tensors() + (self._state_tensors() if self.merge_moments else []):
+        for t, rep in self._param_tensors() + (self._state_tensors() if self.merge_moments else []):
             if t.numel() == 0:
                 continue
             key = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
             if key not in seen:
                 seen.add(key)
-                out.append(t)
+                out.append((t, rep))
         return out
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor a merge averages, without duplicates (same storage, offset and shape)."""
+        return [t for t, _ in self.classified()]
 
     # -- merging ---------------------------------------------------------------------------------
     def should_merge(self, global_step: int) -> bool:
@@ -135,23 +200,69 @@ class KStepMerger:
         """Averages now (collective over replica_pg: every replica must call it at the same step)."""
         if self.hosts == 1:
             return
-        by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = defaultdict(list)
-        for t in self.tensors():
-            by_dtype[(t.dtype, t.device)].append(t)
+        hierarchical = self.route == "hierarchical"
+        by_kind: dict[tuple[bool, torch.dtype, torch.device], list[torch.Tensor]] = defaultdict(list)
+        for t, rep in self.classified():
+            by_kind[(hierarchical and rep, t.dtype, t.device)].append(t)
+        if hierarchical and not self._checked_replicated:
+            self._check_replicated([t for (rep, _, _), ts in by_kind.items() if rep for t in ts])
+            if self.route != "hierarchical":  # fell back: everything goes flat
+                return self.merge()
         payload = 0
-        for (dtype, device), ts in by_dtype.items():
+        # the same collective order on every rank of a host (their shard lists differ): the
+        # host-replicated buckets (with their all-gather over host_pg) first, then the shards
+        order = sorted(by_kind, key=lambda key: (not key[0], str(key[1]), str(key[2])))
+        for split, dtype, device in order:
+            ts = by_kind[(split, dtype, device)]
             for bucket in _buckets(ts, self.bucket_bytes):
                 flat = torch.cat([t.reshape(-1) for t in bucket])
-                self._all_reduce_avg(flat)
+                payload += self._merge_split(flat) if split else self._merge_whole(flat)
                 offset = 0
                 for t in bucket:
                     n = t.numel()
                     t.copy_(flat[offset : offset + n].view_as(t))
                     offset += n
-                payload += flat.numel() * flat.element_size()
+        if self.merge_moments:  # integer per-row counters (CowClip-Adam's row_step): the largest
+            for t in self._counter_tensors():  # count, so bias correction agrees on every host
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg)
+                payload += t.numel() * t.element_size()
         self.payload_bytes_per_merge = payload
         self.cross_host_bytes_total += int(2 * (self.hosts - 1) / self.hosts * payload)
         self.merges += 1
+
+    def _merge_whole(self, flat: torch.Tensor) -> int:
+        self._all_reduce_avg(flat)
+        return flat.numel() * flat.element_size()
+
+    def _merge_split(self, flat: torch.Tensor) -> int:
+        """Host-replicated buffer: my 1/R slice across hosts, then all-gather inside the host."""
+        n, r = flat.numel(), self.host_size
+        chunk = -(-n // r)
+        padded = torch.zeros(chunk * r, dtype=flat.dtype, device=flat.device)
+        padded[:n] = flat
+        parts = list(padded.split(chunk))
+        mine = parts[self.host_rank].clone()
+        self._all_reduce_avg(mine)
+        dist.all_gather(parts, mine, group=self.host_pg)
+        flat.copy_(padded[:n])
+        self.intra_host_bytes_total += (r - 1) * chunk * flat.element_size()
+        return chunk * flat.element_size()
+
+    def _check_replicated(self, ts: list[torch.Tensor]) -> None:
+        """The hierarchical route relies on the host's copies of the dense tensors being equal."""
+        self._checked_replicated = True
+        sums = torch.tensor(
+            [[float(t.double().sum()), float(t.double().abs().sum())] for t in ts] or [[0.0, 0.0]],
+            dtype=torch.float64,
+        )
+        hi, lo = sums.clone(), sums.neg()
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=self.host_pg)
+        dist.all_reduce(lo, op=dist.ReduceOp.MAX, group=self.host_pg)
+        differ = torch.tensor([0.0 if torch.equal(hi, -lo) else 1.0])
+        dist.all_reduce(differ, op=dist.ReduceOp.MAX, group=self.pg)  # every host decides the same
+        if differ.item() > 0:
+            log.warning("k-step merge: dense tensors differ inside a host (no DDP?): using the flat route")
+            self.route = "flat"
 
     @torch.no_grad()
     def max_divergence(self) -> float:
@@ -170,6 +281,12 @@ class KStepMerger:
                 dist.all_reduce(lo, op=dist.ReduceOp.MAX, group=self.pg)
                 worst = torch.maximum(worst, (hi + lo).abs().max().double().reshape(1))
         return float(worst.item())
+
+
+def _host_replicated(value: Any) -> bool:
+    """Plain tensors are the same on every rank of a host (dense params under DDP, their state);
+    ShardedTensors / DTensors are this rank's part of something sharded."""
+    return isinstance(value, torch.Tensor) and not hasattr(value, "local_shards") and not hasattr(value, "to_local")
 
 
 def _buckets(ts: Iterable[torch.Tensor], cap: int) -> Iterable[list[torch.Tensor]]:

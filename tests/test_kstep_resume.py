@@ -1,0 +1,196 @@
+"""Hierarchical runs: checkpoints at merge steps, a host killed between merges, resume.
+
+Two simulated hosts = two `torchrun --nnodes 2` launches joined on loopback (c10d rendezvous),
+2 ranks each. One host's whole torchrun tree gets SIGKILL (a host losing power) after a merge
+checkpoint; the surviving host must stop on its own (gloo sees the closed connections; the
+process-group timeout bounds the case where nothing closes them), and a resume of both hosts from
+the last merge checkpoint must end with the same metrics, log and weights as an uninterrupted
+run. Slow (about a minute per case)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_kstep_merge import SMOKE, REPO, _free_port
+from test_train_integration import _descendants, _kill_tree, _wait_for
+
+pytestmark = pytest.mark.slow
+
+COMMON = ["train.max_steps=48", "train.log_every=12", "train.merge_every=4", "checkpoint.every_steps=10"]
+
+
+def _start(
+    run_dir: Path, overrides: list[str], env_extra: dict[str, str] | None = None, port: int | None = None,
+    torchrun_extra: tuple[str, ...] = (),
+) -> list[subprocess.Popen]:
+    port = port or _free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", RECSYS_PG_TIMEOUT_S="60")
+    env.update(env_extra or {})
+    procs = []
+    for node in range(2):
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2",
+            "--node_rank", str(node), "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}",
+            "--rdzv_id", f"{run_dir.name}{port}", *torchrun_extra, "-m", "recsys.train", "--config", str(SMOKE),
+            f"run_dir={run_dir}", "train.threads_per_rank=1", *overrides,
+        ]
+        log = run_dir.parent / f"{run_dir.name}.node{node}.{port}.log"
+        with open(log, "w") as out:
+            p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        p.log_path = log  # type: ignore[attr-defined]
+        procs.append(p)
+    return procs
+
+
+def _finish(procs: list[subprocess.Popen], timeout: int = 400) -> None:
+    try:
+        for p in procs:
+            p.wait(timeout=timeout)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                _kill_tree(p.pid)
+    for p in procs:
+        assert p.returncode == 0, p.log_path.read_text()[-4000:]
+
+
+def _ranks_of(proc: subprocess.Popen) -> set[int]:
+    """Global ranks of the workers under a torchrun launcher (RANK in their environment)."""
+    out = set()
+    for pid in _descendants(proc.pid):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        out |= {int(kv[5:]) for kv in environ if kv.startswith(b"RANK=")}
+    return out
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _flat_checkpoint(ckpt: Path, out: Path) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(ckpt), str(out))
+    flat: dict[str, torch.Tensor] = {}
+
+    def walk(d: dict, prefix: str) -> None:
+        for k, v in d.items():
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+            elif isinstance(v, torch.Tensor):
+                flat[prefix + str(k)] = v
+
+    walk(torch.load(out, weights_only=False), "")
+    return flat
+
+
+@pytest.mark.parametrize("moments", [False, True], ids=["moments_unmerged", "moments_merged"])
+def test_host_killed_between_merges_then_resume_matches(tmp_path, moments):
+    common = [*COMMON, f"train.merge_moments={str(moments).lower()}"]
+    straight = tmp_path / "straight"
+    _finish(_start(straight, common))
+
+    killed = tmp_path / "killed"
+    procs = _start(killed, common)
+    try:
+        # checkpoint.every_steps=10 is rounded up to a merge step: 12, 24, 36
+        _wait_for(killed / "checkpoints" / "step_000000024" / "COMMITTED", procs[0], timeout=300)
+        victim = next(p for p in procs if 2 in _ranks_of(p))  # the host of global ranks 2, 3
+        survivor = next(p for p in procs if p is not victim)
+        t0 = time.monotonic()
+        _kill_tree(victim.pid)
+        victim.wait(timeout=60)
+        # the surviving host stops by itself, with an error, in bounded time
+        survivor.wait(timeout=120)
+        stopped_after = time.monotonic() - t0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                _kill_tree(p.pid)
+    assert survivor.returncode != 0
+    assert stopped_after < 120
+    assert not (killed / "summary.json").exists()
+    time.sleep(1)
+
+    # resume both hosts from the last merge checkpoint (RECSYS_RESUME=1 is resume=true, which
+    # recsys/config.py still refuses for merge_every > 0)
+    _finish(_start(killed, common, {"RECSYS_RESUME": "1"}))
+    a = json.loads((straight / "summary.json").read_text())
+    b = json.loads((killed / "summary.json").read_text())
+    assert b["resumed_from"] and b["resumed_from"].endswith(("step_000000024", "step_000000036"))
+    assert a["checkpoint_every_steps"] == 12 and a["merge_route"] == "hierarchical"
+    for key in ("auc", "logloss", "oracle_auc"):
+        assert b[key] == pytest.approx(a[key], abs=1e-6), (key, a[key], b[key])
+    for key in ("merges", "cross_host_bytes_total", "cross_host_bytes_per_step"):
+        assert b[key] == a[key], key  # counters restored from the checkpoint
+    assert a["replica_divergence"] == b["replica_divergence"] == 0.0
+    # each step logged once, same losses and byte rates as the uninterrupted run
+    ra, rb = _records(straight), _records(killed)
+    assert [(x["kind"], x["step"]) for x in rb] == [(x["kind"], x["step"]) for x in ra]
+    assert [x.get("loss") for x in rb] == pytest.approx([x.get("loss") for x in ra], abs=1e-6)
+    assert [x.get("cross_host_bytes_per_step") for x in rb] == [x.get("cross_host_bytes_per_step") for x in ra]
+    # checkpoints only at merge steps; host 1 writes its own optimizer state only if unmerged
+    final_a, final_b = (d / "checkpoints" / "step_000000048" for d in (straight, killed))
+    for d in (straight, killed):
+        assert all(int(p.name[5:]) % 12 == 0 for p in (d / "checkpoints").glob("step_?????????"))
+    assert (final_a / "host1").is_dir() == (not moments)
+    marker = json.loads((final_a / "COMMITTED").read_text())
+    assert (marker["hosts"], marker["ranks_per_host"], marker["world_size"]) == (2, 2, 4)
+    # the final weights and optimizer state (host 0's copy) equal the uninterrupted run's
+    wa, wb = _flat_checkpoint(final_a, tmp_path / "a.pt"), _flat_checkpoint(final_b, tmp_path / "b.pt")
+    assert wa.keys() == wb.keys() and any("embedding_bags" in k for k in wa)
+    for k in wa:
+        assert torch.allclose(wa[k].double(), wb[k].double(), atol=1e-6, rtol=0), k
+    if not moments:  # host 1's own moments too
+        ha, hb = _flat_checkpoint(final_a / "host1", tmp_path / "ha.pt"), _flat_checkpoint(final_b / "host1", tmp_path / "hb.pt")
+        assert ha.keys() == hb.keys() and ha
+        for k in ha:
+            assert torch.allclose(ha[k].double(), hb[k].double(), atol=1e-6, rtol=0), k
+
+
+def test_frozen_host_stops_the_job_after_the_pg_timeout(tmp_path):
+    """A host that stops answering without closing its sockets (SIGSTOP of its tree: power loss,
+    partition). The survivors' collectives fail after RECSYS_PG_TIMEOUT_S and the surviving
+    torchrun exits. The c10d rendezvous store runs outside both hosts (here: in this process;
+    `is_host=false` on the agents): when the frozen host holds the store, torchrun's agent blocks
+    in a store read that does not time out (docs/kstep.md), which no setting of ours can fix."""
+    import signal
+
+    port = _free_port()
+    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True, wait_for_workers=False)
+    run_dir = tmp_path / "frozen"
+    procs = _start(
+        run_dir, [*COMMON[:-1], "train.max_steps=2000", "checkpoint.every_steps=12"], {"RECSYS_PG_TIMEOUT_S": "15"},
+        port=port, torchrun_extra=("--rdzv_conf", "is_host=false"),
+    )
+    try:
+        _wait_for(run_dir / "checkpoints" / "step_000000012" / "COMMITTED", procs[0], timeout=300)
+        victim = next(p for p in procs if 0 in _ranks_of(p))  # global rank 0: the workers' store too
+        survivor = next(p for p in procs if p is not victim)
+        t0 = time.monotonic()
+        for pid in _descendants(victim.pid):
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                pass
+        survivor.wait(timeout=120)
+        stopped_after = time.monotonic() - t0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                _kill_tree(p.pid)  # SIGKILL also ends stopped processes
+        del store
+    assert survivor.returncode != 0
+    assert 10 <= stopped_after < 90, stopped_after
+    assert "timeout" in survivor.log_path.read_text().lower()
