@@ -119,6 +119,10 @@ class ShardingConfig:
     # Sharding types the planner may use. Empty: the model-parallel ones (TW, RW, CW, TWRW,
     # TWCW). data_parallel tables are updated by the dense optimizer, so they are opt-in.
     sharding_types: list[str] = field(default_factory=list)
+    # UVM cache sizing from data (sharding/cache_sizing.py): a JSON id histogram, a shard directory,
+    # synthetic:N or data:N; each cached table gets the smallest load factor reaching target_hit_rate
+    data_sample: str = ""
+    target_hit_rate: float = 0.95
 
 
 @dataclass
@@ -388,6 +392,8 @@ def validate(cfg: ExperimentConfig, source: str = "config") -> None:
         bad("train.merge_every", f"train.hosts={t.hosts} needs merge_every > 0 (hosts would never synchronise)")
     if t.merge_moments and t.merge_every == 0:
         bad("train.merge_moments", "only meaningful with train.merge_every > 0")
+    if not 0.0 < cfg.sharding.target_hit_rate <= 1.0:
+        bad("sharding.target_hit_rate", f"{cfg.sharding.target_hit_rate} is not in (0, 1]")
     if t.merge_route not in ("auto", "flat", "hierarchical"):
         bad("train.merge_route", f"unknown route '{t.merge_route}' (auto, flat or hierarchical)")
     if t.pg_timeout_s <= 0:

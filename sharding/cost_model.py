@@ -9,8 +9,10 @@ per rank and the step time is the slowest rank's:
   gradient + fused optimizer update: ``LOOKUP_PASSES`` x rows looked up x dim x 4) over the
   device's memory bandwidth (HBM; DDR of its NUMA node on CPU ranks).
 - ``host_io``: the same traffic for ``fused_uvm`` shards (all of it) and ``fused_uvm_caching``
-  shards (the miss fraction ``1 - load_factor``, as torchrec's estimator assumes) goes to host
-  memory over the GPU's PCIe path. Every link on that path is a shared resource: the GPU's port,
+  shards (the miss fraction: ``stats.expected_miss_rate(load_factor)`` when the table's
+  ``CacheParams`` carry ``CacheStatistics``, e.g. measured from a data sample by
+  ``sharding/cache_sizing.py``; else ``1 - load_factor``, as torchrec's estimator assumes) goes to
+  host memory over the GPU's PCIe path. Every link on that path is a shared resource: the GPU's port,
   its switch uplink (shared by the GPUs below the switch), the NUMA node's DDR and, when the
   memory lives on the other socket (its own node is full), the inter-socket link. A rank's
   ``host_io`` is the busiest resource on its paths (bytes on it / its bandwidth).
@@ -62,6 +64,7 @@ class PlacedShard:
     pooling: float = 1.0  # sum of the table's features' pooling factors
     load_factor: float | None = None
     group: tuple[int, ...] = ()  # the ranks holding the table's shards (RW / TWRW / DP group)
+    miss_rate: float | None = None  # fused_uvm_caching: measured miss rate at load_factor (None: 1 - load_factor)
 
 
 @dataclass
@@ -100,6 +103,7 @@ class TopologyCostModel:
         self.host_ranks = [tuple(topo.rank(h, i) for i in range(topo.local_world_size)) for h in range(len(topo.hosts))]
         self.host_of = np.array([topo.locate(r)[0] for r in range(w)])
         self._min_bw_cache: dict[tuple[int, ...], float] = {}
+        self._placed_cache: dict[tuple, tuple] = {}
         # host-memory resources: per GPU port, per switch uplink, per NUMA DDR, per socket link
         self.res_bw: list[float] = []
         self._res_index: dict[str, int] = {}
@@ -160,6 +164,7 @@ class TopologyCostModel:
         st = self.new_state()
         owner_bytes = np.zeros(self.world)  # 2 x pooled slice bytes per owner
         lookup_bytes = np.zeros(self.world)
+        pending: list[PlacedShard] = []  # consecutive shards of one non-A2A table, added together
         for s in shards:
             if s.sharding_type in _A2A and (self.cpu or s.kernel not in UVM_KERNELS):
                 owner_bytes[s.rank] += 2 * self.batch * s.cols * BYTES
@@ -170,13 +175,33 @@ class TopologyCostModel:
                 if host:
                     st.numa_used[self.numa_of[s.rank]] += host
             else:
-                st.add(s)
+                if pending and (s.table != pending[0].table or s.sharding_type != pending[0].sharding_type):
+                    st.add_many(pending)
+                    pending = []
+                pending.append(s)
+        st.add_many(pending)
         st.lookup += lookup_bytes / self.mem_bw
         st.comm += self.inv_bw.T @ owner_bytes + owner_bytes * self.inv_rowsum
         return st.cost()
 
     def score(self, plan: list[ShardingOption]) -> PlanCost:
-        return self.score_shards(placed_from_options(plan))
+        return self.score_shards(p for so in plan for p in self.placed(so))
+
+    def placed(self, so: ShardingOption) -> list[PlacedShard]:
+        """``placed_from_option(so)``, memoized: a search scores the same options (a row-wise one
+        has a shard per rank) with the same ranks again and again. The key holds everything the
+        conversion reads; the option itself is kept referenced so its id is not reused."""
+        cp = so.cache_params
+        key = (id(so), so.name, so.sharding_type, so.compute_kernel, tuple(so.tensor.shape),
+               tuple(so.input_lengths) if so.input_lengths else None,
+               None if cp is None else (cp.load_factor, id(getattr(cp, "stats", None))),
+               tuple((sh.rank, sh.size[0], sh.size[1]) for sh in so.shards))
+        hit = self._placed_cache.get(key)
+        if hit is None:
+            if len(self._placed_cache) > 200_000:
+                self._placed_cache.clear()
+            hit = self._placed_cache[key] = (placed_from_option(so), so, getattr(cp, "stats", None))
+        return hit[0]
 
     def score_sharding_plan(self, plan: ShardingPlan, tables: dict[str, dict], pooling: dict[str, float] | None = None) -> PlanCost:
         """A ShardingPlan + ``{table: {num_embeddings, embedding_dim}}`` (plan_io.model_tables)."""
@@ -220,6 +245,8 @@ class CostState:
             return 0.0
         if s.kernel == "fused_uvm":
             return 1.0
+        if s.miss_rate is not None:
+            return min(1.0, max(0.0, s.miss_rate))
         lf = DEFAULT_LOAD_FACTOR if s.load_factor is None else s.load_factor
         return max(0.0, 1.0 - lf)
 
@@ -304,6 +331,50 @@ class CostState:
                 self.res_bytes[path] += lb * hf
                 self.rank_res[s.rank].update(path)
 
+    def twrw_delta(self, protos: list[PlacedShard], ranks: list[int]) -> np.ndarray:
+        """Rank-time change if the device-resident table-row-wise shards ``protos`` (ranks
+        ignored) went to ``ranks`` (one host, shard i on ranks[i]): lookups plus the ``add``
+        comm of each shard, summed in closed form."""
+        m, w = self.model, self.model.world
+        s0 = protos[0]
+        n = len(ranks)
+        r = np.asarray(ranks)
+        b = m.batch * s0.cols * BYTES
+        t = 2 * (m.batch * w * s0.cols * BYTES) * (n - 1) / n / m.group_min_bw(tuple(ranks))
+        part = b / n
+        off = m.host_of != m.host_of[r[0]]
+        ib = m.inv_bw[r][:, off]  # [n, off-host ranks]
+        delta = np.zeros(w)
+        delta[off] = 2 * part * ib.sum(axis=0)
+        rows = np.fromiter((p.rows for p in protos), dtype=np.float64, count=n)
+        lb = LOOKUP_PASSES * m.batch * w * s0.pooling * s0.cols * BYTES * rows / max(1, s0.table_rows)
+        np.add.at(delta, r, t + 2 * part * ib.sum(axis=1) + lb / m.mem_bw[r])
+        return delta
+
+    def add_many(self, shards: list[PlacedShard]) -> None:
+        """``add`` for the shards of one row-wise or data-parallel table at once (same result up to
+        float summation order); anything else, and host-memory shards, go through ``add``."""
+        m = self.model
+        if not shards:
+            return
+        s0 = shards[0]
+        if (len(shards) < 4 or m.cpu or s0.kernel in UVM_KERNELS or s0.sharding_type not in ("row_wise", "data_parallel")
+                or any(s.table != s0.table or s.cols != s0.cols or s.group != s0.group for s in shards)):
+            for s in shards:
+                self.add(s)
+            return
+        ranks = np.fromiter((s.rank for s in shards), dtype=np.int64, count=len(shards))
+        rows = np.fromiter((s.rows for s in shards), dtype=np.float64, count=len(shards))
+        if s0.sharding_type == "data_parallel":
+            lb = np.full(len(shards), LOOKUP_PASSES * m.batch * s0.pooling * s0.cols * BYTES)
+            t = self._comm_vector(s0)[s0.rank]  # the same all-reduce on every rank of the group
+            np.add.at(self.comm, ranks, t)
+        else:
+            lb = LOOKUP_PASSES * m.batch * m.world * s0.pooling * s0.cols * BYTES * rows / max(1, s0.table_rows)
+            self.comm += len(shards) * self._comm_vector(s0)
+        np.add.at(self.lookup, ranks, lb / m.mem_bw[ranks])
+        np.add.at(self.hbm_bytes, ranks, rows * s0.cols * BYTES + rows * BYTES)
+
     def _grow(self) -> None:
         need = len(self.model.res_bw)
         if need > len(self.res_bytes):
@@ -373,17 +444,26 @@ def _lf(cache_params) -> float | None:
     return None if cache_params is None else cache_params.load_factor
 
 
+def _miss(kernel: str, cache_params) -> float | None:
+    """The measured miss rate of a caching table (its CacheParams' stats at its load factor)."""
+    if kernel != "fused_uvm_caching" or cache_params is None or getattr(cache_params, "stats", None) is None:
+        return None
+    lf = DEFAULT_LOAD_FACTOR if cache_params.load_factor is None else cache_params.load_factor
+    return float(cache_params.stats.expected_miss_rate(lf))
+
+
 def placed_from_option(so: ShardingOption, rank_of=None) -> list[PlacedShard]:
     rows, cols = int(so.tensor.shape[0]), int(so.tensor.shape[1])
     pooling = float(sum(so.input_lengths)) if so.input_lengths else 1.0
     ranks = tuple(sh.rank for sh in so.shards if sh.rank is not None)
     group = ranks if so.sharding_type in ("row_wise", "table_row_wise", "data_parallel") else ()
+    lf, miss = _lf(so.cache_params), _miss(so.compute_kernel, so.cache_params)
     out = []
     for sh in so.shards:
         if sh.rank is None:
             continue
         out.append(PlacedShard(so.name, so.sharding_type, so.compute_kernel, sh.rank, int(sh.size[0]), int(sh.size[1]),
-                               rows, cols, pooling, _lf(so.cache_params), group))
+                               rows, cols, pooling, lf, group, miss))
     return out
 
 
@@ -397,7 +477,7 @@ def placed_from_plan(plan: ShardingPlan, tables: dict[str, dict], pooling: dict[
         for name, ps in mplan.items():
             shape = tables[name]
             rows, cols = int(shape["num_embeddings"]), int(shape["embedding_dim"])
-            lf = _lf(ps.cache_params)
+            lf, miss = _lf(ps.cache_params), _miss(ps.compute_kernel, ps.cache_params)
             pf = float(pooling.get(name, 1.0))
             if ps.sharding_spec is not None:
                 shards = [(s.placement.rank(), s.shard_sizes[0], s.shard_sizes[1]) for s in ps.sharding_spec.shards]
@@ -406,7 +486,7 @@ def placed_from_plan(plan: ShardingPlan, tables: dict[str, dict], pooling: dict[
             ranks = tuple(r for r, _, _ in shards)
             group = ranks if ps.sharding_type in ("row_wise", "table_row_wise", "data_parallel") else ()
             for r, nr, nc in shards:
-                out.append(PlacedShard(name, ps.sharding_type, ps.compute_kernel, r, int(nr), int(nc), rows, cols, pf, lf, group))
+                out.append(PlacedShard(name, ps.sharding_type, ps.compute_kernel, r, int(nr), int(nc), rows, cols, pf, lf, group, miss))
     return out
 
 

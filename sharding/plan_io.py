@@ -88,7 +88,12 @@ def _dec(value: Any, where: str) -> Any:
 def _dataclass_to_dict(obj: Any, where: str) -> dict[str, Any] | None:
     if obj is None:
         return None
-    return {f.name: _enc(getattr(obj, f.name), f"{where}.{f.name}") for f in dataclasses.fields(obj)}
+    from torchrec.distributed.types import CacheStatistics
+
+    # CacheParams.stats (measured cache statistics, sharding/cache_sizing.py) are planning input,
+    # not part of the placement: stored as null (the plan's meta keeps a summary)
+    return {f.name: None if isinstance(getattr(obj, f.name), CacheStatistics) else _enc(getattr(obj, f.name), f"{where}.{f.name}")
+            for f in dataclasses.fields(obj)}
 
 
 def _dataclass_from_dict(cls: type, d: dict[str, Any] | None, where: str) -> Any:

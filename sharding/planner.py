@@ -52,10 +52,19 @@ def build_planner(
     batch_size_per_rank: int,
     hbm_bytes: int | None = None,
     ddr_bytes: int | None = None,
+    cache_stats: dict | None = None,
+    target_hit_rate: float | None = None,
 ) -> EmbeddingShardingPlanner:
     """torchrec's planner on a uniform topology; hbm/ddr capacities per rank (torchrec's
     defaults when None). ``cfg.planner == "topology"``: the topology-aware planner
-    (sharding/topology_planner.py) on ``cfg.topology`` (default for CPU runs: ``cpu-gloo``)."""
+    (sharding/topology_planner.py) on ``cfg.topology`` (default for CPU runs: ``cpu-gloo``).
+
+    ``cache_stats``: table -> torchrec ``CacheStatistics`` (e.g. ``sharding.cache_sizing.load_sample``):
+    UVM-caching tables get the smallest load factor reaching ``target_hit_rate`` (default 0.95)
+    and their measured miss rate is what the topology-aware cost model charges."""
+    from sharding.cache_sizing import DEFAULT_TARGET_HIT_RATE, apply_cache_stats
+
+    target = DEFAULT_TARGET_HIT_RATE if target_hit_rate is None else target_hit_rate
     if cfg.planner == "topology":
         from sharding.topology_planner import TopologyAwarePlanner, cluster_for, default_constraints
 
@@ -66,6 +75,8 @@ def build_planner(
             default_constraints(model, compute_device, allowed_sharding_types(cfg)),
             hbm_bytes=hbm_bytes,
             ddr_bytes=ddr_bytes,
+            cache_stats=cache_stats,
+            target_hit_rate=target,
         )
     hardware = HardwareConfig(
         **({"hbm_cap_bytes": hbm_bytes} if hbm_bytes is not None else {}),
@@ -79,6 +90,8 @@ def build_planner(
     constraints = {
         name: ParameterConstraints(sharding_types=allowed_sharding_types(cfg)) for name in embedding_tables(model)
     }
+    if cache_stats:
+        apply_cache_stats(constraints, cache_stats, target)
     return EmbeddingShardingPlanner(topology=topology, batch_size=batch_size_per_rank, constraints=constraints)
 
 
@@ -90,8 +103,10 @@ def make_plan(
     local_world_size: int,
     batch_size_per_rank: int,
     pg: dist.ProcessGroup | None = None,
+    cache_stats: dict | None = None,
 ) -> ShardingPlan:
     """Plans on rank 0 and broadcasts, so every rank shards identically."""
     world = dist.get_world_size(pg)
-    planner = build_planner(cfg, model, world, local_world_size, device.type, batch_size_per_rank)
+    planner = build_planner(cfg, model, world, local_world_size, device.type, batch_size_per_rank,
+                            cache_stats=cache_stats, target_hit_rate=cfg.target_hit_rate)
     return planner.collective_plan(model, sharders, pg or dist.GroupMember.WORLD)

@@ -127,3 +127,54 @@ def test_diff_with_topology_reports_modeled_time_deltas(plans):
     assert d["modeled_step_s"] == pytest.approx([max(per_plan[0]), max(per_plan[1])])
     r = tool("diff", str(roomy), str(tight), "--topology", "dgx-a100-2host")
     assert r.returncode == 2 and "16 ranks, the plan has 8" in r.stderr
+
+
+BIG_FEATURES = ["C3", "C4", "C12", "C16", "C21"]  # the raw Kaggle tables of 2M-10M rows
+
+
+def _kernels_and_lfs(path: Path) -> dict[str, tuple[str, float | None]]:
+    d = json.loads(path.read_text())
+    return {t: (ps["compute_kernel"], (ps["cache_params"] or {}).get("load_factor"))
+            for m in d["modules"].values() for t, ps in m["params"].items()}
+
+
+def test_make_with_data_sample_sizes_uvm_caches(tmp_path):
+    """HBM too short for the big tables (0.25 GB per GPU): with a skewed id histogram their UVM
+    caches get the smallest load factor reaching 95% hits (0.01); with a uniform one (hit rate ==
+    load factor) the load factor stays at the cap (0.8); `--model` works as `--config`."""
+    skew, uni = tmp_path / "skew.json", tmp_path / "uni.json"
+    skew.write_text(json.dumps({"format": "recsys-id-histogram", "version": 1, "tables": {
+        f: {"counts": [int(1e6 / r) + 2 for r in range(1, 20001)]} for f in BIG_FEATURES}}))
+    uni.write_text(json.dumps({f: {"counts": [1] * 50000} for f in BIG_FEATURES}))
+    got = {}
+    for name, sample in (("skew", skew), ("uni", uni)):
+        out = tmp_path / f"{name}.json"
+        r = tool("make", "--model", DEMO, "--topology", "pcie-8gpu-2socket", "--hbm-gb", "0.25", "--out", str(out),
+                 "--data-sample", str(sample), *RAW)
+        assert r.returncode == 0, r.stderr
+        got[name] = _kernels_and_lfs(out)
+        meta = json.loads(out.read_text())["meta"]
+        assert meta["data_sample"] == str(sample) and meta["target_hit_rate"] == 0.95
+        assert set(meta["cache_sizing"]) == {f"{p}_{f}" for p in ("t", "w") for f in BIG_FEATURES}
+        assert meta["cache_sizing"]["t_C3"]["target_load_factor"] == (0.01 if name == "skew" else 0.8)
+    cached = [t for t, (k, _) in got["skew"].items() if k == "fused_uvm_caching"]
+    assert cached, got["skew"]
+    for t in cached:
+        assert t[2:] in BIG_FEATURES
+        assert got["skew"][t][1] == 0.01  # 20K hot ids hold every lookup: 1% of rows is plenty
+        assert got["uni"][t][1] == 0.8 or got["uni"][t][0] != "fused_uvm_caching"
+        assert got["uni"][t][1] > got["skew"][t][1]
+    ok = tool("validate", str(tmp_path / "skew.json"), "--model", DEMO, "--hbm-gb", "0.25", *RAW)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+
+
+def test_bad_data_sample_is_one_line_exit_2_and_writes_nothing(tmp_path):
+    out = tmp_path / "p.json"
+    bad = tmp_path / "hist.json"
+    bad.write_text(json.dumps({"tables": {"t_C3": {"counts": [3, 2, -1]}}}))
+    for sample, expect in ((bad, f"{bad}: key 'tables.t_C3.counts[2]'"), (tmp_path / "none.json", "no such file"),
+                           ("synthetic:0", "positive row count")):
+        r = tool("make", "--config", DEMO, "--topology", "dgx-a100", "--out", str(out), "--data-sample", str(sample))
+        assert r.returncode == 2, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("error: ") and expect in r.stderr, r.stderr
+        assert not out.exists()

@@ -9,6 +9,13 @@ default planner's topology, max over ranks of the shards' perf, as torchrec's No
     .venv/bin/python tools/bench_planner.py --quick      # 3 topologies x 2 models
     .venv/bin/python tools/bench_planner.py              # everything
 
+torchrec's default planner has no search time limit of its own; on the 500-table model it walks
+thousands of proposals (a full run did not finish in 20 minutes), so here its search (after the
+enumeration) gets torchrec's ``timeout_seconds`` = ``--default-timeout`` (default 60 s): a row
+whose default search reached it says ``default_search_cut: true`` (torchrec keeps the best plan
+found so far). Ours runs with its own defaults (20 s search limit, early-stopping greedy
+proposers). Plan times are wall clock and CPU (process) seconds: the machine may be shared.
+
 Prints progress and a table; the last line is one JSON object.
 """
 
@@ -65,7 +72,7 @@ MODELS = {
 }
 
 
-def default_planner(cluster, batch: int, constraints) -> EmbeddingShardingPlanner:
+def default_planner(cluster, batch: int, constraints, timeout_s: int | None = None) -> EmbeddingShardingPlanner:
     """torchrec's planner as the trainer's `torchrec` choice builds it: same per-rank capacities
     (host memory / ranks per host), torchrec's default bandwidths."""
     hbm = None if cluster.compute_device == "cpu" else min(g.hbm_bytes for h in cluster.hosts for g in h.gpus)
@@ -74,7 +81,7 @@ def default_planner(cluster, batch: int, constraints) -> EmbeddingShardingPlanne
         hardware_config=HardwareConfig(hbm_cap_bytes=hbm, ddr_cap_bytes=min(h.ddr_bytes for h in cluster.hosts) // cluster.local_world_size),
         kernel_config=KernelConfig(compute_device=cluster.compute_device),
     )
-    return EmbeddingShardingPlanner(topology=topo, batch_size=batch, constraints=constraints, debug=False)
+    return EmbeddingShardingPlanner(topology=topo, batch_size=batch, constraints=constraints, debug=False, timeout_seconds=timeout_s)
 
 
 def torchrec_score(opts, ref: EmbeddingShardingPlanner) -> float:
@@ -83,7 +90,23 @@ def torchrec_score(opts, ref: EmbeddingShardingPlanner) -> float:
     return NoopPerfModel(ref._topology).rate(opts)
 
 
-def run_one(topo_name: str, model_name: str, batch: int) -> dict:
+def _time_enumeration(planner) -> list[float]:
+    """Wrap the planner's enumerator so the search time (plan - enumeration) can be told apart."""
+    spent: list[float] = []
+    inner = planner._enumerator.enumerate
+
+    def timed(*a, **k):
+        t = time.perf_counter()
+        try:
+            return inner(*a, **k)
+        finally:
+            spent.append(time.perf_counter() - t)
+
+    planner._enumerator.enumerate = timed
+    return spent
+
+
+def run_one(topo_name: str, model_name: str, batch: int, default_timeout: int | None = 60) -> dict:
     cluster = load_topology(topo_name)
     module = ebc(MODELS[model_name]())
     sharders = [EmbeddingBagCollectionSharder()]
@@ -92,8 +115,9 @@ def run_one(topo_name: str, model_name: str, batch: int) -> dict:
     results = {}
     for who in ("default", "ours"):
         cons = default_constraints(module, cluster.compute_device)
-        planner = default_planner(cluster, batch, cons) if who == "default" else TopologyAwarePlanner(cluster, batch, cons)
-        t0 = time.perf_counter()
+        planner = default_planner(cluster, batch, cons, default_timeout) if who == "default" else TopologyAwarePlanner(cluster, batch, cons)
+        enum_s = _time_enumeration(planner)
+        t0, c0 = time.perf_counter(), time.process_time()
         try:
             planner.plan(module, sharders)
             err = None
@@ -102,6 +126,12 @@ def run_one(topo_name: str, model_name: str, batch: int) -> dict:
         dt = time.perf_counter() - t0
         results[who] = (planner, err)
         row[f"{who}_plan_s"] = round(dt, 2)
+        row[f"{who}_plan_cpu_s"] = round(time.process_time() - c0, 2)
+        row[f"{who}_enumerate_s"] = round(sum(enum_s), 2)
+        row[f"{who}_proposals"] = planner._num_proposals
+        limit = default_timeout if who == "default" else planner._timeout_seconds
+        if limit and dt - sum(enum_s) >= limit:
+            row[f"{who}_search_cut"] = True
         if err:
             row[f"{who}_error"] = err
             continue
@@ -126,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=4096, help="per rank")
     ap.add_argument("--topologies", nargs="*", default=None)
     ap.add_argument("--models", nargs="*", default=None)
+    ap.add_argument("--default-timeout", type=int, default=60,
+                    help="search time limit (s) for torchrec's default planner (0: none, as torchrec's default)")
+    ap.add_argument("--out", default="", help="also append each finished row to this file, one JSON object a line")
     args = ap.parse_args(argv)
     logging.disable(logging.WARNING)
     if args.quick:
@@ -139,8 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     for t in topos:
         for m in models:
             print(f"[bench] {t} x {m} ...", flush=True)
-            row = run_one(t, m, args.batch_size)
+            row = run_one(t, m, args.batch_size, args.default_timeout or None)
             rows.append(row)
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(json.dumps(row) + "\n")
             print("   ", {k: v for k, v in row.items() if not k.endswith(("_kernels", "_types"))}, flush=True)
     print()
     hdr = f"{'topology':<32} {'model':<14} {'world':>5} {'plan s (def/ours)':>18} {'step ms (def/ours)':>22} {'ratio':>6} {'torchrec est (def/ours)':>24} {'max HBM GiB (def/ours)':>22}"
@@ -152,8 +188,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(f"{r['topology']:<32} {r['model']:<14} {r['world']:>5} {r['default_plan_s']:>8}/{r['ours_plan_s']:<9} "
               f"{r['default_step_ms']:>10}/{r['ours_step_ms']:<11} {r['ratio_ours_vs_default']:>6} "
-              f"{r['default_torchrec_est']:>11}/{r['ours_torchrec_est']:<12} {r['default_max_hbm_gib']:>10}/{r['ours_max_hbm_gib']:<11}")
-    print(json.dumps({"quick": args.quick, "batch_size_per_rank": args.batch_size, "total_s": round(time.perf_counter() - t_all, 1), "rows": rows}))
+              f"{r['default_torchrec_est']:>11}/{r['ours_torchrec_est']:<12} {r['default_max_hbm_gib']:>10}/{r['ours_max_hbm_gib']:<11}"
+              + (" default search cut" if r.get("default_search_cut") else "") + (" ours search cut" if r.get("ours_search_cut") else ""))
+    print(json.dumps({"quick": args.quick, "batch_size_per_rank": args.batch_size, "default_timeout_s": args.default_timeout, "total_s": round(time.perf_counter() - t_all, 1), "rows": rows}))
     return 0
 
 

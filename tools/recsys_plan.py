@@ -1,7 +1,9 @@
 """`recsys-plan`: make, show, diff and validate sharding plans.
 
     recsys-plan make --config configs/experiments/demo.yaml --world-size 8 --compute-device cuda \
-        --hbm-gb 80 --out plan.json [--set data.cardinalities=criteo_kaggle_raw ...]
+        --hbm-gb 80 --out plan.json [--set data.cardinalities=criteo_kaggle_raw ...] \
+        [--data-sample synthetic:200000|data:N|hist.json|SHARD_DIR[:N] [--target-hit-rate 0.95]]
+    (--model is another name for --config)
     recsys-plan show plan.json [--topology dgx-a100-2host] [--format text|json|html] [--out report.html]
     recsys-plan diff a.json b.json [--format text|json]
     recsys-plan validate plan.json --config configs/experiments/demo.yaml [--world-size N] [--hbm-gb G] [--set K=V]
@@ -99,10 +101,18 @@ def cmd_make(args: argparse.Namespace) -> int:
     if batch <= 0:
         raise UsageError(f"--batch-size: fewer samples than ranks ({world})")
     gb = 1024**3
+    stats = None
+    if args.data_sample:  # per-table id frequencies -> UVM cache hit-rate curves
+        from sharding.cache_sizing import load_sample
+
+        if not 0.0 < args.target_hit_rate <= 1.0:
+            raise UsageError(f"--target-hit-rate: expected a number in (0, 1], got {args.target_hit_rate}")
+        stats = load_sample(args.data_sample, model, cfg, batch=batch * world)
     planner = build_planner(
         cfg.sharding, model, world, local, args.compute_device, batch,
         hbm_bytes=int(args.hbm_gb * gb) if args.hbm_gb else None,
         ddr_bytes=int(args.ddr_gb * gb) if args.ddr_gb else None,
+        cache_stats=stats, target_hit_rate=args.target_hit_rate,
     )
     try:
         plan = planner.plan(model, embedding_sharders(cfg.optim))
@@ -110,6 +120,13 @@ def cmd_make(args: argparse.Namespace) -> int:
         raise UsageError(f"planning failed: {str(e).strip().splitlines()[0]}") from None
     meta = {"planner": cfg.sharding.planner, "topology": cfg.sharding.topology, "config": str(args.config), "overrides": args.overrides,
             "batch_size_per_rank": batch, "hbm_gb": args.hbm_gb, "ddr_gb": args.ddr_gb}
+    if stats:
+        from sharding.cache_sizing import summary
+        from sharding.topology_planner import MAX_CACHE_LOAD_FACTOR
+
+        lfs = {name: ps.cache_params.load_factor for mp in plan.plan.values() for name, ps in mp.items()
+               if ps.compute_kernel == "fused_uvm_caching" and ps.cache_params is not None and ps.cache_params.load_factor is not None}
+        meta.update(data_sample=args.data_sample, target_hit_rate=args.target_hit_rate, cache_sizing=summary(stats, lfs, args.target_hit_rate, MAX_CACHE_LOAD_FACTOR))
     plan_io.save_plan(args.out, plan_io.plan_to_dict(plan, world, args.compute_device, tables, meta))
     print(f"wrote {args.out}: {sum(len(m) for m in plan.plan.values())} tables on {world} ranks")
     return 0
@@ -213,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="recsys-plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     m = sub.add_parser("make", help="plan a model for a cluster and write the plan file")
-    m.add_argument("--config", required=True, help="experiment YAML (model and data sections)")
+    m.add_argument("--config", "--model", dest="config", required=True, help="experiment YAML (model and data sections); --model is the same")
     m.add_argument("--world-size", type=int, default=0, help="ranks (default: train.nproc_per_node)")
     m.add_argument("--local-world-size", type=int, default=0, help="ranks per host (default: min(world, 8))")
     m.add_argument("--compute-device", choices=("cuda", "cpu"), default="cuda")
@@ -222,6 +239,11 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--hbm-gb", type=float, default=0.0, help="HBM per GPU (default: torchrec's)")
     m.add_argument("--ddr-gb", type=float, default=0.0, help="host memory per rank (default: torchrec's)")
     m.add_argument("--batch-size", type=int, default=0, help="global batch (default: train.batch_size)")
+    m.add_argument("--data-sample", default="", metavar="SAMPLE",
+                   help="size UVM caches from id frequencies: a JSON id histogram, synthetic:N (N rows of the configured "
+                        "generator), data:N (first N rows of the configured data), or a preprocessed shard directory [DIR:N]")
+    m.add_argument("--target-hit-rate", type=float, default=0.95,
+                   help="with --data-sample: each UVM-cached table's load factor is the smallest reaching this hit rate")
     m.add_argument("--out", required=True)
     m.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
     m.set_defaults(fn=cmd_make)
@@ -241,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(fn=cmd_diff)
     v = sub.add_parser("validate", help="covers every table once, matches the world size, fits memory")
     v.add_argument("plan")
-    v.add_argument("--config", required=True)
+    v.add_argument("--config", "--model", dest="config", required=True)
     v.add_argument("--world-size", type=int, default=0)
     v.add_argument("--hbm-gb", type=float, default=0.0)
     v.add_argument("--ddr-gb", type=float, default=0.0)

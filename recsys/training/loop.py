@@ -94,12 +94,14 @@ def setup(cfg: ExperimentConfig, model_factory: ModelFactory | None = None) -> J
         meta = dict(header["meta"], loaded_from=str(cfg.plan))
     elif groups:  # planned for one host on global rank 0, broadcast to all hosts
         planner = build_planner(
-            cfg.sharding, module, shard_world, min(env.local_world_size, shard_world), env.device.type, local_batch
+            cfg.sharding, module, shard_world, min(env.local_world_size, shard_world), env.device.type, local_batch,
+            cache_stats=_cache_stats(cfg, module), target_hit_rate=cfg.sharding.target_hit_rate,
         )
         plan = planner.collective_plan(module, sharders, dist.GroupMember.WORLD)
         meta = {"planner": cfg.sharding.planner, "batch_size_per_rank": local_batch, "hosts": groups.hosts}
     else:
-        plan = make_plan(cfg.sharding, module, sharders, env.device, env.local_world_size, local_batch)
+        plan = make_plan(cfg.sharding, module, sharders, env.device, env.local_world_size, local_batch,
+                         cache_stats=_cache_stats(cfg, module))
         meta = {"planner": cfg.sharding.planner, "batch_size_per_rank": local_batch}
     if env.is_main:  # the plan this run used, as a reusable file and as torchrec's table
         plan_io.save_plan(run_dir / "plan.json", plan_io.plan_to_dict(plan, shard_world, env.device.type, tables, meta))
@@ -121,6 +123,15 @@ def setup(cfg: ExperimentConfig, model_factory: ModelFactory | None = None) -> J
         )
         ckpt.per_host_optim = not cfg.train.merge_moments  # unmerged moments: each host saves its own
     return Job(cfg, env, source, dmp, optimizer, dense, ckpt, run_dir, groups, merger, warmup)
+
+
+def _cache_stats(cfg: ExperimentConfig, module: nn.Module) -> dict | None:
+    """Id-frequency statistics for UVM cache sizing (sharding.data_sample), or None."""
+    if not cfg.sharding.data_sample:
+        return None
+    from sharding.cache_sizing import load_sample
+
+    return load_sample(cfg.sharding.data_sample, module, cfg, cfg.train.batch_size)
 
 
 def _mean_across_ranks(value: float) -> float:

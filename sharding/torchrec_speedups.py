@@ -1,0 +1,152 @@
+"""Faster torchrec planner internals, applied only while the topology-aware planner plans.
+
+Profiling the 500-table model on 128 ranks (docs/benchmarks.md, planner section) showed most of
+the time in torchrec itself, not in our cost model:
+
+- the v2 shard perf estimator (``torchrec/distributed/planner/estimator``) looks up its
+  annotated config methods by scanning ``dir(config)`` on every call (``_get_annotated_method``,
+  ``_get_coefficient_method``): 9 scans per shard, ~200K shards for 500 tables x 15 options x up
+  to 128 shards. We memoize the lookup per (config object, marker, sharding type); the method
+  found is the same one (same attribute name, fetched from the same object again);
+- ``copy.deepcopy`` of sharding options (the enumerator keeps a deep copy of the whole search
+  space; the search deep-copies every new best plan) goes through the generic reconstructor for
+  every ``Shard``. We copy ``ShardingOption`` lists with a specialised copier that gives the same
+  result (fresh shards, fresh size/offset lists, fresh Storage/Perf; ``tensor``/``module``
+  shared as torchrec's own ``__deepcopy__`` does; every other attribute deep-copied).
+
+- the same estimator computes every shard's perf from a context (shape, batch, bandwidths, ...)
+  built per shard; the 128 shards of a row-wise option on 128 ranks share one. We memoize
+  ``compute_perf`` on the context's field values (each shard gets its own copy of the Perf).
+
+``fast_planner_internals()`` is a context manager; torchrec's functions are restored on exit, so
+torchrec's own planner (e.g. in ``tools/bench_planner.py``) runs unpatched outside it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy as _copy
+import threading
+import types
+from typing import Any, Iterator
+
+_lock = threading.RLock()
+
+
+def _memoized(fn, skip_attrs=()):
+    cache: dict[tuple, str | None] = {}
+
+    def lookup(config: Any, marker: str, sharding_type: str | None = None):
+        key = (id(config), type(config), marker, sharding_type)
+        name = cache.get(key, _MISSING)
+        if name is _MISSING:
+            method = fn(config, marker, sharding_type)
+            name = None if method is None else getattr(method, "__name__", None)
+            if method is not None and (name is None or getattr(config, name, None) != method):
+                return method  # not a plain named method: do not cache
+            cache[key] = name
+            return method
+        return None if name is None else getattr(config, name)
+
+    lookup.cache = cache  # type: ignore[attr-defined]
+    return lookup
+
+
+_MISSING = object()
+
+
+def _shallow(obj: Any) -> Any:
+    """copy.copy for plain dataclasses of numbers (Storage, Perf), without the reduce protocol."""
+    new = object.__new__(type(obj))
+    new.__dict__.update(obj.__dict__)
+    return new
+
+
+def _copy_shard(sh, Shard):
+    return Shard(
+        size=list(sh.size),
+        offset=list(sh.offset),
+        storage=None if sh.storage is None else _shallow(sh.storage),
+        perf=None if sh.perf is None else _shallow(sh.perf),
+        rank=sh.rank,
+    )
+
+
+_ATOMIC = (int, float, str, bool, type(None))
+
+
+def fast_deepcopy(obj: Any, memo: dict | None = None) -> Any:
+    """``copy.deepcopy`` with a fast path for lists of torchrec ``ShardingOption``."""
+    from torchrec.distributed.planner.types import Shard, ShardingOption
+
+    if isinstance(obj, list) and obj and all(type(o) is ShardingOption for o in obj):
+        memo = {} if memo is None else memo
+        out = []
+        for so in obj:
+            new = ShardingOption.__new__(ShardingOption)
+            for k, v in so.__dict__.items():
+                if k in ("_tensor", "_module"):
+                    setattr(new, k, v)
+                elif k == "shards" and all(type(sh) is Shard for sh in v):
+                    setattr(new, k, [_copy_shard(sh, Shard) for sh in v])
+                else:
+                    setattr(new, k, _copy.deepcopy(v, memo))
+            out.append(new)
+        return out
+    return _copy.deepcopy(obj, memo)
+
+
+class _MemoEvaluator:
+    """An evaluator whose ``compute_perf`` is memoized on the context's field values (the
+    shards of a row-wise option on 128 ranks have one context, repeated 128 times)."""
+
+    def __init__(self, inner: Any, cache: dict) -> None:
+        self._inner = inner
+        self._cache = cache
+
+    def compute_perf(self, ctx: Any, config: Any) -> Any:
+        key = [type(self._inner), id(config)]
+        refs = [config]  # objects keyed by id stay referenced, so their ids are not reused
+        for v in ctx.__dict__.values():
+            t = type(v)
+            if t is list:
+                if not all(type(x) in _ATOMIC for x in v):
+                    return self._inner.compute_perf(ctx=ctx, config=config)
+                v = tuple(v)
+            elif t not in _ATOMIC:
+                refs.append(v)
+                v = ("id", id(v))
+            key.append(v)
+        key = tuple(key)
+        hit = self._cache.get(key)
+        if hit is None:
+            perf = self._inner.compute_perf(ctx=ctx, config=config)
+            hit = self._cache[key] = (perf, refs)
+        return _shallow(hit[0])
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+@contextlib.contextmanager
+def fast_planner_internals() -> Iterator[None]:
+    from torchrec.distributed.planner import enumerators, planners
+    from torchrec.distributed.planner.estimator import annotations, estimator
+
+    copy_ns = types.SimpleNamespace(**{k: getattr(_copy, k) for k in dir(_copy) if not k.startswith("__")})
+    copy_ns.deepcopy = fast_deepcopy
+    with _lock:
+        saved = (annotations._get_annotated_method, annotations._get_coefficient_method, enumerators.copy, planners.copy,
+                 estimator.get_embedding_perf_sharding_evaluator)
+        perf_cache: dict = {}
+        get_evaluator = saved[4]
+        annotations._get_annotated_method = _memoized(saved[0])
+        annotations._get_coefficient_method = _memoized(saved[1])
+        enumerators.copy = copy_ns
+        planners.copy = copy_ns
+        estimator.get_embedding_perf_sharding_evaluator = lambda *a, **k: _MemoEvaluator(get_evaluator(*a, **k), perf_cache)
+        try:
+            yield
+        finally:
+            (annotations._get_annotated_method, annotations._get_coefficient_method, enumerators.copy, planners.copy,
+             estimator.get_embedding_perf_sharding_evaluator) = saved
