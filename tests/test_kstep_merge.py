@@ -115,18 +115,21 @@ def test_merger_k1_sgd_equals_sync_data_parallel(tmp_path):
 
 def _launch(run_dir: Path, nnodes: int, overrides: list[str], timeout: int = 400) -> dict:
     port = _free_port()
+    # the rendezvous store here, not in an agent that may exit before the other (docs/kstep.md)
+    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True, wait_for_workers=False)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     procs = []
     for node in range(nnodes):
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
             "--nproc_per_node", str(4 // nnodes), "--node_rank", str(node), "--rdzv_backend", "c10d",
-            "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", run_dir.name,
+            "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", run_dir.name, "--rdzv_conf", "is_host=false",
             "-m", "recsys.train", "--config", str(SMOKE), f"run_dir={run_dir}",
             "train.threads_per_rank=1", *overrides,
         ]
         procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    del store
     for p, o in zip(procs, outs):
         assert p.returncode == 0, o[-4000:]
     return json.loads((run_dir / "summary.json").read_text())

@@ -32,6 +32,11 @@ def _start(
     torchrun_extra: tuple[str, ...] = (),
 ) -> list[subprocess.Popen]:
     port = port or _free_port()
+    store = None
+    if "is_host=false" not in torchrun_extra:
+        # the rendezvous store in this process, not in an agent that may exit first (docs/kstep.md)
+        store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True, wait_for_workers=False)
+        torchrun_extra = (*torchrun_extra, "--rdzv_conf", "is_host=false")
     env = dict(os.environ, OMP_NUM_THREADS="1", RECSYS_PG_TIMEOUT_S="60")
     env.update(env_extra or {})
     procs = []
@@ -46,6 +51,7 @@ def _start(
         with open(log, "w") as out:
             p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         p.log_path = log  # type: ignore[attr-defined]
+        p.rdzv_store = store  # type: ignore[attr-defined]  # alive as long as the processes
         procs.append(p)
     return procs
 

@@ -60,6 +60,11 @@ def _forward(stream, sink: list[str], prefix: str) -> None:
 def run_one(config: Path, run_dir: Path, k: int, moments: bool, overrides: list[str], timeout: float) -> dict[str, Any]:
     """One 2 x 2 run; returns its summary plus the wall time. Raises on failure."""
     port = _free_port()
+    # The rendezvous store lives in this process, not in one of the agents (`is_host=false`): an
+    # agent hosting it may exit first and leave the other's last store calls with a broken pipe.
+    import torch.distributed
+
+    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True, wait_for_workers=False)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     args = [
         f"run_dir={run_dir}", "train.threads_per_rank=1", f"train.merge_every={k}",
@@ -72,7 +77,7 @@ def run_one(config: Path, run_dir: Path, k: int, moments: bool, overrides: list[
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--nnodes", str(HOSTS),
             "--nproc_per_node", str(RANKS_PER_HOST), "--node_rank", str(node), "--rdzv_backend", "c10d",
-            "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", f"kstep{port}",
+            "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", f"kstep{port}", "--rdzv_conf", "is_host=false",
             "-m", "recsys.train", "--config", str(config), *args,
         ]
         p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -90,6 +95,7 @@ def run_one(config: Path, run_dir: Path, k: int, moments: bool, overrides: list[
             p.kill()
         raise RuntimeError(f"run k={k} moments={moments} exceeded {timeout:.0f} s")
     wall = time.perf_counter() - t0
+    del store  # every agent has exited
     for th in threads:
         th.join(timeout=10)
     for p, sink in zip(procs, outs):
