@@ -394,6 +394,8 @@ def validate(cfg: ExperimentConfig, source: str = "config") -> None:
         bad("train.merge_moments", "only meaningful with train.merge_every > 0")
     if not 0.0 < cfg.sharding.target_hit_rate <= 1.0:
         bad("sharding.target_hit_rate", f"{cfg.sharding.target_hit_rate} is not in (0, 1]")
+    if t.merge_every > 0 and "table_row_wise" in cfg.sharding.sharding_types:
+        bad("sharding.sharding_types", "table_row_wise is not supported with train.merge_every > 0 (DMP runs on one host's group)")
     if t.merge_route not in ("auto", "flat", "hierarchical"):
         bad("train.merge_route", f"unknown route '{t.merge_route}' (auto, flat or hierarchical)")
     if t.pg_timeout_s <= 0:

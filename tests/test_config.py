@@ -47,6 +47,8 @@ def test_demo_config_loads_with_overrides():
         ("optim:\n  embedding: cowclip_adam\n  adam_eps_mode: tf\n", "key 'optim.adam_eps_mode': unknown mode 'tf'"),
         ("optim:\n  embedding: adagrad\n  embedding_l2_scope: all\n", "key 'optim.embedding_l2_scope': 'all' is"),
         ("optim:\n  scale_rule: cubic\n", "key 'optim.scale_rule': unknown rule 'cubic'"),
+        ("train:\n  merge_every: 4\nsharding:\n  sharding_types: [table_row_wise]\n",
+         "key 'sharding.sharding_types': table_row_wise is not supported with train.merge_every > 0"),
         ("optim:\n  embedding: lamb\n", "key 'optim.embedding': unknown embedding optimizer 'lamb'"),
         ("train:\n  batch_size: [\n", "is not valid YAML"),
     ],

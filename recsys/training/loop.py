@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -18,7 +19,7 @@ from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.distributed.types import ShardingEnv
 
 from recsys import config as config_mod
-from recsys.config import ExperimentConfig
+from recsys.config import ExperimentConfig, ShardingConfig
 from recsys.data.batching import steps_per_epoch, train_batches
 from recsys.data.source import TRAIN, DataSource, build_source, prepare_data
 from recsys.models.ctr import TrainModule, build_model
@@ -33,7 +34,7 @@ from recsys.training.merge import KStepMerger
 from recsys.training.metrics import MetricsWriter, evaluate, write_json_atomic
 from recsys.training.progress import Progress
 from sharding import plan_io
-from sharding.planner import build_planner, make_plan
+from sharding.planner import allowed_sharding_types, build_planner, make_plan
 
 log = logging.getLogger("recsys.train")
 
@@ -94,7 +95,7 @@ def setup(cfg: ExperimentConfig, model_factory: ModelFactory | None = None) -> J
         meta = dict(header["meta"], loaded_from=str(cfg.plan))
     elif groups:  # planned for one host on global rank 0, broadcast to all hosts
         planner = build_planner(
-            cfg.sharding, module, shard_world, min(env.local_world_size, shard_world), env.device.type, local_batch,
+            host_local_sharding(cfg.sharding), module, shard_world, min(env.local_world_size, shard_world), env.device.type, local_batch,
             cache_stats=_cache_stats(cfg, module), target_hit_rate=cfg.sharding.target_hit_rate,
         )
         plan = planner.collective_plan(module, sharders, dist.GroupMember.WORLD)
@@ -123,6 +124,14 @@ def setup(cfg: ExperimentConfig, model_factory: ModelFactory | None = None) -> J
         )
         ckpt.per_host_optim = not cfg.train.merge_moments  # unmerged moments: each host saves its own
     return Job(cfg, env, source, dmp, optimizer, dense, ckpt, run_dir, groups, merger, warmup)
+
+
+def host_local_sharding(cfg: ShardingConfig) -> ShardingConfig:
+    """Sharding types for DMP over one host's group: table-row-wise builds its intra-/cross-host
+    groups from the global world (torchrec's TwRw sharding), not from the host group DMP runs on,
+    so its all-to-alls would not match (the stock CPU sharder never offers it; ours does)."""
+    types = [t for t in allowed_sharding_types(cfg) if t != "table_row_wise"]
+    return dataclasses.replace(cfg, sharding_types=types)
 
 
 def _cache_stats(cfg: ExperimentConfig, module: nn.Module) -> dict | None:
