@@ -186,18 +186,11 @@ class IdFrequencyStats(CacheStatistics):
 
 def table_features(module) -> dict[str, tuple[list[str], int]]:
     """Table -> (feature names, num_embeddings) of every EmbeddingBagCollection in ``module``."""
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+    from sharding.tables import table_configs
 
     out: dict[str, tuple[list[str], int]] = {}
-    for m in module.modules():
-        if isinstance(m, EmbeddingBagCollection):
-            cfgs = m.embedding_bag_configs()
-        elif isinstance(m, EmbeddingCollection):
-            cfgs = m.embedding_configs()
-        else:
-            continue
-        for c in cfgs:
-            out[c.name] = (list(c.feature_names), int(c.num_embeddings))
+    for c in table_configs(module):
+        out[c.name] = (list(c.feature_names), int(c.num_embeddings))
     return out
 
 

@@ -181,15 +181,10 @@ def param_from_dict(d: Any, where: str) -> ParameterSharding:
 
 
 def model_tables(model: nn.Module) -> dict[str, dict[str, int]]:
-    """Table name -> shape, for every EmbeddingBagCollection in the model (what a plan is for)."""
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    """Table name -> shape, for every embedding collection in the model (what a plan is for)."""
+    from sharding.tables import table_configs
 
-    out: dict[str, dict[str, int]] = {}
-    for m in model.modules():
-        if isinstance(m, EmbeddingBagCollection):
-            for t in m.embedding_bag_configs():
-                out[t.name] = {"num_embeddings": t.num_embeddings, "embedding_dim": t.embedding_dim}
-    return out
+    return {t.name: {"num_embeddings": t.num_embeddings, "embedding_dim": t.embedding_dim} for t in table_configs(model)}
 
 
 def plan_to_dict(

@@ -19,12 +19,10 @@ from recsys.config import ShardingConfig
 
 
 def embedding_tables(model: nn.Module) -> list[str]:
-    """Names of all tables in the model's EmbeddingBagCollections."""
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    """Names of all tables in the model's embedding collections."""
+    from sharding.tables import table_configs
 
-    return [
-        t.name for m in model.modules() if isinstance(m, EmbeddingBagCollection) for t in m.embedding_bag_configs()
-    ]
+    return [t.name for t in table_configs(model)]
 
 
 # Model-parallel types only, by default: a data-parallel table gets torchrec's DENSE kernel, whose

@@ -31,13 +31,11 @@ row-wise tables in bulk, scores table-row-wise hosts in closed form and memoizes
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 from typing import Mapping, Optional
 
 import numpy as np
-import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
 from torchrec.distributed.planner.partitioners import GreedyPerfPartitioner
@@ -58,6 +56,7 @@ from torchrec.distributed.types import CacheStatistics, ModuleSharder, ShardingP
 from sharding.bandwidth import host_to_gpu_bandwidth
 from sharding.cache_sizing import DEFAULT_TARGET_HIT_RATE, apply_cache_stats, saturation_load_factor
 from sharding.cost_model import CostState, PlacedShard, TopologyCostModel, TopologyPerfModel, placed_from_option
+from sharding.tables import table_configs
 from sharding.topology import ClusterTopology, load_topology
 from sharding.torchrec_speedups import fast_planner_internals
 
@@ -522,19 +521,7 @@ def default_constraints(module: nn.Module, compute_device: str, sharding_types: 
 
 def _table_bytes(module: nn.Module) -> dict[str, int]:
     """Table -> weights + row-wise optimizer state bytes (fp32)."""
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
-
-    out: dict[str, int] = {}
-    for m in module.modules():
-        if isinstance(m, EmbeddingBagCollection):
-            cfgs = m.embedding_bag_configs()
-        elif isinstance(m, EmbeddingCollection):
-            cfgs = m.embedding_configs()
-        else:
-            continue
-        for c in cfgs:
-            out[c.name] = c.num_embeddings * c.embedding_dim * 4 + c.num_embeddings * 4
-    return out
+    return {c.name: c.num_embeddings * c.embedding_dim * 4 + c.num_embeddings * 4 for c in table_configs(module)}
 
 
 def _gib(n: float) -> str:

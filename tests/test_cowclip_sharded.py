@@ -9,7 +9,6 @@ import math
 import zlib
 import os
 import socket
-import tempfile
 from pathlib import Path
 
 import pytest

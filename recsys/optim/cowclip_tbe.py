@@ -21,7 +21,7 @@ Two update modes, chosen by the sharding type (docs/design/cowclip.md section 3)
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,7 +30,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import DenseTableBatchedEmbeddingBagsCodegen
 from torch import Tensor
 
-from recsys.optim.cowclip import CowClipAdamState, _adam_rows, _clip_scale, batch_row_gradients, cowclip_adam_step
+from recsys.optim.cowclip import CowClipAdamState, _adam_rows, _clip_scale, batch_row_gradients
 from recsys.optim.cowclip_kernel import advise_huge_pages, fused_available, fused_cowclip_adam_step, fused_cowclip_adam_tables
 
 HUGE_PAGE_MIN_BYTES = 64 << 20  # tables smaller than this stay on whatever pages they got
