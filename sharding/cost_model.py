@@ -17,12 +17,18 @@ per rank and the step time is the slowest rank's:
   memory lives on the other socket (its own node is full), the inter-socket link. A rank's
   ``host_io`` is the busiest resource on its paths (bytes on it / its bandwidth).
 - ``comm``: the embedding collectives, from rank-pair bandwidths (``pair_bandwidth(shared=True)``).
-  Table-/column-wise: the owner sends each other rank its pooled slice in the forward all-to-all
-  and gets the gradient back in the backward; a pair's time is bytes / that pair's bandwidth and
-  a rank's sends add up (its egress is shared). Row-wise: reduce-scatter (forward) + all-gather
-  (backward) of the pooled output over a ring of the group, at the group's slowest pair.
-  Table-row-wise: the same inside the host, then the host's slice to every other rank.
-  Data-parallel: all-reduce of the gradient (ring, 2 (n-1)/n x table bytes) at the slowest pair.
+  Table-/column-wise: every rank sends the owner its ids for the table (input dist: int64 ids +
+  int32 lengths), the owner sends each other rank its pooled slice in the forward all-to-all and
+  gets the gradient back in the backward; a pair's time is bytes / that pair's bandwidth and a
+  rank's sends add up (its egress is shared). A column-wise split sends the ids to every column
+  shard, so splitting a table finer pays in ids what it saves in balance. Row-wise: ids
+  bucketized over the group, reduce-scatter (forward) + all-gather (backward) of the pooled output
+  over a ring of the group, at the group's slowest pair. Table-row-wise: the same inside the
+  host, then the host's slice to every other rank. Data-parallel: all-reduce of the gradient
+  (ring, 2 (n-1)/n x table bytes) at the slowest pair.
+  Plus a fixed latency per collective: each sharding type present in the plan is its own group of
+  collectives (torchrec shards each type separately: input dist, forward and backward output
+  dist) that every rank joins, so a plan mixing types pays for each (``collective_latency``).
 
 Entry points: :class:`TopologyCostModel` (``score(sharding_options)``,
 ``score_sharding_plan(plan, tables)``, ``new_state()`` for incremental placement) and
@@ -43,6 +49,21 @@ from sharding.bandwidth import bandwidth_matrix
 from sharding.topology import ClusterTopology
 
 BYTES = 4  # fp32 weights
+ID_BYTES = 8  # int64 ids in the input dist
+LENGTH_BYTES = 4  # int32 lengths, one per bag
+# Latency of one collective (launch + synchronisation), not calibrated here (no GPU): nccl-tests'
+# small-message all-to-all / all-reduce latencies are ~10-30 us inside a host; a collective that
+# spans hosts adds the network's latency (topology ``network.latency_us``) and NIC/proxy overhead.
+COLLECTIVE_LATENCY_S = 15e-6
+CROSS_HOST_LATENCY_S = 10e-6
+CPU_COLLECTIVE_LATENCY_S = 50e-6  # gloo over shared memory / loopback TCP
+# collectives per training step of one sharding type (input dist: splits, lengths, ids; output)
+COLLECTIVES_PER_STEP = {
+    "table_wise": 5, "column_wise": 5, "table_column_wise": 5,  # 3 input + fwd a2a + bwd a2a
+    "row_wise": 5,  # 3 input + reduce-scatter + all-gather
+    "table_row_wise": 7,  # 3 input + RS and AG in the host + fwd/bwd a2a across hosts
+    "data_parallel": 1,  # the gradient all-reduce
+}
 LOOKUP_PASSES = 3  # forward read, backward gradient, optimizer read-modify-write (fused)
 DEFAULT_LOAD_FACTOR = 0.2
 UVM_KERNELS = ("fused_uvm", "fused_uvm_caching")
@@ -102,6 +123,8 @@ class TopologyCostModel:
         self.min_bw_all = float(bw[off].min()) if w > 1 else float("inf")
         self.host_ranks = [tuple(topo.rank(h, i) for i in range(topo.local_world_size)) for h in range(len(topo.hosts))]
         self.host_of = np.array([topo.locate(r)[0] for r in range(w)])
+        base = CPU_COLLECTIVE_LATENCY_S if self.cpu else COLLECTIVE_LATENCY_S
+        self.collective_latency = base + (CROSS_HOST_LATENCY_S + topo.network.latency if len(topo.hosts) > 1 else 0.0)
         self._min_bw_cache: dict[tuple[int, ...], float] = {}
         self._placed_cache: dict[tuple, tuple] = {}
         # host-memory resources: per GPU port, per switch uplink, per NUMA DDR, per socket link
@@ -153,6 +176,19 @@ class TopologyCostModel:
             self._min_bw_cache[group] = hit
         return hit
 
+    def ids_bytes(self, pooling: float) -> float:
+        """Input-dist bytes one rank sends per table shard: its batch's ids and bag lengths."""
+        return self.batch * (pooling * ID_BYTES + LENGTH_BYTES)
+
+    def a2a_unit(self, cols: int, pooling: float) -> float:
+        """Bytes between the owner of a table-/column-wise shard and each other rank per step:
+        ids in, pooled slice out (forward), its gradient in (backward)."""
+        return 2 * self.batch * cols * BYTES + self.ids_bytes(pooling)
+
+    def type_latency(self, sharding_type: str) -> float:
+        """Seconds per step that one sharding type's collectives add to every rank."""
+        return COLLECTIVES_PER_STEP.get(sharding_type, 0) * self.collective_latency
+
     def new_state(self) -> "CostState":
         return CostState(self)
 
@@ -162,12 +198,13 @@ class TopologyCostModel:
         """Whole-plan score. Table-/column-wise device-resident shards (the bulk) are summed per
         owner and their all-to-all applied as one matrix product; the rest go through ``add``."""
         st = self.new_state()
-        owner_bytes = np.zeros(self.world)  # 2 x pooled slice bytes per owner
+        owner_bytes = np.zeros(self.world)  # ids + 2 x pooled slice bytes per owner
         lookup_bytes = np.zeros(self.world)
         pending: list[PlacedShard] = []  # consecutive shards of one non-A2A table, added together
         for s in shards:
             if s.sharding_type in _A2A and (self.cpu or s.kernel not in UVM_KERNELS):
-                owner_bytes[s.rank] += 2 * self.batch * s.cols * BYTES
+                st.mark_type(s.sharding_type)
+                owner_bytes[s.rank] += self.a2a_unit(s.cols, s.pooling)
                 lookup_bytes[s.rank] += st._lookup_bytes(s)
                 dev, host = st._memory(s)
                 st.hbm_bytes[s.rank] += dev
@@ -220,6 +257,7 @@ class CostState:
     hbm_bytes: np.ndarray = field(init=False)
     host_bytes: np.ndarray = field(init=False)
     numa_used: dict[tuple[int, int], int] = field(init=False)
+    types: set[str] = field(init=False)  # sharding types present (their collectives' latency is in comm)
 
     def __post_init__(self) -> None:
         w = self.model.world
@@ -230,6 +268,16 @@ class CostState:
         self.hbm_bytes = np.zeros(w)
         self.host_bytes = np.zeros(w)
         self.numa_used = {k: 0 for k in self.model.numa_cap}
+        self.types = set()
+
+    def mark_type(self, sharding_type: str) -> None:
+        """The first shard of a sharding type brings its collectives' latency to every rank."""
+        if sharding_type not in self.types:
+            self.types.add(sharding_type)
+            self.comm += self.model.type_latency(sharding_type)
+
+    def new_type_latency(self, sharding_type: str) -> float:
+        return 0.0 if sharding_type in self.types else self.model.type_latency(sharding_type)
 
     # traffic and comm of one shard ---------------------------------------------------------------
 
@@ -254,17 +302,21 @@ class CostState:
         """Comm seconds this shard adds to every rank (vector) given its rank."""
         m, w, r = self.model, self.model.world, s.rank
         b = m.batch * s.cols * BYTES  # one rank's pooled slice of this shard, one direction
+        idb = m.ids_bytes(s.pooling)  # one rank's ids for this table
         st = s.sharding_type
         if st in ("table_wise", "column_wise", "table_column_wise"):
-            v = 2 * b * m.inv_bw[r]  # forward out + backward in, as seen by each peer
-            v = v.copy()
-            v[r] = 2 * b * m.inv_rowsum[r]
+            u = m.a2a_unit(s.cols, s.pooling)  # ids in, forward out, backward in, as seen by each peer
+            v = u * m.inv_bw[r]
+            v[r] = u * m.inv_rowsum[r]
             return v
         if st == "row_wise":
             g = s.group or tuple(range(w))
             n = len(g)
-            # this shard's 1/n share of the ring reduce-scatter + all-gather of [B*W, cols]
-            t = 2 * (m.batch * w * s.cols * BYTES) * (n - 1) / n / m.group_min_bw(g) / n
+            # this shard's 1/n share of the ring reduce-scatter + all-gather of [B*W, cols], and of
+            # the ids each rank bucketizes over the group (lengths go to every member)
+            bw = m.group_min_bw(g)
+            t = 2 * (m.batch * w * s.cols * BYTES) * (n - 1) / n / bw / n
+            t += 2 * (idb - m.batch * LENGTH_BYTES + n * m.batch * LENGTH_BYTES) * (n - 1) / n / bw / n
             v = np.zeros(w)
             v[list(g)] = t
             return v
@@ -275,9 +327,10 @@ class CostState:
             t = 2 * (m.batch * w * s.cols * BYTES) * (n - 1) / n / m.group_min_bw(g)
             part = b / n  # this rank's slice of the host-reduced output, to every rank off-host
             off = m.host_of != m.host_of[r]
-            v = np.zeros(w)
-            v[off] = 2 * part * m.inv_bw[r][off]
-            v[r] = t + 2 * part * m.inv_bw[r][off].sum()
+            v = (idb / n) * m.inv_bw[r]  # every rank's ids, bucketized over the host's n ranks
+            v[r] = (idb / n) * m.inv_rowsum[r]
+            v[off] += 2 * part * m.inv_bw[r][off]
+            v[r] += t + 2 * part * m.inv_bw[r][off].sum()
             return v
         if st == "data_parallel":
             g = s.group or tuple(range(w))
@@ -316,6 +369,7 @@ class CostState:
 
     def add(self, s: PlacedShard) -> None:
         m = self.model
+        self.mark_type(s.sharding_type)
         lb = self._lookup_bytes(s)
         hf = self._host_fraction(s)
         self.lookup[s.rank] += lb * (1 - hf) / m.mem_bw[s.rank]
@@ -344,8 +398,11 @@ class CostState:
         part = b / n
         off = m.host_of != m.host_of[r[0]]
         ib = m.inv_bw[r][:, off]  # [n, off-host ranks]
-        delta = np.zeros(w)
-        delta[off] = 2 * part * ib.sum(axis=0)
+        idb = m.ids_bytes(s0.pooling) / n
+        delta = np.full(w, self.new_type_latency("table_row_wise"))
+        delta += idb * m.inv_bw[r].sum(axis=0)
+        delta[r] += idb * m.inv_rowsum[r]
+        delta[off] += 2 * part * ib.sum(axis=0)
         rows = np.fromiter((p.rows for p in protos), dtype=np.float64, count=n)
         lb = LOOKUP_PASSES * m.batch * w * s0.pooling * s0.cols * BYTES * rows / max(1, s0.table_rows)
         np.add.at(delta, r, t + 2 * part * ib.sum(axis=1) + lb / m.mem_bw[r])
@@ -363,6 +420,7 @@ class CostState:
             for s in shards:
                 self.add(s)
             return
+        self.mark_type(s0.sharding_type)
         ranks = np.fromiter((s.rank for s in shards), dtype=np.int64, count=len(shards))
         rows = np.fromiter((s.rows for s in shards), dtype=np.float64, count=len(shards))
         if s0.sharding_type == "data_parallel":
@@ -405,8 +463,9 @@ class CostState:
         cand = np.asarray(candidates)
         hf = self._host_fraction(proto)
         if hf == 0.0 and proto.sharding_type in ("table_wise", "column_wise", "table_column_wise"):
-            b = 2 * m.batch * proto.cols * BYTES
+            b = m.a2a_unit(proto.cols, proto.pooling)
             lb = self._lookup_bytes(proto)
+            base = base + self.new_type_latency(proto.sharding_type)
             mat = base[None, :] + b * m.inv_bw[cand]  # [cand, world]
             own = base[cand] + lb / m.mem_bw[cand] + b * m.inv_rowsum[cand]
             mat[np.arange(len(cand)), cand] = own
@@ -428,6 +487,7 @@ class CostState:
         c.hbm_bytes = self.hbm_bytes.copy()
         c.host_bytes = self.host_bytes.copy()
         c.numa_used = dict(self.numa_used)
+        c.types = set(self.types)
         return c
 
 

@@ -4,7 +4,9 @@ For each shipped topology x model (Criteo Kaggle DeepFM tables; a Criteo-1TB-siz
 tables, the 1TB cardinalities, dim 128; a synthetic 500-table model of mixed sizes and dims):
 planning time, modeled step time and per-rank memory of both plans, each plan scored by our cost
 model (sharding/cost_model.py) and by torchrec's own estimator (EmbeddingPerfEstimator on the
-default planner's topology, max over ranks of the shards' perf, as torchrec's NoopPerfModel).
+default planner's topology, max over ranks of the shards' perf, as torchrec's NoopPerfModel),
+and a lower bound on the modeled step time of any plan (``sharding/bounds.py``): ``bound /
+default`` is the lowest ratio any planner could reach on that row, by our model.
 
     .venv/bin/python tools/bench_planner.py --quick      # 3 topologies x 2 models
     .venv/bin/python tools/bench_planner.py              # everything
@@ -42,6 +44,7 @@ from torchrec.distributed.planner.types import HardwareConfig, KernelConfig, Pla
 from torchrec.modules.embedding_configs import EmbeddingBagConfig  # noqa: E402
 from torchrec.modules.embedding_modules import EmbeddingBagCollection  # noqa: E402
 
+from sharding.bounds import step_time_lower_bound  # noqa: E402
 from sharding.cost_model import TopologyCostModel  # noqa: E402
 from sharding.topology import load_topology, shipped_topologies  # noqa: E402
 from sharding.topology_planner import TopologyAwarePlanner, default_constraints  # noqa: E402
@@ -147,6 +150,10 @@ def run_one(topo_name: str, model_name: str, batch: int, default_timeout: int | 
         for who in ("default", "ours"):
             row[f"{who}_torchrec_est"] = round(torchrec_score(results[who][0]._best_plan, ref), 4)
         row["ratio_ours_vs_default"] = round(row["ours_step_ms"] / row["default_step_ms"], 3)
+        # no plan of our search space (a superset of torchrec's) can go below this, by the model
+        lb = step_time_lower_bound(cm, results["ours"][0].search_space) * 1e3
+        row["lower_bound_ms"] = round(lb, 4)
+        row["best_possible_ratio"] = round(lb / row["default_step_ms"], 3)
     return row
 
 
@@ -179,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                     f.write(json.dumps(row) + "\n")
             print("   ", {k: v for k, v in row.items() if not k.endswith(("_kernels", "_types"))}, flush=True)
     print()
-    hdr = f"{'topology':<32} {'model':<14} {'world':>5} {'plan s (def/ours)':>18} {'step ms (def/ours)':>22} {'ratio':>6} {'torchrec est (def/ours)':>24} {'max HBM GiB (def/ours)':>22}"
+    hdr = f"{'topology':<32} {'model':<14} {'world':>5} {'plan s (def/ours)':>18} {'step ms (def/ours)':>22} {'ratio':>6} {'bound ms':>9} {'bound/def':>9} {'torchrec est (def/ours)':>24} {'max HBM GiB (def/ours)':>22}"
     print(hdr)
     for r in rows:
         if "ratio_ours_vs_default" not in r:
@@ -188,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(f"{r['topology']:<32} {r['model']:<14} {r['world']:>5} {r['default_plan_s']:>8}/{r['ours_plan_s']:<9} "
               f"{r['default_step_ms']:>10}/{r['ours_step_ms']:<11} {r['ratio_ours_vs_default']:>6} "
+              f"{r['lower_bound_ms']:>9} {r['best_possible_ratio']:>9} "
               f"{r['default_torchrec_est']:>11}/{r['ours_torchrec_est']:<12} {r['default_max_hbm_gib']:>10}/{r['ours_max_hbm_gib']:<11}"
               + (" default search cut" if r.get("default_search_cut") else "") + (" ours search cut" if r.get("ours_search_cut") else ""))
     print(json.dumps({"quick": args.quick, "batch_size_per_rank": args.batch_size, "default_timeout_s": args.default_timeout, "total_s": round(time.perf_counter() - t_all, 1), "rows": rows}))

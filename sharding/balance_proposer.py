@@ -1,0 +1,177 @@
+"""A proposer that splits the tables on the slowest rank into finer column shards.
+
+torchrec's proposers walk each table's options by torchrec's own per-shard estimate (fastest
+first, then smaller ones for memory), one table at a time; none of them asks which rank sets the
+step. With whole tables, balance comes in table-sized steps (26 Criteo tables on 8 or 16 ranks
+leave some ranks a table more than others), and a column-wise variant of a table
+(``finer_column_splits`` in ``sharding/topology_planner.py``) is what evens it out, but its
+per-shard estimate rarely makes a greedy proposer pick it.
+
+``BalanceProposer`` runs after the others. It starts from the best plan found so far (recorded by
+the planner's perf model, :class:`BestPlanTracker`), and hill-climbs: for each table with a shard
+on the slowest rank (by the cost model), it proposes the plan with that table's option replaced
+by one of the same kernel cut into more shards (table-wise -> 2 -> 4 column shards), keeps a
+proposal the partitioner + cost model rate better, and stops after ``patience`` proposals in a
+row that are not.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Optional
+
+import numpy as np
+from torchrec.distributed.planner.types import Enumerator, Proposer, ShardingOption, Topology
+
+from sharding.cost_model import TopologyCostModel
+
+_A2A = ("table_wise", "column_wise", "table_column_wise")
+
+
+class BestPlanTracker:
+    """The best-rated plan of a search (its options, and the tables on its slowest rank)."""
+
+    def __init__(self, cost_model: TopologyCostModel) -> None:
+        self.cost_model = cost_model
+        self.reset()
+
+    def reset(self) -> None:
+        self.rating = float("inf")
+        self.options: list[ShardingOption] | None = None
+        self.bottleneck_tables: list[str] = []
+
+    def offer(self, plan: list[ShardingOption], rating: float) -> None:
+        if rating < self.rating:
+            self.rating = rating
+            self.options = list(plan)
+            self.bottleneck_tables = bottleneck_tables(self.cost_model, plan)
+
+
+def bottleneck_tables(cost_model: TopologyCostModel, plan: list[ShardingOption]) -> list[str]:
+    """Tables with a shard on the slowest rank of a placed plan, widest (by columns there) first."""
+    rt = cost_model.score(plan).rank_time
+    slow = int(np.argmax(rt)) if len(rt) else 0
+    cols: dict[str, int] = defaultdict(int)
+    for so in plan:
+        for sh in so.shards:
+            if sh.rank == slow:
+                cols[so.name] += int(sh.size[1])
+    return sorted(cols, key=lambda n: (-cols[n], n))
+
+
+class BalanceProposer(Proposer):
+    def __init__(self, tracker: BestPlanTracker, patience: int = 8) -> None:
+        self.tracker = tracker
+        self.patience = patience
+        self.by_table: dict[str, list[ShardingOption]] = {}
+        self.current: list[ShardingOption] | None = None
+        self.rating = float("inf")
+        self.queue: list[list[ShardingOption]] = []
+        self.last: list[ShardingOption] | None = None
+        self.misses = 0
+        self.tried: set[tuple] = set()
+
+    def load(self, search_space: list[ShardingOption], enumerator: Optional[Enumerator] = None) -> None:
+        self.by_table = defaultdict(list)
+        for so in search_space:
+            self.by_table[so.name].append(so)
+        self.current, self.queue, self.last, self.misses, self.tried = None, [], None, 0, set()
+
+    def propose(self) -> Optional[list[ShardingOption]]:
+        if self.current is None:
+            if self.tracker.options is None:
+                return None
+            self.current, self.rating = list(self.tracker.options), self.tracker.rating
+            self.queue = self._neighbours(self.current, self.tracker.bottleneck_tables)
+        while self.queue and self.misses < self.patience:
+            cand = self.queue.pop(0)
+            key = tuple(id(so) for so in cand)
+            if key in self.tried:
+                continue
+            self.tried.add(key)
+            self.last = cand
+            return cand
+        return None
+
+    def feedback(self, partitionable: bool, plan: Optional[list[ShardingOption]] = None,
+                 perf_rating: Optional[float] = None, storage_constraint: Optional[Topology] = None) -> None:
+        if self.last is None:
+            return
+        if partitionable and plan is not None and perf_rating is not None and perf_rating < self.rating * (1 - 1e-9):
+            self.current, self.rating, self.misses = self.last, perf_rating, 0
+            self.queue = self._neighbours(self.current, bottleneck_tables(self.tracker.cost_model, plan))
+        else:
+            self.misses += 1
+
+    def _neighbours(self, plan: list[ShardingOption], tables: list[str]) -> list[list[ShardingOption]]:
+        """The plan with one bottleneck table's option cut finer (same kernel), coarsest cut first.
+
+        Each sharding type is its own group of collectives (the cost model charges their
+        latency), so a table going column-wise takes the plan's other table-wise options with it
+        to their one-shard column-wise twins (the same placement and bytes, one group less)."""
+        out = self._group_cuts(plan, tables)
+        index = {so.name: i for i, so in enumerate(plan)}
+        for name in tables:
+            cur = plan[index[name]]
+            if cur.sharding_type not in _A2A:
+                continue
+            alts = [so for so in self.by_table.get(name, ()) if so.sharding_type in _A2A and so.compute_kernel == cur.compute_kernel
+                    and so.cache_load_factor == cur.cache_load_factor and len(so.shards) > len(cur.shards)]
+            alts.sort(key=lambda so: (len(so.shards), so.sharding_type))
+            for alt in alts:
+                cand = list(plan)
+                cand[index[name]] = alt
+                out.append(cand)
+                if alt.sharding_type != "table_wise":
+                    same = [self._twin(so, alt.sharding_type) if so.sharding_type == "table_wise" else so for so in cand]
+                    if any(a is not b for a, b in zip(same, cand)):
+                        out.append(same)
+        return out
+
+    def _group_cuts(self, plan: list[ShardingOption], tables: list[str]) -> list[list[ShardingOption]]:
+        """Plans with every table-/column-wise table whole but ``j`` of them (the bottleneck's
+        first) cut into ``k`` column shards, all column-wise: with near-equal tables one cut
+        never helps (it moves a table's worth of load around) while ``j`` cuts that make the
+        shard count a multiple of the world can. Those come first, fewest shards first."""
+        base = []
+        for so in plan:
+            one = self._option(so, "column_wise", 1) if so.sharding_type in _A2A and so.compute_kernel == "fused" else None
+            base.append(one if one is not None else so)
+        movable = [i for i, so in enumerate(base) if so.sharding_type == "column_wise" and len(so.shards) == 1]
+        if len(movable) < 2:
+            return []
+        first = {n: i for i, n in enumerate(tables)}
+        movable.sort(key=lambda i: (first.get(base[i].name, len(first)), -int(base[i].tensor.shape[1]), base[i].name))
+        world = self.tracker.cost_model.world
+        shards = sum(len(so.shards) for so in base)
+        cands = []
+        for k in sorted({len(so.shards) for opts in self.by_table.values() for so in opts
+                         if so.sharding_type == "column_wise" and so.compute_kernel == "fused"} - {1}):
+            for j in range(1, min(world, len(movable)) + 1):
+                n = shards + j * (k - 1)
+                cands.append((n % world != 0, n, j, k))
+        out = []
+        for _, _, j, k in sorted(cands):
+            cand = list(base)
+            for i in movable[:j]:
+                cut = self._option(base[i], "column_wise", k)
+                if cut is not None:
+                    cand[i] = cut
+            if any(a is not b for a, b in zip(cand, plan)):
+                out.append(cand)
+        return out
+
+    def _option(self, so: ShardingOption, sharding_type: str, shards: int) -> ShardingOption | None:
+        for alt in self.by_table.get(so.name, ()):
+            if (alt.sharding_type == sharding_type and len(alt.shards) == shards and alt.compute_kernel == so.compute_kernel
+                    and alt.cache_load_factor == so.cache_load_factor):
+                return alt
+        return None
+
+    def _twin(self, so: ShardingOption, sharding_type: str) -> ShardingOption:
+        """``so``'s option of ``sharding_type`` with one shard (a table-wise table as column-wise)."""
+        for alt in self.by_table.get(so.name, ()):
+            if (alt.sharding_type == sharding_type and len(alt.shards) == 1 and alt.compute_kernel == so.compute_kernel
+                    and alt.cache_load_factor == so.cache_load_factor):
+                return alt
+        return so
