@@ -6,8 +6,9 @@ per rank and the step time is the slowest rank's:
     time[r] = lookup[r] + host_io[r] + comm[r]
 
 - ``lookup``: bytes a rank's HBM-resident shards read and write (forward lookups, backward
-  gradient + fused optimizer update: ``LOOKUP_PASSES`` x rows looked up x dim x 4) over the
-  device's memory bandwidth (HBM; DDR of its NUMA node on CPU ranks).
+  gradient + fused optimizer update: ``LOOKUP_PASSES`` x rows looked up x the row's bytes in
+  whole 32-byte sectors, 64-byte cache lines on CPU) over the device's memory bandwidth (HBM; DDR
+  of its NUMA node on CPU ranks).
 - ``host_io``: the same traffic for ``fused_uvm`` shards (all of it) and ``fused_uvm_caching``
   shards (the miss fraction: ``stats.expected_miss_rate(load_factor)`` when the table's
   ``CacheParams`` carry ``CacheStatistics``, e.g. measured from a data sample by
@@ -56,7 +57,15 @@ LENGTH_BYTES = 4  # int32 lengths, one per bag
 # spans hosts adds the network's latency (topology ``network.latency_us``) and NIC/proxy overhead.
 COLLECTIVE_LATENCY_S = 15e-6
 CROSS_HOST_LATENCY_S = 10e-6
-CPU_COLLECTIVE_LATENCY_S = 50e-6  # gloo over shared memory / loopback TCP
+# gloo over loopback TCP: tools/calibrate_cost_model.py measured 144-197 us for a tiny
+# all-to-all between 2 ranks on the 2-core CI VM
+CPU_COLLECTIVE_LATENCY_S = 170e-6
+# A looked-up row moves at least one memory access granule: a 32-byte sector on a GPU, a 64-byte
+# cache line on a CPU, so a 4-column fp32 shard (16 bytes a row) costs as much per lookup as an
+# 8- or 16-column one. Measured on CPU (tools/calibrate_cost_model.py, one rank, 26 dim-16 tables):
+# the same tables cut into 2 and 4 column shards took 2.1x and 4.0x the time of whole tables.
+GPU_ACCESS_GRANULE = 32
+CPU_ACCESS_GRANULE = 64
 # collectives per training step of one sharding type (input dist: splits, lengths, ids; output)
 COLLECTIVES_PER_STEP = {
     "table_wise": 5, "column_wise": 5, "table_column_wise": 5,  # 3 input + fwd a2a + bwd a2a
@@ -176,6 +185,11 @@ class TopologyCostModel:
             self._min_bw_cache[group] = hit
         return hit
 
+    def row_bytes(self, cols: int) -> int:
+        """Bytes one lookup of a ``cols``-wide fp32 row moves: whole access granules."""
+        g = CPU_ACCESS_GRANULE if self.cpu else GPU_ACCESS_GRANULE
+        return -(-cols * BYTES // g) * g
+
     def ids_bytes(self, pooling: float) -> float:
         """Input-dist bytes one rank sends per table shard: its batch's ids and bag lengths."""
         return self.batch * (pooling * ID_BYTES + LENGTH_BYTES)
@@ -284,9 +298,9 @@ class CostState:
     def _lookup_bytes(self, s: PlacedShard) -> float:
         m = self.model
         if s.sharding_type == "data_parallel":
-            return LOOKUP_PASSES * m.batch * s.pooling * s.cols * BYTES
+            return LOOKUP_PASSES * m.batch * s.pooling * m.row_bytes(s.cols)
         frac = s.rows / max(1, s.table_rows)  # row-wise shards see their share of the lookups
-        return LOOKUP_PASSES * m.batch * m.world * s.pooling * s.cols * BYTES * frac
+        return LOOKUP_PASSES * m.batch * m.world * s.pooling * m.row_bytes(s.cols) * frac
 
     def _host_fraction(self, s: PlacedShard) -> float:
         if self.model.cpu or s.kernel not in UVM_KERNELS:
@@ -404,7 +418,7 @@ class CostState:
         delta[r] += idb * m.inv_rowsum[r]
         delta[off] += 2 * part * ib.sum(axis=0)
         rows = np.fromiter((p.rows for p in protos), dtype=np.float64, count=n)
-        lb = LOOKUP_PASSES * m.batch * w * s0.pooling * s0.cols * BYTES * rows / max(1, s0.table_rows)
+        lb = LOOKUP_PASSES * m.batch * w * s0.pooling * m.row_bytes(s0.cols) * rows / max(1, s0.table_rows)
         np.add.at(delta, r, t + 2 * part * ib.sum(axis=1) + lb / m.mem_bw[r])
         return delta
 
@@ -424,11 +438,11 @@ class CostState:
         ranks = np.fromiter((s.rank for s in shards), dtype=np.int64, count=len(shards))
         rows = np.fromiter((s.rows for s in shards), dtype=np.float64, count=len(shards))
         if s0.sharding_type == "data_parallel":
-            lb = np.full(len(shards), LOOKUP_PASSES * m.batch * s0.pooling * s0.cols * BYTES)
+            lb = np.full(len(shards), LOOKUP_PASSES * m.batch * s0.pooling * m.row_bytes(s0.cols))
             t = self._comm_vector(s0)[s0.rank]  # the same all-reduce on every rank of the group
             np.add.at(self.comm, ranks, t)
         else:
-            lb = LOOKUP_PASSES * m.batch * m.world * s0.pooling * s0.cols * BYTES * rows / max(1, s0.table_rows)
+            lb = LOOKUP_PASSES * m.batch * m.world * s0.pooling * m.row_bytes(s0.cols) * rows / max(1, s0.table_rows)
             self.comm += len(shards) * self._comm_vector(s0)
         np.add.at(self.lookup, ranks, lb / m.mem_bw[ranks])
         np.add.at(self.hbm_bytes, ranks, rows * s0.cols * BYTES + rows * BYTES)
