@@ -8,11 +8,12 @@ leave some ranks a table more than others), and a column-wise variant of a table
 per-shard estimate rarely makes a greedy proposer pick it.
 
 ``BalanceProposer`` runs after the others. It starts from the best plan found so far (recorded by
-the planner's perf model, :class:`BestPlanTracker`), and hill-climbs: for each table with a shard
-on the slowest rank (by the cost model), it proposes the plan with that table's option replaced
-by one of the same kernel cut into more shards (table-wise -> 2 -> 4 column shards), keeps a
-proposal the partitioner + cost model rate better, and stops after ``patience`` proposals in a
-row that are not.
+the planner's perf model, :class:`BestPlanTracker`), and hill-climbs. Neighbours of a plan, in
+order: every table whole but ``j`` of them (the slowest rank's first) cut into ``k`` column shards,
+those whose shard count divides the world first (26 tables on 8 ranks: 2 tables in 4); then, for
+each table with a shard on the slowest rank (by the cost model), that table's option replaced by
+one of the same kernel cut into more shards. It keeps a proposal the partitioner + cost model
+rate better and stops after ``patience`` proposals in a row that are not.
 """
 
 from __future__ import annotations
@@ -104,7 +105,8 @@ class BalanceProposer(Proposer):
             self.misses += 1
 
     def _neighbours(self, plan: list[ShardingOption], tables: list[str]) -> list[list[ShardingOption]]:
-        """The plan with one bottleneck table's option cut finer (same kernel), coarsest cut first.
+        """Group cuts (``_group_cuts``), then the plan with one bottleneck table's option cut finer
+        (same kernel), coarsest cut first.
 
         Each sharding type is its own group of collectives (the cost model charges their
         latency), so a table going column-wise takes the plan's other table-wise options with it
