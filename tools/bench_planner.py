@@ -157,6 +157,30 @@ def run_one(topo_name: str, model_name: str, batch: int, default_timeout: int | 
     return row
 
 
+def plot_rows(rows: list[dict], path: str) -> None:
+    """Bars per row: our modeled step time and the lower bound, both over the default's."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if "ratio_ours_vs_default" in r]
+    labels = [f"{r['topology']} / {r['model']}" for r in rows]
+    y = np.arange(len(rows))
+    fig, ax = plt.subplots(figsize=(8, 0.32 * len(rows) + 1.4))
+    ax.barh(y + 0.2, [r["ratio_ours_vs_default"] for r in rows], height=0.4, label="ours / default")
+    ax.barh(y - 0.2, [r["best_possible_ratio"] for r in rows], height=0.4, label="lower bound / default")
+    ax.axvline(0.8, color="k", ls="--", lw=0.8, label="0.8x target")
+    ax.axvline(1.0, color="grey", lw=0.8)
+    ax.set_yticks(y, labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("modeled step time relative to torchrec's default planner")
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="3 topologies x 2 models")
@@ -166,7 +190,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--default-timeout", type=int, default=60,
                     help="search time limit (s) for torchrec's default planner (0: none, as torchrec's default)")
     ap.add_argument("--out", default="", help="also append each finished row to this file, one JSON object a line")
+    ap.add_argument("--plot", default="", help="also draw ours/default and bound/default per row into this PNG")
+    ap.add_argument("--replot", default="", help="only draw --plot from the rows of an earlier --out file")
     args = ap.parse_args(argv)
+    if args.replot:
+        plot_rows([json.loads(line) for line in Path(args.replot).read_text().splitlines() if line.strip()], args.plot or "planner.png")
+        return 0
     logging.disable(logging.WARNING)
     if args.quick:
         topos = args.topologies or ["dgx-a100", "pcie-8gpu-2socket", "dgx-a100-2host"]
@@ -198,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['lower_bound_ms']:>9} {r['best_possible_ratio']:>9} "
               f"{r['default_torchrec_est']:>11}/{r['ours_torchrec_est']:<12} {r['default_max_hbm_gib']:>10}/{r['ours_max_hbm_gib']:<11}"
               + (" default search cut" if r.get("default_search_cut") else "") + (" ours search cut" if r.get("ours_search_cut") else ""))
+    if args.plot:
+        plot_rows(rows, args.plot)
     print(json.dumps({"quick": args.quick, "batch_size_per_rank": args.batch_size, "default_timeout_s": args.default_timeout, "total_s": round(time.perf_counter() - t_all, 1), "rows": rows}))
     return 0
 

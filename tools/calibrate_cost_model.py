@@ -207,6 +207,26 @@ def spearman(a: list[float], b: list[float]) -> float:
     return float(np.corrcoef(ra, rb)[0, 1]) if len(a) > 1 else float("nan")
 
 
+def plot(path: str, names: list[str], modeled: list[float], measured: list[float], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    ax.scatter(modeled, measured)
+    for n, x, y in zip(names, modeled, measured):
+        ax.annotate(n, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    hi = max(max(modeled), max(measured)) * 1.1
+    ax.plot([0, hi], [0, hi], "k--", lw=0.8, label="measured = modeled")
+    ax.set(xlim=(0, hi), ylim=(0, hi), xlabel="modeled step ms (sharding/cost_model.py)", ylabel="measured sparse step ms",
+           title=title)
+    ax.legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nproc", type=int, default=2)
@@ -216,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-rows", type=int, default=200_000)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--a2a-mb", type=int, default=16, help="MiB each rank sends in the bandwidth all-to-all")
+    ap.add_argument("--plot", default="", help="also draw measured vs modeled ms per plan into this PNG")
     args = ap.parse_args(argv)
     args.cuda = torch.cuda.is_available() and torch.cuda.device_count() >= args.nproc
     if args.cuda and not args.topology:
@@ -253,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     for n, x, y in zip(names, meas, mod):
         print(f"{n:<16} {','.join(res['plans'][n]['types']):<32} {x:>12.3f} {y:>11.4f} {x / y:>17.1f}")
     print(f"\nfit: measured = {a:.3f} ms + {b:.2f} x modeled; Spearman rank correlation {rho:.2f}")
+    if args.plot:
+        plot(args.plot, names, mod, meas, f"{args.nproc} rank(s) on {cluster.name}, batch {args.batch}/rank")
     print(json.dumps({"nproc": args.nproc, "topology": cluster.name, "device": "cuda" if args.cuda else "cpu",
                       "batch_per_rank": args.batch, "collectives": col, "plans": res["plans"], "fit_intercept_ms": a,
                       "fit_slope": b, "spearman": rho, "total_s": round(time.perf_counter() - t0, 1)}))
