@@ -6,7 +6,6 @@ import dataclasses
 import json
 import logging
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
+from recsys.config import CARDINALITY_PRESETS
 from sharding.cost_model import PlacedShard, TopologyCostModel
 from sharding.topology import load_topology
 from sharding.topology_planner import ModelDoesNotFitError, TopologyAwarePlanner
@@ -87,6 +87,7 @@ def starved(topo_name="pcie-8gpu-2socket", hbm_gb=1.0):
     return dataclasses.replace(topo, hosts=tuple(hosts), name="starved")
 
 
+KAGGLE_DIM16 = [(n, 16) for n in CARDINALITY_PRESETS["criteo_kaggle_raw"]]  # Criteo Kaggle tables, DeepFM's dim
 BIG = [(6_000_000, 64), (5_000_000, 64), (4_000_000, 64), (3_000_000, 64)] + [(20_000, 16)] * 8
 
 
@@ -178,8 +179,7 @@ def test_cost_model_charges_ids_and_collective_latency():
 def test_lower_bound_is_below_every_plan_and_tight_when_tables_balance():
     from sharding.bounds import step_time_lower_bound
 
-    kaggle = [(1460, 16), (583, 16), (10131227, 16), (2202608, 16), (305, 16), (24, 16), (12517, 16), (633, 16),
-              (3, 16), (93145, 16), (5683, 16), (8351593, 16), (3194, 16), (27, 16), (14992, 16), (5461306, 16)]
+    kaggle = KAGGLE_DIM16[:16]
     for name in ("pcie-8gpu-2socket", "dgx-a100-2host"):
         planner, _ = plan_for(load_topology(name), kaggle, batch=4096)
         lb = step_time_lower_bound(planner.cost_model, planner.search_space)
@@ -199,8 +199,7 @@ def test_partitioner_matches_or_beats_torchrecs_greedy_placement(name):
 
     from sharding.topology_planner import _reset
 
-    specs = [(n, 16) for n in (1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
-                               27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572)]
+    specs = KAGGLE_DIM16
     planner, _ = plan_for(load_topology(name), specs, batch=4096, compare_default=False)
     plan = planner._best_plan
     ours = planner.cost_model.score(plan).step_time
@@ -213,8 +212,7 @@ def test_finer_column_splits_are_planned_and_cover_the_table():
     """On the PCIe server 26 whole Criteo tables do not balance over 8 ranks; the plan cuts some
     into column shards (torchrec alone would not: its column block is 128 wide), and every row and
     column is still covered once."""
-    specs = [(n, 16) for n in (1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
-                               27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572)]
+    specs = KAGGLE_DIM16
     topo = load_topology("pcie-8gpu-2socket")
     planner, plan = plan_for(topo, specs, batch=4096)
     check_cover_and_fit(topo, planner, plan, specs)

@@ -44,13 +44,13 @@ from torchrec.distributed.planner.types import HardwareConfig, KernelConfig, Pla
 from torchrec.modules.embedding_configs import EmbeddingBagConfig  # noqa: E402
 from torchrec.modules.embedding_modules import EmbeddingBagCollection  # noqa: E402
 
+from recsys.config import CARDINALITY_PRESETS  # noqa: E402
 from sharding.bounds import step_time_lower_bound  # noqa: E402
 from sharding.cost_model import TopologyCostModel  # noqa: E402
 from sharding.topology import load_topology, shipped_topologies  # noqa: E402
 from sharding.topology_planner import TopologyAwarePlanner, default_constraints  # noqa: E402
 
-KAGGLE = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992,
-          5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572]
+KAGGLE = CARDINALITY_PRESETS["criteo_kaggle_raw"]
 CRITEO_1TB = [39884406, 39043, 17289, 7420, 20263, 3, 7120, 1543, 63, 38532951, 2953546, 403346, 10, 2208,
               11938, 155, 4, 976, 14, 39979771, 25641295, 39664984, 585935, 12972, 108, 36]
 

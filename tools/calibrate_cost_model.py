@@ -28,7 +28,6 @@ import argparse
 import json
 import logging
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -42,8 +41,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-KAGGLE = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992,
-          5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572]
+from recsys.config import CARDINALITY_PRESETS  # noqa: E402
+from recsys.training.distributed import free_port  # noqa: E402
+
 # the planner's own choice; the planner restricted to one sharding type (column_wise_<k>: every
 # table cut into k column shards); every table whole on rank 0 (the most unbalanced plan)
 # (torchrec's stock sharder offers row-wise and table-row-wise on GPUs only); on GPUs also every
@@ -52,17 +52,11 @@ PLANS = ["planner", "table_wise", "column_wise_2", "column_wise_4", "table_colum
 GPU_PLANS = ["row_wise", "table_row_wise", "table_wise:fused_uvm", "table_wise:fused_uvm_caching"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _tables(max_rows: int, dim: int):
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
     return [EmbeddingBagConfig(name=f"t_{i}", embedding_dim=dim, num_embeddings=min(n, max_rows), feature_names=[f"f_{i}"])
-            for i, n in enumerate(KAGGLE)]
+            for i, n in enumerate(CARDINALITY_PRESETS["criteo_kaggle_raw"])]
 
 
 def _cluster(args, world: int):
@@ -251,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         out = os.path.join(tmp, "res.json")
         print(f"[calibrate] {args.nproc} ranks on {cluster.name} ({'cuda' if args.cuda else 'cpu'}), batch {args.batch}/rank, "
               f"{len(PLANS)} plans x {args.reps} steps ...", flush=True)
-        mp.start_processes(_worker, args=(args.nproc, _free_port(), args, out), nprocs=args.nproc, join=True,
+        mp.start_processes(_worker, args=(args.nproc, free_port(), args, out), nprocs=args.nproc, join=True,
                            start_method="spawn")
         res = json.loads(Path(out).read_text())
     col = res["collectives"]

@@ -39,7 +39,7 @@ def init_distributed(cfg: TrainConfig) -> DistEnv:
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     local_rank = int(os.environ["LOCAL_RANK"])
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
     device = resolve_device(cfg, local_rank)
@@ -53,7 +53,8 @@ def init_distributed(cfg: TrainConfig) -> DistEnv:
     return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, local_world, device, backend)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this machine now (for a rendezvous on 127.0.0.1)."""
     import socket
 
     with socket.socket() as s:
