@@ -28,7 +28,8 @@ GBIT_S = 1e9 / 8  # NIC line rates: Gb/s -> bytes/s
 COMPUTE_DEVICES = ("cuda", "cpu")
 NVLINK_KINDS = ("none", "nvswitch", "islands", "pairs")
 
-TOPOLOGY_DIR = Path(__file__).resolve().parents[1] / "configs" / "topologies"
+# Shipped topologies are package data (sharding/topologies/*.yaml); configs/topologies links here.
+TOPOLOGY_DIR = Path(__file__).resolve().parent / "topologies"
 
 
 class TopologyError(ValueError):

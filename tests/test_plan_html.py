@@ -21,7 +21,7 @@ CHROMIUM = Path("/usr/bin/chromium")
 
 
 def tool(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tools.recsys_plan", *args], capture_output=True, text=True, cwd=REPO, timeout=300)
+    return subprocess.run([sys.executable, "-m", "recsys.plan_cli", *args], capture_output=True, text=True, cwd=REPO, timeout=300)
 
 
 @pytest.fixture(scope="module")

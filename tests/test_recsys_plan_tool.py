@@ -20,7 +20,7 @@ RAW_SIZES = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 
 
 
 def tool(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tools.recsys_plan", *args], capture_output=True, text=True, cwd=REPO, timeout=300)
+    return subprocess.run([sys.executable, "-m", "recsys.plan_cli", *args], capture_output=True, text=True, cwd=REPO, timeout=300)
 
 
 @pytest.fixture(scope="module")

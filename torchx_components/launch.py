@@ -245,7 +245,7 @@ def plan(
         raise LaunchError(str(e).replace("\n", " ")) from None
     python = python or sys.executable
     cmd = [
-        python, "-m", "tools.recsys_plan", "make", "--config", config, "--out", out,
+        python, "-m", "recsys.plan_cli", "make", "--config", config, "--out", out,
         "--world-size", str(world_size), "--local-world-size", str(local_world_size),
         "--compute-device", compute_device, "--hbm-gb", str(hbm_gb), "--ddr-gb", str(ddr_gb),
         "--batch-size", str(batch_size),
