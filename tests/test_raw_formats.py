@@ -10,6 +10,7 @@ import gzip
 import json
 import logging
 import math
+import os
 import pickle
 import shutil
 import subprocess
@@ -35,7 +36,8 @@ from recsys.data.raw_formats import (  # noqa: E402
 )
 from recsys.data.shards import MANIFEST_NAME, ShardedDataset, ShardWriter  # noqa: E402
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+# ../shared next to the checkout; RECSYS_SHARED_DIR points elsewhere (e.g. from a git worktree)
+SHARED = Path(os.environ.get("RECSYS_SHARED_DIR") or Path(__file__).resolve().parents[2] / "shared") / "data"
 TSV = "criteo_kaggle_sample_1k.tsv"
 CSV = "criteo_sample_200.csv"
 AVAZU = "avazu_sample_100.csv"
@@ -373,7 +375,8 @@ def test_directory_without_manifest_or_corrupt_manifest_is_invalid(tmp_path):
         ShardedDataset.open(tmp_path / "absent")
 
     # a non-empty directory without a manifest is never silently reused or deleted ...
-    with pytest.raises(FileExistsError, match="overwrite=True"):
+    with pytest.raises(FileExistsError, match="no_manifest exists but is not a complete shard directory .*; "
+                       "remove it or choose another cache directory$"):
         preprocess_criteo(sample(CSV), no_manifest)
     # ... unless asked to
     assert preprocess_criteo(sample(CSV), no_manifest, overwrite=True)["num_rows"] == 200
@@ -423,9 +426,10 @@ def test_failure_before_publish_cleans_up(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_existing_complete_dir_is_reused_unless_overwrite(tmp_path, monkeypatch):
+def test_existing_complete_dir_is_reused_only_with_the_same_key(tmp_path, monkeypatch, caplog):
     out = tmp_path / "ds"
     first = preprocess_criteo(sample(CSV), out, rows_per_shard=64)
+    assert first["cache_key"]["files"][0]["path"] == str(sample(CSV).resolve())
 
     def no_parsing(*a, **k):
         raise AssertionError("should not re-parse")
@@ -437,10 +441,22 @@ def test_existing_complete_dir_is_reused_unless_overwrite(tmp_path, monkeypatch)
     assert [s["num_rows"] for s in again["shards"]] == [100, 100]
     assert ShardedDataset.open(out).num_shards == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds"]  # old copy removed
-    with pytest.raises(ValueError, match="overwrite=True"):
-        preprocess_criteo(sample(TSV), out)  # built from a different file
-    with pytest.raises(ValueError, match="overwrite=True"):
-        preprocess_avazu(sample(AVAZU), out)
+    # another option, another file, another kind: rebuilt, with one warning line saying why
+    caplog.set_level(logging.WARNING, logger="recsys.data.raw_formats")
+    for call, why in [
+        (lambda: preprocess_criteo(sample(CSV), out, rows_per_shard=64),
+         "parse options changed: rows_per_shard 100 -> 64"),
+        (lambda: preprocess_criteo(sample(TSV), out),
+         f"new input file {sample(TSV).resolve()}; input file {sample(CSV).resolve()} no longer given"),
+        (lambda: preprocess_avazu(sample(AVAZU), out),
+         f"new input file {sample(AVAZU).resolve()}; input file {sample(TSV).resolve()} no longer given"),
+    ]:
+        caplog.clear()
+        m = call()
+        assert [r.getMessage() for r in caplog.records] == [f"{out}: rebuilding the shard cache: {why}"]
+        assert ShardedDataset.open(out).manifest == m
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["ds"]
+    assert ShardedDataset.open(out).kind == "avazu" and m["num_rows"] == 100
 
 
 def test_writer_rejects_mismatched_chunk(tmp_path):

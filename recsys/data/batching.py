@@ -44,7 +44,15 @@ def rank_rows(step_in_epoch: int, global_batch: int, rank: int, world: int) -> t
 
 
 def steps_per_epoch(source: DataSource, split: int, global_batch: int) -> int:
-    return source.num_rows(split) // global_batch  # the last partial batch is dropped
+    """Full global batches per epoch (the last partial batch is dropped); at least 1, so that
+    a split smaller than one batch fails here with its counts, not as a division by zero."""
+    steps = source.num_rows(split) // global_batch
+    if steps < 1:
+        raise ValueError(
+            f"the {'training' if split == TRAIN else 'eval'} split has {source.num_rows(split)} rows, "
+            f"fewer than one global batch of {global_batch}"
+        )
+    return steps
 
 
 def train_batches(

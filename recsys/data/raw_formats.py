@@ -32,7 +32,10 @@ from typing import Any, BinaryIO, Iterable, Iterator, Literal, Sequence
 
 import numpy as np
 
+from recsys.data.cache_key import describe_change, make_key
+from recsys.data.errors import DataFileError, read_error, reading
 from recsys.data.shards import (
+    FORMAT_VERSION,
     InvalidShardDirError,
     ShardedDataset,
     ShardWriter,
@@ -64,6 +67,9 @@ DEFAULT_CHUNK_ROWS = 1 << 16
 DEFAULT_ROWS_PER_SHARD = 1 << 20
 MAX_BAD_LINES_KEPT = 5
 _PROGRESS_EVERY_ROWS = 10_000_000
+
+# Bump when a parser change alters the shards of unchanged inputs: caches built before rebuild.
+PARSER_VERSION = 1
 
 _LABELS: dict[bytes, float] = {b"0": 0.0, b"1": 1.0, b"0.0": 0.0, b"1.0": 1.0}
 _MAX_HEX_LEN = 8
@@ -142,7 +148,7 @@ def _open_binary(path: Path) -> BinaryIO:
 
 def _first_line(path: Path) -> bytes | None:
     """First non-blank line without BOM and line ending, or None for an empty file."""
-    with _open_binary(path) as f:
+    with reading(path), _open_binary(path) as f:
         for raw in f:
             line = raw.rstrip(b"\r\n")
             if raw.startswith(_BOM):
@@ -192,6 +198,8 @@ def _normalize_paths(paths: str | Path | Sequence[str | Path]) -> list[Path]:
 
 def _check_inputs(paths: list[Path]) -> None:
     for p in paths:
+        if p.is_dir():
+            raise read_error(p, IsADirectoryError(p))
         if not p.is_file():
             raise FileNotFoundError(f"input file not found: {p}")
 
@@ -225,8 +233,12 @@ class _LineSource:
         self.mapping = _column_mapping(path, self.default_layout, self.wanted)
 
     def chunks(self, chunk_rows: int, report: FileReport) -> Iterator[tuple[int, list[bytes]]]:
-        """Yield ``(physical line number of lines[0], lines)``; sets num_cols/mapping first."""
-        with _open_binary(self.path) as f:
+        """Yield ``(physical line number of lines[0], lines)``; sets num_cols/mapping first.
+
+        Read failures (a truncated or fake ``.gz``, I/O errors) become a one-line
+        ``DataFileError`` naming the file; errors of the consumer pass through untouched.
+        """
+        with reading(self.path), _open_binary(self.path) as f:
             first = f.readline()
             if not first:
                 return
@@ -459,43 +471,53 @@ def avazu_hash(value: str | bytes) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-def _existing_manifest(out_dir: Path, kind: str, paths: list[Path], overwrite: bool) -> dict | None:
-    """The manifest of a complete, matching ``out_dir`` (skip work), else None (build it)."""
+def _existing_manifest(out_dir: Path, key: dict[str, Any], overwrite: bool) -> tuple[dict | None, bool]:
+    """``(manifest, False)`` when ``out_dir`` is a complete cache with this exact key (reuse it);
+    ``(None, replace)`` when it must be built, ``replace`` saying whether an existing cache goes.
+
+    A complete shard directory with another key (a changed, added or removed input file, other
+    parse options, or no key at all) is rebuilt, with one warning line saying why. Anything else
+    that is in the way (a file, a non-empty directory that is not a shard cache) is never
+    deleted unless ``overwrite``: that is a one-line ``FileExistsError``.
+    """
     if overwrite or not (out_dir.exists() or out_dir.is_symlink()):
-        return None
+        return None, overwrite
     if not out_dir.is_dir():
-        raise FileExistsError(f"{out_dir} exists and is not a directory; pass overwrite=True to replace it")
+        raise FileExistsError(f"{out_dir} exists and is not a directory; remove it or choose another cache directory")
     if not any(out_dir.iterdir()):
-        return None  # an empty directory is replaced by the atomic rename
+        return None, False  # an empty directory is replaced by the atomic rename
     try:
         manifest = ShardedDataset.open(out_dir).manifest
     except InvalidShardDirError as e:
         raise FileExistsError(
-            f"{out_dir} exists but is not a complete shard directory ({e}); pass overwrite=True to replace it"
+            f"{out_dir} exists but is not a complete shard directory ({str(e).removeprefix(f'{out_dir}: ')}); "
+            "remove it or choose another cache directory"
         ) from None
-    built_from = [Path(s.get("path", "")).name for s in manifest.get("sources", [])]
-    wanted = [p.name for p in paths]
-    if manifest["kind"] != kind or built_from != wanted:
-        raise ValueError(
-            f"{out_dir} already holds {manifest['kind']} shards built from {built_from}, not {kind} from "
-            f"{wanted}; pass overwrite=True to rebuild"
-        )
-    logger.info("%s: complete shard directory exists (%d rows); skipping preprocessing", out_dir, manifest["num_rows"])
-    return manifest
+    why = describe_change(manifest.get("cache_key"), key)
+    if why is not None:
+        logger.warning("%s: rebuilding the shard cache: %s", out_dir, why)
+        return None, True
+    logger.info("%s: shard cache is up to date (%d rows); skipping preprocessing", out_dir, manifest["num_rows"])
+    return manifest, False
+
+
+def _no_rows_error(paths: list[Path], reports: list[dict[str, Any]]) -> DataFileError:
+    counts = ", ".join(f"{r['path']}: {r['good_rows']} of {r['total_rows']} rows valid" for r in reports)
+    return DataFileError(f"no valid rows in {len(paths)} input file(s) ({counts}); nothing was written")
 
 
 def _finish_file(report: FileReport, max_bad_fraction: float) -> None:
     """Log the per-file summary; abort (nothing is published) past the bad-row limit."""
-    if report.bad_rows:
-        logger.warning(report.summary())
-    else:
-        logger.info(report.summary())
-    if report.bad_fraction > max_bad_fraction:
-        raise ValueError(
+    if report.bad_fraction > max_bad_fraction:  # the error says it all: no separate summary line
+        raise DataFileError(
             f"{report.path}: bad-row fraction {report.bad_fraction:.4f} ({report.bad_rows} of "
             f"{report.total_rows} rows: {report._reasons_text()}) exceeds max_bad_fraction="
             f"{max_bad_fraction}; first bad lines: {report._lines_text()}; nothing was written"
         )
+    if report.bad_rows:
+        logger.warning(report.summary())
+    else:
+        logger.info(report.summary())
 
 
 def _check_common_args(rows_per_shard: int, max_bad_fraction: float, chunk_rows: int) -> None:
@@ -531,17 +553,24 @@ def preprocess_criteo(
     may order columns freely. ``pad_short_rows`` accepts rows that lack only trailing
     categorical columns (some copies of the Kaggle file had their trailing empty fields
     stripped) by treating the missing fields as empty; such rows are counted as ``padded_rows``.
-    Skips work if ``out_dir`` already holds a complete shard directory from the same files.
+    Skips work if ``out_dir`` already holds a complete shard directory with the same cache key
+    (:mod:`recsys.data.cache_key`: the same files, unchanged, and the same options); a shard
+    directory with another key is rebuilt. No valid rows at all is a one-line ``DataFileError``
+    and nothing is written.
     """
     paths = _normalize_paths(paths)
     out_dir = Path(out_dir)
     _check_common_args(rows_per_shard, max_bad_fraction, chunk_rows)
     if fmt not in ("tsv", "csv", "auto"):
         raise ValueError(f"fmt must be 'tsv', 'csv' or 'auto', got {fmt!r}")
-    existing = _existing_manifest(out_dir, "criteo", paths, overwrite)
+    _check_inputs(paths)
+    key = make_key(paths, {
+        "kind": "criteo", "format": fmt, "pad_short_rows": bool(pad_short_rows), "rows_per_shard": int(rows_per_shard),
+        "max_bad_fraction": float(max_bad_fraction), "parser_version": PARSER_VERSION, "format_version": FORMAT_VERSION,
+    })
+    existing, replace = _existing_manifest(out_dir, key, overwrite)
     if existing is not None:
         return existing
-    _check_inputs(paths)
     formats = []
     for p in paths:
         f = detect_format(p, default="tsv") if fmt == "auto" else fmt
@@ -555,7 +584,7 @@ def preprocess_criteo(
         dense_names=CRITEO_DENSE_NAMES,
         sparse_names=CRITEO_SPARSE_NAMES,
         rows_per_shard=rows_per_shard,
-        overwrite=overwrite,
+        overwrite=replace,
     ) as writer:
         reports = []
         for path, f in zip(paths, formats):
@@ -573,9 +602,11 @@ def preprocess_criteo(
                 last = _progress(report, last)
             _finish_file(report, max_bad_fraction)
             reports.append(report.to_dict())
-        if writer.num_rows == 0:
-            logger.warning("%s: no valid rows in %d input file(s)", out_dir, len(paths))
-        return writer.commit(reports, extra={"created_by": "recsys.data.raw_formats.preprocess_criteo"})
+        if writer.num_rows == 0:  # never publish an empty cache: training on it cannot work
+            raise _no_rows_error(paths, reports)
+        return writer.commit(
+            reports, extra={"created_by": "recsys.data.raw_formats.preprocess_criteo", "cache_key": key}
+        )
 
 
 def preprocess_avazu(
@@ -596,10 +627,14 @@ def preprocess_avazu(
     paths = _normalize_paths(paths)
     out_dir = Path(out_dir)
     _check_common_args(rows_per_shard, max_bad_fraction, chunk_rows)
-    existing = _existing_manifest(out_dir, "avazu", paths, overwrite)
+    _check_inputs(paths)
+    key = make_key(paths, {
+        "kind": "avazu", "rows_per_shard": int(rows_per_shard), "max_bad_fraction": float(max_bad_fraction),
+        "parser_version": PARSER_VERSION, "format_version": FORMAT_VERSION,
+    })
+    existing, replace = _existing_manifest(out_dir, key, overwrite)
     if existing is not None:
         return existing
-    _check_inputs(paths)
 
     with ShardWriter(
         out_dir,
@@ -607,7 +642,7 @@ def preprocess_avazu(
         dense_names=[],
         sparse_names=AVAZU_SPARSE_NAMES,
         rows_per_shard=rows_per_shard,
-        overwrite=overwrite,
+        overwrite=replace,
     ) as writer:
         reports = []
         for path in paths:
@@ -623,8 +658,10 @@ def preprocess_avazu(
             _finish_file(report, max_bad_fraction)
             reports.append(report.to_dict())
         if writer.num_rows == 0:
-            logger.warning("%s: no valid rows in %d input file(s)", out_dir, len(paths))
-        return writer.commit(reports, extra={"created_by": "recsys.data.raw_formats.preprocess_avazu"})
+            raise _no_rows_error(paths, reports)
+        return writer.commit(
+            reports, extra={"created_by": "recsys.data.raw_formats.preprocess_avazu", "cache_key": key}
+        )
 
 
 def preprocess(

@@ -31,6 +31,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from recsys.data.errors import CacheWriteError, write_error
+
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
@@ -177,10 +179,13 @@ class ShardWriter:
         self.sparse_names = list(sparse_names)
         self.rows_per_shard = int(rows_per_shard)
         self.overwrite = overwrite
-        self.dest.parent.mkdir(parents=True, exist_ok=True)
-        clean_stale_temp_dirs(self.dest)
         self.tmp = self.dest.parent / _side_name(self.dest, _TMP_TAG)
-        self.tmp.mkdir()
+        try:
+            self.dest.parent.mkdir(parents=True, exist_ok=True)
+            clean_stale_temp_dirs(self.dest)
+            self.tmp.mkdir()
+        except OSError as e:
+            raise write_error(self.dest, self.tmp, e) from None
         self._shards: list[dict[str, Any]] = []
         self._num_rows = 0
         self._fill = 0
@@ -231,9 +236,12 @@ class ShardWriter:
             return
         name = shard_name(len(self._shards))
         dense_p, sparse_p, labels_p = shard_paths(self.tmp, name)
-        _save_npy(dense_p, self._dense[: self._fill])
-        _save_npy(sparse_p, self._sparse[: self._fill])
-        _save_npy(labels_p, self._labels[: self._fill])
+        for path, array in ((dense_p, self._dense), (sparse_p, self._sparse), (labels_p, self._labels)):
+            try:
+                _save_npy(path, array[: self._fill])
+            except OSError as e:  # e.g. a full disk: numpy says only "N requested and M written"
+                self.abort()
+                raise write_error(self.dest, path, e) from None
         self._shards.append({"name": name, "num_rows": self._fill})
         self._fill = 0
 
@@ -258,9 +266,17 @@ class ShardWriter:
             }
             if extra:
                 manifest.update(extra)
-            _write_json(self.tmp / MANIFEST_NAME, manifest)
+            try:
+                _write_json(self.tmp / MANIFEST_NAME, manifest)
+            except OSError as e:
+                raise write_error(self.dest, self.tmp / MANIFEST_NAME, e) from None
             _fsync_dir(self.tmp)
-            self._publish()
+            try:
+                self._publish()
+            except (FileExistsError, CacheWriteError):
+                raise
+            except OSError as e:
+                raise write_error(self.dest, self.dest, e) from None
         except BaseException:
             self.abort()
             raise
@@ -278,7 +294,7 @@ class ShardWriter:
                 except OSError as e:
                     if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
                         raise FileExistsError(
-                            f"{dest} already exists and is not empty; pass overwrite=True to replace it"
+                            f"{dest} already exists and is not empty; remove it or choose another cache directory"
                         ) from None
                     raise
                 _fsync_dir(dest.parent)

@@ -4,6 +4,7 @@ and preprocessed Avazu shards. A source hands out row ranges of a split; batchin
 from __future__ import annotations
 
 import glob
+import hashlib
 import logging
 import os
 from abc import ABC, abstractmethod
@@ -12,7 +13,9 @@ from pathlib import Path
 from recsys.config import ConfigError, ExperimentConfig, cardinalities
 from recsys.data.synthetic import EVAL, NUM_DENSE, TRAIN, CriteoLikeGenerator, RowBlock
 
-__all__ = ["DataSource", "SyntheticSource", "ShardSource", "build_source", "prepare_data", "TRAIN", "EVAL"]
+__all__ = [
+    "DataSource", "SyntheticSource", "ShardSource", "build_source", "prepare_data", "check_row_counts", "TRAIN", "EVAL",
+]
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +75,7 @@ class ShardSource(DataSource):
                 f"key 'data.cardinalities': {len(self.cardinalities)} sizes for {len(self.sparse_names)} fields in {shard_dir}"
             )
         n = self.ds.num_rows
-        self._eval_start = n - int(round(n * cfg.data.eval_fraction))
+        self._eval_start, _ = split_sizes(n, cfg.data.eval_fraction)
         self._rows = {TRAIN: self._eval_start, EVAL: n - self._eval_start}
 
     def num_rows(self, split: int) -> int:
@@ -85,39 +88,96 @@ class ShardSource(DataSource):
 
 
 def raw_files(cfg: ExperimentConfig) -> list[Path]:
-    """The raw files named by data.path (a file, a directory or a glob), sorted."""
+    """The raw files named by data.path (a file, a directory or a glob), sorted.
+
+    Hidden files and subdirectories of a directory are skipped; a glob match or a path that is a
+    directory where a file is expected is an error (it would otherwise vanish from the inputs).
+    """
     p = cfg.data.path
     if os.path.isdir(p):
         files = sorted(f for f in Path(p).iterdir() if f.is_file() and not f.name.startswith("."))
-    elif any(ch in p for ch in "*?["):
+        if not files:
+            raise ConfigError(f"key 'data.path': directory {p} holds no data files")
+        return files
+    if any(ch in p for ch in "*?["):
         files = sorted(Path(f) for f in glob.glob(p))
+        if not files:
+            raise ConfigError(f"key 'data.path': no file matches {p}")
     else:
         files = [Path(p)]
-    missing = [f for f in files if not f.is_file()]
-    if not files or missing:
-        raise ConfigError(f"key 'data.path': no such file {missing[0] if missing else p}")
+    for f in files:
+        if f.is_dir():
+            raise ConfigError(f"key 'data.path': {f} is a directory, not a data file")
+        if not f.is_file():
+            raise ConfigError(f"key 'data.path': no such file {f}")
     return files
 
 
 def shard_dir(cfg: ExperimentConfig) -> Path:
+    """data.cache_dir, or data_cache/<source>-<name of data.path>-<hash of its absolute path>.
+
+    The path hash keeps two inputs with the same name in different directories from sharing
+    (and rebuilding each other's) cache; the content key in the manifest is what guarantees
+    that a cache is never used for inputs it was not built from.
+    """
     if cfg.data.cache_dir:
         return Path(cfg.data.cache_dir)
     name = Path(cfg.data.path.rstrip("/")).name.replace("*", "_") or "data"
-    return Path("data_cache") / f"{cfg.data.source}-{name}"
+    where = hashlib.sha256(os.path.abspath(cfg.data.path).encode()).hexdigest()[:10]
+    return Path("data_cache") / f"{cfg.data.source}-{name}-{where}"
 
 
-def prepare_data(cfg: ExperimentConfig) -> None:
-    """Preprocesses raw files into shards once (a no-op for generated data or existing shards)."""
+def _world_size(cfg: ExperimentConfig) -> int:
+    return int(os.environ.get("WORLD_SIZE", cfg.train.nproc_per_node))
+
+
+def _file_counts(manifest: dict) -> str:
+    sources = manifest.get("sources", [])
+    shown = ", ".join(f"{s.get('path')} ({s.get('good_rows')} rows)" for s in sources[:3])
+    return shown + (f" and {len(sources) - 3} more files" if len(sources) > 3 else "")
+
+
+def check_row_counts(cfg: ExperimentConfig, manifest: dict) -> None:
+    """Stops before any worker starts when the data cannot fill one global training batch, or
+    the eval split cannot give every rank a row: workers would otherwise divide by zero."""
+    n = int(manifest["num_rows"])
+    train, evaluation = split_sizes(n, cfg.data.eval_fraction)
+    batch, world = cfg.train.batch_size, _world_size(cfg)
+    if train < batch:
+        raise ConfigError(
+            f"key 'data.path': {_file_counts(manifest)}: {n} valid rows, {train} for training after "
+            f"data.eval_fraction={cfg.data.eval_fraction}: fewer than one global batch (train.batch_size={batch})"
+        )
+    if evaluation < world:
+        raise ConfigError(
+            f"key 'data.path': {_file_counts(manifest)}: {n} valid rows, {evaluation} for evaluation "
+            f"(data.eval_fraction={cfg.data.eval_fraction}): fewer than one per rank ({world} ranks)"
+        )
+
+
+def split_sizes(num_rows: int, eval_fraction: float) -> tuple[int, int]:
+    """(train rows, eval rows): the eval split is the last round(num_rows * eval_fraction) rows."""
+    train = num_rows - int(round(num_rows * eval_fraction))
+    return train, num_rows - train
+
+
+def prepare_data(cfg: ExperimentConfig) -> dict | None:
+    """Preprocesses raw files into shards (a no-op for generated data or an up-to-date cache)
+    and checks that they hold enough rows; returns the cache's manifest (None: synthetic)."""
     if cfg.data.source == "synthetic":
-        return
+        return None
     from recsys.data import raw_formats
 
     files = raw_files(cfg)
     out = shard_dir(cfg)
     if cfg.data.source == "criteo":
-        raw_formats.preprocess_criteo(files, out, fmt=cfg.data.format, max_bad_fraction=cfg.data.max_bad_fraction)
+        manifest = raw_formats.preprocess_criteo(
+            files, out, fmt=cfg.data.format, max_bad_fraction=cfg.data.max_bad_fraction
+        )
     else:
-        raw_formats.preprocess_avazu(files, out, max_bad_fraction=cfg.data.max_bad_fraction)
+        manifest = raw_formats.preprocess_avazu(files, out, max_bad_fraction=cfg.data.max_bad_fraction)
+    check_row_counts(cfg, manifest)
+    return manifest
 
 
 def build_source(cfg: ExperimentConfig) -> DataSource:
