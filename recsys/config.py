@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import types
 import typing
@@ -46,7 +47,7 @@ class DataConfig:
     # criteo/avazu: raw files (a file, a directory or a glob); preprocessed once into cache_dir.
     path: str = ""
     format: str = "auto"  # criteo: auto | tsv | csv
-    cache_dir: str = ""  # default: <run_dir>/../data_cache/<name of path>
+    cache_dir: str = ""  # default: data_cache/<source>-<name of path>-<hash of its absolute path> (docs/data.md)
     eval_fraction: float = 0.1  # criteo/avazu: the last fraction of rows is the eval split
     max_bad_fraction: float = 0.01
     # Table sizes: a preset name or an explicit list (raw ids are hashed into these sizes).
@@ -136,6 +137,8 @@ class ExperimentConfig:
     name: str = "experiment"
     run_dir: str = ""  # default: runs/<name>
     resume: bool = False
+    # Fresh run in a run_dir that has checkpoints: move the old run aside (without it such a run stops).
+    overwrite: bool = False
     # A saved plan file (sharding/plan_io.py; `recsys-plan`) to use instead of planning.
     plan: str = ""
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -215,14 +218,19 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             return value
         raise ConfigError(f"{where}: expected an integer, got {value!r}")
     if tp is float:
+        number: float | None = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "1e-5" (no dot) as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads "1e-5" (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{where}: expected a number, got {value!r}")
+        if number is None:
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        if not math.isfinite(number):  # no setting has a meaning for nan or inf
+            raise ConfigError(f"{where}: expected a finite number, got {value!r}")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value
@@ -276,10 +284,23 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Ex
     cfg = ExperimentConfig()
     if path is not None:
         p = Path(path)
+        if p.is_dir():
+            raise ConfigError(f"config file {p} is a directory")
         if not p.is_file():
             raise ConfigError(f"config file {p} does not exist")
         try:
-            values = yaml.safe_load(p.read_text()) or {}
+            text = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(
+                f"config file {p} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+                "is it a YAML file?"
+            ) from None
+        except OSError as e:
+            raise ConfigError(f"config file {p} cannot be read ({e.strerror or e})") from None
+        if "\0" in text:
+            raise ConfigError(f"config file {p} is binary (NUL byte at offset {text.index(chr(0))}); is it a YAML file?")
+        try:
+            values = yaml.safe_load(text) or {}
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" line {mark.line + 1}" if mark is not None else ""
@@ -310,6 +331,10 @@ def validate(cfg: ExperimentConfig, source: str = "config") -> None:
         bad("model.dropout", f"{m.dropout} is not in [0, 1)")
     if m.cross_layers < 0:
         bad("model.cross_layers", "must be >= 0")
+    if m.cross_low_rank < 0:
+        bad("model.cross_low_rank", "must be >= 0 (0: full-rank cross layers)")
+    if m.embedding_init_std <= 0:
+        bad("model.embedding_init_std", "must be positive")
     if d.source not in _SOURCES:
         bad("data.source", f"unknown source '{d.source}' (choose from {', '.join(_SOURCES)})")
     if isinstance(d.cardinalities, str) and d.cardinalities not in CARDINALITY_PRESETS:
@@ -322,8 +347,17 @@ def validate(cfg: ExperimentConfig, source: str = "config") -> None:
             bad("data.cardinalities", f"the synthetic Criteo-like source has 26 fields, got {len(cards)} sizes")
         if d.train_rows < t.batch_size:
             bad("data.train_rows", f"{d.train_rows} rows is less than one batch of {t.batch_size}")
-        if d.eval_rows <= 0:
-            bad("data.eval_rows", "must be positive")
+        world = int(os.environ.get("WORLD_SIZE", t.nproc_per_node))
+        if d.eval_rows < max(world, 1):
+            bad("data.eval_rows", f"{d.eval_rows} rows is fewer than one per rank ({world} ranks)")
+        if d.seed < 0:
+            bad("data.seed", "must be >= 0")
+        if d.teacher_head <= 0:
+            bad("data.teacher_head", "must be positive")
+        if d.teacher_dim <= 0:
+            bad("data.teacher_dim", "must be positive")
+        if d.teacher_scale < 0:
+            bad("data.teacher_scale", "must be >= 0")
         if not 0.0 < d.positive_rate < 1.0:
             bad("data.positive_rate", f"{d.positive_rate} is not in (0, 1)")
         if d.zipf_exponent <= 0:
@@ -339,13 +373,17 @@ def validate(cfg: ExperimentConfig, source: str = "config") -> None:
             bad("data.cardinalities", f"Avazu has 22 categorical fields, got {len(cards)} sizes (use the 'avazu' preset)")
         if not 0.0 < d.eval_fraction < 1.0:
             bad("data.eval_fraction", f"{d.eval_fraction} is not in (0, 1)")
+        if d.cache_dir and os.path.exists(d.cache_dir) and not os.path.isdir(d.cache_dir):
+            bad("data.cache_dir", f"{d.cache_dir} is an existing file, not a directory")
     if not 0.0 <= d.max_bad_fraction <= 1.0:
         bad("data.max_bad_fraction", f"{d.max_bad_fraction} is not in [0, 1]")
     if o.embedding not in _EMB_OPTIMS:
         bad("optim.embedding", f"unknown embedding optimizer '{o.embedding}' (choose from {', '.join(_EMB_OPTIMS)})")
-    for key in ("embedding_lr", "dense_lr"):
+    for key in ("embedding_lr", "dense_lr", "embedding_eps"):
         if getattr(o, key) <= 0:
             bad(f"optim.{key}", "must be positive")
+    if o.dense_weight_decay < 0:
+        bad("optim.dense_weight_decay", "must be >= 0")
     for key in ("cowclip_r", "cowclip_zeta"):
         if getattr(o, key) <= 0:
             bad(f"optim.{key}", "must be positive")
@@ -378,8 +416,16 @@ def validate(cfg: ExperimentConfig, source: str = "config") -> None:
         bad("train.batch_size", f"{t.batch_size} is not divisible by the world size {world}")
     if t.eval_batch_size <= 0 or t.eval_batch_size % world:
         bad("train.eval_batch_size", f"{t.eval_batch_size} is not a positive multiple of the world size {world}")
-    if t.epochs <= 0 and t.max_steps <= 0:
+    if t.max_steps < 0:
+        bad("train.max_steps", f"{t.max_steps} is negative (0: run train.epochs epochs)")
+    if t.epochs < 0:
+        bad("train.epochs", f"{t.epochs} is negative")
+    if t.epochs == 0 and t.max_steps == 0:
         bad("train.epochs", "need epochs > 0 or max_steps > 0")
+    if t.eval_every < 0:
+        bad("train.eval_every", "must be >= 0 (0: only at the end)")
+    if t.threads_per_rank < 0:
+        bad("train.threads_per_rank", "must be >= 0 (0: cores / local ranks)")
     if t.device not in ("auto", "cpu", "cuda"):
         bad("train.device", f"unknown device '{t.device}' (auto, cpu or cuda)")
     if t.log_every <= 0:
@@ -412,6 +458,21 @@ def validate(cfg: ExperimentConfig, source: str = "config") -> None:
         bad("plan", f"no such plan file {cfg.plan}")
     if cfg.checkpoint.keep <= 0:
         bad("checkpoint.keep", "must be positive")
+    if cfg.checkpoint.every_steps < 0:
+        bad("checkpoint.every_steps", "must be >= 0 (0: only at the end)")
+    _check_run_dir(cfg, bad)
+
+
+def _check_run_dir(cfg: ExperimentConfig, bad: Any) -> None:
+    """run_dir (or its default runs/<name>) must be a directory or creatable as one."""
+    run_dir = cfg.resolved_run_dir()
+    key = "run_dir" if cfg.run_dir else "name"
+    for p in (run_dir, *run_dir.parents):
+        if p.exists():
+            if not p.is_dir():
+                what = "is an existing file" if p == run_dir else f"is inside {p}, an existing file"
+                bad(key, f"run directory {run_dir} {what}, not a directory")
+            return
 
 
 def to_dict(cfg: ExperimentConfig) -> dict[str, Any]:

@@ -51,6 +51,30 @@ def test_demo_config_loads_with_overrides():
          "key 'sharding.sharding_types': table_row_wise is not supported with train.merge_every > 0"),
         ("optim:\n  embedding: lamb\n", "key 'optim.embedding': unknown embedding optimizer 'lamb'"),
         ("train:\n  batch_size: [\n", "is not valid YAML"),
+        # non-finite numbers (YAML .nan/.inf and the strings float() accepts) and impossible signs
+        ("optim:\n  dense_lr: .nan\n", "key 'optim.dense_lr': expected a finite number, got nan"),
+        ("optim:\n  embedding_lr: .inf\n", "key 'optim.embedding_lr': expected a finite number, got inf"),
+        ("optim:\n  cowclip_zeta: -.inf\n", "key 'optim.cowclip_zeta': expected a finite number, got -inf"),
+        ("optim:\n  dense_lr: 'nan'\n", "key 'optim.dense_lr': expected a finite number, got 'nan'"),
+        ("optim:\n  dense_lr: -0.1\n", "key 'optim.dense_lr': must be positive"),
+        ("optim:\n  embedding_eps: 0\n", "key 'optim.embedding_eps': must be positive"),
+        ("optim:\n  dense_weight_decay: -1e-4\n", "key 'optim.dense_weight_decay': must be >= 0"),
+        ("optim:\n  embedding: adam\n  embedding_l2: -1e-5\n", "key 'optim.embedding_l2': must be >= 0"),
+        ("optim:\n  adam_beta1: 1.0\n", "key 'optim.adam_beta1': 1.0 is not in [0, 1)"),
+        ("optim:\n  adam_beta2: -0.5\n", "key 'optim.adam_beta2': -0.5 is not in [0, 1)"),
+        ("train:\n  max_steps: -5\n", "key 'train.max_steps': -5 is negative (0: run train.epochs epochs)"),
+        ("train:\n  epochs: -1\n  max_steps: 10\n", "key 'train.epochs': -1 is negative"),
+        ("train:\n  eval_every: -10\n", "key 'train.eval_every': must be >= 0"),
+        ("train:\n  batch_size: -512\n", "key 'train.batch_size': must be positive"),
+        ("train:\n  nproc_per_node: -2\n", "key 'train.nproc_per_node': must be positive"),
+        ("train:\n  threads_per_rank: -1\n", "key 'train.threads_per_rank': must be >= 0"),
+        ("train:\n  pg_timeout_s: .inf\n", "key 'train.pg_timeout_s': expected a finite number"),
+        ("checkpoint:\n  every_steps: -10\n", "key 'checkpoint.every_steps': must be >= 0"),
+        ("data:\n  seed: -1\n", "key 'data.seed': must be >= 0"),
+        ("data:\n  eval_rows: 1\n", "key 'data.eval_rows': 1 rows is fewer than one per rank (2 ranks)"),
+        ("model:\n  embedding_init_std: -0.01\n", "key 'model.embedding_init_std': must be positive"),
+        ("overwrit: true\n", "unknown key 'overwrit' (did you mean 'overwrite'?)"),
+        ("overwrite: yes please\n", "key 'overwrite': expected true or false"),
     ],
 )
 def test_bad_config_names_file_and_key(tmp_path, text, needle):
@@ -101,3 +125,45 @@ def test_cli_missing_data_file(tmp_path):
     )
     assert r.returncode == 2
     assert "data.path" in r.stderr and "missing.tsv" in r.stderr
+
+
+def test_overwrite_key_defaults_to_false_and_parses():
+    assert load_config(DEMO).overwrite is False
+    assert load_config(DEMO, ["overwrite=true"]).overwrite is True
+
+
+def test_nan_override_is_refused():
+    with pytest.raises(ConfigError) as e:
+        load_config(DEMO, ["optim.dense_lr=.nan"])
+    assert str(e.value) == "override 'optim.dense_lr=.nan': key 'optim.dense_lr': expected a finite number, got nan"
+
+
+def test_binary_or_non_utf8_config_names_the_file(tmp_path):
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes("name: caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError) as e:
+        load_config(latin1)
+    assert str(e.value) == f"config file {latin1} is not UTF-8 text (byte 0xe9 at offset 9); is it a YAML file?"
+    binary = tmp_path / "model.pt"
+    binary.write_bytes(b"PK\x03\x04\x00\x00name: x\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(binary)
+    assert str(e.value) == f"config file {binary} is binary (NUL byte at offset 4); is it a YAML file?"
+    with pytest.raises(ConfigError) as e:
+        load_config(tmp_path)
+    assert str(e.value) == f"config file {tmp_path} is a directory"
+
+
+def test_run_dir_that_is_a_file(tmp_path):
+    f = tmp_path / "results.txt"
+    f.write_text("not a run dir\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(DEMO, [f"run_dir={f}"])
+    assert str(e.value) == f"{DEMO}: key 'run_dir': run directory {f} is an existing file, not a directory"
+    with pytest.raises(ConfigError) as e:
+        load_config(DEMO, [f"run_dir={f}/sub/run"])
+    assert str(e.value) == (
+        f"{DEMO}: key 'run_dir': run directory {f}/sub/run is inside {f}, an existing file, not a directory"
+    )
+    # a directory, or a path that can be created, is fine
+    assert load_config(DEMO, [f"run_dir={tmp_path}/new/run"]).run_dir == f"{tmp_path}/new/run"
