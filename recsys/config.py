@@ -468,8 +468,12 @@ def _check_run_dir(cfg: ExperimentConfig, bad: Any) -> None:
     run_dir = cfg.resolved_run_dir()
     key = "run_dir" if cfg.run_dir else "name"
     for p in (run_dir, *run_dir.parents):
-        if p.exists():
-            if not p.is_dir():
+        try:
+            exists, is_dir = p.exists(), p.is_dir()
+        except OSError as e:  # e.g. a parent this user may not search
+            bad(key, f"run directory {run_dir} cannot be checked ({e.strerror or e} on {p})")
+        if exists:
+            if not is_dir:
                 what = "is an existing file" if p == run_dir else f"is inside {p}, an existing file"
                 bad(key, f"run directory {run_dir} {what}, not a directory")
             return

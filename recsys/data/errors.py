@@ -10,7 +10,6 @@ prints as ``error: ...`` with exit status 2 before any worker starts.
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import shutil
 import zlib
@@ -52,7 +51,7 @@ def read_error(path: str | os.PathLike, exc: BaseException) -> DataFileError:
     elif isinstance(exc, FileNotFoundError):
         what = "file disappeared while reading it"
     elif type(exc).__name__ == "BadGzipFile" and msg.startswith("Not a gzipped file"):
-        what = f"not a gzip file although named .gz ({msg[len('Not a gzipped file'):].strip(' ()')} at the start)"
+        what = "not a gzip file although named .gz"
     elif type(exc).__name__ == "BadGzipFile":
         what = f"corrupt gzip file ({msg})"
     elif isinstance(exc, OSError):
@@ -85,12 +84,11 @@ def write_error(dest: str | os.PathLike, target: str | os.PathLike, exc: OSError
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     try:
-        free = shutil.disk_usage(probe).free
-        space = f"; {free} bytes free on that filesystem"
+        space = f" ({shutil.disk_usage(probe).free} bytes free on that filesystem)"
     except OSError:
         space = ""
-    if getattr(exc, "errno", None) == errno.ENOSPC or "requested and" in str(exc):
-        detail = f"disk full? ({detail})" if "requested and" in str(exc) else f"{detail}"
-    err = CacheWriteError(f"{dest}: writing the shard cache failed at {where.name} ({detail}{space}); nothing was written")
+    if "requested and" in str(exc):
+        detail += ": is the disk full?"
+    err = CacheWriteError(f"{dest}: writing the shard cache failed at {where.name}: {detail}{space}; nothing was written")
     err.errno = getattr(exc, "errno", None)
     return err

@@ -502,8 +502,11 @@ def _existing_manifest(out_dir: Path, key: dict[str, Any], overwrite: bool) -> t
 
 
 def _no_rows_error(paths: list[Path], reports: list[dict[str, Any]]) -> DataFileError:
-    counts = ", ".join(f"{r['path']}: {r['good_rows']} of {r['total_rows']} rows valid" for r in reports)
-    return DataFileError(f"no valid rows in {len(paths)} input file(s) ({counts}); nothing was written")
+    if len(reports) == 1:
+        r = reports[0]
+        return DataFileError(f"{r['path']}: no valid rows ({r['total_rows']} rows read); nothing was written")
+    counts = ", ".join(f"{r['path']}: {r['good_rows']} of {r['total_rows']}" for r in reports)
+    return DataFileError(f"no valid rows in {len(paths)} input files ({counts}); nothing was written")
 
 
 def _finish_file(report: FileReport, max_bad_fraction: float) -> None:

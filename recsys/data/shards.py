@@ -240,8 +240,9 @@ class ShardWriter:
             try:
                 _save_npy(path, array[: self._fill])
             except OSError as e:  # e.g. a full disk: numpy says only "N requested and M written"
+                err = write_error(self.dest, path, e)  # before abort(), so it reports the free space seen
                 self.abort()
-                raise write_error(self.dest, path, e) from None
+                raise err from None
         self._shards.append({"name": name, "num_rows": self._fill})
         self._fill = 0
 

@@ -137,6 +137,10 @@ def _file_counts(manifest: dict) -> str:
     return shown + (f" and {len(sources) - 3} more files" if len(sources) > 3 else "")
 
 
+def _has(manifest: dict) -> str:
+    return "has" if len(manifest.get("sources", [])) == 1 else "have"
+
+
 def check_row_counts(cfg: ExperimentConfig, manifest: dict) -> None:
     """Stops before any worker starts when the data cannot fill one global training batch, or
     the eval split cannot give every rank a row: workers would otherwise divide by zero."""
@@ -145,12 +149,12 @@ def check_row_counts(cfg: ExperimentConfig, manifest: dict) -> None:
     batch, world = cfg.train.batch_size, _world_size(cfg)
     if train < batch:
         raise ConfigError(
-            f"key 'data.path': {_file_counts(manifest)}: {n} valid rows, {train} for training after "
+            f"key 'data.path': {_file_counts(manifest)} {_has(manifest)} {n} valid rows, {train} for training after "
             f"data.eval_fraction={cfg.data.eval_fraction}: fewer than one global batch (train.batch_size={batch})"
         )
     if evaluation < world:
         raise ConfigError(
-            f"key 'data.path': {_file_counts(manifest)}: {n} valid rows, {evaluation} for evaluation "
+            f"key 'data.path': {_file_counts(manifest)} {_has(manifest)} {n} valid rows, {evaluation} for evaluation "
             f"(data.eval_fraction={cfg.data.eval_fraction}): fewer than one per rank ({world} ranks)"
         )
 
