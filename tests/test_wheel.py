@@ -220,3 +220,35 @@ def test_torchx_builtins_lists_the_components(installed):
     listed = {line.split(". ", 1)[1].strip() for line in r.stdout.splitlines() if ". " in line}
     assert {"recsys.train", "recsys.plan"} <= listed
     assert {"dist.ddp", "utils.python"} <= listed  # torchx's own stay listed
+
+
+EDITABLE_CHECK = """
+import site, sys
+sys.path.append(sys.argv[1])  # the venv's packages, without its .pth files (its editable recsys)
+site.addsitedir(sys.argv[2])  # the editable install under test (its .pth maps recsys to the copy)
+import recsys
+from recsys.optim import cowclip_kernel as ck
+ck.load_extension(require=True)
+print(recsys.__file__)
+print(ck.fallback_reason())
+"""
+
+
+@pytest.mark.slow
+def test_editable_install_builds_the_op(tmp_path):
+    """`pip install --no-build-isolation -e .` (what `make venv` runs) builds the op in place."""
+    src, target = tmp_path / "src", tmp_path / "site"
+    _copy_worktree(src)
+    env = dict(os.environ, PATH=f"{Path(PY).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    r = subprocess.run([PY, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-cache-dir",
+                        "-e", str(src), "--target", str(target)], capture_output=True, text=True, env=env, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    venv_site = next(p for p in sys.path if p.endswith("site-packages") and Path(p, "torch").is_dir())
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    r = _run([PY, "-S", "-c", EDITABLE_CHECK, venv_site, str(target)], work, _env(target, tmp_path / "cache"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    module, reason = r.stdout.splitlines()[-2:]
+    assert module == f"{src}/recsys/__init__.py"
+    assert reason.startswith(f"installed build {src}/recsys/optim/_cowclip_C"), reason
+    assert "building" not in r.stderr and not (tmp_path / "cache" / "recsys").exists()
