@@ -18,6 +18,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -135,7 +136,9 @@ def test_plan_with_shipped_names_from_another_directory(installed):
     assert r.returncode == 0, r.stderr
     plan = json.loads((work / "plan.json").read_text())
     assert plan["world_size"] == 2 and plan["meta"]["topology"] == "cpu-gloo", {k: plan[k] for k in ("world_size", "meta")}
-    n_tables = int(r.stdout.split(":")[1].split()[0])  # "wrote plan.json: 52 tables on 2 ranks"
+    wrote = re.search(r"^wrote plan\.json: (\d+) tables on 2 ranks$", r.stdout, re.M)
+    assert wrote, r.stdout
+    n_tables = int(wrote.group(1))
 
     # the installed console script, as a user runs it
     r = _run([str(site / "bin" / "recsys-plan"), "show", "plan.json", "--format", "json"], work, env)
