@@ -1,7 +1,6 @@
 """Fused CowClip-Adam embedding backward + update: the C++ CPU op ``torch.ops.recsys.cowclip_adam_step_``
-(``recsys/optim/csrc/cowclip_adam.cpp``), built when the package is installed (a JIT build is the
-fallback), with the torch-ops reference
-(``recsys.optim.cowclip.cowclip_adam_step``) as fallback.
+(``recsys/optim/csrc/cowclip_adam.cpp``), built when the package is installed (else just in time),
+with the torch-ops reference (``recsys.optim.cowclip.cowclip_adam_step``) as the last resort.
 
 ``fused_cowclip_adam_step`` updates ONE table in place, given the FBGEMM-style lookup of the batch
 (``indices`` [L], ``offsets`` [B+1]) and ``grad_output`` [B, D], the gradient of the pooled (summed)
