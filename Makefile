@@ -4,8 +4,9 @@ SHELL := /bin/bash
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# The stamp's name changes whenever the pins or the project metadata change, so the venv is refreshed.
-STAMP := $(VENV)/.installed-$(shell cat constraints.txt pyproject.toml | sha1sum | cut -c1-12)
+# The stamp's name changes whenever the pins, the project metadata or the C++ op's source change, so
+# the venv is refreshed (and the op, built by `pip install -e .` through setup.py, rebuilt).
+STAMP := $(VENV)/.installed-$(shell cat constraints.txt pyproject.toml setup.py recsys/optim/csrc/* | sha1sum | cut -c1-12)
 PIP := $(PY) -m pip install -q --disable-pip-version-check -c constraints.txt
 
 .PHONY: venv demo test test-fast bench clean
@@ -19,8 +20,12 @@ $(STAMP):
 	$(PIP) --no-deps torchrec
 	@# TorchX launcher (docs/launch.md): the pinned nightly. Never also `torchx` (the same module).
 	$(PIP) torchx-nightly
+	@# The distribution was called `recsys` before it became torchrec-cowclip-trainer: drop the old one.
+	@$(PY) -m pip uninstall -q -y recsys >/dev/null 2>&1 || true
+	@# Builds the CowClip C++ op (setup.py, ~1 min) against the torch above, hence no build isolation.
 	$(PIP) --no-deps --no-build-isolation -e .
 	@$(PY) -c "import torchrec, fbgemm_gpu, recsys; print('stack ok: torch', __import__('torch').__version__, 'torchrec', torchrec.__version__)"
+	@$(PY) -c "from recsys.optim import cowclip_kernel as k; k.load_extension(require=True); print('CowClip op:', k.fallback_reason())"
 	@rm -f $(VENV)/.installed-* && touch $@
 
 demo: venv

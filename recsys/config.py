@@ -286,6 +286,10 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Ex
         p = Path(path)
         if p.is_dir():
             raise ConfigError(f"config file {p} is a directory")
+        if not p.is_file():  # a shipped config's name (`--config demo`) works from any directory
+            from recsys.configs import shipped_experiment
+
+            p = shipped_experiment(str(path)) or p
         if not p.is_file():
             raise ConfigError(f"config file {p} does not exist")
         try:

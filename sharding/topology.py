@@ -1,6 +1,6 @@
 """Hardware description of a training cluster: hosts, GPUs, NVLink, the PCIe tree, NUMA memory, NICs.
 
-The file format (YAML under ``configs/topologies/``, documented in ``docs/topology.md``) uses the
+The file format (YAML; the shipped ones are package data in ``sharding/topologies/``, documented in ``docs/topology.md``) uses the
 units people write: capacities in GB (2**30 bytes, as memory is sold: an "80 GB" A100 has 80 GiB),
 bandwidths in GB/s (10**9 bytes/s, as spec sheets quote them), NIC speeds in Gb/s (10**9 bits/s).
 The dataclasses here hold bytes and bytes/s. Bandwidths are one direction.
@@ -16,6 +16,7 @@ from __future__ import annotations
 import difflib
 import math
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -28,8 +29,15 @@ GBIT_S = 1e9 / 8  # NIC line rates: Gb/s -> bytes/s
 COMPUTE_DEVICES = ("cuda", "cpu")
 NVLINK_KINDS = ("none", "nvswitch", "islands", "pairs")
 
-# Shipped topologies are package data (sharding/topologies/*.yaml); configs/topologies links here.
-TOPOLOGY_DIR = Path(__file__).resolve().parent / "topologies"
+def _shipped_dir() -> Path:
+    """The shipped topologies (package data ``sharding/topologies/*.yaml``, read through
+    importlib.resources so a wheel install works from any directory; configs/topologies in the
+    repository links here). Installs (wheel, editable) and the source tree hold them as files, which
+    ``from:`` references between topologies need."""
+    return Path(str(resources.files("sharding").joinpath("topologies")))
+
+
+TOPOLOGY_DIR = _shipped_dir()
 
 
 class TopologyError(ValueError):
@@ -283,8 +291,8 @@ def _choice(ctx: _Ctx, key: str, value: Any, choices: tuple[str, ...]) -> str:
 
 
 def load_topology(path: str | Path) -> ClusterTopology:
-    """Reads and validates a topology YAML file. A bare name (``dgx-a100``) is looked up in
-    ``configs/topologies/``."""
+    """Reads and validates a topology YAML file. A bare name (``dgx-a100``) that is not a file in
+    the current directory is a shipped topology (``shipped_topologies()``)."""
     p = Path(path)
     if not p.exists() and not p.suffix and (TOPOLOGY_DIR / f"{p}.yaml").exists():
         p = TOPOLOGY_DIR / f"{p}.yaml"
@@ -292,6 +300,7 @@ def load_topology(path: str | Path) -> ClusterTopology:
 
 
 def shipped_topologies() -> list[Path]:
+    """The topology files that ship with the package; their stems are the names ``load_topology`` takes."""
     return sorted(TOPOLOGY_DIR.glob("*.yaml"))
 
 

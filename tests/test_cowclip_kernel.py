@@ -220,23 +220,24 @@ def test_fallback_path_matches_reference(monkeypatch):
 
 @pytest.mark.slow
 def test_clean_build_two_processes(tmp_path):
-    """From an empty cache, two processes (ranks) build concurrently under the lock; < 90 s."""
+    """From an empty cache, two processes (ranks) JIT-build concurrently under the lock (RECSYS_CPP_JIT:
+    an installed build is not used); the one that builds says so in one line
+    (build time is not asserted: timings belong in benchmarks)."""
     if NO_CPP:
         pytest.skip("RECSYS_NO_CPP=1")
     code = textwrap.dedent("""
-        import time; t = time.perf_counter()
         from recsys.optim import cowclip_kernel as ck
         ck.load_extension(require=True)
-        print("ok", time.perf_counter() - t)
+        print("ok")
     """)
-    env = dict(os.environ, RECSYS_EXT_DIR=str(tmp_path / "ext"))
+    env = dict(os.environ, RECSYS_EXT_DIR=str(tmp_path / "ext"), RECSYS_CPP_JIT="1")
     procs = [subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(2)]
     outs = [p.communicate(timeout=180) for p in procs]
     for p, (o, e) in zip(procs, outs):
         assert p.returncode == 0, e[-2000:]
         assert o.startswith("ok")
-    assert max(float(o.split()[1]) for o, _ in outs) < 90
+    assert sum(e.count("building the CowClip op (first use, ~1 min) into ") for _, e in outs) == 1
 
 
 # ----------------------------------------------------------------------------- multi-table op

@@ -1,5 +1,8 @@
-"""TorchX components for this project (see docs/launch.md).
+"""TorchX components for this project (see docs/launch.md): `train` and `plan` in `launch.py`.
 
-Run them by file path from the repository root, e.g.
-`torchx run -s local_cwd torchx_components/launch.py:train --config configs/experiments/smoke.yaml`.
+Installed (wheel or `make venv`), they are registered under the `torchx.components` entry point
+as `recsys.train` and `recsys.plan`, so `torchx builtins` lists them and they run by name from
+any directory, e.g. `torchx run -s local_cwd recsys.train --config smoke`. From the repository
+root the file path works too: `torchx run -s local_cwd torchx_components/launch.py:train
+--config configs/experiments/smoke.yaml`.
 """

@@ -3,6 +3,7 @@ scheduler: `local_cwd` on this machine, `slurm` on a cluster. See docs/launch.md
 
     torchx run -s local_cwd torchx_components/launch.py:train \\
         --config configs/experiments/smoke.yaml -- train.max_steps=40 run_dir=runs/tx
+    torchx run -s local_cwd recsys.train --config smoke   # by its registered name, from anywhere
     torchx run -s slurm -cfg partition=debug torchx_components/launch.py:train \\
         --nnodes 2 --nproc_per_node 8 --gpu 8 --config configs/experiments/demo.yaml
 
@@ -117,7 +118,7 @@ def train(
 
     Args:
         overrides: key=value config overrides for recsys.train, e.g. train.max_steps=40 run_dir=runs/x
-        config: experiment YAML, relative to the repository root or absolute
+        config: experiment YAML, relative to the submit directory or absolute, or a shipped name (demo, smoke)
         nnodes: number of nodes (hosts); each runs one torchrun agent
         nproc_per_node: training processes per node; None: the config's train.nproc_per_node
         cpu: CPU cores per node to request from the scheduler
@@ -218,7 +219,7 @@ def plan(
 
     Args:
         overrides: key=value config overrides, e.g. data.cardinalities=criteo_kaggle_raw
-        config: experiment YAML (model and data sections), relative to the repository root or absolute
+        config: experiment YAML (model and data sections), relative to the submit directory or absolute, or a shipped name
         out: plan file to write (JSON; written atomically)
         world_size: ranks of the cluster to plan for
         local_world_size: ranks per host

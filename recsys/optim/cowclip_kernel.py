@@ -1,6 +1,6 @@
 """Fused CowClip-Adam embedding backward + update: the C++ CPU op ``torch.ops.recsys.cowclip_adam_step_``
-(``recsys/optim/csrc/cowclip_adam.cpp``), built just in time, with the torch-ops reference
-(``recsys.optim.cowclip.cowclip_adam_step``) as fallback.
+(``recsys/optim/csrc/cowclip_adam.cpp``), built when the package is installed (else just in time),
+with the torch-ops reference (``recsys.optim.cowclip.cowclip_adam_step``) as the last resort.
 
 ``fused_cowclip_adam_step`` updates ONE table in place, given the FBGEMM-style lookup of the batch
 (``indices`` [L], ``offsets`` [B+1]) and ``grad_output`` [B, D], the gradient of the pooled (summed)
@@ -15,18 +15,33 @@ weights/momentum1/momentum2/row_step buffers, one ``feature_meta`` row per featu
 ``CowClipAdamTBE.backward_update`` (inline mode) calls: no per-table Python or dispatch overhead,
 tables processed in parallel.
 
-Build: ``torch.utils.cpp_extension.load(is_python_module=False)`` with ``-O3 -fopenmp`` into
-``<repo>/build/torch_extensions/`` (git-ignored; override with ``RECSYS_EXT_DIR``), serialised
-across processes (e.g. several ranks) by a file lock. Uses the venv's ``ninja``.
-``RECSYS_NO_CPP=1`` skips the build and uses the reference. On CUDA tensors the reference runs.
+Where the op comes from, in this order (``load_extension``):
+
+1. the library built when the package was installed (``setup.py``: ``recsys/optim/_cowclip_C*.so``,
+   loaded with ``torch.ops.load_library``), used only while the ``_cowclip_C.sha256`` beside it
+   matches the shipped source (an editable install whose C++ changed since ``make venv`` rebuilds
+   instead of running stale code);
+2. a just-in-time build (``torch.utils.cpp_extension.load``, same flags as the installed build:
+   ``CXX_FLAGS``) into a per-user cache, ``$XDG_CACHE_HOME/recsys/torch_extensions/`` (default
+   ``~/.cache/recsys/...``; override with ``RECSYS_EXT_DIR``), one directory per Python/torch
+   version and source hash, never into site-packages or the repository. The process that builds
+   prints one line, ``building the CowClip op (first use, ~1 min) into <dir>``; other processes
+   (ranks) wait on a file lock and reuse it. Needs gcc and ``ninja``;
+3. the torch-ops reference, with a warning.
+
+``RECSYS_NO_CPP=1`` skips 1 and 2 (reference only); ``RECSYS_CPP_JIT=1`` skips 1 (tests the JIT
+build). On CUDA tensors the reference runs.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import logging
 import os
 import sys
 import time
+from importlib import resources
 from pathlib import Path
 
 import torch
@@ -43,13 +58,23 @@ __all__ = [
     "fallback_reason",
     "load_extension",
     "build_dir",
+    "cache_root",
+    "installed_library",
+    "source_sha256",
+    "CXX_FLAGS",
+    "LD_FLAGS",
 ]
 
 log = logging.getLogger(__name__)
 
 _NAME = "recsys_cowclip_adam"
-_SRC = Path(__file__).resolve().parent / "csrc" / "cowclip_adam.cpp"
-_REPO = Path(__file__).resolve().parents[2]
+_PKG = "recsys.optim"
+_SOURCE = "csrc/cowclip_adam.cpp"  # package data of recsys.optim
+_INSTALLED = "recsys.optim._cowclip_C"  # built by setup.py
+_INSTALLED_HASH = "_cowclip_C.sha256"
+# The flags of both builds (setup.py keeps a copy; tests/test_wheel.py checks they agree).
+CXX_FLAGS = ["-O3", "-fopenmp", "-DNDEBUG", "-fno-math-errno"]
+LD_FLAGS = ["-fopenmp"]
 
 _loaded: bool | None = None  # None: not tried yet
 _reason: str = "not loaded yet"
@@ -57,12 +82,51 @@ _build_seconds: float | None = None
 _warned = False
 
 
-def build_dir() -> Path:
-    """Where the extension is built and cached (one directory per torch version / ABI)."""
+def _source_bytes() -> bytes:
+    return resources.files(_PKG).joinpath(_SOURCE).read_bytes()
+
+
+def source_sha256() -> str:
+    """SHA-256 of the shipped C++ source: keys the JIT cache and checks the installed library."""
+    return hashlib.sha256(_source_bytes()).hexdigest()
+
+
+def cache_root() -> Path:
+    """The per-user root of JIT builds: ``$RECSYS_EXT_DIR``, else ``$XDG_CACHE_HOME/recsys/torch_extensions``,
+    else ``~/.cache/recsys/torch_extensions``."""
     root = os.environ.get("RECSYS_EXT_DIR")
-    base = Path(root) if root else _REPO / "build" / "torch_extensions"
-    tag = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__.replace('+', '_')}"
-    return base / tag / _NAME
+    if root:
+        return Path(root)
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "recsys" / "torch_extensions"
+
+
+def build_dir() -> Path:
+    """Where the JIT fallback builds and caches the op: one directory per Python and torch version
+    (ABI) and per source hash, so a changed source never reuses an old build."""
+    tag = (f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__.replace('+', '_')}"
+           f"_src{source_sha256()[:16]}")
+    return cache_root() / tag / _NAME
+
+
+def installed_library() -> tuple[Path | None, str]:
+    """The op built at install time, if it is there and was built from the shipped source:
+    (path, "") or (None, why not)."""
+    try:
+        spec = importlib.util.find_spec(_INSTALLED)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.origin:
+        return None, "no installed build"
+    lib = Path(spec.origin)
+    stamp = lib.with_name(_INSTALLED_HASH)
+    try:
+        built_from = stamp.read_text().strip()
+    except OSError:
+        return None, f"{stamp.name} missing next to {lib.name}"
+    if built_from != source_sha256():
+        return None, f"{lib.name} was built from another version of {_SOURCE} (reinstall: make venv)"
+    return lib, ""
 
 
 def _op_registered() -> bool:
@@ -86,21 +150,39 @@ def _ninja_path_env() -> dict[str, str]:
     return {"PATH": os.pathsep.join(dirs + [os.environ.get("PATH", "")])}
 
 
-def load_extension(require: bool = False, verbose: bool = False) -> bool:
-    """Build (if needed) and load the op once per process. Returns whether it is available.
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "") not in ("", "0")
 
-    With ``require=True`` a failure raises instead of falling back (tests, ``make venv`` prebuild).
+
+def load_extension(require: bool = False, verbose: bool = False) -> bool:
+    """Load the op once per process: the installed build, else a JIT build (see the module
+    docstring). Returns whether it is available.
+
+    With ``require=True`` a failure raises instead of falling back (tests).
     """
-    global _loaded, _reason, _build_seconds
+    global _loaded, _reason
     if _loaded is None:
-        if os.environ.get("RECSYS_NO_CPP", "") not in ("", "0"):
+        if _flag("RECSYS_NO_CPP"):
             _loaded, _reason = False, "RECSYS_NO_CPP is set"
         elif _op_registered():  # registered by someone else in this process
             _loaded, _reason = True, "already registered"
         else:
+            lib, why_not = (None, "RECSYS_CPP_JIT is set") if _flag("RECSYS_CPP_JIT") else installed_library()
+            if lib is not None:
+                try:
+                    torch.ops.load_library(str(lib))
+                except Exception as e:  # noqa: BLE001 - e.g. built against another torch: try the JIT build
+                    why_not = f"cannot load {lib.name}: {(str(e).strip().splitlines() or [''])[-1]}"
+                else:
+                    if _op_registered():
+                        _loaded, _reason = True, f"installed build {lib}"
+                    else:
+                        why_not = f"{lib.name} loaded but the recsys ops are not registered"
+        if _loaded is None:
+            log.info("CowClip C++ op: %s; using the JIT build", why_not)
             try:
-                _build_and_load(verbose)
-                _loaded, _reason = True, "built"
+                d = _build_and_load(verbose)
+                _loaded, _reason = True, f"JIT build in {d}"
             except Exception as e:  # noqa: BLE001 - any build/load failure means: fall back
                 msg = str(e).strip().splitlines()
                 _loaded, _reason = False, f"{type(e).__name__}: {msg[-1] if msg else ''}"[:500]
@@ -109,7 +191,9 @@ def load_extension(require: bool = False, verbose: bool = False) -> bool:
     return bool(_loaded)
 
 
-def _build_and_load(verbose: bool) -> None:
+def _build_and_load(verbose: bool) -> Path:
+    """JIT-build (or reuse) the op in ``build_dir()`` and load it. The source is copied into that
+    directory first, so the build never depends on (or writes next to) the installed package."""
     global _build_seconds
     from filelock import FileLock
     from torch.utils import cpp_extension
@@ -124,13 +208,19 @@ def _build_and_load(verbose: bool) -> None:
         stale = d / "lock"
         if stale.exists():
             stale.unlink()
+        src = d / Path(_SOURCE).name
+        code = _source_bytes()
+        if not src.exists() or src.read_bytes() != code:
+            src.write_bytes(code)
+        if not (d / f"{_NAME}.so").exists():
+            print(f"building the CowClip op (first use, ~1 min) into {d}", file=sys.stderr, flush=True)
         os.environ.update(_ninja_path_env())
         try:
             cpp_extension.load(
                 name=_NAME,
-                sources=[str(_SRC)],
-                extra_cflags=["-O3", "-fopenmp", "-DNDEBUG", "-fno-math-errno"],
-                extra_ldflags=["-fopenmp"],
+                sources=[str(src)],
+                extra_cflags=CXX_FLAGS,
+                extra_ldflags=LD_FLAGS,
                 build_directory=str(d),
                 is_python_module=False,
                 verbose=verbose,
@@ -141,6 +231,7 @@ def _build_and_load(verbose: bool) -> None:
     if not _op_registered():
         raise RuntimeError("library loaded but torch.ops.recsys.cowclip_adam_step_/cowclip_adam_tables_ "
                            "are not registered")
+    return d
 
 
 def advise_huge_pages(tensors) -> int:
@@ -183,7 +274,7 @@ def fallback_reason() -> str:
 
 
 def build_seconds() -> float | None:
-    """Seconds spent in build/load in this process (None when nothing was built here)."""
+    """Seconds spent in the JIT build/load in this process (None when no JIT build ran here)."""
     return _build_seconds
 
 
