@@ -119,3 +119,89 @@ def test_dropin_two_hosts_merge_to_the_mean(tmp_path, per_host):
             assert c["max_spread_after"] == 0.0  # bitwise equal on both hosts
     tables = res[0]["types"]
     assert all(max(r["table_delta"].get(t, 0.0) for r in res) > 0 for t in tables)
+
+
+# -- KStepMergeHook on a plain model: 2 processes = 2 hosts of 1 rank (fast) ----------------------
+
+
+def _hook_worker(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GROUP_WORLD_SIZE="2")
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    from recsys import KStepMergeHook
+
+    def run(hook, steps, use_with):
+        torch.manual_seed(1 + rank)  # the hosts start apart
+        model = torch.nn.Linear(3, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        weights = []
+        steps_done = []
+
+        def train():
+            for s in range(steps):
+                opt.zero_grad()
+                model(torch.full((4, 3), float(rank + s))).square().mean().backward()
+                opt.step()
+                hook.step(model, opt)
+                steps_done.append(hook.steps)
+            weights.append(model.weight.detach().clone())
+
+        if use_with:
+            with hook:
+                train()
+        else:
+            train()
+        return model, opt, weights[0]
+
+    results = {}
+    # hosts from torchrun's GROUP_WORLD_SIZE; total_steps: merges at 2, 4 and the last step 5
+    hook = KStepMergeHook(every_k=2, total_steps=5)
+    model, opt, _ = run(hook, 5, use_with=False)
+    w = model.weight.detach().clone()
+    other = w.clone()
+    dist.broadcast(other, src=0)
+    results["total_steps"] = {"hosts": hook.hosts, "env_world": hook.env.world_size, "merges": hook.merges,
+                              "equal": torch.equal(other, w), "finish_again": hook.finish()}
+    try:
+        hook.step(torch.nn.Linear(3, 2), opt)
+    except ValueError as e:
+        results["other_model"] = str(e)
+    # a `with` block merges the steps left at its end (3 steps, k=2: at 2 and at the exit)
+    hook = KStepMergeHook(every_k=2, hosts=2)
+    model, _, before_exit = run(hook, 3, use_with=True)
+    w = model.weight.detach().clone()
+    other = w.clone()
+    dist.broadcast(other, src=0)
+    gathered = [torch.empty_like(before_exit) for _ in range(2)]
+    dist.all_gather(gathered, before_exit)
+    results["with"] = {"merges": hook.merges, "equal": torch.equal(other, w),
+                       "mean_err": float((w - (gathered[0] + gathered[1]) / 2).abs().max()),
+                       "apart_before": float((gathered[0] - gathered[1]).abs().max())}
+    if rank == 0:
+        Path(out).write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def test_merge_hook_counts_steps_merges_at_k_and_at_the_end(tmp_path):
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "out.json"
+    mp.spawn(_hook_worker, args=(free_port(), str(out)), nprocs=2, join=True)
+    res = json.loads(out.read_text())
+    t = res["total_steps"]
+    assert (t["hosts"], t["env_world"], t["merges"], t["equal"], t["finish_again"]) == (2, 1, 3, True, False)
+    assert res["other_model"] == "KStepMergeHook.step: called with another model or optimizer than at the first step"
+    w = res["with"]
+    assert w["merges"] == 2 and w["equal"] and w["apart_before"] > 1e-3 and w["mean_err"] < 1e-7
+
+
+def test_merge_hook_needs_a_process_group():
+    import torch.distributed as dist
+
+    from recsys import KStepMergeHook
+
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match=r"^KStepMergeHook: call torch.distributed.init_process_group\(\) first$"):
+        KStepMergeHook(every_k=4)
