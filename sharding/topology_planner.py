@@ -13,6 +13,11 @@ output) with three pieces swapped in through torchrec's extension points:
   ``GreedyPerfPartitioner`` on the chosen proposal and keeps the better of the two by the model,
   so it never does worse than torchrec's placement by that model;
 - :class:`TopologyPerfModel` rates plans, so torchrec's search keeps the best plan by that model;
+- :class:`TopologyEnumerator` (torchrec's enumerator, given as ``enumerator=``) enumerates with
+  the model's constraints: the planner's defaults merged per table with the user's
+  (``merge_constraints``), in a fixed order; the proposers (``default_proposers``, given as
+  ``proposer=``) are torchrec's, the greedy ones with early stopping, the uniform one per table
+  (``PerTableUniformProposer``: a table a constraint keeps off a type keeps its own choice);
 - the search space gets column-wise variants cut into 2 and 4 column shards
   (``finer_column_splits``; torchrec cuts columns in blocks of 128, so a dim-16 or dim-128 table
   has no split of its own), and a last proposer (``sharding/balance_proposer.py``) starts from
@@ -473,8 +478,9 @@ class TopologyAwarePlanner(EmbeddingShardingPlanner):
     replica, so the plan is made for one host's ranks (the topology's first host if it lists
     ``hosts`` hosts) and ``collective_plan`` returns it with its placements moved to the calling
     rank's host, ready for ``DistributedModelParallel(env=<the host's ShardingEnv>)``. A CPU
-    topology with one host is resized to the ranks it plans for (``world_size`` ranks, default:
-    the initialised process group's world size / ``hosts``).
+    topology with one host is resized to the ranks it plans for: ``world_size`` ranks, or, for a
+    topology given by name or path, the initialised process group's world size / ``hosts``
+    (a ``ClusterTopology`` object is used as given).
 
     Example (in every rank of a torchrun job)::
 
@@ -509,8 +515,10 @@ class TopologyAwarePlanner(EmbeddingShardingPlanner):
         self.hosts = int(hosts)
         self.column_splits = tuple(column_splits)
         self.search_space: list[ShardingOption] = []
-        cluster = topology if isinstance(topology, ClusterTopology) else load_topology(topology)
-        self.cluster = _cluster_to_plan(cluster, self.hosts, world_size)
+        if isinstance(topology, ClusterTopology):  # used as given (the caller sized it), unless world_size
+            self.cluster = _cluster_to_plan(topology, self.hosts, world_size, from_job=False)
+        else:
+            self.cluster = _cluster_to_plan(load_topology(topology), self.hosts, world_size, from_job=True)
         self.user_constraints: dict[str, ParameterConstraints] = dict(constraints or {})
         self.greedy_patience = greedy_patience
         self.cache_stats = dict(cache_stats or {})
@@ -847,15 +855,15 @@ def remap_plan_to_host(plan: ShardingPlan, host: int, ranks_per_host: int, devic
     return plan
 
 
-def _cluster_to_plan(cluster: ClusterTopology, hosts: int, world_size: int | None) -> ClusterTopology:
+def _cluster_to_plan(cluster: ClusterTopology, hosts: int, world_size: int | None, from_job: bool) -> ClusterTopology:
     """The cluster one plan is for: with ``hosts`` > 1 (k-step replicas) one host of it; a CPU
-    topology with one host resized to ``world_size`` ranks (default: the initialised process
-    group's world size / ``hosts``)."""
+    topology with one host resized to ``world_size`` ranks (if None and ``from_job``: the
+    initialised process group's world size / ``hosts``)."""
     if hosts > 1 and len(cluster.hosts) > 1:
         if len(cluster.hosts) != hosts:
             raise ValueError(f"topology {cluster.name or cluster.source}: {len(cluster.hosts)} hosts, the planner was given hosts={hosts}")
         cluster = dataclasses.replace(cluster, hosts=cluster.hosts[:1], name=f"{cluster.name}-1host")
-    if world_size is None:
+    if world_size is None and from_job:
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
