@@ -1,0 +1,41 @@
+"""Recommender training on TorchRec: the public API for one's own TorchRec pipeline (docs/dropin.md).
+
+    from recsys import tag_cowclip_adam, CowClipEmbeddingBagCollectionSharder, KStepMergeHook
+
+    tag_cowclip_adam(ebc.parameters(), lr=1e-3)              # CowClip-Adam for these tables
+    sharders = [CowClipEmbeddingBagCollectionSharder()]      # shards them (other tables: stock FBGEMM)
+    merger = KStepMergeHook(every_k=16, total_steps=steps)   # k-step merging across hosts
+    ...
+    merger.step(model, optimizer)                            # after each optimizer step
+
+Names are imported lazily (PEP 562): ``import recsys`` stays cheap and loads torchrec only when
+a name is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# public name -> module that defines it
+_EXPORTS = {
+    "tag_cowclip_adam": "recsys.optim.cowclip_sharder",
+    "CowClipEmbeddingBagCollectionSharder": "recsys.optim.cowclip_sharder",
+    "KStepMergeHook": "recsys.training.merge",
+    "KStepMerger": "recsys.training.merge",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'recsys' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -173,6 +173,17 @@ class Network:
 
 @dataclass(frozen=True)
 class ClusterTopology:
+    """A cluster's hardware: hosts (GPUs with HBM and links, NUMA nodes, NICs) and the network
+    between them, as read from a topology YAML file (docs/topology.md). Ranks are host-major.
+
+    Example::
+
+        from sharding import TopologyAwarePlanner, load_topology
+        cluster = load_topology("dgx-a100-2host")      # a shipped name or a YAML path
+        cluster.world_size, cluster.local_world_size   # (16, 8)
+        planner = TopologyAwarePlanner(cluster, batch_size=512)
+    """
+
     hosts: tuple[Host, ...]
     network: Network = field(default_factory=Network)
     compute_device: str = "cuda"

@@ -13,6 +13,11 @@ output) with three pieces swapped in through torchrec's extension points:
   ``GreedyPerfPartitioner`` on the chosen proposal and keeps the better of the two by the model,
   so it never does worse than torchrec's placement by that model;
 - :class:`TopologyPerfModel` rates plans, so torchrec's search keeps the best plan by that model;
+- :class:`TopologyEnumerator` (torchrec's enumerator, given as ``enumerator=``) enumerates with
+  the model's constraints: the planner's defaults merged per table with the user's
+  (``merge_constraints``), in a fixed order; the proposers (``default_proposers``, given as
+  ``proposer=``) are torchrec's, the greedy ones with early stopping, the uniform one per table
+  (``PerTableUniformProposer``: a table a constraint keeps off a type keeps its own choice);
 - the search space gets column-wise variants cut into 2 and 4 column shards
   (``finer_column_splits``; torchrec cuts columns in blocks of 128, so a dim-16 or dim-128 table
   has no split of its own), and a last proposer (``sharding/balance_proposer.py``) starts from
@@ -40,12 +45,15 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import os
 from typing import Mapping, Optional
 
 import numpy as np
 from torch import nn
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
+from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.planner.partitioners import GreedyPerfPartitioner
+from torchrec.distributed.planner.proposers import GreedyProposer, UniformProposer
 from torchrec.distributed.planner.types import (
     HardwareConfig,
     KernelConfig,
@@ -72,6 +80,9 @@ GIB = 1024**3
 # column-wise variants the planner adds: each device-resident table cut into 2 and 4 column shards
 DEFAULT_COLUMN_SPLITS = (2, 4)
 UNIFORM = ("row_wise", "data_parallel")
+# the default sharding types: model-parallel only (a data-parallel table's gradient goes through
+# DDP and the dense optimizer, not the table's fused optimizer), as sharding/planner.py
+MODEL_PARALLEL_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise")
 MAX_CACHE_LOAD_FACTOR = 0.8
 
 
@@ -454,18 +465,39 @@ class _CachedPerfModel(TopologyPerfModel):
 
 
 class TopologyAwarePlanner(EmbeddingShardingPlanner):
-    """``EmbeddingShardingPlanner`` on a :class:`ClusterTopology` (see module docstring).
+    """A torchrec ``ShardingPlanner`` for a :class:`ClusterTopology` (see module docstring).
 
-    ``batch_size`` is per rank, as for torchrec's planner. ``constraints`` are torchrec
-    ``ParameterConstraints`` per table (default: model-parallel types, fused / UVM kernels).
+    ``topology``: a shipped name (``"dgx-a100"``, ``"cpu-gloo"``), a YAML path or a
+    :class:`ClusterTopology`. ``batch_size`` is per rank, as for torchrec's planner.
+    ``constraints``: torchrec ``ParameterConstraints`` per table, merged per table with the
+    planner's defaults (model-parallel types, fused kernels, plus UVM / UVM caching on GPUs): a
+    constraint on one table never changes another table's options, and fields left None on a
+    constrained table (``sharding_types``, ``compute_kernels``) keep the defaults.
+
+    ``hosts`` > 1 is for k-step merging (``recsys.KStepMergeHook``): every host holds a whole
+    replica, so the plan is made for one host's ranks (the topology's first host if it lists
+    ``hosts`` hosts) and ``collective_plan`` returns it with its placements moved to the calling
+    rank's host, ready for ``DistributedModelParallel(env=<the host's ShardingEnv>)``. A CPU
+    topology with one host is resized to the ranks it plans for: ``world_size`` ranks, or, for a
+    topology given by name or path, the initialised process group's world size / ``hosts``
+    (a ``ClusterTopology`` object is used as given).
+
+    Example (in every rank of a torchrun job)::
+
+        from sharding import TopologyAwarePlanner
+        planner = TopologyAwarePlanner("cpu-gloo", batch_size=512)
+        model = DistributedModelParallel(model, plan=planner.collective_plan(model, sharders), sharders=sharders)
+        # or, offline on a meta-device model: planner.plan(model, sharders)
     """
 
     def __init__(
         self,
-        topology: ClusterTopology | str,
+        topology: ClusterTopology | str | os.PathLike,
         batch_size: int,
-        constraints: dict[str, ParameterConstraints] | None = None,
+        constraints: Mapping[str, ParameterConstraints] | None = None,
         *,
+        hosts: int = 1,
+        world_size: int | None = None,
         hbm_bytes: int | None = None,
         ddr_bytes: int | None = None,
         compare_default: bool = True,
@@ -478,75 +510,92 @@ class TopologyAwarePlanner(EmbeddingShardingPlanner):
         target_hit_rate: float = DEFAULT_TARGET_HIT_RATE,
         column_splits: tuple[int, ...] = DEFAULT_COLUMN_SPLITS,
     ) -> None:
+        if hosts < 1:
+            raise ValueError(f"hosts must be >= 1, got {hosts}")
+        self.hosts = int(hosts)
         self.column_splits = tuple(column_splits)
         self.search_space: list[ShardingOption] = []
-        self.cluster = load_topology(topology) if isinstance(topology, str) else topology
+        if isinstance(topology, ClusterTopology):  # used as given (the caller sized it), unless world_size
+            self.cluster = _cluster_to_plan(topology, self.hosts, world_size, from_job=False)
+        else:
+            self.cluster = _cluster_to_plan(load_topology(topology), self.hosts, world_size, from_job=True)
+        self.user_constraints: dict[str, ParameterConstraints] = dict(constraints or {})
         self.greedy_patience = greedy_patience
-        self._custom_proposer = proposer is not None
         self.cache_stats = dict(cache_stats or {})
         self.target_hit_rate = float(target_hit_rate)
         if not 0.0 < self.target_hit_rate <= 1.0:
             raise ValueError(f"target_hit_rate must be in (0, 1], got {target_hit_rate}")
         self.cost_model = TopologyCostModel(self.cluster, batch_size)
         self.partitioner = TopologyPartitioner(self.cost_model, compare_default=compare_default)
+        perf_model = _CachedPerfModel(self.cost_model, self.partitioner)
+        if proposer is None:
+            proposer = default_proposers(greedy_patience)
+            if self.column_splits:
+                proposer.append(BalanceProposer(perf_model.tracker))
         callbacks = [self.partitioner.compare_with_default]
         if tune_cache_load_factor and self.cluster.compute_device != "cpu":
             callbacks.append(self._tune_load_factors)
+        topo = torchrec_topology(self.cluster, hbm_bytes, ddr_bytes)
         super().__init__(
-            topology=torchrec_topology(self.cluster, hbm_bytes, ddr_bytes),
+            topology=topo,
             batch_size=batch_size,
+            enumerator=TopologyEnumerator(topo, batch_size, self.column_splits),
             partitioner=self.partitioner,
-            performance_model=_CachedPerfModel(self.cost_model, self.partitioner),
-            constraints=constraints,
+            performance_model=perf_model,
+            constraints=None,  # per model, in plan(): the defaults need the model's tables
             debug=debug,
             callbacks=callbacks,
             timeout_seconds=timeout_seconds,
             proposer=proposer,
         )
 
-    def plan(self, module: nn.Module, sharders: list[ModuleSharder[nn.Module]]) -> ShardingPlan:
-        if self._constraints is None:
-            self._constraints = default_constraints(module, self.cluster.compute_device)
-            self._enumerator._constraints = self._constraints  # the enumerator was built before
+    def constraints_for(self, module: nn.Module) -> dict[str, ParameterConstraints]:
+        """The constraints a plan of ``module`` uses: the planner's defaults for every table,
+        merged per table with the user's (``merge_constraints``), plus measured cache statistics."""
+        types = [t for t in MODEL_PARALLEL_TYPES if self.hosts == 1 or t != "table_row_wise"]
+        merged = merge_constraints(default_constraints(module, self.cluster.compute_device, types), self.user_constraints)
         if self.cache_stats:
-            apply_cache_stats(self._constraints, self.cache_stats, self.target_hit_rate)
+            apply_cache_stats(merged, self.cache_stats, self.target_hit_rate)
+        return merged
+
+    def plan(self, module: nn.Module, sharders: list[ModuleSharder[nn.Module]]) -> ShardingPlan:
+        """A plan for ``module`` on the planner's topology (one host's ranks when ``hosts`` > 1,
+        with host-local placements; ``collective_plan`` moves them to the caller's host)."""
+        # the planner's own constraints (storage reservation, logging) and the enumerator's
+        self._constraints = self.constraints_for(module)
+        self._enumerator.use_constraints(self._constraints)
         self._perf_model.tracker.reset()
-        if not self._custom_proposer:
-            self._proposers = default_proposers(self._patience(len(_table_bytes(module))))
-            if self.column_splits:
-                self._proposers.append(BalanceProposer(self._perf_model.tracker))
-        if not getattr(self._enumerator, "_sorted_output", False):
-            self._enumerator.enumerate = self._wrap_enumeration(self._enumerator.enumerate)
-            self._enumerator._sorted_output = True
         try:
             with fast_planner_internals():
-                return super().plan(module, sharders)
+                plan = super().plan(module, sharders)
         except ModelDoesNotFitError:
             raise
         except PlannerError as e:
             raise ModelDoesNotFitError(fit_message(self.cluster, module, self._topology, e)) from None
+        self.search_space = self._enumerator.last_search_space
+        return plan
 
-    def _wrap_enumeration(self, enumerate_fn):
-        """torchrec's enumeration, plus finer column splits, in a fixed order; the search space is
-        kept (``self.search_space``) for bounds (``sharding/bounds.py``)."""
-        sorted_fn = _sorted_enumeration(enumerate_fn, extra=self._extra_options)
+    def collective_plan(
+        self,
+        module: nn.Module,
+        sharders: list[ModuleSharder[nn.Module]] | None = None,
+        pg: "dist.ProcessGroup | None" = None,
+    ) -> ShardingPlan:
+        """Plans on rank 0 of ``pg`` (default: the whole job) and broadcasts. With ``hosts`` > 1
+        the plan is for one host's ranks and comes back with its shard placements moved to the
+        calling rank's host (``remap_plan_to_host``): pass it to DMP with the host's ShardingEnv."""
+        import torch.distributed as dist
 
-        def run(*args, **kwargs):
-            self.search_space = sorted_fn(*args, **kwargs)
-            return self.search_space
-
-        return run
-
-    def _extra_options(self, space: list[ShardingOption]) -> list[ShardingOption]:
-        if not self.column_splits:
-            return []
-        return finer_column_splits(self._enumerator, space, self.column_splits, self.cluster.world_size,
-                                   self.cluster.local_world_size)
-
-    def _patience(self, num_tables: int) -> int | None:
-        if self.greedy_patience == "auto":
-            return greedy_patience_for(num_tables)
-        return self.greedy_patience  # type: ignore[return-value]
+        plan = super().collective_plan(module, sharders, pg)
+        if self.hosts == 1:
+            return plan
+        world = dist.get_world_size()
+        per_host = self.cluster.world_size
+        if world != self.hosts * per_host:
+            raise ValueError(
+                f"planner plans {self.hosts} hosts x {per_host} ranks ({self.cluster.name or 'topology'}), "
+                f"the job has {world} ranks")
+        return remap_plan_to_host(plan, dist.get_rank() // per_host, per_host, self.cluster.compute_device)
 
     def _tune_load_factors(self, plan: list[ShardingOption]) -> list[ShardingOption]:
         """Raise each UVM-caching table's load factor into the HBM still free on its ranks
@@ -688,18 +737,144 @@ def greedy_patience_for(num_tables: int) -> int | None:
     return max(4, min(50, 2000 // max(1, num_tables)))
 
 
-def default_proposers(patience: int | None) -> list:
-    """torchrec's default proposers, the greedy ones with early stopping after ``patience``."""
-    from torchrec.distributed.planner.proposers import GreedyProposer, GridSearchProposer, UniformProposer
+class PatientGreedyProposer(GreedyProposer):
+    """torchrec's ``GreedyProposer`` whose early-stopping threshold is chosen when it sees the
+    search space: ``greedy_patience_for(tables)`` with ``patience="auto"``, else ``patience``."""
 
-    return [GridSearchProposer(), GreedyProposer(threshold=patience), GreedyProposer(use_depth=False, threshold=patience),
-            UniformProposer()]
+    def __init__(self, use_depth: bool = True, patience: int | None | str = "auto") -> None:
+        super().__init__(use_depth=use_depth, threshold=None if patience == "auto" else patience)  # type: ignore[arg-type]
+        self.patience = patience
+
+    def load(self, search_space: list[ShardingOption], enumerator=None) -> None:
+        super().load(search_space, enumerator)
+        if self.patience == "auto":
+            self._threshold = greedy_patience_for(len({so.name for so in search_space}))
+
+
+class PerTableUniformProposer(UniformProposer):
+    """torchrec's ``UniformProposer`` (one plan per sharding type, every table of that type),
+    except that a table without the type (a user constraint excludes it) keeps its own best
+    option instead of cancelling the type's plan for all tables.
+
+    torchrec proposes a type's uniform plan only if every table offers it, so constraining one
+    table to ``column_wise`` removed the "all table-column-wise" plan the planner chose without
+    constraints, and the other tables' choice changed with it (issue 12, "constraints leak")."""
+
+    def load(self, search_space: list[ShardingOption], enumerator=None) -> None:
+        from torchrec.distributed.planner.proposers import _sharding_option_score
+
+        self._reset()
+        by_fqn: dict[str, list[ShardingOption]] = {}
+        for so in search_space:
+            by_fqn.setdefault(so.fqn, []).append(so)
+        types: list[str] = []
+        for so in search_space:
+            if so.sharding_type not in types:
+                types.append(so.sharding_type)
+        for fqn in by_fqn:
+            by_fqn[fqn].sort(key=lambda x: _sharding_option_score(x, self._use_depth))
+        for st in types:
+            proposal = []
+            for options in by_fqn.values():
+                same = [so for so in options if so.sharding_type == st]
+                proposal.append(same[0] if same else options[0])
+            self._grouped_sharding_options.append(proposal)
+
+
+def default_proposers(patience: int | None | str = "auto") -> list:
+    """torchrec's default proposers, the greedy ones with early stopping after ``patience``
+    fitting proposals that do not improve (``"auto"``: ``greedy_patience_for(tables)``), the
+    uniform one per table (``PerTableUniformProposer``)."""
+    from torchrec.distributed.planner.proposers import GridSearchProposer
+
+    return [GridSearchProposer(), PatientGreedyProposer(patience=patience),
+            PatientGreedyProposer(use_depth=False, patience=patience), PerTableUniformProposer()]
+
+
+class TopologyEnumerator(EmbeddingEnumerator):
+    """torchrec's enumerator with the planner's additions, given through the planner's
+    ``enumerator=`` argument: the constraints of the model being planned (``use_constraints``,
+    set by ``TopologyAwarePlanner.plan`` because the defaults depend on the model's tables),
+    column-wise variants cut into ``column_splits`` shards (``finer_column_splits``), and a fixed
+    order of the search space (``_sorted_enumeration``); the last search space is kept
+    (``last_search_space``) for bounds (``sharding/bounds.py``)."""
+
+    def __init__(self, topology: Topology, batch_size: int, column_splits: tuple[int, ...] = DEFAULT_COLUMN_SPLITS) -> None:
+        super().__init__(topology=topology, batch_size=batch_size, constraints=None)
+        self.column_splits = tuple(column_splits)
+        self.world_size = topology.world_size
+        self.local_world_size = topology.local_world_size
+        self.last_search_space: list[ShardingOption] = []
+
+    def use_constraints(self, constraints: dict[str, ParameterConstraints] | None) -> None:
+        self._constraints = constraints
+
+    def enumerate(self, module: nn.Module, sharders: list[ModuleSharder[nn.Module]]) -> list[ShardingOption]:
+        def extra(space: list[ShardingOption]) -> list[ShardingOption]:
+            if not self.column_splits:
+                return []
+            return finer_column_splits(self, space, self.column_splits, self.world_size, self.local_world_size)
+
+        self.last_search_space = _sorted_enumeration(super().enumerate, extra=extra)(module=module, sharders=sharders)
+        return self.last_search_space
+
+
+def merge_constraints(
+    defaults: Mapping[str, ParameterConstraints], user: Mapping[str, ParameterConstraints] | None
+) -> dict[str, ParameterConstraints]:
+    """Per table: the user's constraint where given, with the fields it leaves None
+    (``sharding_types``, ``compute_kernels``) taken from the planner's default for that table;
+    the default elsewhere. A constraint on one table never changes another's. Copies: the user's
+    objects are not modified (cache statistics are written into the result later)."""
+    out = {name: dataclasses.replace(c) for name, c in defaults.items()}
+    for name, c in (user or {}).items():
+        d = defaults.get(name)
+        fill = {} if d is None else {f: getattr(d, f) for f in ("sharding_types", "compute_kernels") if getattr(c, f) is None}
+        out[name] = dataclasses.replace(c, **fill)
+    return out
+
+
+def remap_plan_to_host(plan: ShardingPlan, host: int, ranks_per_host: int, device_type: str) -> ShardingPlan:
+    """A copy of a plan made for ranks 0..R-1 with the shard placements moved to ``host``'s
+    global ranks (ShardedTensor placements name global ranks, even on a subgroup); ``ranks`` stay
+    host-local because the sharders index per-rank lists of the group with them (DMPCollection
+    remaps both and translates back with ShardingEnv2D.remap_rank, which is CUDA-only)."""
+    from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
+    from torch.distributed.remote_device import _remote_device
+
+    plan = copy.deepcopy(plan)
+    offset = host * ranks_per_host
+    for module_plan in plan.plan.values():
+        for ps in module_plan.values():
+            spec = ps.sharding_spec
+            if isinstance(spec, EnumerableShardingSpec) and spec.shards:
+                for shard in spec.shards:
+                    r = shard.placement.rank() + offset
+                    dev = "cpu" if device_type == "cpu" else f"{device_type}:{r % ranks_per_host}"
+                    shard.placement = _remote_device(f"rank:{r}/{dev}")
+    return plan
+
+
+def _cluster_to_plan(cluster: ClusterTopology, hosts: int, world_size: int | None, from_job: bool) -> ClusterTopology:
+    """The cluster one plan is for: with ``hosts`` > 1 (k-step replicas) one host of it; a CPU
+    topology with one host resized to ``world_size`` ranks (if None and ``from_job``: the
+    initialised process group's world size / ``hosts``)."""
+    if hosts > 1 and len(cluster.hosts) > 1:
+        if len(cluster.hosts) != hosts:
+            raise ValueError(f"topology {cluster.name or cluster.source}: {len(cluster.hosts)} hosts, the planner was given hosts={hosts}")
+        cluster = dataclasses.replace(cluster, hosts=cluster.hosts[:1], name=f"{cluster.name}-1host")
+    if world_size is None and from_job:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            world_size = dist.get_world_size() // hosts
+    if world_size is not None and cluster.compute_device == "cpu" and len(cluster.hosts) == 1 and world_size != cluster.world_size:
+        cluster = cpu_topology_like(cluster, world_size)
+    return cluster
 
 
 def default_constraints(module: nn.Module, compute_device: str, sharding_types: list[str] | None = None) -> dict[str, ParameterConstraints]:
     """Model-parallel sharding types; fused kernels, plus UVM and UVM caching on GPUs."""
-    from sharding.planner import MODEL_PARALLEL_TYPES
-
     types = list(sharding_types or MODEL_PARALLEL_TYPES)
     kernels = ["fused"] if compute_device == "cpu" else ["fused", "fused_uvm", "fused_uvm_caching"]
     if "data_parallel" in types:

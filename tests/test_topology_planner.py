@@ -222,3 +222,65 @@ def test_finer_column_splits_are_planned_and_cover_the_table():
     whole = TopologyAwarePlanner(topo, 4096, timeout_seconds=10, column_splits=())
     whole.plan(ebc(specs), [EmbeddingBagCollectionSharder()])
     assert planner.cost_model.score(planner._best_plan).step_time < whole.cost_model.score(whole._best_plan).step_time
+
+
+def _options(planner):
+    out: dict[str, set] = {}
+    for so in planner.search_space:
+        out.setdefault(so.name, set()).add((so.sharding_type, so.compute_kernel, len(so.shards)))
+    return out
+
+
+@pytest.mark.parametrize("name,types", [("cpu-gloo", ["table_column_wise", "column_wise"]), ("dgx-a100", ["column_wise", "row_wise"])])
+def test_constraint_on_one_table_leaves_the_others_alone(name, types):
+    """Issue 12: a constraint on t_0 made every table follow it (on cpu-gloo all 12 tables went
+    table-column-wise -> column-wise). The constraint merges per table with the planner's defaults."""
+    from torchrec.distributed.planner import ParameterConstraints
+
+    topo = load_topology(name)
+    free, free_plan = plan_for(topo)
+    user = {"t_0": ParameterConstraints(sharding_types=types)}
+    con, con_plan = plan_for(topo, constraints=user)
+    a, b = _options(free), _options(con)
+    for t in a:  # the other tables' options are the unconstrained ones
+        if t != "t_0":
+            assert b[t] == a[t], t
+    # t_0: the user's types, the planner's default kernels (not torchrec's dense / key-value ones)
+    assert b["t_0"] == {o for o in a["t_0"] if o[0] in types}
+    assert user["t_0"].compute_kernels is None  # the user's object is not modified
+    fa, fb = shards_of(free_plan), shards_of(con_plan)
+    assert fb["t_0"].sharding_type in types
+    for t in fa:  # and the others keep the planner's unconstrained choice
+        if t != "t_0":
+            assert (fb[t].sharding_type, fb[t].compute_kernel) == (fa[t].sharding_type, fa[t].compute_kernel), t
+
+
+def test_planner_takes_a_name_a_path_or_a_cluster_topology():
+    from sharding import ClusterTopology as CT, TopologyAwarePlanner as TAP
+
+    by_name = TAP("dgx-a100", batch_size=512)
+    by_path = TAP(str(ROOT / "sharding" / "topologies" / "dgx-a100.yaml"), batch_size=512)
+    by_obj = TAP(load_topology("dgx-a100"), batch_size=512)
+    assert isinstance(by_obj.cluster, CT)
+    assert by_name.cluster == by_path.cluster == by_obj.cluster
+    cpu = TAP("cpu-gloo", batch_size=64, world_size=4)  # CPU topologies are resized to the job
+    assert cpu.cluster.world_size == 4
+
+
+def test_planner_for_kstep_hosts_plans_one_host_and_remaps():
+    """hosts=2: the plan is for one host (8 ranks of dgx-a100-2host) and the remap moves every
+    placement to host 1's global ranks 8..15, ranks unchanged (host-local)."""
+    from sharding.topology_planner import remap_plan_to_host
+
+    planner = TopologyAwarePlanner("dgx-a100-2host", batch_size=512, hosts=2, timeout_seconds=10)
+    assert planner.cluster.world_size == 8
+    plan = planner.plan(ebc(SPECS), [EmbeddingBagCollectionSharder()])
+    tabs = shards_of(plan)
+    assert all(ps.sharding_type != "table_row_wise" for ps in tabs.values())
+    moved = shards_of(remap_plan_to_host(plan, 1, 8, "cuda"))
+    for n, ps in tabs.items():
+        before = [s.placement.rank() for s in ps.sharding_spec.shards]
+        after = [s.placement.rank() for s in moved[n].sharding_spec.shards]
+        assert after == [r + 8 for r in before] and all(r < 8 for r in before), n
+        assert [str(s.placement.device()) for s in moved[n].sharding_spec.shards] == [f"cuda:{r}" for r in before]
+        assert moved[n].ranks == ps.ranks

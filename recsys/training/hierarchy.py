@@ -22,7 +22,6 @@ the others wait on (an eval, a checkpoint write, k steps of training).
 
 from __future__ import annotations
 
-import copy
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -94,21 +93,8 @@ def build_host_groups(hosts: int, timeout: timedelta | None = None) -> HostGroup
 
 def remap_plan_to_host(plan: Any, groups: HostGroups, device_type: str) -> Any:
     """A copy of a plan made for ranks 0..R-1 with the shard placements moved to this host's
-    global ranks (ShardedTensor placements name global ranks, even on a subgroup); `ranks` stay
-    host-local because the sharders index per-rank lists of the group with them (DMPCollection
-    remaps both and translates back with ShardingEnv2D.remap_rank, which is CUDA-only)."""
-    from torch.distributed.remote_device import _remote_device
-    from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
+    global ranks (``sharding.topology_planner.remap_plan_to_host``; ``TopologyAwarePlanner(hosts=H)``
+    does this itself in ``collective_plan``)."""
+    from sharding.topology_planner import remap_plan_to_host as remap
 
-    plan = copy.deepcopy(plan)
-    offset = groups.host * groups.ranks_per_host
-    for module_plan in plan.plan.values():
-        for ps in module_plan.values():
-            # ps.ranks stay host-local: sharders index their per-rank lists with them
-            spec = ps.sharding_spec
-            if isinstance(spec, EnumerableShardingSpec) and spec.shards:
-                for shard in spec.shards:
-                    r = shard.placement.rank() + offset
-                    dev = "cpu" if device_type == "cpu" else f"{device_type}:{r % groups.ranks_per_host}"
-                    shard.placement = _remote_device(f"rank:{r}/{dev}")
-    return plan
+    return remap(plan, groups.host, groups.ranks_per_host, device_type)
