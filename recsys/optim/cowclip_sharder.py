@@ -336,8 +336,9 @@ class _JoinAnchor(torch.autograd.Function):
 
 
 class CowClipExchangeLookup(CowClipGroupedPooledEmbeddingsLookup, FusedOptimizerModule):
-    """Lookup of a column-wise or data-parallel sharding with CowClip tables (on any rank: ranks that
-    hold none of them still join the exchange, so the collectives match)."""
+    """Lookup of a column-wise, table-column-wise or data-parallel sharding with CowClip tables (on
+    any rank: ranks that hold none of them still join the exchange, so the collectives match).
+    Its training forward wires the exchange node that updates them in backward."""
 
     def __init__(self, grouped_configs: list[GroupedEmbeddingConfig], *, cowclip_mode: str,
                  exchange_tables: list[ExchangeTable], exchange_pg: dist.ProcessGroup | None, **kw: Any) -> None:
