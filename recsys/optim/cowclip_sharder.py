@@ -42,7 +42,8 @@ process group, so every rank of the group must issue them in the same order):
   they always run before any node it could be reordered with. Hence every rank issues these
   collectives in the same order (an argument, checked by tests/test_cowclip_dropin.py under
   ``TrainPipelineSparseDist``, and by tests/test_cowclip_sharded.py with ranks that hold none of
-  a type's tables).
+  a type's tables). On CUDA the nodes of one device likewise share one engine thread, and the
+  exchange node lives on the features' device; not run on a GPU in this project.
 * ``TrainPipelineSparseDist`` starts the next batch's input dist before this backward, in the same
   program order on every rank; those all-to-alls are merely still in flight (gloo matches them
   by their earlier position), nothing of the pipeline issues collectives from inside backward.
