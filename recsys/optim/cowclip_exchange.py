@@ -12,9 +12,10 @@ its rows, with whole rows), so they update in backward. Two sharding types do no
   gradients and counts, divide gradients by the world size (the global-batch mean, as DDP would),
   and all apply the identical update, so replicas stay bit-equal.
 
-Both run in the lookup's fused-optimizer ``step()``, i.e. after backward, when no torchrec or DDP
-collective is in flight, on every rank of the sharding's process group in the same order. Every
-rank knows, from the plan, which tables take part, so ranks that hold none still join.
+Both run inside backward, in the lookup's exchange node after all of its kernels staged their
+rows, on every rank of the sharding's process group at the same point of the collective order
+(``recsys.optim.cowclip_sharder`` says why that order holds). Every rank knows, from the plan,
+which tables take part, so ranks that hold none still join.
 """
 
 from __future__ import annotations

@@ -17,9 +17,45 @@ planner's estimates and torchrec's state-dict plumbing (ShardedTensors per table
 are, and the optimizer state goes through torchrec's ``EmbeddingFusedOptimizer`` into the DMP's
 ``fused_optimizer`` state dict, i.e. into ``torch.distributed.checkpoint``.
 
-Column-wise and data-parallel CowClip tables are updated in ``fused_optimizer.step()`` (after
-backward, see ``recsys.optim.cowclip_exchange``): a loop that never calls the fused optimizer's
-``step()`` leaves them untouched. Table-wise, row-wise and table-row-wise update in backward.
+Every sharding type updates inside the backward, so a loop that steps only its dense optimizer
+(torchrec's ``TrainPipelineSparseDist`` handed a dense optimizer, as in torchrec's
+``examples/golden_training/train_dlrm.py``) trains every CowClip table; ``fused_optimizer.step()``
+has nothing left to do for them (it only passes the param group's lr on). Table-wise, row-wise and
+table-row-wise kernels update in their own backward. Column-wise, table-column-wise and
+data-parallel kernels stage their rows there, and the lookup's exchange node
+(``_ExchangeAfterBackward``) runs the cross-rank exchange and the update right after them, in the
+same backward (``recsys.optim.cowclip_exchange``).
+
+Why a collective inside backward is sound here (gloo matches collectives by their order per
+process group, so every rank of the group must issue them in the same order):
+
+* The node exists on every rank of the sharding's group whenever the plan has CowClip tables of
+  that type (the list comes from the plan, identical everywhere), also on ranks that hold none
+  of them: it is joined into the lookup's output (``_JoinAnchor``), which flows into torchrec's
+  output dist on every rank, so backward always reaches it.
+* torch's autograd engine runs the CPU nodes of one backward on one thread, taking the ready node
+  with the highest sequence number (creation order in forward). The nodes that issue collectives
+  (torchrec's output-dist all-to-all backward, DDP's bucket all-reduces of the dense part, this
+  node) are created in the same forward order on every rank and become ready from the same
+  nodes. The only rank-dependent nodes are the kernels below a lookup; they start no collective,
+  and the kernels that gate the exchange node were created after it (higher sequence number), so
+  they always run before any node it could be reordered with. Hence every rank issues these
+  collectives in the same order (an argument, checked by tests/test_cowclip_dropin.py under
+  ``TrainPipelineSparseDist``, and by tests/test_cowclip_sharded.py with ranks that hold none of
+  a type's tables). On CUDA the nodes of one device likewise share one engine thread, and the
+  exchange node lives on the features' device; not run on a GPU in this project.
+* ``TrainPipelineSparseDist`` starts the next batch's input dist before this backward, in the same
+  program order on every rank; those all-to-alls are merely still in flight (gloo matches them
+  by their earlier position), nothing of the pipeline issues collectives from inside backward.
+* The alternative, applying the staged update at the next forward, would leave the weights stale
+  for anything that reads them in between (``state_dict`` for a checkpoint on some ranks only, an
+  eval forward) and would have needed collectives outside any forward; doing it in backward
+  leaves nothing pending.
+
+If the exchange is ever skipped after a kernel staged rows (an exception in backward, a kernel
+called outside its lookup), the next forward of that kernel raises instead of reading stale
+weights. Calling backward twice on one graph (``retain_graph``) updates twice, like every fused
+torchrec optimizer.
 
 Relies on private torchrec 1.8 attributes of the sharding objects (``_grouped_embedding_configs``,
 ``_grouped_embedding_configs_per_rank``, ``_rank``, ``_pg``, ``_env``, ``_device``);
@@ -46,6 +82,7 @@ from torchrec.distributed.sharding.cw_sharding import CwPooledEmbeddingSharding
 from torchrec.distributed.sharding.dp_sharding import DpPooledEmbeddingSharding
 from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
 from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding
+from torchrec.distributed.sharding.twcw_sharding import TwCwPooledEmbeddingSharding
 from torchrec.distributed.sharding.twrw_sharding import TwRwPooledEmbeddingSharding
 from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
@@ -66,7 +103,6 @@ __all__ = [
     "tag_cowclip_adam",
 ]
 
-_CW_TYPES = (ShardingType.COLUMN_WISE.value, ShardingType.TABLE_COLUMN_WISE.value)
 _DP = ShardingType.DATA_PARALLEL.value
 
 
@@ -179,6 +215,7 @@ class CowClipEmbeddingBag(BaseBatchedEmbeddingBag[Tensor], FusedOptimizerModule)
             full_dims=self._embedding_dims, mode=mode, pooling_mode=self._pooling, device=device,
         )
         self.table_names = [t.name for t in config.embedding_tables]
+        self._emb_module.table_names = self.table_names
         self.replicated = replicated
         self._optim: FusedOptimizer = (
             ReplicatedCowClipFusedOptimizer(config, self._emb_module) if replicated
@@ -255,7 +292,8 @@ class CowClipGroupedPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
 
 
 class _ExchangeOptimizer(FusedOptimizer):
-    """No state; ``step()`` runs the column-wise / data-parallel exchange and update."""
+    """No state and nothing to do: the column-wise / data-parallel update already ran in backward
+    (``_ExchangeAfterBackward``). Kept so the lookup stays a ``FusedOptimizerModule``."""
 
     def __init__(self, lookup: "CowClipExchangeLookup") -> None:
         self._lookup = lookup
@@ -265,12 +303,43 @@ class _ExchangeOptimizer(FusedOptimizer):
         pass
 
     def step(self, closure: Any = None) -> None:
-        self._lookup.exchange_and_update()
+        pass
+
+
+class _ExchangeAfterBackward(torch.autograd.Function):
+    """Identity on an empty seed; its output is every CowClip kernel's autograd anchor, so its
+    backward runs after all of them: it runs the lookup's exchange and update (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, seed: Tensor, lookup: "CowClipExchangeLookup") -> Tensor:  # type: ignore[override]
+        ctx.lookup = lookup
+        return seed.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
+        ctx.lookup.exchange_and_update()
+        return None, None
+
+
+class _JoinAnchor(torch.autograd.Function):
+    """The lookup's output, unchanged, with the exchange node as a second input, so that backward
+    reaches the exchange on every rank, also where this rank's lookup has no CowClip kernel."""
+
+    @staticmethod
+    def forward(ctx, out: Tensor, anchor: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.anchor_meta = (anchor.shape, anchor.dtype, anchor.device)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
+        shape, dtype, device = ctx.anchor_meta
+        return grad, torch.zeros(shape, dtype=dtype, device=device)
 
 
 class CowClipExchangeLookup(CowClipGroupedPooledEmbeddingsLookup, FusedOptimizerModule):
-    """Lookup of a column-wise or data-parallel sharding with CowClip tables (on any rank: ranks that
-    hold none of them still join the exchange, so the collectives match)."""
+    """Lookup of a column-wise, table-column-wise or data-parallel sharding with CowClip tables (on
+    any rank: ranks that hold none of them still join the exchange, so the collectives match).
+    Its training forward wires the exchange node that updates them in backward."""
 
     def __init__(self, grouped_configs: list[GroupedEmbeddingConfig], *, cowclip_mode: str,
                  exchange_tables: list[ExchangeTable], exchange_pg: dist.ProcessGroup | None, **kw: Any) -> None:
@@ -282,6 +351,24 @@ class CowClipExchangeLookup(CowClipGroupedPooledEmbeddingsLookup, FusedOptimizer
     @property
     def fused_optimizer(self) -> FusedOptimizer:
         return self._exchange_optim
+
+    def forward(self, sparse_features: Any) -> Tensor:  # type: ignore[override]
+        """Training forward: the kernels' anchors come from the exchange node, and the output is
+        joined to it (module docstring). Eval / no-grad forwards are torchrec's own."""
+        if not (torch.is_grad_enabled() and self.exchange_tables):
+            return super().forward(sparse_features)
+        # on the features' device: the engine queues a node by its inputs' device, as torchrec's
+        seed = torch.empty(0, device=sparse_features.device(), requires_grad=True)
+        anchor = _ExchangeAfterBackward.apply(seed, self)
+        tbes = [k.emb_module for k in self.cowclip_kernels()]
+        for tbe in tbes:
+            tbe.autograd_anchor = anchor
+        try:
+            out = super().forward(sparse_features)
+        finally:
+            for tbe in tbes:
+                tbe.autograd_anchor = None
+        return _JoinAnchor.apply(out, anchor)
 
     def exchange_and_update(self) -> None:
         if not self.exchange_tables:
@@ -311,11 +398,12 @@ def _lookup_for(sharding: Any, cowclip_tables: dict[str, list[ExchangeTable]]) -
     if isinstance(sharding, RwPooledEmbeddingSharding):
         return L(sharding._grouped_embedding_configs, pg=sharding._pg, sharding_type=ShardingType.ROW_WISE,
                  cowclip_mode="inline", **kw)
-    if isinstance(sharding, CwPooledEmbeddingSharding):  # TwCw is a subclass
-        tables = [t for st in _CW_TYPES for t in cowclip_tables.get(st, [])]
+    if isinstance(sharding, CwPooledEmbeddingSharding):  # TwCw is a subclass; one sharding per type
+        st = ShardingType.TABLE_COLUMN_WISE.value if isinstance(sharding, TwCwPooledEmbeddingSharding) else (
+            ShardingType.COLUMN_WISE.value)
         return CowClipExchangeLookup(
             sharding._grouped_embedding_configs, pg=sharding._pg, cowclip_mode="cw",
-            exchange_tables=sorted(set(tables), key=lambda t: t.name), exchange_pg=sharding._pg, **kw,
+            exchange_tables=list(cowclip_tables.get(st, [])), exchange_pg=sharding._pg, **kw,
         )
     if isinstance(sharding, TwPooledEmbeddingSharding):
         return L(sharding._grouped_embedding_configs, pg=sharding._pg, cowclip_mode="inline", **kw)

@@ -15,7 +15,10 @@ Two update modes, chosen by the sharding type (docs/design/cowclip.md section 3)
   with one call of the fused multi-table C++ op (``recsys.optim.cowclip_kernel``) per group.
 * ``deferred`` (column-wise, data-parallel): backward only stages per-row gradients and counts;
   the cross-rank exchange (norms of column shards, union of replicas' rows) and the update run
-  in the lookup's fused-optimizer ``step()`` (``recsys.optim.cowclip_exchange``).
+  later in the same backward, in one autograd node of the lookup that runs after every kernel of
+  it (``recsys.optim.cowclip_sharder.CowClipExchangeLookup``, ``recsys.optim.cowclip_exchange``).
+  The lookup hands that node's output to the kernels as ``autograd_anchor``; staged rows still
+  present at the next forward mean an update was missed, and the forward raises.
 """
 
 from __future__ import annotations
@@ -117,6 +120,7 @@ class _CowClipLookup(torch.autograd.Function):
     def forward(ctx, anchor: Tensor, tbe: "CowClipAdamTBE", indices: Tensor, offsets: Tensor,
                 psw: Tensor | None) -> Tensor:
         ctx.tbe = tbe
+        ctx.anchor_meta = (anchor.shape, anchor.dtype, anchor.device)
         ctx.save_for_backward(indices, offsets, psw if psw is not None else indices.new_empty(0, dtype=torch.float))
         ctx.has_psw = psw is not None
         with torch.no_grad():
@@ -129,7 +133,9 @@ class _CowClipLookup(torch.autograd.Function):
             ctx.tbe.backward_update_all_rows(grad_out, indices, offsets, psw if ctx.has_psw else None)
         else:
             ctx.tbe.backward_update(grad_out, indices, offsets, psw if ctx.has_psw else None)
-        return None, None, None, None, None
+        shape, dtype, device = ctx.anchor_meta
+        # an (empty) gradient for the anchor: the node that produced it (the exchange) waits for it
+        return torch.zeros(shape, dtype=dtype, device=device), None, None, None, None
 
 
 class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
@@ -187,6 +193,10 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
             row_starts.append(row_starts[-1] + r)
         self.row_starts = row_starts
         self.staged: list[StagedRows] = []
+        # set by the owning lookup around a training forward (deferred mode): the autograd input
+        # of the kernel, produced by the node that runs the exchange after this kernel's backward
+        self.autograd_anchor: Tensor | None = None
+        self.table_names: list[str] = []  # for error messages; set by the sharded kernel
         self.stats = UpdateStats()
         self._states = [self._state_views(t) for t in range(len(embedding_specs))]
 
@@ -242,12 +252,20 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
     ) -> Tensor:
         if batch_size_per_feature_per_rank is not None:
             raise NotImplementedError("CowClip-Adam kernel: variable batch size per feature (VBE) is not supported")
+        if self.staged:
+            names = sorted({self.table_names[s.table] if s.table < len(self.table_names) else f"#{s.table}"
+                            for s in self.staged})
+            raise RuntimeError(
+                f"CowClip-Adam tables {names}: the previous backward staged rows whose column-wise/data-parallel "
+                "update never ran (no exchange after backward); refusing to read stale weights")
         offsets = offsets.to(indices.dtype)
         if per_sample_weights is not None:
             per_sample_weights = per_sample_weights.detach().float()
         if not torch.is_grad_enabled():
             return DenseTableBatchedEmbeddingBagsCodegen.forward(self, indices, offsets, per_sample_weights)
-        anchor = torch.empty(0, device=self.weights.device, requires_grad=True)
+        anchor = self.autograd_anchor
+        if anchor is None:
+            anchor = torch.empty(0, device=self.weights.device, requires_grad=True)
         return _CowClipLookup.apply(anchor, self, indices, offsets, per_sample_weights)
 
     def _feature_slices(self, grad_out: Tensor, indices: Tensor, offsets: Tensor, psw: Tensor | None):
