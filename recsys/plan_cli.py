@@ -103,7 +103,7 @@ def cmd_make(args: argparse.Namespace) -> int:
     gb = 1024**3
     stats = None
     if args.data_sample:  # per-table id frequencies -> UVM cache hit-rate curves
-        from sharding.cache_sizing import load_sample
+        from recsys.data.id_histogram import load_sample
 
         if not 0.0 < args.target_hit_rate <= 1.0:
             raise UsageError(f"--target-hit-rate: expected a number in (0, 1], got {args.target_hit_rate}")

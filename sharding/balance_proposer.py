@@ -24,9 +24,8 @@ from typing import Optional
 import numpy as np
 from torchrec.distributed.planner.types import Enumerator, Proposer, ShardingOption, Topology
 
+from sharding.constants import A2A_TYPES as _A2A
 from sharding.cost_model import TopologyCostModel
-
-_A2A = ("table_wise", "column_wise", "table_column_wise")
 
 
 class BestPlanTracker:

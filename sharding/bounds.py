@@ -23,9 +23,8 @@ from dataclasses import replace
 import numpy as np
 from torchrec.distributed.planner.types import ShardingOption
 
-from sharding.cost_model import UVM_KERNELS, TopologyCostModel, placed_from_option
-
-_A2A = ("table_wise", "column_wise", "table_column_wise")
+from sharding.constants import A2A_TYPES as _A2A, UVM_KERNELS
+from sharding.cost_model import TopologyCostModel, placed_from_option, with_all_ranks
 
 
 def step_time_lower_bound(model: TopologyCostModel, search_space: list[ShardingOption]) -> float:
@@ -80,6 +79,4 @@ def option_contribution(model: TopologyCostModel, so: ShardingOption) -> float:
 
 
 def _ranked(so: ShardingOption, rank: int):
-    from sharding.topology_planner import _with_all_ranks
-
-    return _with_all_ranks(so, rank)
+    return with_all_ranks(so, rank)

@@ -14,14 +14,10 @@ first touches, on ids whose popularity drifts, and LRU evicts hot rows after bur
 A small sample also flatters the curve (ids seen once in the sample look as "hot" as they are
 rare); sample at least ~10x more lookups than the cache has rows for the estimate to mean much.
 
-Sources (``load_sample``):
-
-- a JSON histogram file (the format below);
-- ``synthetic:N`` -- N rows drawn from the configured Criteo-like generator
-  (``recsys/data/synthetic.py``), ``data:N`` -- the first N training rows of the configured data
-  source (generated, or preprocessed Criteo/Avazu shards);
-- a preprocessed shard directory (``recsys/data/shards.py``), optionally ``DIR:N`` for the first
-  N rows.
+Inputs: id counts per table or feature (``stats_from_counts``), or a JSON histogram file
+(``load_histogram``, the format below). This package reads no training data itself: the
+trainer's adapter (``recsys/data/id_histogram.py``: ``synthetic:N``, ``data:N``, a shard
+directory) turns its data sources into counts and calls ``stats_from_counts``.
 
 JSON histogram format (keys are table names, or feature names, which count for every table that
 reads the feature)::
@@ -51,6 +47,8 @@ from typing import Iterable, Mapping
 
 import numpy as np
 from torchrec.distributed.types import CacheStatistics
+
+from sharding.constants import MAX_CACHE_LOAD_FACTOR
 
 FORMAT = "recsys-id-histogram"
 DEFAULT_TARGET_HIT_RATE = 0.95
@@ -293,60 +291,18 @@ def _check_sizes(path: str, doc_sizes: dict[str, int], tables: Mapping[str, tupl
             raise SampleError(f"{path}: key 'tables.{name}.num_embeddings': {n}, the model's table has {tables[name][1]} rows")
 
 
-def _parse_rows(spec: str, text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n <= 0:
-        raise SampleError(f"--data-sample {spec}: expected a positive row count after ':', got {text!r}")
-    return n
-
-
-def load_sample(spec: str, module, cfg=None, batch: int = 0) -> dict[str, IdFrequencyStats]:
-    """Per-table :class:`IdFrequencyStats` of ``module``'s tables from a sample ``spec`` (see the
-    module docstring). ``cfg`` (an ``ExperimentConfig``) is needed for ``synthetic:N``/``data:N``."""
-    tables = table_features(module)
-    if spec.startswith(("synthetic:", "data:")):
-        kind, _, n_text = spec.partition(":")
-        n = _parse_rows(spec, n_text)
-        if cfg is None:
-            raise SampleError(f"--data-sample {spec}: needs the experiment config")
-        from recsys.data.source import TRAIN, SyntheticSource, build_source
-
-        src = SyntheticSource(cfg) if kind == "synthetic" else build_source(cfg)
-        n = min(n, src.num_rows(TRAIN)) if kind == "data" else n
-        block = src.read(TRAIN, 0, n)
-        return stats_from_counts(counts_from_rows(block.sparse, src.cardinalities, src.sparse_names), tables, batch, spec)
-    path_text, n = spec, None
-    p = Path(spec)
-    if not p.exists() and ":" in spec:
-        head, _, tail = spec.rpartition(":")
-        if Path(head).is_dir():
-            path_text, n = head, _parse_rows(spec, tail)
-            p = Path(head)
-    if p.is_dir():
-        from recsys.data.shards import ShardedDataset
-
-        try:
-            ds = ShardedDataset.open(p)
-        except ValueError as e:
-            raise SampleError(f"{path_text}: not a preprocessed shard directory: {str(e).splitlines()[0]}") from None
-        stop = ds.num_rows if n is None else min(n, ds.num_rows)
-        _, sparse, _ = ds.read(0, stop)
-        names = list(ds.sparse_names)
-        cards = []
-        for f in names:
-            owners = [t for t, (feats, _) in tables.items() if f in feats]
-            if not owners:
-                raise SampleError(f"{path_text}: key '{f}': feature read by no table of the model")
-            cards.append(tables[owners[0]][1])
-        return stats_from_counts(counts_from_rows(sparse, cards, names), tables, batch, path_text)
+def load_histogram(path: str | Path, module_or_tables, batch: int = 0) -> dict[str, IdFrequencyStats]:
+    """Per-table :class:`IdFrequencyStats` from a JSON id histogram file (the format in the module
+    docstring). ``module_or_tables``: a module with embedding tables, or ``table_features(module)``.
+    Data sources (generated rows, shard directories) are turned into counts on the trainer's side
+    (``recsys/data/id_histogram.py``), which calls :func:`stats_from_counts`."""
+    tables = module_or_tables if isinstance(module_or_tables, Mapping) else table_features(module_or_tables)
+    p = Path(path)
     if not p.exists():
-        raise SampleError(f"{spec}: no such file (expected a JSON id histogram, a shard directory, synthetic:N or data:N)")
+        raise SampleError(f"{path}: no such file (expected a JSON id histogram)")
     counts, sizes = _read_json(p)
-    _check_sizes(spec, sizes, tables)
-    return stats_from_counts(counts, tables, batch, spec)
+    _check_sizes(str(path), sizes, tables)
+    return stats_from_counts(counts, tables, batch, str(path))
 
 
 def histogram_json(stats_counts: Mapping[str, np.ndarray], description: str = "") -> str:
@@ -396,7 +352,7 @@ def apply_cache_stats(
     from torchrec.distributed.types import CacheParams
 
     if max_load_factor is None:
-        from sharding.topology_planner import MAX_CACHE_LOAD_FACTOR as max_load_factor
+        max_load_factor = MAX_CACHE_LOAD_FACTOR
     chosen = {}
     for name, st in stats.items():
         lf = choose_load_factor(st, target_hit_rate, max_load_factor)

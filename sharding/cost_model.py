@@ -39,7 +39,7 @@ time in milliseconds (the unit of torchrec's ``Perf``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable
 
 import numpy as np
@@ -47,11 +47,10 @@ from torchrec.distributed.planner.types import PerfModel, ShardingOption
 from torchrec.distributed.types import ShardingPlan
 
 from sharding.bandwidth import bandwidth_matrix
+from sharding.constants import A2A_TYPES, BYTES_PER_WEIGHT, DEFAULT_LOAD_FACTOR, ID_BYTES, LENGTH_BYTES, UVM_KERNELS
 from sharding.topology import ClusterTopology
 
-BYTES = 4  # fp32 weights
-ID_BYTES = 8  # int64 ids in the input dist
-LENGTH_BYTES = 4  # int32 lengths, one per bag
+BYTES = BYTES_PER_WEIGHT
 # Latency of one collective (launch + synchronisation), not calibrated here (no GPU): nccl-tests'
 # small-message all-to-all / all-reduce latencies are ~10-30 us inside a host; a collective that
 # spans hosts adds the network's latency (topology ``network.latency_us``) and NIC/proxy overhead.
@@ -74,9 +73,7 @@ COLLECTIVES_PER_STEP = {
     "data_parallel": 1,  # the gradient all-reduce
 }
 LOOKUP_PASSES = 3  # forward read, backward gradient, optimizer read-modify-write (fused)
-DEFAULT_LOAD_FACTOR = 0.2
-UVM_KERNELS = ("fused_uvm", "fused_uvm_caching")
-_A2A = ("table_wise", "column_wise", "table_column_wise")
+_A2A = A2A_TYPES
 
 
 @dataclass(frozen=True)
@@ -524,6 +521,20 @@ def _miss(kernel: str, cache_params) -> float | None:
         return None
     lf = DEFAULT_LOAD_FACTOR if cache_params.load_factor is None else cache_params.load_factor
     return float(cache_params.stats.expected_miss_rate(lf))
+
+
+def with_all_ranks(so: ShardingOption, rank: int) -> ShardingOption:
+    """A light view of ``so`` with every shard on ``rank``, for ``placed_from_option`` (the
+    partitioner and the bound score an option's shards before they have ranks)."""
+
+    class _V:
+        pass
+
+    v = _V()
+    v.__dict__.update(name=so.name, tensor=so.tensor, input_lengths=so.input_lengths, sharding_type=so.sharding_type,
+                      compute_kernel=so.compute_kernel, cache_params=so.cache_params,
+                      shards=[replace(sh, rank=rank) for sh in so.shards])
+    return v  # type: ignore[return-value]
 
 
 def placed_from_option(so: ShardingOption, rank_of=None) -> list[PlacedShard]:

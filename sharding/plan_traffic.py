@@ -48,10 +48,10 @@ from typing import Any
 
 import numpy as np
 
+from sharding.constants import ID_BYTES
 from sharding.plan_report import BYTES_PER_WEIGHT, TableInfo
 
 DEFAULT_BATCH_SIZE_PER_RANK = 512
-ID_BYTES = 8
 OUT_BYTES = 4
 
 COLUMN_TYPES = ("table_wise", "column_wise", "table_column_wise")

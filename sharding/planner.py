@@ -12,37 +12,42 @@ import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
 from torchrec.distributed.planner.types import HardwareConfig, KernelConfig, TopologyFactory, TrainerConfig
-from torchrec.distributed.types import ShardingType
 from torchrec.distributed.types import ModuleSharder, ShardingPlan
+from typing import Protocol, Sequence
 
-from recsys.config import ShardingConfig
+from sharding.cache_sizing import DEFAULT_TARGET_HIT_RATE, apply_cache_stats
+from sharding.constants import MODEL_PARALLEL_TYPES as _MODEL_PARALLEL_TYPES
+from sharding.tables import table_configs
+from sharding.topology_planner import TopologyAwarePlanner, cluster_for, default_constraints
+
+
+class PlannerSettings(Protocol):
+    """What the seam reads of a run's sharding settings (the trainer's ``ShardingConfig`` has
+    these fields; any object with them will do: this package does not import the trainer)."""
+
+    planner: str  # "torchrec" or "topology"
+    topology: str  # planner == "topology": a topology file or shipped name ("" on CPU: cpu-gloo)
+    sharding_types: Sequence[str]  # empty: the model-parallel types
+    target_hit_rate: float
 
 
 def embedding_tables(model: nn.Module) -> list[str]:
     """Names of all tables in the model's embedding collections."""
-    from sharding.tables import table_configs
-
     return [t.name for t in table_configs(model)]
 
 
 # Model-parallel types only, by default: a data-parallel table gets torchrec's DENSE kernel, whose
 # full-table gradient is all-reduced by DDP and updated by the dense optimizer, not by the
 # configured fused embedding optimizer; so it is opt-in (sharding.sharding_types).
-MODEL_PARALLEL_TYPES = [
-    ShardingType.TABLE_WISE.value,
-    ShardingType.ROW_WISE.value,
-    ShardingType.COLUMN_WISE.value,
-    ShardingType.TABLE_ROW_WISE.value,
-    ShardingType.TABLE_COLUMN_WISE.value,
-]
+MODEL_PARALLEL_TYPES = list(_MODEL_PARALLEL_TYPES)
 
 
-def allowed_sharding_types(cfg: ShardingConfig) -> list[str]:
+def allowed_sharding_types(cfg: PlannerSettings) -> list[str]:
     return list(cfg.sharding_types) if cfg.sharding_types else list(MODEL_PARALLEL_TYPES)
 
 
 def build_planner(
-    cfg: ShardingConfig,
+    cfg: PlannerSettings,
     model: nn.Module,
     world_size: int,
     local_world_size: int,
@@ -57,15 +62,11 @@ def build_planner(
     defaults when None). ``cfg.planner == "topology"``: the topology-aware planner
     (sharding/topology_planner.py) on ``cfg.topology`` (default for CPU runs: ``cpu-gloo``).
 
-    ``cache_stats``: table -> torchrec ``CacheStatistics`` (e.g. ``sharding.cache_sizing.load_sample``):
+    ``cache_stats``: table -> torchrec ``CacheStatistics`` (``sharding.cache_sizing``; the trainer's ``recsys.data.id_histogram.load_sample``):
     UVM-caching tables get the smallest load factor reaching ``target_hit_rate`` (default 0.95)
     and their measured miss rate is what the topology-aware cost model charges."""
-    from sharding.cache_sizing import DEFAULT_TARGET_HIT_RATE, apply_cache_stats
-
     target = DEFAULT_TARGET_HIT_RATE if target_hit_rate is None else target_hit_rate
     if cfg.planner == "topology":
-        from sharding.topology_planner import TopologyAwarePlanner, cluster_for, default_constraints
-
         cluster = cluster_for(cfg.topology, compute_device, world_size, local_world_size)
         return TopologyAwarePlanner(
             cluster,
@@ -94,7 +95,7 @@ def build_planner(
 
 
 def make_plan(
-    cfg: ShardingConfig,
+    cfg: PlannerSettings,
     model: nn.Module,
     sharders: list[ModuleSharder[nn.Module]],
     device: torch.device,

@@ -71,7 +71,9 @@ from torchrec.distributed.types import CacheStatistics, ModuleSharder, ShardingP
 from sharding.balance_proposer import BalanceProposer, BestPlanTracker
 from sharding.bandwidth import host_to_gpu_bandwidth
 from sharding.cache_sizing import DEFAULT_TARGET_HIT_RATE, apply_cache_stats, saturation_load_factor
+from sharding.constants import DEFAULT_LOAD_FACTOR, MAX_CACHE_LOAD_FACTOR, MODEL_PARALLEL_TYPES, UNIFORM_TYPES, UVM_KERNELS
 from sharding.cost_model import CostState, PlacedShard, TopologyCostModel, TopologyPerfModel, placed_from_option
+from sharding.cost_model import with_all_ranks as _with_all_ranks
 from sharding.tables import table_configs
 from sharding.topology import ClusterTopology, load_topology
 from sharding.torchrec_speedups import fast_planner_internals
@@ -79,11 +81,7 @@ from sharding.torchrec_speedups import fast_planner_internals
 GIB = 1024**3
 # column-wise variants the planner adds: each device-resident table cut into 2 and 4 column shards
 DEFAULT_COLUMN_SPLITS = (2, 4)
-UNIFORM = ("row_wise", "data_parallel")
-# the default sharding types: model-parallel only (a data-parallel table's gradient goes through
-# DDP and the dense optimizer, not the table's fused optimizer), as sharding/planner.py
-MODEL_PARALLEL_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise")
-MAX_CACHE_LOAD_FACTOR = 0.8
+UNIFORM = UNIFORM_TYPES
 
 
 class ModelDoesNotFitError(PlannerError):
@@ -222,7 +220,7 @@ class TopologyPartitioner(Partitioner):
             if len(so.shards) != lw:
                 raise fail(so, f"{len(so.shards)} shards for {lw} ranks per host")
             best = None
-            fast = nh > 1 and not m.cpu and so.compute_kernel not in ("fused_uvm", "fused_uvm_caching")
+            fast = nh > 1 and not m.cpu and so.compute_kernel not in UVM_KERNELS
             if fast:  # device-resident: the rank-time change on each host in closed form, no trial states
                 base = st.rank_time()
                 protos = placed_from_option(_with_all_ranks(so, 0))
@@ -400,7 +398,7 @@ def _pick(st: CostState, proto: PlacedShard, cands: list[int]) -> int:
         return cands[0]
     c = np.asarray(cands)
     maxes = st.candidate_step_times(proto, cands)
-    if proto.kernel in ("fused_uvm", "fused_uvm_caching") and not m.cpu:
+    if proto.kernel in UVM_KERNELS and not m.cpu:
         sums = np.empty(len(c))
         for k, r in enumerate(c):
             trial = st.copy()
@@ -416,17 +414,6 @@ def _pick(st: CostState, proto: PlacedShard, cands: list[int]) -> int:
     idx = np.flatnonzero(ok)
     best = idx[np.lexsort((c[idx], sums[idx]))[0]]
     return int(c[best])
-
-
-def _with_all_ranks(so: ShardingOption, rank: int) -> ShardingOption:
-    class _V:  # a light view with ranks filled in, for placed_from_option
-        pass
-
-    v = _V()
-    v.__dict__.update(name=so.name, tensor=so.tensor, input_lengths=so.input_lengths, sharding_type=so.sharding_type,
-                      compute_kernel=so.compute_kernel, cache_params=so.cache_params,
-                      shards=[dataclasses.replace(sh, rank=rank) for sh in so.shards])
-    return v  # type: ignore[return-value]
 
 
 def _sig(plan: list[ShardingOption]) -> tuple:
@@ -618,14 +605,14 @@ class TopologyAwarePlanner(EmbeddingShardingPlanner):
             st = stats_of(so)
             if st is None:
                 return (1, -so.tensor.shape[0] * so.tensor.shape[1], 0.0, so.name)
-            lf0 = so.cache_params.load_factor if so.cache_params.load_factor is not None else 0.2
+            lf0 = so.cache_params.load_factor if so.cache_params.load_factor is not None else DEFAULT_LOAD_FACTOR
             pooling = float(sum(so.input_lengths)) if so.input_lengths else 1.0
             return (0, -pooling * so.tensor.shape[1] * st.expected_miss_rate(lf0), 0.0, so.name)
 
         caching.sort(key=order)
         for so in caching:
             cp = so.cache_params
-            lf = (cp.load_factor if cp is not None and cp.load_factor is not None else 0.2)
+            lf = (cp.load_factor if cp is not None and cp.load_factor is not None else DEFAULT_LOAD_FACTOR)
             cap = MAX_CACHE_LOAD_FACTOR
             st = stats_of(so)
             if st is not None:

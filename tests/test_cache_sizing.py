@@ -20,8 +20,9 @@ from sharding.cache_sizing import (
     apply_cache_stats,
     choose_load_factor,
     counts_from_rows,
-    load_sample,
+    load_histogram,
 )
+from recsys.data.id_histogram import load_sample
 from sharding.cost_model import PlacedShard, TopologyCostModel
 from sharding.topology import load_topology
 
@@ -193,3 +194,14 @@ def test_histogram_json_round_trip(tmp_path):
     f.write_text(histogram_json({"t_A": np.array([9, 4, 1]), "B": [2, 2]}, description="test"))
     stats = load_sample(str(f), ebc())
     assert stats["t_A"].total == 14 and stats["t_B"].total == 4
+
+
+def test_load_histogram_takes_table_features_without_a_module(tmp_path):
+    from sharding.cache_sizing import table_features
+
+    f = tmp_path / "h.json"
+    f.write_text(json.dumps({"tables": {"A": {"counts": [4, 1]}}}))
+    stats = load_histogram(f, table_features(ebc()))
+    assert sorted(stats) == ["t_A", "w_A"] and stats["t_A"].total == 5 and stats["w_A"].rows == 1000
+    with pytest.raises(SampleError, match="no such file"):
+        load_histogram(tmp_path / "nope.json", table_features(ebc()))

@@ -138,7 +138,7 @@ def _cache_stats(cfg: ExperimentConfig, module: nn.Module) -> dict | None:
     """Id-frequency statistics for UVM cache sizing (sharding.data_sample), or None."""
     if not cfg.sharding.data_sample:
         return None
-    from sharding.cache_sizing import load_sample
+    from recsys.data.id_histogram import load_sample
 
     return load_sample(cfg.sharding.data_sample, module, cfg, cfg.train.batch_size)
 
