@@ -1,18 +1,24 @@
 """A lower bound on the modeled step time of any plan drawn from a search space.
 
-The step time is the slowest rank's time, so it is at least the mean over ranks. In the cost
-model (``sharding/cost_model.py``) each shard adds to the ranks' lookup and comm terms
-independently of the others, so the sum over ranks of a plan's time is at least the sum, over
-tables, of the cheapest sum any one of the table's options can contribute, each shard on its
-cheapest rank (memory ignored). Host-memory traffic (UVM) is a max over shared resources, not a
-sum; a shard's share of it is bounded below by its bytes over the fastest resource of the model.
-Every plan uses at least one sharding type, so the cheapest type's collective latency is added.
+The modeled step (``sharding/cost_model.py``) is the slowest rank's lookups and host traffic
+plus, per collective phase, its busiest directed link, plus the sharding types' latency:
 
-    mean-rank bound = min_type_latency + sum_t min_{option of t} contribution(option) / world
+    step = max_r (lookup_r + host_r) + sum_phases max_k load[phase, k] + latency
 
-No whole-table plan reaches it unless the tables split into equal loads per rank; it says how far
-below a given plan any plan of the same search space could possibly go, by the model (the
-benchmark prints ``lower_bound / default`` as the best ratio the target could be met with).
+Both maxima are at least a weighted mean: ``max_r x_r >= sum_r x_r / world`` and ``max_k
+load_k >= sum_k weight_k load_k`` for weights summing to 1. The weights are those of the links
+that are some rank pair's first or last hop (``TopologyCostModel.edge_weight``; every transfer
+loads its first and its last hop), so the bound is exact when every such link carries the same
+load. Both sums add up per table over the phases, so
+
+    bound = min_type_latency + sum_t min_{option of t} contribution(option)
+
+with ``contribution = sum_r (lookup + host) / world + sum_phases weight . load``, each
+table-/column-wise shard on the rank where that is least (memory ignored). A shard's host
+traffic (UVM) is a max over shared resources, not a sum; its share is bounded below by its bytes
+over the fastest resource of the model. No plan reaches the bound unless the tables split into
+equal loads per rank and per link; it says how far below a given plan any plan of the same
+search space could possibly go, by the model (the benchmark prints ``lower_bound / default``).
 """
 
 from __future__ import annotations
@@ -36,25 +42,29 @@ def step_time_lower_bound(model: TopologyCostModel, search_space: list[ShardingO
     for so in search_space:
         best[so.name] = min(best[so.name], option_contribution(model, so))
         latency = min(latency, model.type_latency(so.sharding_type))
-    return latency + sum(best.values()) / model.world
+    return latency + sum(best.values())
 
 
 def option_contribution(model: TopologyCostModel, so: ShardingOption) -> float:
-    """The least sum over ranks of rank time (without collective latency) that ``so`` can add."""
+    """The least ``sum_r (lookup + host) / world + edge_weight . loads`` (seconds, without
+    collective latency) that ``so`` can add (see the module docstring)."""
     m = model
     protos = placed_from_option(_ranked(so, 0))
     if not protos:
         return 0.0
     fastest_res = max(m.res_bw, default=float("inf"))
-    col_inv = m.inv_bw.sum(axis=0)
+    wt = m.edge_weight
+    L = m.links
     total = 0.0
     if so.sharding_type in _A2A:
         st = m.new_state()
+        in_w, out_w = L.in_inv @ wt, L.out_inv @ wt  # [world]: weighted load per byte per peer
         for p in protos:
             lb = st._lookup_bytes(p)
             hf = st._host_fraction(p)
-            per_rank = lb * (1 - hf) / m.mem_bw + m.a2a_unit(p.cols, p.pooling) * (m.inv_rowsum + col_inv)
-            total += float(per_rank.min()) + lb * hf / fastest_res
+            per_rank = (lb * (1 - hf) / m.mem_bw + lb * hf / fastest_res) / m.world
+            per_rank = per_rank + m.ids_bytes(p.pooling) * in_w + m.batch * p.cols * 4.0 * (in_w + out_w)
+            total += float(per_rank.min())
         return total
     # uniform (RW, DP) and table-row-wise: the options' own placements (each host for TWRW)
     if so.sharding_type == "table_row_wise":
@@ -73,8 +83,8 @@ def option_contribution(model: TopologyCostModel, so: ShardingOption) -> float:
             st.add(replace(p, kernel="fused") if p.kernel in UVM_KERNELS else p)
             if hf:  # the device-resident add charged all lookups to device memory
                 st.lookup[r] -= st._lookup_bytes(p) * hf / m.mem_bw[r]
-        latency = m.type_latency(so.sharding_type)
-        out = min(out, float(st.rank_time().sum()) - latency * m.world + host)
+        links = sum(float(v @ wt) for v in st.loads.values())
+        out = min(out, (float(st.lookup.sum()) + host) / m.world + links)
     return out
 
 

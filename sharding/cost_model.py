@@ -1,9 +1,10 @@
 """A rank-aware step-time model of a placed embedding plan on a :class:`ClusterTopology`.
 
-TorchRec's shard estimators do not know ranks; this model does. It scores a set of placed shards
-per rank and the step time is the slowest rank's:
+TorchRec's shard estimators do not know ranks; this model does. The embedding collectives are
+synchronous (every rank waits for the slowest), so a step is the slowest rank's local work plus
+the collectives, each phase as long as its busiest directed link:
 
-    time[r] = lookup[r] + host_io[r] + comm[r]
+    step = max_r (lookup[r] + host_io[r]) + sum_phases max_links load[phase, link] + latency
 
 - ``lookup``: bytes a rank's HBM-resident shards read and write (forward lookups, backward
   gradient + fused optimizer update: ``LOOKUP_PASSES`` x rows looked up x the row's bytes in
@@ -17,19 +18,27 @@ per rank and the step time is the slowest rank's:
   its switch uplink (shared by the GPUs below the switch), the NUMA node's DDR and, when the
   memory lives on the other socket (its own node is full), the inter-socket link. A rank's
   ``host_io`` is the busiest resource on its paths (bytes on it / its bandwidth).
-- ``comm``: the embedding collectives, from rank-pair bandwidths (``pair_bandwidth(shared=True)``).
-  Table-/column-wise: every rank sends the owner its ids for the table (input dist: int64 ids +
-  int32 lengths), the owner sends each other rank its pooled slice in the forward all-to-all and
-  gets the gradient back in the backward; a pair's time is bytes / that pair's bandwidth and a
-  rank's sends add up (its egress is shared). A column-wise split sends the ids to every column
+- the collectives, on **directed, full-duplex links** (``sharding/links.py``: a GPU's NVLink
+  egress and ingress, each PCIe port and switch uplink up and down, each NIC's send and receive
+  side and its fabric port, the socket link per direction; DDR is one resource). Every transfer
+  adds bytes / bandwidth to each directed link of its path; a phase (one collective of one
+  sharding type: torchrec shards each type separately) costs its busiest link. So a rank that
+  sends and receives the same volume pays once, not twice. The transfers:
+  table-/column-wise: every rank sends the owner its ids (input dist: int64 ids + int32
+  lengths), the owner sends every rank its pooled slice (forward all-to-all), every rank sends
+  the owner the slice's gradient (backward); a column-wise split sends the ids to every column
   shard, so splitting a table finer pays in ids what it saves in balance. Row-wise: ids
-  bucketized over the group, reduce-scatter (forward) + all-gather (backward) of the pooled output
-  over a ring of the group, at the group's slowest pair. Table-row-wise: the same inside the
-  host, then the host's slice to every other rank. Data-parallel: all-reduce of the gradient
-  (ring, 2 (n-1)/n x table bytes) at the slowest pair.
+  bucketized over the group, a ring reduce-scatter (forward) and all-gather (backward) of the
+  pooled partial sums ``[B x world, cols]``, each member sending ``(n-1)/n`` of it to the next.
+  Table-row-wise: ids bucketized over the host's ranks, the ring inside the host, then each
+  rank's slice to every rank off the host (forward) and back (backward). Data-parallel: a ring
+  all-reduce of the gradient (``2 (n-1)/n`` x table bytes to the next member).
   Plus a fixed latency per collective: each sharding type present in the plan is its own group of
-  collectives (torchrec shards each type separately: input dist, forward and backward output
-  dist) that every rank joins, so a plan mixing types pays for each (``collective_latency``).
+  collectives (input dist, forward and backward output dist) that every rank joins, so a plan
+  mixing types pays for each (``collective_latency``).
+
+Reading a plan, ``PlanCost.comm`` attributes the collectives to ranks (each phase's busiest link
+among the rank's own first and last hops) and names each phase's busiest link.
 
 Entry points: :class:`TopologyCostModel` (``score(sharding_options)``,
 ``score_sharding_plan(plan, tables)``, ``new_state()`` for incremental placement) and
@@ -47,6 +56,7 @@ from torchrec.distributed.planner.types import PerfModel, ShardingOption
 from torchrec.distributed.types import ShardingPlan
 
 from sharding.bandwidth import bandwidth_matrix
+from sharding.links import build_links
 from sharding.constants import A2A_TYPES, BYTES_PER_WEIGHT, DEFAULT_LOAD_FACTOR, ID_BYTES, LENGTH_BYTES, UVM_KERNELS
 from sharding.topology import ClusterTopology
 
@@ -96,18 +106,34 @@ class PlacedShard:
 
 @dataclass
 class PlanCost:
-    step_time: float  # seconds, max over ranks
-    rank_time: np.ndarray  # seconds per rank
+    """A scored plan. ``step_time`` = slowest rank's lookups + host traffic, plus the collectives
+    (every phase's busiest directed link + latency: ``comm_time``, the same for every rank).
+
+    ``comm`` per rank is an attribution for reading a plan: each phase's busiest link among the
+    rank's own first and last hops (its NVLink/PCIe/NIC send and receive sides), plus latency;
+    ``rank_time = lookup + host_io + comm`` and ``step_time >= rank_time.max()``.
+    ``phases``: phase -> (busiest directed link, seconds on it)."""
+
+    step_time: float  # seconds
+    rank_time: np.ndarray  # seconds per rank (comm attributed to the rank's own links)
     lookup: np.ndarray
     host_io: np.ndarray
     comm: np.ndarray
     hbm_bytes: np.ndarray
     host_bytes: np.ndarray
+    comm_time: float = 0.0
+    phases: dict = field(default_factory=dict)
+
+    @property
+    def bottleneck_rank(self) -> int:
+        return int(np.argmax(self.rank_time)) if len(self.rank_time) else 0
 
     def as_dict(self) -> dict:
         return {
             "step_time_ms": self.step_time * 1e3,
-            "rank_time_ms": [round(x * 1e3, 4) for x in self.rank_time],
+            "comm_time_ms": self.comm_time * 1e3,
+            "rank_time_ms": [round(float(x) * 1e3, 4) for x in self.rank_time],
+            "busiest_links": {p: [name, round(t * 1e3, 4)] for p, (name, t) in sorted(self.phases.items())},
             "max_hbm_bytes": int(self.hbm_bytes.max(initial=0)),
             "max_host_bytes_per_rank": int(self.host_bytes.max(initial=0)),
         }
@@ -120,19 +146,19 @@ class TopologyCostModel:
         self.world = w = topo.world_size
         self.cpu = topo.compute_device == "cpu"
         self.bw = bw = bandwidth_matrix(topo, shared=True)
-        self.mem_bw = np.diag(bw).copy()
-        inv = np.zeros_like(bw)
-        off = ~np.eye(w, dtype=bool)
-        inv[off] = 1.0 / bw[off]
-        self.inv_bw = inv  # seconds per byte between distinct ranks, 0 on the diagonal
-        self.inv_rowsum = inv.sum(axis=1)
-        self.min_bw_all = float(bw[off].min()) if w > 1 else float("inf")
+        self.mem_bw = np.diag(bw).copy()  # the pair bandwidths (bandwidth.py, shared view) are for reading only
         self.host_ranks = [tuple(topo.rank(h, i) for i in range(topo.local_world_size)) for h in range(len(topo.hosts))]
         self.host_of = np.array([topo.locate(r)[0] for r in range(w)])
         base = CPU_COLLECTIVE_LATENCY_S if self.cpu else COLLECTIVE_LATENCY_S
         self.collective_latency = base + (CROSS_HOST_LATENCY_S + topo.network.latency if len(topo.hosts) > 1 else 0.0)
-        self._min_bw_cache: dict[tuple[int, ...], float] = {}
         self._placed_cache: dict[tuple, tuple] = {}
+        # the directed (full-duplex) links of every rank pair's path, for the collectives
+        self.links = links = build_links(topo)
+        mult = links.edge_links()
+        self.edge_weight = mult / mult.sum() if mult.sum() else mult  # for the lower bound (bounds.py)
+        self.attached = [np.unique(np.concatenate([links.first_hop[r][links.first_hop[r] >= 0],
+                                                   links.last_hop[:, r][links.last_hop[:, r] >= 0]])) for r in range(w)]
+        self._ring_cache: dict[tuple[int, ...], np.ndarray] = {}
         # host-memory resources: per GPU port, per switch uplink, per NUMA DDR, per socket link
         self.res_bw: list[float] = []
         self._res_index: dict[str, int] = {}
@@ -168,20 +194,6 @@ class TopologyCostModel:
         path.append(self._res(f"{h}/numa{numa}", host.numa(numa).ddr_bw))
         return path
 
-    def group_min_bw(self, group: tuple[int, ...]) -> float:
-        if len(group) <= 1:
-            return float("inf")
-        hit = self._min_bw_cache.get(group)
-        if hit is None:
-            if len(group) == self.world:
-                hit = self.min_bw_all
-            else:
-                idx = np.array(group)
-                sub = self.bw[np.ix_(idx, idx)]
-                hit = float(sub[~np.eye(len(idx), dtype=bool)].min())
-            self._min_bw_cache[group] = hit
-        return hit
-
     def row_bytes(self, cols: int) -> int:
         """Bytes one lookup of a ``cols``-wide fp32 row moves: whole access granules."""
         g = CPU_ACCESS_GRANULE if self.cpu else GPU_ACCESS_GRANULE
@@ -191,14 +203,36 @@ class TopologyCostModel:
         """Input-dist bytes one rank sends per table shard: its batch's ids and bag lengths."""
         return self.batch * (pooling * ID_BYTES + LENGTH_BYTES)
 
-    def a2a_unit(self, cols: int, pooling: float) -> float:
-        """Bytes between the owner of a table-/column-wise shard and each other rank per step:
-        ids in, pooled slice out (forward), its gradient in (backward)."""
-        return 2 * self.batch * cols * BYTES + self.ids_bytes(pooling)
-
     def type_latency(self, sharding_type: str) -> float:
         """Seconds per step that one sharding type's collectives add to every rank."""
         return COLLECTIVES_PER_STEP.get(sharding_type, 0) * self.collective_latency
+
+    def ring_next(self, group: tuple[int, ...], rank: int) -> int:
+        """The rank after ``rank`` in the ring over ``group`` (in the group's order)."""
+        i = group.index(rank)
+        return group[(i + 1) % len(group)]
+
+    def ring_inv(self, group: tuple[int, ...]) -> np.ndarray:
+        """Seconds per byte on each directed link when every member of ``group`` sends one byte to
+        the next member of the ring."""
+        hit = self._ring_cache.get(group)
+        if hit is None:
+            hit = np.zeros(self.links.count)
+            for i, r in enumerate(group):
+                if len(group) > 1:
+                    hit += self.links.pair_inv(r, group[(i + 1) % len(group)])
+            self._ring_cache[group] = hit
+        return hit
+
+    def a2a_loads(self, sharding_type: str, rank: int, cols: int, pooling: float) -> list[tuple[str, np.ndarray]]:
+        """Directed-link loads (seconds) of a table-/column-wise shard owned by ``rank``: every
+        other rank sends it its ids (input dist), it sends each its pooled slice (forward), each
+        sends it the slice's gradient (backward)."""
+        b = self.batch * cols * BYTES
+        L = self.links
+        return [(f"{sharding_type}:ids", self.ids_bytes(pooling) * L.in_inv[rank]),
+                (f"{sharding_type}:fwd", b * L.out_inv[rank]),
+                (f"{sharding_type}:bwd", b * L.in_inv[rank])]
 
     def new_state(self) -> "CostState":
         return CostState(self)
@@ -209,13 +243,15 @@ class TopologyCostModel:
         """Whole-plan score. Table-/column-wise device-resident shards (the bulk) are summed per
         owner and their all-to-all applied as one matrix product; the rest go through ``add``."""
         st = self.new_state()
-        owner_bytes = np.zeros(self.world)  # ids + 2 x pooled slice bytes per owner
+        ids_bytes = {t: np.zeros(self.world) for t in _A2A}  # per owner, by sharding type
+        pooled_bytes = {t: np.zeros(self.world) for t in _A2A}
         lookup_bytes = np.zeros(self.world)
         pending: list[PlacedShard] = []  # consecutive shards of one non-A2A table, added together
         for s in shards:
             if s.sharding_type in _A2A and (self.cpu or s.kernel not in UVM_KERNELS):
                 st.mark_type(s.sharding_type)
-                owner_bytes[s.rank] += self.a2a_unit(s.cols, s.pooling)
+                ids_bytes[s.sharding_type][s.rank] += self.ids_bytes(s.pooling)
+                pooled_bytes[s.sharding_type][s.rank] += self.batch * s.cols * BYTES
                 lookup_bytes[s.rank] += st._lookup_bytes(s)
                 dev, host = st._memory(s)
                 st.hbm_bytes[s.rank] += dev
@@ -229,7 +265,12 @@ class TopologyCostModel:
                 pending.append(s)
         st.add_many(pending)
         st.lookup += lookup_bytes / self.mem_bw
-        st.comm += self.inv_bw.T @ owner_bytes + owner_bytes * self.inv_rowsum
+        L = self.links
+        for t in _A2A:
+            if ids_bytes[t].any() or pooled_bytes[t].any():
+                st.add_load(f"{t}:ids", ids_bytes[t] @ L.in_inv)
+                st.add_load(f"{t}:fwd", pooled_bytes[t] @ L.out_inv)
+                st.add_load(f"{t}:bwd", pooled_bytes[t] @ L.in_inv)
         return st.cost()
 
     def score(self, plan: list[ShardingOption]) -> PlanCost:
@@ -258,11 +299,13 @@ class TopologyCostModel:
 
 @dataclass
 class CostState:
-    """Per-rank accumulators, for scoring and for incremental (greedy) placement."""
+    """Per-rank lookup and host-traffic accumulators, per-phase directed-link loads (seconds) of
+    the collectives, for scoring and for incremental (greedy) placement."""
 
     model: TopologyCostModel
     lookup: np.ndarray = field(init=False)
-    comm: np.ndarray = field(init=False)
+    loads: dict[str, np.ndarray] = field(init=False)  # phase -> seconds on each directed link
+    latency: float = field(init=False)  # the collectives' latency of the sharding types present
     res_bytes: np.ndarray = field(init=False)
     rank_res: list[set[int]] = field(init=False)
     hbm_bytes: np.ndarray = field(init=False)
@@ -273,7 +316,8 @@ class CostState:
     def __post_init__(self) -> None:
         w = self.model.world
         self.lookup = np.zeros(w)
-        self.comm = np.zeros(w)
+        self.loads = {}
+        self.latency = 0.0
         self.res_bytes = np.zeros(len(self.model.res_bw) + 8 * len(self.model.topo.hosts) + 8)
         self.rank_res = [set() for _ in range(w)]
         self.hbm_bytes = np.zeros(w)
@@ -285,10 +329,30 @@ class CostState:
         """The first shard of a sharding type brings its collectives' latency to every rank."""
         if sharding_type not in self.types:
             self.types.add(sharding_type)
-            self.comm += self.model.type_latency(sharding_type)
+            self.latency += self.model.type_latency(sharding_type)
 
     def new_type_latency(self, sharding_type: str) -> float:
         return 0.0 if sharding_type in self.types else self.model.type_latency(sharding_type)
+
+    def add_load(self, phase: str, v: np.ndarray) -> None:
+        cur = self.loads.get(phase)
+        if cur is None:
+            self.loads[phase] = np.array(v, dtype=np.float64)
+        else:
+            cur += v
+
+    def load(self, phase: str) -> np.ndarray:
+        cur = self.loads.get(phase)
+        return np.zeros(self.model.links.count) if cur is None else cur
+
+    def comm_time(self) -> float:
+        """Every phase's busiest directed link, plus the collectives' latency."""
+        return self.latency + sum(float(v.max(initial=0.0)) for v in self.loads.values())
+
+    @property
+    def comm(self) -> np.ndarray:
+        """The collectives' time as seen by each rank (the same for all: they wait for each other)."""
+        return np.full(self.model.world, self.comm_time())
 
     # traffic and comm of one shard ---------------------------------------------------------------
 
@@ -309,48 +373,39 @@ class CostState:
         lf = DEFAULT_LOAD_FACTOR if s.load_factor is None else s.load_factor
         return max(0.0, 1.0 - lf)
 
-    def _comm_vector(self, s: PlacedShard) -> np.ndarray | float:
-        """Comm seconds this shard adds to every rank (vector) given its rank."""
+    def shard_loads(self, s: PlacedShard) -> list[tuple[str, np.ndarray]]:
+        """The directed-link loads (seconds) this shard's collectives add, by phase."""
         m, w, r = self.model, self.model.world, s.rank
-        b = m.batch * s.cols * BYTES  # one rank's pooled slice of this shard, one direction
+        L = m.links
         idb = m.ids_bytes(s.pooling)  # one rank's ids for this table
         st = s.sharding_type
-        if st in ("table_wise", "column_wise", "table_column_wise"):
-            u = m.a2a_unit(s.cols, s.pooling)  # ids in, forward out, backward in, as seen by each peer
-            v = u * m.inv_bw[r]
-            v[r] = u * m.inv_rowsum[r]
-            return v
+        if st in _A2A:
+            return m.a2a_loads(st, r, s.cols, s.pooling)
         if st == "row_wise":
             g = s.group or tuple(range(w))
             n = len(g)
-            # this shard's 1/n share of the ring reduce-scatter + all-gather of [B*W, cols], and of
-            # the ids each rank bucketizes over the group (lengths go to every member)
-            bw = m.group_min_bw(g)
-            t = 2 * (m.batch * w * s.cols * BYTES) * (n - 1) / n / bw / n
-            t += 2 * (idb - m.batch * LENGTH_BYTES + n * m.batch * LENGTH_BYTES) * (n - 1) / n / bw / n
-            v = np.zeros(w)
-            v[list(g)] = t
-            return v
+            d = m.batch * w * s.cols * BYTES  # the pooled partial sums every member reduce-scatters
+            frac = s.rows / max(1, s.table_rows)
+            # every rank sends this shard its share of the ids (bucketized) and all the lengths
+            ids = (idb - m.batch * LENGTH_BYTES) * frac + m.batch * LENGTH_BYTES
+            ring = L.pair_inv(r, m.ring_next(g, r)) * ((n - 1) / n * d) if n > 1 else np.zeros(L.count)
+            return [("row_wise:ids", ids * L.in_inv[r]), ("row_wise:fwd", ring), ("row_wise:bwd", ring)]
         if st == "table_row_wise":
             g = s.group or m.host_ranks[m.host_of[r]]
             n = len(g)
-            # the whole ring reduce-scatter + all-gather inside the host, on this shard's rank
-            t = 2 * (m.batch * w * s.cols * BYTES) * (n - 1) / n / m.group_min_bw(g)
-            part = b / n  # this rank's slice of the host-reduced output, to every rank off-host
-            off = m.host_of != m.host_of[r]
-            v = (idb / n) * m.inv_bw[r]  # every rank's ids, bucketized over the host's n ranks
-            v[r] = (idb / n) * m.inv_rowsum[r]
-            v[off] += 2 * part * m.inv_bw[r][off]
-            v[r] += t + 2 * part * m.inv_bw[r][off].sum()
-            return v
+            d = m.batch * w * s.cols * BYTES
+            part = m.batch * s.cols * BYTES / n  # this rank's slice of the host-reduced output
+            ring = L.pair_inv(r, m.ring_next(g, r)) * ((n - 1) / n * d) if n > 1 else np.zeros(L.count)
+            return [("table_row_wise:ids", (idb / n) * L.in_inv[r]),
+                    ("table_row_wise:fwd_rs", ring), ("table_row_wise:fwd_a2a", part * L.out_off_inv[r]),
+                    ("table_row_wise:bwd_a2a", part * L.in_off_inv[r]), ("table_row_wise:bwd_ag", ring)]
         if st == "data_parallel":
             g = s.group or tuple(range(w))
             n = len(g)
-            t = 2 * (n - 1) / n * s.rows * s.cols * BYTES / m.group_min_bw(g) if n > 1 else 0.0
-            v = np.zeros(w)
-            v[r] = t
-            return v
-        return 0.0
+            if n <= 1:
+                return []
+            return [("data_parallel:allreduce", L.pair_inv(r, m.ring_next(g, r)) * (2 * (n - 1) / n * s.rows * s.cols * BYTES))]
+        return []
 
     def _memory(self, s: PlacedShard) -> tuple[float, float]:
         """(device bytes, host bytes): weights + row-wise optimizer state."""
@@ -384,7 +439,8 @@ class CostState:
         lb = self._lookup_bytes(s)
         hf = self._host_fraction(s)
         self.lookup[s.rank] += lb * (1 - hf) / m.mem_bw[s.rank]
-        self.comm += self._comm_vector(s)
+        for phase, v in self.shard_loads(s):
+            self.add_load(phase, v)
         dev, host = self._memory(s)
         self.hbm_bytes[s.rank] += dev
         self.host_bytes[s.rank] += host
@@ -396,28 +452,44 @@ class CostState:
                 self.res_bytes[path] += lb * hf
                 self.rank_res[s.rank].update(path)
 
-    def twrw_delta(self, protos: list[PlacedShard], ranks: list[int]) -> np.ndarray:
-        """Rank-time change if the device-resident table-row-wise shards ``protos`` (ranks
-        ignored) went to ``ranks`` (one host, shard i on ranks[i]): lookups plus the ``add``
-        comm of each shard, summed in closed form."""
+    def twrw_loads(self, protos: list[PlacedShard], ranks: list[int]) -> tuple[np.ndarray, list[tuple[str, np.ndarray]]]:
+        """(lookup seconds per rank, link loads by phase) that the device-resident table-row-wise
+        shards ``protos`` (ranks ignored) add if shard i goes to ``ranks[i]`` (one host), in
+        closed form: the same as adding them one by one."""
         m, w = self.model, self.model.world
+        L = m.links
         s0 = protos[0]
         n = len(ranks)
         r = np.asarray(ranks)
-        b = m.batch * s0.cols * BYTES
-        t = 2 * (m.batch * w * s0.cols * BYTES) * (n - 1) / n / m.group_min_bw(tuple(ranks))
-        part = b / n
-        off = m.host_of != m.host_of[r[0]]
-        ib = m.inv_bw[r][:, off]  # [n, off-host ranks]
+        g = tuple(int(x) for x in ranks)
+        d = m.batch * w * s0.cols * BYTES
+        part = m.batch * s0.cols * BYTES / n
+        ring = m.ring_inv(g) * ((n - 1) / n * d) if n > 1 else np.zeros(L.count)
         idb = m.ids_bytes(s0.pooling) / n
-        delta = np.full(w, self.new_type_latency("table_row_wise"))
-        delta += idb * m.inv_bw[r].sum(axis=0)
-        delta[r] += idb * m.inv_rowsum[r]
-        delta[off] += 2 * part * ib.sum(axis=0)
+        loads = [("table_row_wise:ids", idb * L.in_inv[r].sum(axis=0)), ("table_row_wise:fwd_rs", ring),
+                 ("table_row_wise:fwd_a2a", part * L.out_off_inv[r].sum(axis=0)),
+                 ("table_row_wise:bwd_a2a", part * L.in_off_inv[r].sum(axis=0)), ("table_row_wise:bwd_ag", ring)]
         rows = np.fromiter((p.rows for p in protos), dtype=np.float64, count=n)
+        lk = np.zeros(w)
         lb = LOOKUP_PASSES * m.batch * w * s0.pooling * m.row_bytes(s0.cols) * rows / max(1, s0.table_rows)
-        np.add.at(delta, r, t + 2 * part * ib.sum(axis=1) + lb / m.mem_bw[r])
-        return delta
+        np.add.at(lk, r, lb / m.mem_bw[r])
+        return lk, loads
+
+    def step_time_with(self, lookup_delta: np.ndarray, loads: list[tuple[str, np.ndarray]], new_type: str | None = None) -> tuple[float, float]:
+        """(step time, spread) if the given lookups and link loads were added; spread (sum of
+        squares of rank and link times) breaks ties towards even loads."""
+        lk = self.lookup + self.host_io() + lookup_delta
+        comm = self.comm_time() + (self.new_type_latency(new_type) if new_type else 0.0)
+        spread = float((lk * lk).sum())
+        merged: dict[str, np.ndarray] = {}
+        for phase, v in loads:
+            merged[phase] = merged.get(phase, 0.0) + v
+        for phase, v in merged.items():
+            cur = self.loads.get(phase)
+            new = v if cur is None else cur + v
+            comm += float(new.max(initial=0.0)) - (0.0 if cur is None else float(cur.max(initial=0.0)))
+            spread += float((new * new).sum())
+        return float(lk.max(initial=0.0)) + comm, spread
 
     def add_many(self, shards: list[PlacedShard]) -> None:
         """``add`` for the shards of one row-wise or data-parallel table at once (same result up to
@@ -427,20 +499,31 @@ class CostState:
             return
         s0 = shards[0]
         if (len(shards) < 4 or m.cpu or s0.kernel in UVM_KERNELS or s0.sharding_type not in ("row_wise", "data_parallel")
-                or any(s.table != s0.table or s.cols != s0.cols or s.group != s0.group for s in shards)):
+                or any(s.table != s0.table or s.cols != s0.cols or s.group != s0.group for s in shards)
+                or (s0.group and len(shards) != len(s0.group))):
             for s in shards:
                 self.add(s)
             return
         self.mark_type(s0.sharding_type)
+        L = m.links
+        w = m.world
         ranks = np.fromiter((s.rank for s in shards), dtype=np.int64, count=len(shards))
         rows = np.fromiter((s.rows for s in shards), dtype=np.float64, count=len(shards))
+        g = s0.group or tuple(range(w))
+        n = len(g)
         if s0.sharding_type == "data_parallel":
             lb = np.full(len(shards), LOOKUP_PASSES * m.batch * s0.pooling * m.row_bytes(s0.cols))
-            t = self._comm_vector(s0)[s0.rank]  # the same all-reduce on every rank of the group
-            np.add.at(self.comm, ranks, t)
+            if n > 1:
+                self.add_load("data_parallel:allreduce", m.ring_inv(g) * (2 * (n - 1) / n * s0.rows * s0.cols * BYTES))
         else:
-            lb = LOOKUP_PASSES * m.batch * m.world * s0.pooling * m.row_bytes(s0.cols) * rows / max(1, s0.table_rows)
-            self.comm += len(shards) * self._comm_vector(s0)
+            lb = LOOKUP_PASSES * m.batch * w * s0.pooling * m.row_bytes(s0.cols) * rows / max(1, s0.table_rows)
+            idb = m.ids_bytes(s0.pooling)
+            ids = (idb - m.batch * LENGTH_BYTES) * rows / max(1, s0.table_rows) + m.batch * LENGTH_BYTES
+            self.add_load("row_wise:ids", ids @ L.in_inv[ranks])
+            if n > 1:
+                ring = m.ring_inv(g) * ((n - 1) / n * m.batch * w * s0.cols * BYTES)
+                self.add_load("row_wise:fwd", ring)
+                self.add_load("row_wise:bwd", ring)
         np.add.at(self.lookup, ranks, lb / m.mem_bw[ranks])
         np.add.at(self.hbm_bytes, ranks, rows * s0.cols * BYTES + rows * BYTES)
 
@@ -457,42 +540,79 @@ class CostState:
         return np.array([max((t[i] for i in rr), default=0.0) for rr in self.rank_res])
 
     def rank_time(self) -> np.ndarray:
-        return self.lookup + self.host_io() + self.comm
+        """Each rank's lookups and host traffic, plus the collectives' time (the same for all):
+        its max is the step time."""
+        return self.lookup + self.host_io() + self.comm_time()
+
+    def step_time(self) -> float:
+        return float(self.rank_time().max(initial=0.0))
+
+    def spread(self) -> float:
+        lk = self.lookup + self.host_io()
+        return float((lk * lk).sum()) + sum(float((v * v).sum()) for v in self.loads.values())
 
     def cost(self) -> PlanCost:
+        m = self.model
         io = self.host_io()
-        rt = self.lookup + io + self.comm
-        return PlanCost(float(rt.max(initial=0.0)), rt, self.lookup.copy(), io, self.comm.copy(), self.hbm_bytes.copy(), self.host_bytes.copy())
+        comm_time = self.comm_time()
+        attributed = np.full(m.world, self.latency)
+        phases = {}
+        for phase, v in self.loads.items():
+            k = int(np.argmax(v)) if len(v) else 0
+            phases[phase] = (m.links.names[k] if len(v) else "", float(v.max(initial=0.0)))
+            for r in range(m.world):
+                a = m.attached[r]
+                attributed[r] += float(v[a].max(initial=0.0)) if len(a) else 0.0
+        base = self.lookup + io
+        rt = base + attributed
+        return PlanCost(float(base.max(initial=0.0)) + comm_time, rt, self.lookup.copy(), io, attributed,
+                        self.hbm_bytes.copy(), self.host_bytes.copy(), comm_time, phases)
 
     # greedy support ------------------------------------------------------------------------------
 
     def candidate_step_times(self, proto: PlacedShard, candidates: list[int]) -> np.ndarray:
         """The modeled step time if ``proto`` (its rank ignored) were placed on each candidate.
-        Vectorized for device-resident shards; host-memory shards are evaluated one by one."""
+        Vectorized for device-resident table-/column-wise shards; others are evaluated one by one."""
+        return self.candidate_scores(proto, candidates)[0]
+
+    def candidate_scores(self, proto: PlacedShard, candidates: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(step time, spread) for ``proto`` on each candidate (see ``step_time_with``)."""
         m = self.model
-        base = self.rank_time()
         cand = np.asarray(candidates)
         hf = self._host_fraction(proto)
-        if hf == 0.0 and proto.sharding_type in ("table_wise", "column_wise", "table_column_wise"):
-            b = m.a2a_unit(proto.cols, proto.pooling)
+        if hf == 0.0 and proto.sharding_type in _A2A:
+            L = m.links
+            base = self.lookup + self.host_io()
             lb = self._lookup_bytes(proto)
-            base = base + self.new_type_latency(proto.sharding_type)
-            mat = base[None, :] + b * m.inv_bw[cand]  # [cand, world]
-            own = base[cand] + lb / m.mem_bw[cand] + b * m.inv_rowsum[cand]
-            mat[np.arange(len(cand)), cand] = own
-            return mat.max(axis=1)
-        out = np.empty(len(cand))
+            own = base[cand] + lb / m.mem_bw[cand]
+            lk_max = np.maximum(base.max(initial=0.0), own)
+            spread = float((base * base).sum()) - base[cand] ** 2 + own ** 2
+            comm = np.full(len(cand), self.comm_time() + self.new_type_latency(proto.sharding_type))
+            b = m.batch * proto.cols * BYTES
+            t = proto.sharding_type
+            for phase, coef, mat in ((f"{t}:ids", m.ids_bytes(proto.pooling), L.in_inv), (f"{t}:fwd", b, L.out_inv),
+                                     (f"{t}:bwd", b, L.in_inv)):
+                cur = self.load(phase)
+                new = cur[None, :] + coef * mat[cand]
+                comm += new.max(axis=1) - cur.max(initial=0.0)
+                spread += (new * new).sum(axis=1) - float((cur * cur).sum())
+            for phase, v in self.loads.items():
+                if not phase.startswith(f"{t}:"):
+                    spread += float((v * v).sum())
+            return lk_max + comm, spread
+        steps, spreads = np.empty(len(cand)), np.empty(len(cand))
         for k, r in enumerate(cand):
             trial = self.copy()
             trial.add(_with_rank(proto, int(r)))
-            out[k] = trial.rank_time().max()
-        return out
+            steps[k], spreads[k] = trial.step_time(), trial.spread()
+        return steps, spreads
 
     def copy(self) -> "CostState":
         c = CostState.__new__(CostState)
         c.model = self.model
         c.lookup = self.lookup.copy()
-        c.comm = self.comm.copy()
+        c.loads = {k: v.copy() for k, v in self.loads.items()}
+        c.latency = self.latency
         c.res_bytes = self.res_bytes.copy()
         c.rank_res = [set(x) for x in self.rank_res]
         c.hbm_bytes = self.hbm_bytes.copy()

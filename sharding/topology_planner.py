@@ -71,7 +71,7 @@ from torchrec.distributed.types import CacheStatistics, ModuleSharder, ShardingP
 from sharding.balance_proposer import BalanceProposer, BestPlanTracker
 from sharding.bandwidth import host_to_gpu_bandwidth
 from sharding.cache_sizing import DEFAULT_TARGET_HIT_RATE, apply_cache_stats, saturation_load_factor
-from sharding.constants import DEFAULT_LOAD_FACTOR, MAX_CACHE_LOAD_FACTOR, MODEL_PARALLEL_TYPES, UNIFORM_TYPES, UVM_KERNELS
+from sharding.constants import A2A_TYPES, DEFAULT_LOAD_FACTOR, MAX_CACHE_LOAD_FACTOR, MODEL_PARALLEL_TYPES, UNIFORM_TYPES, UVM_KERNELS
 from sharding.cost_model import CostState, PlacedShard, TopologyCostModel, TopologyPerfModel, placed_from_option
 from sharding.cost_model import with_all_ranks as _with_all_ranks
 from sharding.tables import table_configs
@@ -221,8 +221,7 @@ class TopologyPartitioner(Partitioner):
                 raise fail(so, f"{len(so.shards)} shards for {lw} ranks per host")
             best = None
             fast = nh > 1 and not m.cpu and so.compute_kernel not in UVM_KERNELS
-            if fast:  # device-resident: the rank-time change on each host in closed form, no trial states
-                base = st.rank_time()
+            if fast:  # device-resident: the step time on each host in closed form, no trial states
                 protos = placed_from_option(_with_all_ranks(so, 0))
             for h in range(nh):
                 ranks = list(range(h * lw, (h + 1) * lw))
@@ -231,8 +230,8 @@ class TopologyPartitioner(Partitioner):
                 if sum(sh.storage.ddr for sh in so.shards) > host_free[h]:
                     continue
                 if fast:
-                    t = base + st.twrw_delta(protos, ranks)
-                    key = (round(float(t.max()), 12), float(t.sum()), h)
+                    step, spread = st.step_time_with(*st.twrw_loads(protos, ranks), "table_row_wise")
+                    key = (round(step, 12), spread, h)
                     if best is None or key < best[0]:
                         best = (key, h, None)
                     continue
@@ -248,8 +247,7 @@ class TopologyPartitioner(Partitioner):
                     sh.rank = r
                 for p in placed_from_option(so):
                     trial.add(p)
-                t = trial.rank_time()
-                key = (round(float(t.max()), 12), float(t.sum()), h)
+                key = (round(trial.step_time(), 12), trial.spread(), h)
                 if best is None or key < best[0]:
                     best = (key, h, trial)
             if best is None:
@@ -291,69 +289,104 @@ REFINE_SWAP_WORLD = 64  # swaps (pairs of shards) only up to this many ranks; mo
 
 def refine_placement(st: CostState, options: list[ShardingOption], hbm_free: np.ndarray, host_of: np.ndarray) -> int:
     """Local search after the greedy placement: move one device-resident table-/column-wise
-    shard to another rank, or swap one on the slowest rank with one elsewhere, while that lowers
-    the modeled step time (or keeps it and lowers the sum of squared rank times, i.e. evens the
-    ranks out). Beyond ``REFINE_SWAP_WORLD`` ranks only moves off the slowest rank are tried.
+    shard to another rank, or swap one on the bottleneck rank with one elsewhere, while that
+    lowers the modeled step time (or keeps it and lowers the spread: the sum of squared rank and
+    directed-link times, i.e. evens the loads out). Beyond ``REFINE_SWAP_WORLD`` ranks only moves
+    off the bottleneck rank are tried (the rank whose lookups plus its own links' busiest loads
+    are highest).
 
     Greedy placement (heaviest first, each shard where the step grows least) settles early
     shards before it knows the rest; on 26 Criteo tables on 16 ranks it ended ~7% above
-    torchrec's own greedy placement, which this recovers. Such a shard's share of every rank's
-    time depends on its rank only (``a2a_unit`` x inverse pair bandwidths + its lookups), so a
-    move is scored in closed form. Returns the number of moves and swaps made; the shards' ranks
-    and ``hbm_free`` are updated, ``st`` is not (the caller rescores the plan)."""
+    torchrec's own greedy placement, which this recovers. A shard's lookups and directed-link
+    loads depend on its rank only (``a2a_loads``), so a move is scored in closed form. Returns
+    the number of moves and swaps made; the shards' ranks and ``hbm_free`` are updated, ``st`` is
+    not (the caller rescores the plan)."""
     m = st.model
     w = m.world
-    items = []  # (option, shard, unit bytes, lookup bytes)
+    L = m.links
+    items = []  # (option, shard, ids bytes, pooled bytes, lookup bytes)
     for so in options:
-        if so.sharding_type not in ("table_wise", "column_wise", "table_column_wise") or so.compute_kernel != "fused":
+        if so.sharding_type not in A2A_TYPES or so.compute_kernel != "fused":
             continue
         for proto, sh in zip(placed_from_option(_with_all_ranks(so, 0)), so.shards):
-            items.append((so, sh, m.a2a_unit(proto.cols, proto.pooling), st._lookup_bytes(proto)))
+            items.append((so, sh, m.ids_bytes(proto.pooling), m.batch * proto.cols * 4.0, st._lookup_bytes(proto)))
     if len(items) < 2:
         return 0
-    unit = np.array([it[2] for it in items])
-    lkb = np.array([it[3] for it in items])
+    types = sorted({it[0].sharding_type for it in items})
+    ttype = np.array([types.index(it[0].sharding_type) for it in items])
+    idb = np.array([it[2] for it in items])
+    pooled = np.array([it[3] for it in items])
+    lkb = np.array([it[4] for it in items])
     hbm = np.array([float(it[1].storage.hbm) for it in items])
     rank = np.array([int(it[1].rank) for it in items])
     tcw = np.array([it[0].sharding_type == "table_column_wise" for it in items])
+    # the phases the items load: (type index, coefficient per item, link matrix per rank)
+    phases = []
+    for ti, t in enumerate(types):
+        for stage, coef, mat in (("ids", idb, L.in_inv), ("fwd", pooled, L.out_inv), ("bwd", pooled, L.in_inv)):
+            phases.append((ti, f"{t}:{stage}", coef, mat))
+    loads = [st.load(name).copy() for _, name, _, _ in phases]
+    comm_other = st.comm_time() - sum(float(v.max(initial=0.0)) for v in loads)
+    lk = st.lookup + st.host_io()
+    chunk_trials = max(1, int(2e6 // max(1, L.count)))
 
-    def at(idx: np.ndarray, r: np.ndarray) -> np.ndarray:
-        """[len(idx), world]: item idx[n]'s share of each rank's time if it sat on rank r[n]."""
-        v = unit[idx, None] * m.inv_bw[r]
-        v[np.arange(len(idx)), r] = unit[idx] * m.inv_rowsum[r] + lkb[idx] / m.mem_bw[r]
-        return v
+    def evaluate(moves: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+        """(step, spread) of trials, each the same-index entries of ``moves``: (items, from, to)."""
+        n = len(moves[0][0])
+        lks = np.repeat(lk[None, :], n, axis=0)
+        rows = np.arange(n)
+        for i, a, b in moves:
+            np.add.at(lks, (rows, a), -lkb[i] / m.mem_bw[a])
+            np.add.at(lks, (rows, b), lkb[i] / m.mem_bw[b])
+        step = lks.max(axis=1) + comm_other
+        spread = (lks * lks).sum(axis=1)
+        for (ti, _, coef, mat), cur in zip(phases, loads):
+            hit = [(i, a, b) for i, a, b in moves if (ttype[i] == ti).any()]
+            if not hit:
+                step += float(cur.max(initial=0.0))
+                spread += float((cur * cur).sum())
+                continue
+            new = np.repeat(cur[None, :], n, axis=0)
+            for i, a, b in hit:
+                c = np.where(ttype[i] == ti, coef[i], 0.0)[:, None]
+                new += c * (mat[b] - mat[a])
+            step += new.max(axis=1)
+            spread += (new * new).sum(axis=1)
+        return np.round(step, 12), spread
 
-    def best_of(trials: np.ndarray) -> tuple[int, tuple[float, float]]:
-        mx = np.round(trials.max(axis=-1), 12)
-        ssq = (trials * trials).sum(axis=-1)
-        k = int(np.lexsort((ssq, mx))[0])
-        return k, (float(mx[k]), float(ssq[k]))
+    def apply(i: int, a: int, b: int) -> None:
+        lk[a] -= lkb[i] / m.mem_bw[a]
+        lk[b] += lkb[i] / m.mem_bw[b]
+        for (ti, _, coef, mat), cur in zip(phases, loads):
+            if ttype[i] == ti:
+                cur += coef[i] * (mat[b] - mat[a])
 
-    rt = st.rank_time()
+    def bottleneck() -> int:
+        att = lk.copy()
+        for cur in loads:
+            att += np.array([float(cur[a].max(initial=0.0)) if len(a) else 0.0 for a in m.attached])
+        return int(np.argmax(att))
+
+    cur_key = evaluate([(np.array([0]), np.array([rank[0]]), np.array([rank[0]]))])
+    cur = (float(cur_key[0][0]), float(cur_key[1][0]))
     changes = 0
     all_ranks = np.arange(w)
     for _ in range(REFINE_MAX_MOVES):
-        cur = (round(float(rt.max()), 12), float((rt * rt).sum()))
-        slow = int(np.argmax(rt))
+        slow = bottleneck()
         best = None
-        # moves: every shard on small clusters (moving a table between hosts relieves the other
-        # host's receivers, not its own rank); only the slowest rank's beyond REFINE_SWAP_WORLD
         movers = np.arange(len(items)) if w <= REFINE_SWAP_WORLD else np.flatnonzero(rank == slow)
-        for chunk in np.array_split(movers, max(1, len(movers) // 128)):
-            if not len(chunk):
-                continue
-            base = rt[None, :] - at(chunk, rank[chunk])  # [I, world]
-            idx = np.repeat(chunk, w)
-            dest = np.tile(all_ranks, len(chunk))
-            trials = np.repeat(base, w, axis=0) + at(idx, dest)  # [I * world, world]
-            ok = (dest != rank[idx]) & (hbm[idx] <= hbm_free[dest])
-            ok &= ~tcw[idx] | (host_of[dest] == host_of[rank[idx]])
-            if not ok.any():
-                continue
-            trials = trials[ok]
-            k, key = best_of(trials)
+        idx = np.repeat(movers, w)
+        dest = np.tile(all_ranks, len(movers))
+        ok = (dest != rank[idx]) & (hbm[idx] <= hbm_free[dest])
+        ok &= ~tcw[idx] | (host_of[dest] == host_of[rank[idx]])
+        idx, dest = idx[ok], dest[ok]
+        for lo in range(0, len(idx), chunk_trials):
+            i, d = idx[lo:lo + chunk_trials], dest[lo:lo + chunk_trials]
+            step, spread = evaluate([(i, rank[i], d)])
+            k = int(np.lexsort((spread, step))[0])
+            key = (float(step[k]), float(spread[k]))
             if best is None or key < best[0]:
-                best = (key, ("move", int(idx[ok][k]), int(dest[ok][k])), trials[k])
+                best = (key, ("move", int(i[k]), int(d[k])))
         if w <= REFINE_SWAP_WORLD:
             others = np.flatnonzero((rank != slow) & ~tcw)
             for i in np.flatnonzero((rank == slow) & ~tcw):
@@ -362,27 +395,31 @@ def refine_placement(st: CostState, options: list[ShardingOption], hbm_free: np.
                 r2 = rank[others]
                 fit = (hbm[i] <= hbm_free[r2] + hbm[others]) & (hbm[others] <= hbm_free[slow] + hbm[i])
                 js, r2 = others[fit], r2[fit]
-                if not len(js):
-                    continue
-                ii = np.full(len(js), i)
-                trials = (rt[None, :] - at(ii, np.full(len(js), slow)) - at(js, r2)
-                          + at(ii, r2) + at(js, np.full(len(js), slow)))
-                k, key = best_of(trials)
-                if best is None or key < best[0]:
-                    best = (key, ("swap", int(i), int(js[k])), trials[k])
+                for lo in range(0, len(js), chunk_trials):
+                    j, rj = js[lo:lo + chunk_trials], r2[lo:lo + chunk_trials]
+                    ii = np.full(len(j), i)
+                    sl = np.full(len(j), slow)
+                    step, spread = evaluate([(ii, sl, rj), (j, rj, sl)])
+                    k = int(np.lexsort((spread, step))[0])
+                    key = (float(step[k]), float(spread[k]))
+                    if best is None or key < best[0]:
+                        best = (key, ("swap", int(i), int(j[k])))
         if best is None or not best[0] < (cur[0], cur[1] * (1 - 1e-9)):
             break
         kind, i, x = best[1]
         if kind == "move":
             hbm_free[rank[i]] += hbm[i]
             hbm_free[x] -= hbm[i]
+            apply(i, int(rank[i]), x)
             rank[i] = x
         else:
             r2 = int(rank[x])
             hbm_free[slow] += hbm[i] - hbm[x]
             hbm_free[r2] += hbm[x] - hbm[i]
+            apply(i, slow, r2)
+            apply(x, r2, slow)
             rank[i], rank[x] = r2, slow
-        rt = best[2]
+        cur = best[0]
         changes += 1
     if changes:
         for it, r in zip(items, rank):
@@ -391,23 +428,13 @@ def refine_placement(st: CostState, options: list[ShardingOption], hbm_free: np.
 
 
 def _pick(st: CostState, proto: PlacedShard, cands: list[int]) -> int:
-    """The candidate with the lowest resulting step time; ties: lowest resulting sum of rank
-    times (spreads host traffic over switches), then lowest rank."""
-    m = st.model
+    """The candidate with the lowest resulting step time; ties: the lowest resulting spread (sum
+    of squared rank and link times: evens loads, spreads host traffic over switches), then the
+    lowest rank."""
     if len(cands) == 1:
         return cands[0]
     c = np.asarray(cands)
-    maxes = st.candidate_step_times(proto, cands)
-    if proto.kernel in UVM_KERNELS and not m.cpu:
-        sums = np.empty(len(c))
-        for k, r in enumerate(c):
-            trial = st.copy()
-            trial.add(dataclasses.replace(proto, rank=int(r)))
-            sums[k] = trial.rank_time().sum()
-    else:
-        base = st.rank_time()
-        b = m.a2a_unit(proto.cols, proto.pooling)
-        sums = base.sum() + b * m.inv_bw[c].sum(axis=1) + b * m.inv_rowsum[c] + st._lookup_bytes(proto) / m.mem_bw[c]
+    maxes, sums = st.candidate_scores(proto, cands)
     lo = maxes.min()
     tol = 1e-9 * max(lo, 1e-12)
     ok = maxes <= lo + tol

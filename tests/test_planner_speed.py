@@ -71,11 +71,15 @@ def test_add_many_equals_adds(sharding_type):
     for s in shards:
         one.add(s)
     many.add_many(shards)
-    for f in ("lookup", "comm", "hbm_bytes", "host_bytes"):
+    for f in ("lookup", "hbm_bytes", "host_bytes"):
         assert np.allclose(getattr(one, f), getattr(many, f), rtol=1e-12, atol=0), f
+    assert sorted(one.loads) == sorted(many.loads)
+    for phase in one.loads:
+        assert np.allclose(one.loads[phase], many.loads[phase], rtol=1e-12, atol=0), phase
+    assert one.comm_time() == pytest.approx(many.comm_time(), rel=1e-12)
 
 
-def test_twrw_delta_equals_trial_adds():
+def test_twrw_loads_equal_trial_adds():
     cm = TopologyCostModel(load_topology("pcie-8gpu-2socket"), 512)
     cm2 = TopologyCostModel(load_topology("dgx-a100-2host"), 512)
     for m in (cm, cm2):
@@ -88,7 +92,11 @@ def test_twrw_delta_equals_trial_adds():
             trial = st.copy()
             for s in shards:
                 trial.add(s)
-            assert np.allclose(st.rank_time() + st.twrw_delta(shards, ranks), trial.rank_time(), rtol=1e-12)
+            lk, loads = st.twrw_loads(shards, ranks)
+            assert np.allclose(st.lookup + lk, trial.lookup, rtol=1e-12)
+            step, spread = st.step_time_with(lk, loads, "table_row_wise")
+            assert step == pytest.approx(trial.step_time(), rel=1e-12)
+            assert spread == pytest.approx(trial.spread(), rel=1e-12)
 
 
 def test_greedy_patience():

@@ -154,9 +154,11 @@ def test_training_with_topology_planner(tmp_path):
 
 
 def test_cost_model_charges_ids_and_collective_latency():
-    """One table-wise shard on rank 1 of an 8-GPU NVSwitch host, by hand: rank 0 pays its ids to
-    the owner, the pooled output back, its gradient out, over the NVLink pair bandwidth, plus the
-    latency of the table-wise collectives (5 per step)."""
+    """One table-wise shard on rank 1 of an 8-GPU NVSwitch host, by hand: every other rank sends
+    the owner its ids, the owner sends each its pooled output, each sends its gradient back.
+    The owner's NVLink egress carries 7 pooled slices forward, its ingress 7 ids and 7 gradients
+    (two phases): each phase costs its busiest directed link, plus the latency of the table-wise
+    collectives (5 per step)."""
     from sharding.cost_model import COLLECTIVE_LATENCY_S
 
     topo = load_topology("dgx-a100")
@@ -166,14 +168,76 @@ def test_cost_model_charges_ids_and_collective_latency():
                         table_rows=1000, table_cols=cols, pooling=pooling)
     cost = cm.score_shards([shard])
     nvlink = 12 * 25e9  # 12 links x 25 GB/s per direction (the topology file)
-    per_peer = (2 * batch * cols * 4 + batch * (pooling * 8 + 4)) / nvlink
-    assert cm.bw[0, 1] == pytest.approx(nvlink)
-    assert cost.comm[0] == pytest.approx(5 * COLLECTIVE_LATENCY_S + per_peer, rel=1e-9)
-    assert cost.comm[1] == pytest.approx(5 * COLLECTIVE_LATENCY_S + 7 * per_peer, rel=1e-9)
+    pooled, ids = batch * cols * 4, batch * (pooling * 8 + 4)
+    comm = 5 * COLLECTIVE_LATENCY_S + 7 * (ids + 2 * pooled) / nvlink
+    assert cost.comm_time == pytest.approx(comm, rel=1e-9)
+    assert cost.step_time == pytest.approx(cost.lookup.max() + comm, rel=1e-9)
+    assert cost.phases["table_wise:fwd"][0] == "dgx-a100#0/gpu1.nvlink>out"
+    assert cost.phases["table_wise:bwd"] == ("dgx-a100#0/gpu1.nvlink>in", pytest.approx(7 * pooled / nvlink))
+    # attribution: rank 1's own links carry the busiest loads; rank 0 sends and gets one slice each
+    assert cost.comm[1] == pytest.approx(comm, rel=1e-9)
+    assert cost.comm[0] == pytest.approx(5 * COLLECTIVE_LATENCY_S + (ids + 2 * pooled) / nvlink, rel=1e-9)
     # a second sharding type pays its own collectives; a second table of the same type does not
     two = cm.score_shards([shard, dataclasses.replace(shard, table="u", rank=2)])
     mixed = cm.score_shards([shard, dataclasses.replace(shard, table="u", rank=2, sharding_type="column_wise")])
-    assert mixed.comm[0] - two.comm[0] == pytest.approx(5 * COLLECTIVE_LATENCY_S, rel=1e-6)
+    assert mixed.comm_time - two.comm_time == pytest.approx(5 * COLLECTIVE_LATENCY_S + 7 * (ids + 2 * pooled) / nvlink, rel=1e-6)
+
+
+DUO = """name: duo
+compute_device: cuda
+hosts:
+  - name: duo
+    gpus: {count: 2, model: X, hbm_gb: 80, hbm_bw_gb_s: 2000}
+    nvlink: {kind: nvswitch, link_gb_s: 25, links_per_gpu: 12}
+    pcie:
+      port_gb_s: 25
+      switches:
+        - {name: sw0, numa: 0, uplink_gb_s: 25, gpus: [0, 1]}
+    numa_nodes:
+      - {index: 0, ddr_gb: 512, ddr_bw_gb_s: 200}
+"""
+
+
+def test_full_duplex_two_ranks_exchanging_equal_volumes(tmp_path):
+    """Two GPUs, one table each: each sends the other its pooled slice and gets the other's. A
+    link carries both directions at once, so the exchange takes one direction's bytes / bandwidth,
+    the same as one table alone; a half-duplex model (a rank's sends + receives) would say twice."""
+    from sharding.cost_model import COLLECTIVE_LATENCY_S
+
+    f = tmp_path / "duo.yaml"
+    f.write_text(DUO)
+    batch, cols, pooling = 1024, 128, 1.0
+    cm = TopologyCostModel(load_topology(str(f)), batch)
+    t = PlacedShard(table="t", sharding_type="table_wise", kernel="fused", rank=0, rows=100, cols=cols,
+                    table_rows=100, table_cols=cols, pooling=pooling)
+    one = cm.score_shards([t])
+    both = cm.score_shards([t, dataclasses.replace(t, table="u", rank=1)])
+    bw = 300e9
+    pooled, ids = batch * cols * 4, batch * (8 * pooling + 4)
+    by_hand = 5 * COLLECTIVE_LATENCY_S + (ids + pooled + pooled) / bw  # ids, forward, backward: one slice each way
+    assert one.comm_time == pytest.approx(by_hand, rel=1e-12)
+    assert both.comm_time == pytest.approx(by_hand, rel=1e-12)
+    half_duplex = 5 * COLLECTIVE_LATENCY_S + 2 * (ids + pooled + pooled) / bw
+    assert both.comm_time < half_duplex - 1e-7
+    # both tables on one rank: its egress carries two slices forward, its ingress two back
+    same = cm.score_shards([t, dataclasses.replace(t, table="u")])
+    assert same.comm_time == pytest.approx(5 * COLLECTIVE_LATENCY_S + 2 * (ids + 2 * pooled) / bw, rel=1e-12)
+
+
+def test_directed_paths_across_hosts_and_sockets():
+    """The directed links of a cross-host and a cross-socket transfer, in order."""
+    from sharding.links import build_links
+
+    L = build_links(load_topology("dgx-a100-2host"))
+    names = [L.names[i] for i in L.path[0][9]]
+    assert names == ["dgx-a100-0#0/sw0.port.gpu0>up", "dgx-a100-0#0/sw0.port.mlx5_0>down", "dgx-a100-0#0/mlx5_0>out",
+                     "network/dgx-a100-0#0/mlx5_0>out", "network/dgx-a100-1#1/mlx5_1>in", "dgx-a100-1#1/mlx5_1>in",
+                     "dgx-a100-1#1/sw0.port.mlx5_1>up", "dgx-a100-1#1/sw0.port.gpu1>down"]
+    back = [L.names[i] for i in L.path[9][0]]
+    assert not set(back) & set(names)  # the reverse direction shares no resource
+    P = build_links(load_topology("pcie-8gpu-2socket"))
+    assert [P.names[i].split("/")[1] for i in P.path[0][7]] == ["sw0.port.gpu0>up", "sw0.uplink>up", "socket0>1",
+                                                                "sw3.uplink>down", "sw3.port.gpu7>down"]
 
 
 def test_lower_bound_is_below_every_plan_and_tight_when_tables_balance():
