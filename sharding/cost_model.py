@@ -489,6 +489,7 @@ class CostState:
             new = v if cur is None else cur + v
             comm += float(new.max(initial=0.0)) - (0.0 if cur is None else float(cur.max(initial=0.0)))
             spread += float((new * new).sum())
+        spread += sum(float((v * v).sum()) for p, v in self.loads.items() if p not in merged)
         return float(lk.max(initial=0.0)) + comm, spread
 
     def add_many(self, shards: list[PlacedShard]) -> None:
