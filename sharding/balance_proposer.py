@@ -10,7 +10,7 @@ per-shard estimate rarely makes a greedy proposer pick it.
 ``BalanceProposer`` runs after the others. It starts from the best plan found so far (recorded by
 the planner's perf model, :class:`BestPlanTracker`), and hill-climbs. Neighbours of a plan, in
 order: every table whole but ``j`` of them (the slowest rank's first) cut into ``k`` column shards,
-those whose shard count divides the world first (26 tables on 8 ranks: 2 tables in 4); then, for
+those that even out the columns per rank first (26 tables on 8 ranks: 2 tables in 4); then, for
 each table with a shard on the slowest rank (by the cost model), that table's option replaced by
 one of the same kernel cut into more shards. It keeps a proposal the partitioner + cost model
 rate better and stops after ``patience`` proposals in a row that are not.
@@ -132,8 +132,9 @@ class BalanceProposer(Proposer):
     def _group_cuts(self, plan: list[ShardingOption], tables: list[str]) -> list[list[ShardingOption]]:
         """Plans with every table-/column-wise table whole but ``j`` of them (the bottleneck's
         first) cut into ``k`` column shards, all column-wise: with near-equal tables one cut
-        never helps (it moves a table's worth of load around) while ``j`` cuts that make the
-        shard count a multiple of the world can. Those come first, fewest shards first."""
+        never helps (it moves a table's worth of load around) while ``j`` cuts that even out the
+        columns per rank can. Those come first: by the most columns a rank gets when the shards
+        are spread widest first over the least loaded rank (``_makespan``), then fewest shards."""
         base = []
         for so in plan:
             one = self._option(so, "column_wise", 1) if so.sharding_type in _A2A and so.compute_kernel == "fused" else None
@@ -145,12 +146,18 @@ class BalanceProposer(Proposer):
         movable.sort(key=lambda i: (first.get(base[i].name, len(first)), -int(base[i].tensor.shape[1]), base[i].name))
         world = self.tracker.cost_model.world
         shards = sum(len(so.shards) for so in base)
+        widths = [int(sh.size[1]) for so in base for sh in so.shards]
         cands = []
         for k in sorted({len(so.shards) for opts in self.by_table.values() for so in opts
                          if so.sharding_type == "column_wise" and so.compute_kernel == "fused"} - {1}):
             for j in range(1, min(world, len(movable)) + 1):
                 n = shards + j * (k - 1)
-                cands.append((n % world != 0, n, j, k))
+                cut = list(widths)
+                for i in movable[:j]:
+                    d = int(base[i].tensor.shape[1])
+                    cut.remove(d)
+                    cut += [d // k] * k
+                cands.append((_makespan(cut, world), n, j, k))
         out = []
         for _, _, j, k in sorted(cands):
             cand = list(base)
@@ -176,3 +183,14 @@ class BalanceProposer(Proposer):
                     and alt.cache_load_factor == so.cache_load_factor):
                 return alt
         return so
+
+
+def _makespan(widths: list[int], world: int) -> int:
+    """The most columns any rank gets when shards of these widths go, widest first, each to the
+    least loaded rank (LPT). Each rank sends its columns' pooled output to every peer and
+    receives its peers' share back, so the busiest directed link of an all-to-all follows it."""
+    load = [0] * world
+    for w in sorted(widths, reverse=True):
+        i = min(range(world), key=load.__getitem__)
+        load[i] += w
+    return max(load)
