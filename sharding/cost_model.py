@@ -159,6 +159,8 @@ class TopologyCostModel:
         self.attached = [np.unique(np.concatenate([links.first_hop[r][links.first_hop[r] >= 0],
                                                    links.last_hop[:, r][links.last_hop[:, r] >= 0]])) for r in range(w)]
         self._ring_cache: dict[tuple[int, ...], np.ndarray] = {}
+        self._group_cache: dict[tuple[int, ...], tuple] = {}
+        self._norm2 = {"in": (links.in_inv ** 2).sum(axis=1), "out": (links.out_inv ** 2).sum(axis=1)}
         # host-memory resources: per GPU port, per switch uplink, per NUMA DDR, per socket link
         self.res_bw: list[float] = []
         self._res_index: dict[str, int] = {}
@@ -222,6 +224,15 @@ class TopologyCostModel:
                 if len(group) > 1:
                     hit += self.links.pair_inv(r, group[(i + 1) % len(group)])
             self._ring_cache[group] = hit
+        return hit
+
+    def group_sums(self, group: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Sums over ``group`` of ``in_inv``, ``out_off_inv`` and ``in_off_inv`` (memoized)."""
+        hit = self._group_cache.get(group)
+        if hit is None:
+            idx = np.asarray(group)
+            L = self.links
+            hit = self._group_cache[group] = (L.in_inv[idx].sum(axis=0), L.out_off_inv[idx].sum(axis=0), L.in_off_inv[idx].sum(axis=0))
         return hit
 
     def a2a_loads(self, sharding_type: str, rank: int, cols: int, pooling: float) -> list[tuple[str, np.ndarray]]:
@@ -466,30 +477,40 @@ class CostState:
         part = m.batch * s0.cols * BYTES / n
         ring = m.ring_inv(g) * ((n - 1) / n * d) if n > 1 else np.zeros(L.count)
         idb = m.ids_bytes(s0.pooling) / n
-        loads = [("table_row_wise:ids", idb * L.in_inv[r].sum(axis=0)), ("table_row_wise:fwd_rs", ring),
-                 ("table_row_wise:fwd_a2a", part * L.out_off_inv[r].sum(axis=0)),
-                 ("table_row_wise:bwd_a2a", part * L.in_off_inv[r].sum(axis=0)), ("table_row_wise:bwd_ag", ring)]
+        in_sum, out_off, in_off = m.group_sums(g)
+        loads = [("table_row_wise:ids", idb * in_sum), ("table_row_wise:fwd_rs", ring),
+                 ("table_row_wise:fwd_a2a", part * out_off),
+                 ("table_row_wise:bwd_a2a", part * in_off), ("table_row_wise:bwd_ag", ring)]
         rows = np.fromiter((p.rows for p in protos), dtype=np.float64, count=n)
         lk = np.zeros(w)
         lb = LOOKUP_PASSES * m.batch * w * s0.pooling * m.row_bytes(s0.cols) * rows / max(1, s0.table_rows)
         np.add.at(lk, r, lb / m.mem_bw[r])
         return lk, loads
 
-    def step_time_with(self, lookup_delta: np.ndarray, loads: list[tuple[str, np.ndarray]], new_type: str | None = None) -> tuple[float, float]:
+    def base_scores(self) -> tuple:
+        """What ``step_time_with`` reads of the state, computed once for many trials."""
+        lk = self.lookup + self.host_io()
+        maxes = {p: float(v.max(initial=0.0)) for p, v in self.loads.items()}
+        squares = {p: float((v * v).sum()) for p, v in self.loads.items()}
+        return lk, self.comm_time(), sum(squares.values()), maxes, squares
+
+    def step_time_with(self, lookup_delta: np.ndarray, loads: list[tuple[str, np.ndarray]], new_type: str | None = None,
+                       base: tuple | None = None) -> tuple[float, float]:
         """(step time, spread) if the given lookups and link loads were added; spread (sum of
-        squares of rank and link times) breaks ties towards even loads."""
-        lk = self.lookup + self.host_io() + lookup_delta
-        comm = self.comm_time() + (self.new_type_latency(new_type) if new_type else 0.0)
-        spread = float((lk * lk).sum())
+        squares of rank and link times) breaks ties towards even loads. ``base``: ``base_scores()``
+        of this state, when many trials start from it."""
+        lk0, comm, link_sq, maxes, squares = base if base is not None else self.base_scores()
+        lk = lk0 + lookup_delta
+        comm += self.new_type_latency(new_type) if new_type else 0.0
+        spread = float((lk * lk).sum()) + link_sq
         merged: dict[str, np.ndarray] = {}
         for phase, v in loads:
             merged[phase] = merged.get(phase, 0.0) + v
         for phase, v in merged.items():
             cur = self.loads.get(phase)
             new = v if cur is None else cur + v
-            comm += float(new.max(initial=0.0)) - (0.0 if cur is None else float(cur.max(initial=0.0)))
-            spread += float((new * new).sum())
-        spread += sum(float((v * v).sum()) for p, v in self.loads.items() if p not in merged)
+            comm += float(new.max(initial=0.0)) - maxes.get(phase, 0.0)
+            spread += float((new * new).sum()) - squares.get(phase, 0.0)
         return float(lk.max(initial=0.0)) + comm, spread
 
     def add_many(self, shards: list[PlacedShard]) -> None:
@@ -591,12 +612,16 @@ class CostState:
             comm = np.full(len(cand), self.comm_time() + self.new_type_latency(proto.sharding_type))
             b = m.batch * proto.cols * BYTES
             t = proto.sharding_type
-            for phase, coef, mat in ((f"{t}:ids", m.ids_bytes(proto.pooling), L.in_inv), (f"{t}:fwd", b, L.out_inv),
-                                     (f"{t}:bwd", b, L.in_inv)):
+            rows = {"in": L.in_inv[cand], "out": L.out_inv[cand]}
+            for phase, coef, which in ((f"{t}:ids", m.ids_bytes(proto.pooling), "in"), (f"{t}:fwd", b, "out"),
+                                       (f"{t}:bwd", b, "in")):
                 cur = self.load(phase)
-                new = cur[None, :] + coef * mat[cand]
+                mat = rows[which]
+                new = mat * coef
+                new += cur
                 comm += new.max(axis=1) - cur.max(initial=0.0)
-                spread += (new * new).sum(axis=1) - float((cur * cur).sum())
+                # |cur + c M|^2 - |cur|^2 = 2 c M.cur + c^2 |M|^2
+                spread += 2 * coef * (mat @ cur) + coef * coef * m._norm2[which][cand]
             for phase, v in self.loads.items():
                 if not phase.startswith(f"{t}:"):
                     spread += float((v * v).sum())

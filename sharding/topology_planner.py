@@ -223,6 +223,7 @@ class TopologyPartitioner(Partitioner):
             fast = nh > 1 and not m.cpu and so.compute_kernel not in UVM_KERNELS
             if fast:  # device-resident: the step time on each host in closed form, no trial states
                 protos = placed_from_option(_with_all_ranks(so, 0))
+                base = st.base_scores()
             for h in range(nh):
                 ranks = list(range(h * lw, (h + 1) * lw))
                 if not all(sh.storage.hbm <= hbm_free[r] for r, sh in zip(ranks, so.shards)):
@@ -230,7 +231,7 @@ class TopologyPartitioner(Partitioner):
                 if sum(sh.storage.ddr for sh in so.shards) > host_free[h]:
                     continue
                 if fast:
-                    step, spread = st.step_time_with(*st.twrw_loads(protos, ranks), "table_row_wise")
+                    step, spread = st.step_time_with(*st.twrw_loads(protos, ranks), "table_row_wise", base=base)
                     key = (round(step, 12), spread, h)
                     if best is None or key < best[0]:
                         best = (key, h, None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -127,3 +128,20 @@ def test_plan_is_the_same_in_every_process():
         assert r.returncode == 0, r.stderr[-2000:]
         outs.append(r.stdout)
     assert outs[0] == outs[1] and "t_17" in outs[0]
+
+
+def test_candidate_scores_equal_trial_adds():
+    """The vectorized step time and spread of a table-/column-wise shard on each candidate rank
+    equal those of a state it was added to."""
+    for name in ("dgx-a100-2host", "pcie-8gpu-2socket"):
+        m = TopologyCostModel(load_topology(name), 512)
+        st = m.new_state()
+        st.add(PlacedShard("x", "table_wise", "fused", 3, 1000, 32, 1000, 32))
+        st.add_many(_shards("r", "row_wise", "fused", list(range(m.world)), 80_000, 16))
+        proto = PlacedShard("y", "column_wise", "fused", 0, 1000, 16, 1000, 64, 2.0)
+        steps, spreads = st.candidate_scores(proto, list(range(m.world)))
+        for r in range(m.world):
+            trial = st.copy()
+            trial.add(dataclasses.replace(proto, rank=r))
+            assert steps[r] == pytest.approx(trial.step_time(), rel=1e-12)
+            assert spreads[r] == pytest.approx(trial.spread(), rel=1e-9)
