@@ -155,7 +155,18 @@ class TopologyCostModel:
         # the directed (full-duplex) links of every rank pair's path, for the collectives
         self.links = links = build_links(topo)
         mult = links.edge_links()
-        self.edge_weight = mult / mult.sum() if mult.sum() else mult  # for the lower bound (bounds.py)
+        # weightings of the links for the lower bound (bounds.py), each summing to 1: the links that
+        # are some transfer's first or last hop; and, per bandwidth class, the links of that class
+        # that some path crosses (on two DGX hosts: the 25 GB/s PCIe ports, NICs and fabric ports)
+        used = np.zeros(links.count, dtype=bool)
+        for row in links.path:
+            for idx in row:
+                used[idx] = True
+        weights = [mult / mult.sum()] if mult.sum() else []
+        for bw_class in np.unique(links.bw[used]):
+            sel = used & (links.bw == bw_class)
+            weights.append(sel / sel.sum())
+        self.bound_weights = np.stack(weights, axis=1) if weights else np.zeros((links.count, 0))  # [links, n]
         self.attached = [np.unique(np.concatenate([links.first_hop[r][links.first_hop[r] >= 0],
                                                    links.last_hop[:, r][links.last_hop[:, r] >= 0]])) for r in range(w)]
         self._ring_cache: dict[tuple[int, ...], np.ndarray] = {}
