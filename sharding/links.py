@@ -193,6 +193,8 @@ def build_links(topo: ClusterTopology) -> LinkSet:
             else:
                 p = nic_path(a, True) + nic_path(c, False)
             path[a][c] = np.asarray(list(dict.fromkeys(p)), dtype=np.int64)
+    if not b.names:  # one rank: no transfers; one idle link keeps every load vector non-empty
+        b.link("none", math.inf)
     bw = np.asarray(b.bw, dtype=np.float64)
     inv = 1.0 / bw
     k = len(bw)

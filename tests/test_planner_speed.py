@@ -145,3 +145,16 @@ def test_candidate_scores_equal_trial_adds():
             trial.add(dataclasses.replace(proto, rank=r))
             assert steps[r] == pytest.approx(trial.step_time(), rel=1e-12)
             assert spreads[r] == pytest.approx(trial.spread(), rel=1e-9)
+
+
+def test_one_rank_plans_without_links():
+    """A one-rank CPU topology has no rank pairs: no link carries anything, the plan still comes."""
+    from sharding.topology_planner import TopologyAwarePlanner, cpu_topology_like
+
+    topo = cpu_topology_like(load_topology("cpu-gloo"), 1)
+    tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=100 * (i + 1), feature_names=[f"f{i}"]) for i in range(4)]
+    planner = TopologyAwarePlanner(topo, 64)
+    plan = planner.plan(EmbeddingBagCollection(tables=tables, device=torch.device("meta")), [EmbeddingBagCollectionSharder()])
+    assert sorted(n for m in plan.plan.values() for n in m) == ["t0", "t1", "t2", "t3"]
+    assert planner.cost_model.score(planner._best_plan).comm_time == pytest.approx(
+        sum(planner.cost_model.type_latency(t) for t in {so.sharding_type for so in planner._best_plan}))
