@@ -38,9 +38,10 @@ it against the torch reference (``tests/test_cowclip_triton.py``).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -66,99 +67,136 @@ __all__ = [
 CHUNK = 32  # occurrences summed per iteration of a row's loop (hot rows: cnt/CHUNK iterations)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
+def _interpreted() -> bool:
+    """Whether triton runs kernels in its interpreter in this process. Triton decides when it is
+    imported (``TRITON_INTERPRET=1`` at ``import triton`` makes its own library functions such as
+    ``tl.sum`` interpreted), so this asks triton rather than the environment now."""
+    return triton is not None and type(tl.sum).__name__ == "InterpretedFunction"
 
 
 def triton_available(device: torch.device | str | None = None) -> bool:
     """Whether the Triton kernel can run on tensors of ``device``: triton importable, and the
-    device is CUDA (compiled) or CPU under ``TRITON_INTERPRET=1`` (interpreted; tests only)."""
+    device is CUDA, or CPU when triton was imported under ``TRITON_INTERPRET=1`` (tests)."""
     if triton is None:
         return False
     if device is None:
         return True
     dev = torch.device(device)
-    return dev.type == "cuda" or (dev.type == "cpu" and _interpreting())
+    return dev.type == "cuda" or (dev.type == "cpu" and _interpreted())
 
 
-if triton is not None:
+def _cowclip_adam_rows(
+    W, M1, M2, RS,  # flat state: weights, momentum1, momentum2 (float32), row_step (int64)
+    G, stride_g,  # grad_output [B, total_D] float32, unit column stride
+    SEG, SEG_FEAT, SEG_ROW,  # [U+1] segment bounds in sorted order, [U] feature, [U] row in its table
+    SORT_SAMPLE, SORT_PSW,  # [L] sample (bag within the feature) and per-sample weight, sorted order
+    META, ZETA_P,  # [F, 6] int64 feature_meta, [F] float32 zeta' = r*sqrt(D)*zeta
+    CLIPPED,  # [U] int32 out: 1 where the gradient was scaled down
+    lr, b1, b2, omb1, omb2, eps, l2x2, r, log2_b1, log2_b2,
+    HAS_PSW: tl.constexpr, HAS_L2: tl.constexpr, KERAS: tl.constexpr,
+    BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """One program per unique row of any table: sum its gradient over its occurrences, count its
+    distinct samples, then L2 + clip + Adam on that row in place (see the module docstring)."""
+    u = tl.program_id(0).to(tl.int64)
+    start = tl.load(SEG + u)
+    end = tl.load(SEG + u + 1)
+    f = tl.load(SEG_FEAT + u)
+    k = tl.load(SEG_ROW + u)
+    woff = tl.load(META + f * 6 + 0)
+    D = tl.load(META + f * 6 + 2)
+    gcol = tl.load(META + f * 6 + 3)
+    rstart = tl.load(META + f * 6 + 4)
+    clip_on = tl.load(META + f * 6 + 5) != 0
+    zeta_p = tl.load(ZETA_P + f)
 
-    @triton.jit
-    def _cowclip_adam_rows_kernel(
-        W, M1, M2, RS,  # flat state: weights, momentum1, momentum2 (float32), row_step (int64)
-        G, stride_g,  # grad_output [B, total_D] float32, unit column stride
-        SEG, SEG_FEAT, SEG_ROW,  # [U+1] segment bounds in sorted order, [U] feature, [U] row in its table
-        SORT_SAMPLE, SORT_PSW,  # [L] sample (bag within the feature) and per-sample weight, sorted order
-        META, ZETA_P,  # [F, 6] int64 feature_meta, [F] float32 zeta' = r*sqrt(D)*zeta
-        CLIPPED,  # [U] int32 out: 1 where the gradient was scaled down
-        lr, b1, b2, omb1, omb2, eps, l2x2, r, log2_b1, log2_b2,
-        HAS_PSW: tl.constexpr, HAS_L2: tl.constexpr, KERAS: tl.constexpr,
-        BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
-    ):
-        u = tl.program_id(0).to(tl.int64)
-        start = tl.load(SEG + u)
-        end = tl.load(SEG + u + 1)
-        f = tl.load(SEG_FEAT + u)
-        k = tl.load(SEG_ROW + u)
-        woff = tl.load(META + f * 6 + 0)
-        D = tl.load(META + f * 6 + 2)
-        gcol = tl.load(META + f * 6 + 3)
-        rstart = tl.load(META + f * 6 + 4)
-        clip_on = tl.load(META + f * 6 + 5) != 0
-        zeta_p = tl.load(ZETA_P + f)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    c = tl.arange(0, CHUNK)
 
-        d = tl.arange(0, BLOCK_D)
-        dmask = d < D
-        c = tl.arange(0, CHUNK)
+    # phase 1: the row's gradient and its count of distinct samples (occurrences are in bag order)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    new_bag = tl.zeros([CHUNK], dtype=tl.int32)
+    for j0 in range(start, end, CHUNK):
+        j = j0 + c
+        jm = j < end
+        s = tl.load(SORT_SAMPLE + j, mask=jm, other=0).to(tl.int64)
+        sp = tl.load(SORT_SAMPLE + j - 1, mask=jm & (j > start), other=-1).to(tl.int64)
+        new_bag += (jm & (s != sp)).to(tl.int32)
+        go = tl.load(G + s[:, None] * stride_g + gcol + d[None, :], mask=jm[:, None] & dmask[None, :], other=0.0)
+        if HAS_PSW:
+            p = tl.load(SORT_PSW + j, mask=jm, other=0.0)
+            go = go * p[:, None]
+        acc += tl.sum(go, axis=0)
+    cnt = tl.sum(new_bag, axis=0).to(tl.float32)
 
-        # phase 1: the row's gradient and its count of distinct samples (occurrences are in bag order)
-        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-        new_bag = tl.zeros([CHUNK], dtype=tl.int32)
-        for j0 in range(start, end, CHUNK):
-            j = j0 + c
-            jm = j < end
-            s = tl.load(SORT_SAMPLE + j, mask=jm, other=0).to(tl.int64)
-            sp = tl.load(SORT_SAMPLE + j - 1, mask=jm & (j > start), other=-1).to(tl.int64)
-            new_bag += (jm & (s != sp)).to(tl.int32)
-            go = tl.load(G + s[:, None] * stride_g + gcol + d[None, :], mask=jm[:, None] & dmask[None, :], other=0.0)
-            if HAS_PSW:
-                p = tl.load(SORT_PSW + j, mask=jm, other=0.0)
-                go = go * p[:, None]
-            acc += tl.sum(go, axis=0)
-        cnt = tl.sum(new_bag, axis=0).to(tl.float32)
+    # phase 2: L2, clip, Adam on the row, in place
+    row = woff + k * D
+    w = tl.load(W + row + d, mask=dmask, other=0.0)
+    g = acc
+    if HAS_L2:
+        g = g + l2x2 * w
+    wnorm = tl.sqrt(tl.sum(w * w, axis=0))
+    gnorm = tl.sqrt(tl.sum(g * g, axis=0))
+    clip_t = (r * cnt) * tl.maximum(wnorm, zeta_p)
+    denom = tl.maximum(gnorm, clip_t)
+    scale = tl.where(denom > 0, clip_t / tl.where(denom > 0, denom, 1.0), 1.0)
+    scale = tl.where(clip_on, scale, 1.0)
+    g = g * scale
+    tl.store(CLIPPED + u, (clip_on & (gnorm > clip_t)).to(tl.int32))
 
-        # phase 2: L2, clip, Adam on the row, in place
-        row = woff + k * D
-        w = tl.load(W + row + d, mask=dmask, other=0.0)
-        g = acc
-        if HAS_L2:
-            g = g + l2x2 * w
-        wnorm = tl.sqrt(tl.sum(w * w, axis=0))
-        gnorm = tl.sqrt(tl.sum(g * g, axis=0))
-        clip_t = (r * cnt) * tl.maximum(wnorm, zeta_p)
-        denom = tl.maximum(gnorm, clip_t)
-        scale = tl.where(denom > 0, clip_t / tl.where(denom > 0, denom, 1.0), 1.0)
-        scale = tl.where(clip_on, scale, 1.0)
-        g = g * scale
-        tl.store(CLIPPED + u, (clip_on & (gnorm > clip_t)).to(tl.int32))
+    t = tl.load(RS + rstart + k) + 1
+    tl.store(RS + rstart + k, t)
+    tf = t.to(tl.float32)
+    bc1 = 1.0 - tl.exp2(tf * log2_b1)
+    bc2s = tl.sqrt(1.0 - tl.exp2(tf * log2_b2))
 
-        t = tl.load(RS + rstart + k) + 1
-        tl.store(RS + rstart + k, t)
-        tf = t.to(tl.float32)
-        bc1 = 1.0 - tl.exp2(tf * log2_b1)
-        bc2s = tl.sqrt(1.0 - tl.exp2(tf * log2_b2))
+    m = tl.load(M1 + row + d, mask=dmask, other=0.0)
+    v = tl.load(M2 + row + d, mask=dmask, other=0.0)
+    m = m * b1 + omb1 * g
+    v = v * b2 + (omb2 * g) * g
+    if KERAS:
+        w = w - ((lr * bc2s) / bc1) * (m / (tl.sqrt(v) + eps))
+    else:
+        w = w - (lr * (m / bc1)) / (tl.sqrt(v) / bc2s + eps)
+    tl.store(W + row + d, w, mask=dmask)
+    tl.store(M1 + row + d, m, mask=dmask)
+    tl.store(M2 + row + d, v, mask=dmask)
 
-        m = tl.load(M1 + row + d, mask=dmask, other=0.0)
-        v = tl.load(M2 + row + d, mask=dmask, other=0.0)
-        m = m * b1 + omb1 * g
-        v = v * b2 + (omb2 * g) * g
-        if KERAS:
-            w = w - ((lr * bc2s) / bc1) * (m / (tl.sqrt(v) + eps))
+
+_KERNEL: list[Callable] = []
+
+
+@contextlib.contextmanager
+def _triton_mode_env() -> Iterator[None]:
+    """``TRITON_INTERPRET`` set to the mode triton was imported in, for the duration of a
+    decoration or launch: ``triton.jit`` and modules triton imports lazily during a launch read the
+    variable then, and must agree with the import-time choice (interpreted ``tl.sum`` & co.). Only
+    the interpreted (test) path ever changes the variable; a process on CUDA without it never does."""
+    want = "1" if _interpreted() else None
+    old = os.environ.get("TRITON_INTERPRET")
+    if (old not in (None, "", "0")) == (want is not None):
+        yield
+        return
+    if want is None:
+        del os.environ["TRITON_INTERPRET"]
+    else:
+        os.environ["TRITON_INTERPRET"] = want
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET", None)
         else:
-            w = w - (lr * (m / bc1)) / (tl.sqrt(v) / bc2s + eps)
-        tl.store(W + row + d, w, mask=dmask)
-        tl.store(M1 + row + d, m, mask=dmask)
-        tl.store(M2 + row + d, v, mask=dmask)
+            os.environ["TRITON_INTERPRET"] = old
+
+
+def _kernel() -> Callable:
+    """``_cowclip_adam_rows`` jitted once (compiled, or interpreted like the rest of triton here)."""
+    if not _KERNEL:
+        with _triton_mode_env():
+            _KERNEL.append(triton.jit(_cowclip_adam_rows))
+    return _KERNEL[0]
 
 
 def _check_inputs(weights: Tensor, momentum1: Tensor, momentum2: Tensor, row_step: Tensor,
@@ -238,7 +276,7 @@ def triton_cowclip_adam_tables(
         raise ValueError(f"eps_mode must be torch|keras, got {eps_mode!r}")
     if not triton_available(weights.device):
         raise RuntimeError(f"CowClip Triton kernel not available for {weights.device} tensors "
-                           f"({'triton not installed' if triton is None else 'needs CUDA or TRITON_INTERPRET=1'})")
+                           f"({'triton not installed' if triton is None else 'CPU tensors need TRITON_INTERPRET=1 before triton is imported'})")
     feature_meta = feature_meta.cpu()
     zeta = zeta.cpu()
     if grad_output.dtype != torch.float32 or grad_output.stride(-1) != 1:
@@ -301,15 +339,16 @@ def triton_cowclip_adam_tables(
         log2_b1 = math.log2(b1f) if b1f > 0 else -math.inf
         log2_b2 = math.log2(b2f) if b2f > 0 else -math.inf
         block_d = max(16, triton.next_power_of_2(int(feature_meta[:, 2].max())))
-        _cowclip_adam_rows_kernel[(U,)](
-            weights, momentum1, momentum2, row_step,
-            grad_output, grad_output.stride(0),
-            seg, seg_feat, seg_row, sort_sample, sort_psw,
-            meta_d, zeta_p, clipped,
-            float(lr), b1, b2, 1.0 - b1, 1.0 - b2, float(eps), 2.0 * float(l2), float(r), log2_b1, log2_b2,
-            HAS_PSW=psw is not None, HAS_L2=float(l2) != 0.0, KERAS=eps_mode == "keras",
-            BLOCK_D=block_d, CHUNK=CHUNK, num_warps=1 if block_d * CHUNK <= 1024 else 4,
-        )
+        with _triton_mode_env():
+            _kernel()[(U,)](
+                weights, momentum1, momentum2, row_step,
+                grad_output, grad_output.stride(0),
+                seg, seg_feat, seg_row, sort_sample, sort_psw,
+                meta_d, zeta_p, clipped,
+                float(lr), b1, b2, 1.0 - b1, 1.0 - b2, float(eps), 2.0 * float(l2), float(r), log2_b1, log2_b2,
+                HAS_PSW=psw is not None, HAS_L2=float(l2) != 0.0, KERAS=eps_mode == "keras",
+                BLOCK_D=block_d, CHUNK=CHUNK, num_warps=1 if block_d * CHUNK <= 1024 else 4,
+            )
         stats[:, 0].index_add_(0, seg_feat, torch.ones_like(seg_feat))
         stats[:, 1].index_add_(0, seg_feat, clipped.long())
     return stats
