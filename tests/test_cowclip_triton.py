@@ -413,3 +413,19 @@ def test_cpu_install_without_triton_keeps_working():
                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_importing_the_module_does_not_import_triton():
+    """Triton fixes interpreter vs compiled mode at its first import, so importing our module (as
+    the TBE does) must leave that to whoever runs a kernel first; the CPU dispatch never imports it."""
+    code = (
+        "import sys\n"
+        "from recsys.optim import cowclip_triton as c\n"
+        "assert c.cowclip_table_update_for('cpu') is not None\n"
+        "assert 'triton' not in sys.modules, 'imported'\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+                         env={"PYTHONPATH": os.pathsep.join([str(REPO), *sys.path]), "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"

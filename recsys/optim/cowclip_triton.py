@@ -48,12 +48,12 @@ from torch import Tensor
 
 from recsys.optim.cowclip import CowClipAdamState, CowClipStats
 
-try:  # optional dependency: a CPU install without triton keeps working
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
+# Optional dependency, imported on first use (``_import_triton``), not with this module: importing
+# the TBE must not import triton, because triton fixes interpreter vs compiled mode when it is first
+# imported (a test that wants the interpreter imports it itself, with TRITON_INTERPRET=1).
+triton = None
+tl = None
+_TRITON_TRIED = False
 
 __all__ = [
     "CHUNK",
@@ -67,6 +67,20 @@ __all__ = [
 CHUNK = 32  # occurrences summed per iteration of a row's loop (hot rows: cnt/CHUNK iterations)
 
 
+def _import_triton() -> bool:
+    """Imports triton once (the kernel's globals ``triton`` and ``tl``); False when not installed."""
+    global triton, tl, _TRITON_TRIED
+    if not _TRITON_TRIED:
+        _TRITON_TRIED = True
+        try:
+            import triton as _triton
+            import triton.language as _tl
+        except ImportError:  # a CPU install without triton keeps working
+            return False
+        triton, tl = _triton, _tl
+    return triton is not None
+
+
 def _interpreted() -> bool:
     """Whether triton runs kernels in its interpreter in this process. Triton decides when it is
     imported (``TRITON_INTERPRET=1`` at ``import triton`` makes its own library functions such as
@@ -77,7 +91,7 @@ def _interpreted() -> bool:
 def triton_available(device: torch.device | str | None = None) -> bool:
     """Whether the Triton kernel can run on tensors of ``device``: triton importable, and the
     device is CUDA, or CPU when triton was imported under ``TRITON_INTERPRET=1`` (tests)."""
-    if triton is None:
+    if not _import_triton():
         return False
     if device is None:
         return True
@@ -194,6 +208,8 @@ def _triton_mode_env() -> Iterator[None]:
 def _kernel() -> Callable:
     """``_cowclip_adam_rows`` jitted once (compiled, or interpreted like the rest of triton here)."""
     if not _KERNEL:
+        if not _import_triton():
+            raise RuntimeError("CowClip Triton kernel: triton not installed")
         with _triton_mode_env():
             _KERNEL.append(triton.jit(_cowclip_adam_rows))
     return _KERNEL[0]
