@@ -15,9 +15,9 @@ How (one sort, one kernel launch for all tables of the group):
 * pre-pass in torch ops on the device, O(L) for L ids: every occurrence gets its bag
   (``repeat_interleave`` of the offsets) and a key ``table_base[f] + id`` that is unique across
   the features; ONE stable ``torch.sort`` of the keys groups each row's occurrences, still in bag
-  order, and ``unique_consecutive`` gives the segments. Why a sort and not a hash: on a GPU a
-  radix sort of 200K int64 keys is a few tens of microseconds and makes the result independent of
-  thread scheduling (no atomics anywhere: the summation order is fixed, reruns are bit-identical),
+  order, and ``unique_consecutive`` gives the segments. Why a sort and not a hash: a GPU radix
+  sort of 200K int64 keys should take tens of microseconds (not measured: no GPU here), and it
+  makes the result independent of thread scheduling (no atomics anywhere: the summation order is fixed, reruns are bit-identical),
   and the stable order lets the kernel count *distinct* samples per row by comparing neighbours.
 * the kernel: one program per unique row (of any table). It sums the row's gradient over its
   occurrences in chunks of ``CHUNK`` (a [CHUNK, BLOCK_D] tile of ``grad_output`` rows, times the
@@ -30,8 +30,8 @@ Host synchronisations (3, all small): the offsets check, the id bounds check (id
 are an error naming the feature and the id, raised before anything is written), and the number of
 unique rows (the grid size).
 
-Triton is optional: without it this module imports, ``triton_available()`` is False and
-``cowclip_update_for`` never returns the Triton op. With ``TRITON_INTERPRET=1`` (set before triton
+Triton is optional and imported on first use: without it this module imports,
+``triton_available()`` is False and ``cowclip_update_for`` never returns the Triton op. With ``TRITON_INTERPRET=1`` (set before triton
 is imported) the same kernel runs on CPU tensors through Triton's interpreter: that is how CI checks
 it against the torch reference (``tests/test_cowclip_triton.py``).
 """
