@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from fbgemm_gpu.split_embedding_configs import SparseType
@@ -34,7 +34,8 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import DenseTableBat
 from torch import Tensor
 
 from recsys.optim.cowclip import CowClipAdamState, _adam_rows, _clip_scale, batch_row_gradients
-from recsys.optim.cowclip_kernel import advise_huge_pages, fused_available, fused_cowclip_adam_step, fused_cowclip_adam_tables
+from recsys.optim.cowclip_kernel import advise_huge_pages
+from recsys.optim.cowclip_triton import cowclip_table_update_for, cowclip_update_for
 
 HUGE_PAGE_MIN_BYTES = 64 << 20  # tables smaller than this stay on whatever pages they got
 COWCLIP_ADAM = "recsys.cowclip_adam"  # value of fused_params["optimizer"] that selects our kernel
@@ -155,7 +156,11 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
         mode: str,
         pooling_mode: PoolingMode = PoolingMode.SUM,
         device: torch.device | None = None,
+        tables_op: Callable[..., Tensor] | None | str = "auto",
     ) -> None:
+        """``tables_op``: the multi-table update op for inline mode; ``"auto"`` picks it by device
+        on first use (the C++ op on CPU, the Triton kernel on CUDA: ``cowclip_update_for``),
+        ``None`` forces the per-table path."""
         device = device or torch.device("cpu")
         if pooling_mode != PoolingMode.SUM:
             raise NotImplementedError(f"CowClip-Adam kernel supports SUM pooling only, got {pooling_mode}")
@@ -198,6 +203,7 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
         self.autograd_anchor: Tensor | None = None
         self.table_names: list[str] = []  # for error messages; set by the sharded kernel
         self.stats = UpdateStats()
+        self._tables_op = tables_op
         self._states = [self._state_views(t) for t in range(len(embedding_specs))]
 
     # ---- views -------------------------------------------------------------------------------
@@ -286,11 +292,14 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
 
     @torch.no_grad()
     def backward_update(self, grad_out: Tensor, indices: Tensor, offsets: Tensor, psw: Tensor | None) -> None:
-        """Inline mode: one call of the multi-table C++ op for all tables (CPU, extension built),
+        """Inline mode: one call of the multi-table op for all tables (``tables_op``: C++ on CPU, Triton on CUDA),
         else one ``fused_cowclip_adam_step`` per table. Deferred mode: stage per-table row
         gradients and counts for the exchange."""
         grad_out = grad_out.float()
-        if self.mode == "inline" and self.weights.device.type == "cpu" and fused_available():
+        if self._tables_op == "auto":  # resolved on first use: loading the op may build it
+            self._tables_op = cowclip_update_for(self.weights.device)
+        update = self._tables_op if self.mode == "inline" else None
+        if update is not None:
             F = len(self.feature_table_map)
             B = (offsets.numel() - 1) // F
             if B * F + 1 != offsets.numel() or grad_out.shape[0] != B:
@@ -308,7 +317,7 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
                      for f, t in enumerate(self.feature_table_map)], dtype=torch.long)
                 zeta = torch.tensor([self._zeta_for_full_dim(t) for t in self.feature_table_map], dtype=torch.float64)
                 cached = self._fused_meta = (key, meta, zeta)
-            stats = fused_cowclip_adam_tables(
+            stats = update(
                 self.weights, self.momentum1, self.momentum2, self.row_step, cached[1], cached[2],
                 indices, offsets, grad_out, psw,
                 lr=self.lr, betas=(hp.beta1, hp.beta2), eps=hp.eps, r=hp.cowclip_r, l2=hp.l2,
@@ -319,7 +328,7 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
             return
         for t, idx, offs, go, w in self._feature_slices(grad_out, indices, offsets, psw):
             if self.mode == "inline":
-                st = fused_cowclip_adam_step(
+                st = cowclip_table_update_for(self.weights.device)(
                     self._view(self.weights, t), self._states[t], idx, offs, go.contiguous(), w,
                     lr=self.lr, betas=(self.hyper.beta1, self.hyper.beta2), eps=self.hyper.eps,
                     r=self.hyper.cowclip_r, zeta=self._zeta_for_full_dim(t), l2=self.hyper.l2,
