@@ -81,7 +81,7 @@ def factory_model(spec: str):
         except Exception as e:
             raise UsageError(f"--model {spec}: {fn_name}() raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
     if not isinstance(model, nn.Module):
-        raise UsageError(f"--model {spec}: {fn_name}() returned a {type(model).__name__}, not an nn.Module")
+        raise UsageError(f"--model {spec}: {fn_name}() returned {type(model).__name__}, not an nn.Module")
     return model
 
 

@@ -176,6 +176,13 @@ def param_from_dict(d: Any, where: str) -> ParameterSharding:
                 shards.append(ShardMetadata(shard_offsets=list(s["offsets"]), shard_sizes=list(s["sizes"]), placement=s["placement"]))
             except (KeyError, TypeError, ValueError, RuntimeError) as e:
                 raise PlanFileError(f"{w}: bad shard ({e})") from None
+        for i, a in enumerate(shards):  # torch refuses to build a spec with overlapping shards: name them
+            for j in range(i):
+                b = shards[j]
+                if all(max(a.shard_offsets[k], b.shard_offsets[k]) < min(a.shard_offsets[k] + a.shard_sizes[k], b.shard_offsets[k] + b.shard_sizes[k])
+                       for k in (0, 1)):
+                    raise PlanFileError(f"{where}.shards[{i}]: overlaps shards[{j}] (offsets {a.shard_offsets} and "
+                                        f"{b.shard_offsets}, sizes {a.shard_sizes} and {b.shard_sizes})")
         spec = EnumerableShardingSpec(shards)
     return ParameterSharding(
         sharding_type=d["sharding_type"],
