@@ -254,3 +254,29 @@ def test_issue_cases_fail_validate_show_and_train_before_workers_start(smoke_pla
     assert r.returncode == 2, r.stdout + r.stderr
     assert r.stderr.startswith(f"error: {prefix}") and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "config.yaml").exists()  # no worker ran
+
+
+def test_torchrec_planner_out_of_memory_names_need_shortfall_and_largest_tables():
+    """torchrec's planner alone says "insufficient storage"; ours adds the figures (issue 13)."""
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.planner.types import PlannerError
+
+    from recsys.config import ShardingConfig
+    from sharding.planner import build_planner
+
+    with torch.device("meta"):
+        model = plan_models.mixed_dlrm()
+    planner = build_planner(ShardingConfig(sharding_types=["table_wise"]), model, 2, 2, "cpu", 64, ddr_bytes=40 * 1024)
+    with pytest.raises(PlannerError) as e:
+        planner.plan(model, [EmbeddingBagCollectionSharder()])
+    msg = str(e.value)
+    # weights + state, by hand: CowClip-Adam 1000 x 8 x (4 + 8) + 1000 x 8, row-wise Adagrad 600 x (8 x 4 + 4), SGD 100 x 8 x 4
+    cowclip, adagrad, sgd = 1000 * 8 * 12 + 1000 * 8, 600 * (8 * 4 + 4), 100 * 8 * 4
+    need, usable = cowclip + adagrad + sgd, 2 * 40 * 1024 * 0.85
+    assert "\n" not in msg
+    assert msg.startswith(f"model does not fit 2 ranks (cpu): embeddings need {need / 1024:.2f} KiB (weights + optimizer state), "
+                          f"the ranks hold 0.00 KiB HBM + 40.00 KiB host memory each, {usable / 1024:.2f} KiB in all after torchrec's 15% reserve: "
+                          f"short by {(need - usable) / 1024:.2f} KiB; largest tables: t_cowclip {cowclip / 1024:.2f} KiB (1,000 x 8, cowclip_adam), "
+                          f"t_adagrad {adagrad / 1024:.2f} KiB (600 x 8, rowwise_adagrad), t_sgd {sgd / 1024:.2f} KiB (100 x 8, sgd); "
+                          "to fit: about 4 ranks like these"), msg  # ceil(need / (40 KiB x 0.85))
+    assert "planner said: " in msg
