@@ -3,6 +3,7 @@
     recsys-plan make --config configs/experiments/demo.yaml --world-size 8 --compute-device cuda \
         --hbm-gb 80 --out plan.json [--set data.cardinalities=criteo_kaggle_raw ...] \
         [--data-sample synthetic:200000|data:N|hist.json|SHARD_DIR[:N] [--target-hit-rate 0.95]]
+    recsys-plan make --model mypackage.models:build_model --world-size 8 --batch-size 65536 --out plan.json
     (--model is another name for --config)
     recsys-plan show plan.json [--model MODEL] [--topology dgx-a100-2host] [--format text|json|html] [--out report.html]
     recsys-plan diff a.json b.json [--format text|json]
@@ -149,6 +150,29 @@ def _topology_file(args: argparse.Namespace) -> str:
     return str(path)
 
 
+def _factory_inputs(args: argparse.Namespace, overrides: list[str]):
+    """Config defaults, the user's model and the sharders its tables need (CowClip-Adam tables:
+    the project's sharder; others: torchrec's)."""
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+
+    from recsys.config import ExperimentConfig
+    from recsys.optim.cowclip_sharder import CowClipEmbeddingBagCollectionSharder
+    from sharding.optimizer_state import table_optimizers
+
+    if args.overrides or args.data_sample:
+        raise UsageError(f"--model {args.config}: --set and --data-sample need an experiment config (--config FILE.yaml)")
+    cfg = ExperimentConfig()
+    for o in overrides:  # only the topology-aware planner's, set by --topology
+        key, _, value = o.partition("=")
+        setattr(cfg.sharding, key.split(".", 1)[1], value)
+    model = factory_model(args.config)
+    kinds = set(table_optimizers(model).values())
+    if not kinds:
+        raise UsageError(f"--model {args.config}: the model has no EmbeddingBagCollection / EmbeddingCollection tables")
+    sharder = CowClipEmbeddingBagCollectionSharder() if "cowclip_adam" in kinds else EmbeddingBagCollectionSharder()
+    return cfg, model, [sharder]
+
+
 def cmd_make(args: argparse.Namespace) -> int:
     from recsys.optim.embedding import embedding_sharders
     from sharding import plan_io
@@ -160,7 +184,11 @@ def cmd_make(args: argparse.Namespace) -> int:
         cluster_file = _topology_file(args)
         cluster = _load_cluster(cluster_file)
         overrides += ["sharding.planner=topology", f"sharding.topology={cluster_file}"]
-    cfg, model, tables = _model_and_tables(args.config, overrides)
+    if is_factory(args.config):  # a user's model: no experiment config, so no --set / --data-sample
+        cfg, model, sharders = _factory_inputs(args, overrides)
+    else:
+        cfg, model, _ = _model_and_tables(args.config, overrides)
+        sharders = embedding_sharders(cfg.optim)
     world = args.world_size or (cluster.world_size if cluster else cfg.train.nproc_per_node)
     local = args.local_world_size or (cluster.local_world_size if cluster else min(world, 8))
     if world <= 0 or world % local:
@@ -183,7 +211,7 @@ def cmd_make(args: argparse.Namespace) -> int:
         cache_stats=stats, target_hit_rate=args.target_hit_rate,
     )
     try:
-        plan = planner.plan(model, embedding_sharders(cfg.optim))
+        plan = planner.plan(model, sharders)
     except Exception as e:  # torchrec's PlannerError is multi-line; keep its first line
         raise UsageError(f"planning failed: {str(e).strip().splitlines()[0]}") from None
     meta = {"planner": cfg.sharding.planner, "topology": cfg.sharding.topology, "config": str(args.config), "overrides": args.overrides,
@@ -304,7 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="recsys-plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     m = sub.add_parser("make", help="plan a model for a cluster and write the plan file")
-    m.add_argument("--config", "--model", dest="config", required=True, help="experiment YAML (model and data sections); --model is the same")
+    m.add_argument("--config", "--model", dest="config", required=True, metavar="MODEL",
+                   help="experiment YAML (model and data sections), or package.module:factory (a function returning your nn.Module)")
     m.add_argument("--world-size", type=int, default=0, help="ranks (default: train.nproc_per_node)")
     m.add_argument("--local-world-size", type=int, default=0, help="ranks per host (default: min(world, 8))")
     m.add_argument("--compute-device", choices=("cuda", "cpu"), default="cuda")

@@ -280,3 +280,21 @@ def test_torchrec_planner_out_of_memory_names_need_shortfall_and_largest_tables(
                           f"t_adagrad {adagrad / 1024:.2f} KiB (600 x 8, rowwise_adagrad), t_sgd {sgd / 1024:.2f} KiB (100 x 8, sgd); "
                           "to fit: about 4 ranks like these"), msg  # ceil(need / (40 KiB x 0.85))
     assert "planner said: " in msg
+
+
+@pytest.mark.slow
+def test_make_for_a_model_factory_records_its_optimizers(tmp_path):
+    """`recsys-plan make --model pkg.mod:factory`: a user's model, no experiment config."""
+    out = tmp_path / "m.json"
+    r = _run("make", "--model", "tests.plan_models:mixed_dlrm", "--world-size", "2", "--compute-device", "cpu",
+             "--batch-size", "256", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    d = json.loads(out.read_text())
+    assert {n: t["optimizer_state"]["kind"] for n, t in d["tables"].items()} == {
+        "t_cowclip": "cowclip_adam", "t_adagrad": "rowwise_adagrad", "t_sgd": "sgd"}
+    assert set(d["modules"]) == {EBC} and d["world_size"] == 2
+    r = _run("validate", str(out), "--model", "tests.plan_models:mixed_dlrm")
+    assert r.returncode == 0 and r.stdout.startswith("valid: 3 tables"), r.stdout + r.stderr
+    r = _run("make", "--model", "tests.plan_models:dlrm", "--out", str(tmp_path / "x.json"), "--set", "train.batch_size=8")
+    assert r.returncode == 2 and "--set and --data-sample need an experiment config" in r.stderr
+    assert not (tmp_path / "x.json").exists()
