@@ -210,26 +210,28 @@ def model_tables(
 ) -> dict[str, dict[str, Any]]:
     """Table name -> what a plan file records about it: shape, data type and optimizer state.
 
-    The optimizer kind is read from the model (``sharding.optimizer_state.table_optimizers``);
-    ``optimizer`` (one kind, or table -> kind) overrides it, ``fused_params`` are the sharder's."""
-    from sharding.optimizer_state import state_of, table_optimizers
-    from sharding.tables import table_configs
+    The optimizer kind is read from the model (``sharding.optimizer_state.optimizer_kind``);
+    ``optimizer`` (one kind, or table -> kind) overrides it, ``fused_params`` are the sharder's.
+    A table whose optimizer has no known state layout records ``optimizer_state: null``."""
+    from sharding.optimizer_state import UnknownOptimizerError, optimizer_kind, state_of, table_parameters
 
-    configs = list(table_configs(model))
-    if isinstance(optimizer, str):
-        kinds = {c.name: optimizer for c in configs}
-    else:
-        kinds = table_optimizers(model, fused_params)
-        kinds.update(optimizer or {})
-    return {
-        c.name: {
+    overrides = optimizer if isinstance(optimizer, Mapping) else {}
+    out = {}
+    for c, param in table_parameters(model):
+        kind = optimizer if isinstance(optimizer, str) else overrides.get(c.name)
+        try:
+            state = state_of(kind or optimizer_kind(param, fused_params)).to_dict()
+        except UnknownOptimizerError:
+            if kind:  # a kind the caller named must be one we know
+                raise
+            state = None
+        out[c.name] = {
             "num_embeddings": c.num_embeddings,
             "embedding_dim": c.embedding_dim,
             "data_type": getattr(c.data_type, "value", str(c.data_type)),
-            "optimizer_state": state_of(kinds[c.name]).to_dict(),
+            "optimizer_state": state,
         }
-        for c in configs
-    }
+    return out
 
 
 def table_shape(entry: Mapping[str, Any]) -> tuple[int, int]:

@@ -35,7 +35,6 @@ def dlrm() -> DLRM:
 
 def mixed_dlrm() -> DLRM:
     """The same DLRM with one table per optimizer: CowClip-Adam, row-wise Adagrad, SGD."""
-    from recsys import optim  # noqa: F401  (the project's package, as a user would install it)
     from recsys.optim.cowclip_sharder import tag_cowclip_adam
 
     model = _dlrm(_ebc(ROWS))
@@ -48,3 +47,10 @@ def mixed_dlrm() -> DLRM:
 
 def not_a_model() -> int:
     return 3
+
+
+def custom_optimizer_dlrm() -> DLRM:
+    """Tables tagged with an optimizer torchrec has no fused equivalent for."""
+    model = _dlrm(_ebc(ROWS))
+    apply_optimizer_in_backward(torch.optim.RMSprop, model.sparse_arch.embedding_bag_collection.parameters(), {"lr": 0.01})
+    return model

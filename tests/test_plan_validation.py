@@ -166,6 +166,12 @@ def test_optimizer_kind_from_sharder_fused_params_and_override():
     assert tables["t_sgd"]["optimizer_state"] == {"kind": "adam", "bytes_per_weight": 8, "bytes_per_row": 0}
     tables = plan_io.model_tables(model, optimizer={"t_sgd": "cowclip_adam"})
     assert tables["t_sgd"]["optimizer_state"]["kind"] == "cowclip_adam" and tables["t_cowclip"]["optimizer_state"]["kind"] == "sgd"
+    with pytest.raises(ValueError, match="unknown optimizer kind 'adamw'"):
+        plan_io.model_tables(model, optimizer="adamw")
+    # an optimizer with no known state layout: recorded as unknown, reports assume row-wise Adagrad and say so
+    with torch.device("meta"):
+        custom = plan_models.custom_optimizer_dlrm()
+    assert {t["optimizer_state"] for t in plan_io.model_tables(custom).values()} == {None}
 
 
 # -- the command line: recsys-plan validate/show and recsys train --------------------------------
