@@ -114,10 +114,15 @@ def _read_valid(path: str, model: str | None = None, overrides: list[str] | None
 
 
 def _write_atomic(path: Path, text: str) -> None:
+    """Temp file + rename; on any failure (a full disk) the temp file is removed."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _emit(text: str, out: str | None) -> None:

@@ -127,6 +127,11 @@ def test_not_json_and_truncated(tmp_path):
         plan_io.load_plan(p)
     with pytest.raises(PlanFileError, match="no such plan file"):
         plan_io.load_plan(tmp_path / "missing.json")
+    b = tmp_path / "binary.json"
+    b.write_bytes(b'{"format": "\xff\xfe"}')
+    with pytest.raises(PlanFileError) as e:
+        plan_io.load_plan(b)
+    assert str(e.value) == f"{b}: not a text file (byte 12 is not UTF-8)"
 
 
 def test_save_is_atomic(gpu_plan, tmp_path, monkeypatch):
