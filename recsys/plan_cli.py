@@ -20,6 +20,7 @@ Plans are computed on this machine for any cluster (the model is built on `meta`
 validation in `show` or `diff` (one line on stderr; no output file is written, or an existing one
 is left as it was).
 """
+
 from __future__ import annotations
 
 import argparse
