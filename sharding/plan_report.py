@@ -126,14 +126,16 @@ def format_text(rep: dict[str, Any]) -> str:
     if rep.get("optimizer_assumed"):
         lines.append("optimizer state: not recorded in this plan file (format version 1); row-wise Adagrad assumed")
     lines.append("")
-    lines.append(f"{'table':<12} {'module':<18} {'sharding':<18} {'kernel':<18} {'optimizer':<16} {'ranks':<14} {'cache lf':>8} "
+    tw = max([12] + [len(t["table"]) + 1 for t in rep["tables"]])
+    mw = max([18] + [len(t["module"]) + 1 for t in rep["tables"]])
+    lines.append(f"{'table':<{tw}} {'module':<{mw}} {'sharding':<18} {'kernel':<18} {'optimizer':<16} {'ranks':<14} {'cache lf':>8} "
                  f"{'HBM':>12} {'host':>12}")
     for t in rep["tables"]:
         ranks = ",".join(map(str, t["ranks"])) if len(t["ranks"]) <= 4 else f"{t['ranks'][0]}..{t['ranks'][-1]} ({len(t['ranks'])})"
         lf = "" if t["cache_load_factor"] is None else f"{t['cache_load_factor']:.2f}"
         lines.append(
-            f"{t['table']:<12} {t['module']:<18} {t['sharding_type']:<18} {t['compute_kernel']:<18} {t['optimizer']:<16} {ranks:<14} "
-            f"{lf:>8} {_mb(t['hbm_bytes']):>12} {_mb(t['host_bytes']):>12}"
+            f"{t['table']:<{tw}} {t['module']:<{mw}} {t['sharding_type']:<18} {t['compute_kernel']:<18} {t['optimizer']:<16} "
+            f"{ranks:<14} {lf:>8} {_mb(t['hbm_bytes']):>12} {_mb(t['host_bytes']):>12}"
         )
     lines += ["", f"{'rank':<6} {'tables':>6} {'HBM':>12} {'host':>12}"]
     for r in rep["ranks"]:

@@ -304,3 +304,11 @@ def test_make_for_a_model_factory_records_its_optimizers(tmp_path):
     r = _run("make", "--model", "tests.plan_models:dlrm", "--out", str(tmp_path / "x.json"), "--set", "train.batch_size=8")
     assert r.returncode == 2 and "--set and --data-sample need an experiment config" in r.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+def test_cowclip_tag_matches_the_kernels():
+    """sharding/ never imports recsys/: the CowClip fused-param value is duplicated; keep them equal."""
+    from recsys.optim.cowclip_tbe import COWCLIP_ADAM
+    from sharding.optimizer_state import COWCLIP_ADAM_TAG
+
+    assert COWCLIP_ADAM_TAG == COWCLIP_ADAM
