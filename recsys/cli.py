@@ -13,17 +13,22 @@ from recsys.config import ConfigError, load_config
 
 
 def _check_saved_plan(cfg) -> None:
-    """A saved plan for another model or world size fails here, before any process starts."""
+    """A saved plan that torchrec cannot run (unknown sharding type or kernel, shards that do not
+    tile a table, ranks outside the world) or that is for another model or world size fails here,
+    with one line, before any process starts (sharding/plan_validation.py: the check
+    `recsys-plan validate` and `show` run)."""
     import torch
 
     from recsys.data.source import build_source
     from recsys.models.ctr import TrainModule
     from recsys.training.loop import default_model
     from sharding import plan_io
+    from sharding.plan_validation import validate_plan
 
-    tables = plan_io.model_tables(TrainModule(default_model(cfg, build_source(cfg), torch.device("cpu"))))
-    plan, header = plan_io.load_plan(cfg.plan)
-    plan_io.check_plan_fits(header, plan, tables, cfg.train.nproc_per_node, cfg.plan)
+    plan, header = plan_io.read_plan_file(cfg.plan)
+    validate_plan(plan, header, cfg.plan)
+    model = TrainModule(default_model(cfg, build_source(cfg), torch.device("meta")))
+    plan_io.check_plan_fits(header, plan, plan_io.model_tables(model), cfg.train.nproc_per_node, cfg.plan)
 
 
 def _train(args: argparse.Namespace) -> int:

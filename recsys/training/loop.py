@@ -90,7 +90,7 @@ def setup(cfg: ExperimentConfig, model_factory: ModelFactory | None = None) -> J
     groups = build_host_groups(resolve_hosts(cfg.train.hosts), pg_timeout_from_env(cfg.train.pg_timeout_s)) if cfg.train.merge_every > 0 else None
     shard_world = groups.ranks_per_host if groups else env.world_size
     if cfg.plan:  # a saved plan: it must be for this model and world size (the host's, if hierarchical)
-        plan, header = plan_io.load_plan(cfg.plan)
+        plan, header = plan_io.read_plan_file(cfg.plan)
         plan_io.check_plan_fits(header, plan, tables, shard_world, cfg.plan)
         meta = dict(header["meta"], loaded_from=str(cfg.plan))
     elif groups:  # planned for one host on global rank 0, broadcast to all hosts
@@ -105,7 +105,7 @@ def setup(cfg: ExperimentConfig, model_factory: ModelFactory | None = None) -> J
                          cache_stats=_cache_stats(cfg, module))
         meta = {"planner": cfg.sharding.planner, "batch_size_per_rank": local_batch}
     if env.is_main:  # the plan this run used, as a reusable file and as torchrec's table
-        plan_io.save_plan(run_dir / "plan.json", plan_io.plan_to_dict(plan, shard_world, env.device.type, tables, meta))
+        plan_io.write_plan_file(run_dir / "plan.json", plan_io.plan_to_dict(plan, shard_world, env.device.type, tables, meta))
         (run_dir / "plan.txt").write_text(str(plan) + "\n")
     sharding_env = {}
     if groups:  # DMP over the host's ranks, with the plan moved onto them
