@@ -153,6 +153,8 @@ class Host:
 
     def gpus_below(self, name: str) -> tuple[int, ...]:
         """The GPUs on switch ``name`` or on a switch below it: they share its uplink."""
+        if all(s.parent != name for s in self.pcie_switches):
+            return self.switch(name).gpus
         return tuple(g.index for g in self.gpus if g.pcie_switch is not None and any(s.name == name for s in self.switch_chain(g.pcie_switch)))
 
     def numa(self, index: int) -> NumaNode:
