@@ -364,6 +364,17 @@ def test_model_from_query_gpu_name_lines(tmp_path):
     assert t.hosts[0].nvlink.link_bw == 25 * GBs and t.hosts[0].pcie_switches[0].port_bw == 50 * GBs
 
 
+def test_two_models_from_nvidia_smi_L(tmp_path):
+    """GPUs of different models get their own capacities; the YAML lists them one by one."""
+    f = tmp_path / "mixed.txt"
+    f.write_text(SMALL + "GPU 0: NVIDIA GeForce RTX 3090 (UUID: GPU-a)\nGPU 1: NVIDIA RTX A6000 (UUID: GPU-b)\n")
+    out = tmp_path / "mixed.yaml"
+    assert import_main([str(f), "-o", str(out)]) == 0
+    g = load_topology(out).hosts[0].gpus
+    assert [(x.model, x.hbm_bytes / GB, x.hbm_bw / GBs) for x in g] == [("RTX 3090", 24, 936), ("RTX A6000", 48, 768)]
+    assert out.read_text().splitlines()[0].endswith("from the presets RTX A6000 (48 GB, 768 GB/s), RTX 3090 (24 GB, 936 GB/s)")
+
+
 def test_gpu_flag_presets_and_overrides(tmp_path):
     f = tmp_path / "r.txt"
     f.write_text(SMALL)
