@@ -152,7 +152,7 @@ def _topology_file(args: argparse.Namespace) -> str:
         caps["ddr_gb"] = args.ddr_gb
     topo = import_topo(args.topology, **caps)
     path = Path(args.out).with_suffix(".topology.yaml")
-    _write_atomic(path, dump_topology(topo, header=f"imported from {args.topology} by recsys-plan make"))
+    _write_atomic(path, dump_topology(topo, header=f"imported from {Path(args.topology).name} by recsys-plan make"))
     return str(path)
 
 
