@@ -147,7 +147,13 @@ def _topology_file(args: argparse.Namespace) -> str:
     from sharding.topology import dump_topology
     from sharding.topology_import import import_topo
 
-    caps = {"hbm_gb": args.hbm_gb or 80.0, "hbm_bw_gb_s": args.hbm_bw_gb_s}
+    # the GPU's capacities: from --gpu's preset (or `nvidia-smi -L` lines in the file), each
+    # overridden by an explicit --hbm-gb / --hbm-bw-gb-s; an unknown GPU without them is an error
+    caps: dict = {"gpu_model": args.gpu} if args.gpu else {}
+    if args.hbm_gb:
+        caps["hbm_gb"] = args.hbm_gb
+    if args.hbm_bw_gb_s:
+        caps["hbm_bw_gb_s"] = args.hbm_bw_gb_s
     if args.ddr_gb:
         caps["ddr_gb"] = args.ddr_gb
     topo = import_topo(args.topology, **caps)
@@ -344,7 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--local-world-size", type=int, default=0, help="ranks per host (default: min(world, 8))")
     m.add_argument("--compute-device", choices=("cuda", "cpu"), default="cuda")
     m.add_argument("--topology", default="", help="topology YAML, shipped name (configs/topologies) or `nvidia-smi topo -m` text (.txt): plan with the topology-aware planner")
-    m.add_argument("--hbm-bw-gb-s", type=float, default=2039.0, help="HBM bandwidth for an imported nvidia-smi topology (default: A100's)")
+    m.add_argument("--gpu", default="", help="GPU model of an imported nvidia-smi topology (e.g. 'NVIDIA H100 80GB HBM3', h100-sxm, a100-80gb-sxm): HBM size and bandwidth from its preset")
+    m.add_argument("--hbm-bw-gb-s", type=float, default=None, help="HBM bandwidth for an imported nvidia-smi topology (default: the --gpu preset)")
     m.add_argument("--hbm-gb", type=float, default=0.0, help="HBM per GPU (default: torchrec's)")
     m.add_argument("--ddr-gb", type=float, default=0.0, help="host memory per rank (default: torchrec's)")
     m.add_argument("--batch-size", type=int, default=0, help="global batch (default: train.batch_size)")

@@ -99,11 +99,16 @@ SHARED_TOPO = REPO.parent / "shared" / "data" / "topo" / "8x-h100-sxm-nv18-no-ni
 
 @pytest.mark.skipif(not SHARED_TOPO.exists(), reason="shared data not present")
 def test_make_with_topology_from_nvidia_smi_text(tmp_path):
-    """`make --topology topo.txt`: the nvidia-smi matrix is imported (capacities from the command
-    line), kept next to the plan, and the topology-aware planner plans for its 8 GPUs."""
+    """`make --topology topo.txt`: the nvidia-smi matrix is imported (capacities from the --gpu
+    model's preset), kept next to the plan, and the topology-aware planner plans for its 8 GPUs;
+    without a model or capacities it stops with one line instead of assuming an A100."""
+    r = tool("make", "--config", DEMO, "--topology", str(SHARED_TOPO), "--out", str(tmp_path / "n.json"))
+    assert r.returncode == 2 and "no GPU model: name it with --gpu" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "n.json").exists()
     out = tmp_path / "p.json"
-    r = tool("make", "--config", DEMO, "--topology", str(SHARED_TOPO), "--hbm-gb", "80", "--out", str(out))
+    r = tool("make", "--config", DEMO, "--topology", str(SHARED_TOPO), "--gpu", "h100-sxm", "--out", str(out))
     assert r.returncode == 0, r.stderr
+    assert "hbm_gb: 80, hbm_bw_gb_s: 3350" in (tmp_path / "p.topology.yaml").read_text()
     plan = json.loads(out.read_text())
     assert plan["world_size"] == 8 and plan["meta"]["planner"] == "topology"
     imported = tmp_path / "p.topology.yaml"
