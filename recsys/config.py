@@ -136,6 +136,7 @@ class ExperimentConfig:
     name: str = "experiment"
     run_dir: str = ""  # default: runs/<name>
     resume: bool = False
+    overwrite: bool = False
     # A saved plan file (sharding/plan_io.py; `recsys-plan`) to use instead of planning.
     plan: str = ""
     model: ModelConfig = field(default_factory=ModelConfig)
