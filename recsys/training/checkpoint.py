@@ -135,8 +135,8 @@ def _disk_reason(e: BaseException) -> str:
     if isinstance(failures, dict):
         for v in failures.values():
             seen.extend(v if isinstance(v, (list, tuple)) else [v])
-    for x in seen:
-        while x is not None:
+    for x in seen:  # (DCP's failures are (exception, stack) pairs)
+        while isinstance(x, BaseException):
             if isinstance(x, OSError):
                 where = f" ({x.filename})" if x.filename else ""
                 return (os.strerror(x.errno) if x.errno else str(x)) + where
@@ -238,7 +238,9 @@ class Checkpointer:
         self._agree(err, tmp, final)
         try:
             self._write(step, tmp, model, optimizer, rank_state)
-        except Exception as e:  # noqa: BLE001 - a full disk shows up as OSError or DCP's CheckpointException
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # a full disk: OSError, or DCP's CheckpointException (a BaseException)
             err = e
         self._agree(err, tmp, final)
         if self.rank == 0:

@@ -99,8 +99,8 @@ def setup(cfg: ExperimentConfig, model_factory: ModelFactory | None = None) -> J
     source = build_source(cfg)
     shape = state_shape(cfg, source.sparse_names, source.cardinalities, shard_world_size(cfg, env.world_size))
     resume_from = _on_rank0(env, lambda: preflight(cfg, total_steps(cfg, source), shape))
-    if env.is_main:  # only now, when the run is known to go ahead, is anything written
-        (run_dir / "config.yaml").write_text(config_mod.dump(cfg))
+    # only now, when the run is known to go ahead, is anything written
+    _on_rank0(env, lambda: _write_or_fail(run_dir / "config.yaml", config_mod.dump(cfg)))
 
     # the scaling rule (optim.scale_from_batch): hyperparameters for this batch size, dense-lr warmup
     optim_cfg, warmup_steps = effective_optim(cfg.optim, cfg.train.batch_size,
@@ -134,8 +134,9 @@ def setup(cfg: ExperimentConfig, model_factory: ModelFactory | None = None) -> J
         plan = make_plan(cfg.sharding, module, sharders, env.device, env.local_world_size, local_batch,
                          cache_stats=_cache_stats(cfg, module))
         meta = {"planner": cfg.sharding.planner, "batch_size_per_rank": local_batch}
-    if env.is_main:  # the plan this run used, as a reusable file and as torchrec's table
-        _save_plan_files(run_dir, plan_io.plan_to_dict(plan, shard_world, env.device.type, tables, meta), str(plan))
+    # the plan this run used, as a reusable file and as torchrec's table
+    _on_rank0(env, lambda: _save_plan_files(run_dir, plan_io.plan_to_dict(plan, shard_world, env.device.type, tables, meta),
+                                            str(plan)))
     sharding_env = {}
     if groups:  # DMP over the host's ranks, with the plan moved onto them
         plan = remap_plan_to_host(plan, groups, env.device.type)
@@ -154,6 +155,13 @@ def setup(cfg: ExperimentConfig, model_factory: ModelFactory | None = None) -> J
         ckpt.per_host_optim = not cfg.train.merge_moments  # unmerged moments: each host saves its own
     return Job(cfg, env, source, dmp, optimizer, dense, ckpt, run_dir, groups, merger, warmup, resume_from,
                lock if env.is_main else None)
+
+
+def _write_or_fail(path: Path, text: str) -> None:
+    try:
+        path.write_text(text)
+    except OSError as e:
+        raise RunDirError(f"cannot write {path}: {e.strerror or e}") from None
 
 
 def _save_plan_files(run_dir: Path, plan_dict: dict[str, Any], table: str) -> None:

@@ -24,8 +24,10 @@ EXPECTED = (2, 130)  # a worker's one-line error / interrupt (recsys/train.py)
 
 def main(argv: list[str] | None = None) -> int:
     # the agent's "failed (exitcode ...)" and "shutting down workers" lines repeat what we say
-    for name in ("torch.distributed.elastic", "torch.distributed.run"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)
+    # (torch's elastic loggers set their own levels, so each one is quieted, not just the parent)
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.run")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         torchrun.run(torchrun.parse_args(argv))
     except SignalException as e:
