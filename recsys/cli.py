@@ -21,7 +21,7 @@ from recsys.config import ConfigError, load_config
 from recsys.training.checkpoint import CheckpointError, Checkpointer
 from recsys.training.process import die_with_parent
 from recsys.training.run_dir import (
-    RunDirError, RunFinished, RunLock, preflight, shard_world_size, state_shape, total_steps,
+    LAUNCHER_ENV, RunDirError, RunFinished, RunLock, preflight, shard_world_size, state_shape, total_steps,
 )
 
 
@@ -67,7 +67,7 @@ def _train(args: argparse.Namespace) -> int:
             sys.executable, "-m", "recsys.training.torchrun_quiet", "--standalone",
             f"--nproc_per_node={cfg.train.nproc_per_node}", *worker,
         ]
-    env = dict(os.environ)
+    env = dict(os.environ, **{LAUNCHER_ENV: str(os.getpid())})  # the workers' rank 0 accepts our lock
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.train.nproc_per_node)))
     return _supervise(cmd, env, cfg.resolved_run_dir())
 

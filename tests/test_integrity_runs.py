@@ -57,13 +57,14 @@ def _summary(run_dir: Path) -> dict:
 def test_lock_names_the_holder_and_admits_its_children(tmp_path):
     with RunLock(tmp_path / "run"):
         assert (tmp_path / "run" / ".lock").read_text().strip() == str(os.getpid())
-        other = "from recsys.training.run_dir import RunLock; import sys; RunLock(sys.argv[1]).acquire(allow_ancestor={})"
-        child = [sys.executable, "-c", other.format("True"), str(tmp_path / "run")]
-        assert subprocess.run(child, env=ENV, capture_output=True).returncode == 0  # our launcher's child
-        stranger = subprocess.run([sys.executable, "-c", other.format("False"), str(tmp_path / "run")],
-                                  env=ENV, capture_output=True, text=True)
-        assert stranger.returncode != 0
-        assert f"run_dir {tmp_path / 'run'} is in use by another run (pid {os.getpid()})" in stranger.stderr
+        take = "from recsys.training.run_dir import RunLock; import sys; RunLock(sys.argv[1]).acquire(allow_ancestor=True)"
+        child = [sys.executable, "-c", take, str(tmp_path / "run")]
+        launched = dict(ENV, RECSYS_RUN_LOCK_PID=str(os.getpid()))  # what `recsys train` tells its workers
+        assert subprocess.run(child, env=launched, capture_output=True).returncode == 0
+        for env in (ENV, dict(ENV, RECSYS_RUN_LOCK_PID="1")):  # not started by the holder as its launcher
+            stranger = subprocess.run(child, env=env, capture_output=True, text=True)
+            assert stranger.returncode != 0
+            assert f"run_dir {tmp_path / 'run'} is in use by another run (pid {os.getpid()})" in stranger.stderr
     RunLock(tmp_path / "run").acquire().release()  # released with its holder
 
 

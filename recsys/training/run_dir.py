@@ -3,8 +3,8 @@
 - `RunLock`: an exclusive `fcntl.flock` on `<run_dir>/.lock`, held for the whole run, with the
   holder's pid written inside. `recsys train` takes it before launching torchrun; rank 0 of the
   workers takes it too (so plain `torchrun -m recsys.train` is covered), and accepts a lock held
-  by one of its own ancestors (the launcher that started it). flock locks die with their holder,
-  so a killed run never leaves a stale lock.
+  by the launcher that started it (its pid in $RECSYS_RUN_LOCK_PID and among the worker's
+  ancestors). flock locks die with their holder, so a killed run never leaves a stale lock.
 - `check_fresh`: a run without `resume` must not write into a directory holding checkpoints of
   an earlier run (its pruning and a later resume would mix the two); `overwrite=true` moves the
   old run aside to `<run_dir>.old-<timestamp>`; nothing is deleted.
@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 LOCK_NAME = ".lock"
+LAUNCHER_ENV = "RECSYS_RUN_LOCK_PID"  # set by `recsys train` for its workers: "I hold the lock for you"
 
 
 class RunDirError(RuntimeError):
@@ -62,7 +63,8 @@ class RunLock:
 
     def acquire(self, allow_ancestor: bool = False) -> "RunLock":
         """Takes the lock or raises RunDirError naming the holder's pid. `allow_ancestor`: a lock
-        held by a parent of this process (the `recsys train` launcher) counts as ours."""
+        held by the `recsys train` launcher that started this process (an ancestor whose pid the
+        launcher put in $RECSYS_RUN_LOCK_PID) counts as ours."""
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         except (FileExistsError, NotADirectoryError):
@@ -75,7 +77,8 @@ class RunLock:
             if e.errno not in (errno.EAGAIN, errno.EACCES):
                 raise
             pid = self.holder()
-            if allow_ancestor and pid is not None and pid in _ancestors(os.getpid()):
+            if allow_ancestor and pid is not None and os.environ.get(LAUNCHER_ENV) == str(pid) \
+                    and pid in _ancestors(os.getpid()):
                 return self  # our launcher holds it for us
             who = f"pid {pid}" if pid is not None else "another process"
             raise RunDirError(
