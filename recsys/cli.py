@@ -44,10 +44,10 @@ def _train(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, args.overrides)
         from recsys.data.source import build_source, prepare_data
 
-        RunLock(cfg.resolved_run_dir()).acquire()  # held until this process exits
         prepare_data(cfg)  # once, in this process, so workers find the shards ready
         if cfg.plan:
             _check_saved_plan(cfg)
+        RunLock(cfg.resolved_run_dir()).acquire()  # held until this process exits
         source = build_source(cfg)
         world = shard_world_size(cfg, cfg.train.nproc_per_node)
         preflight(cfg, total_steps(cfg, source), state_shape(cfg, source.sparse_names, source.cardinalities, world),
