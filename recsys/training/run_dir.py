@@ -218,7 +218,12 @@ def total_steps(cfg, source) -> int:
     from recsys.data.batching import steps_per_epoch
     from recsys.data.source import TRAIN
 
-    return cfg.train.max_steps or cfg.train.epochs * steps_per_epoch(source, TRAIN, cfg.train.batch_size)
+    t = cfg.train
+    total = t.max_steps or t.epochs * steps_per_epoch(source, TRAIN, t.batch_size)
+    if total < 1:  # config checks refuse these first; a step -5 would never be found by resume
+        raise RunDirError(f"nothing to train: train.max_steps={t.max_steps}, train.epochs={t.epochs} "
+                          f"and train.batch_size={t.batch_size} give {total} steps")
+    return total
 
 
 def shard_world_size(cfg, world_size: int) -> int:
