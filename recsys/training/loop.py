@@ -211,7 +211,14 @@ def run(cfg: ExperimentConfig, model_factory: ModelFactory | None = None) -> dic
     if cfg.resume or os.environ.get("RECSYS_RESUME") == "1":
         latest = job.resume_from  # the newest complete, compatible checkpoint (run_dir.preflight)
         if latest is not None:
-            extra = job.checkpointer.load(latest, job.dmp, job.optimizer, job.dense_optimizer)
+            try:
+                extra = job.checkpointer.load(latest, job.dmp, job.optimizer, job.dense_optimizer)
+            except (CheckpointError, KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as e:  # corrupt bytes behind complete-looking files (DCP raises on every rank)
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                raise CheckpointError(f"cannot load checkpoint {latest}: {first}; move it aside to resume from "
+                                      "an earlier one") from None
             start_step, resumed_from = int(extra["step"]), str(latest)
             # FBGEMM's COWCLIP/counter modes keep their iteration outside the state dict
             job.optimizer.set_optimizer_step(start_step)
