@@ -286,3 +286,24 @@ def test_full_disk_during_a_checkpoint(tmp_path):
         assert (run_dir / "plan.json").is_file() and not list((run_dir / "checkpoints").iterdir())
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
+
+
+@pytest.mark.slow
+def test_checkpoint_with_corrupt_bytes_is_one_line(run30, tmp_path):
+    """Files of the right size with garbage inside pass the completeness check but cannot load:
+    one line naming the checkpoint, exit 2, nothing written."""
+    broken = tmp_path / "run"
+    shutil.copytree(run30, broken)
+    (broken / "summary.json").unlink()
+    victim = sorted((broken / "checkpoints" / "step_000000030").glob("*.distcp"), key=lambda p: p.stat().st_size)[-1]
+    data = bytearray(victim.read_bytes())
+    data[100:400] = bytes(300)
+    victim.write_bytes(bytes(data))
+    before = (broken / "metrics.jsonl").read_text()
+    r = _recsys([f"run_dir={broken}", "train.max_steps=40", "resume=true"])
+    assert r.returncode == 2
+    line = _last_line(r)
+    assert line.startswith(f"error: cannot load checkpoint {broken}/checkpoints/step_000000030: ") and \
+        line.endswith("; move it aside to resume from an earlier one"), r.stderr[-3000:]
+    assert [l for l in r.stderr.splitlines() if not l.startswith("[rank0]")] == [line]
+    assert (broken / "metrics.jsonl").read_text() == before

@@ -128,6 +128,16 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def describe_failure(e: BaseException) -> str:
+    """One line for an exception; DCP's CheckpointException is unwrapped to its first rank's error."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        e = first[0] if isinstance(first, (list, tuple)) else first
+    text = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
 def _disk_reason(e: BaseException) -> str:
     """One line for a failed write: the first OSError found in the exception (DCP wraps them)."""
     seen: list[BaseException] = [e]

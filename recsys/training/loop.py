@@ -27,7 +27,7 @@ from recsys.optim.dense import DenseLrWarmup, combined_optimizer, dense_optimize
 from recsys.optim.scaling import effective_optim
 from recsys.optim.cowclip_sharder import take_update_stats
 from recsys.optim.embedding import attach_embedding_optimizer, embedding_sharders
-from recsys.training.checkpoint import Checkpointer, CheckpointError
+from recsys.training.checkpoint import Checkpointer, CheckpointError, describe_failure
 from recsys.training.distributed import DistEnv, init_distributed
 from recsys.training.hierarchy import HostGroups, build_host_groups, pg_timeout_from_env, remap_plan_to_host, resolve_hosts
 from recsys.training.merge import KStepMerger
@@ -216,8 +216,7 @@ def run(cfg: ExperimentConfig, model_factory: ModelFactory | None = None) -> dic
             except (CheckpointError, KeyboardInterrupt, SystemExit):
                 raise
             except BaseException as e:  # corrupt bytes behind complete-looking files (DCP raises on every rank)
-                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-                raise CheckpointError(f"cannot load checkpoint {latest}: {first}; move it aside to resume from "
+                raise CheckpointError(f"cannot load checkpoint {latest}: {describe_failure(e)}; move it aside to resume from "
                                       "an earlier one") from None
             start_step, resumed_from = int(extra["step"]), str(latest)
             # FBGEMM's COWCLIP/counter modes keep their iteration outside the state dict
