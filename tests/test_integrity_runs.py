@@ -307,3 +307,17 @@ def test_checkpoint_with_corrupt_bytes_is_one_line(run30, tmp_path):
         line.endswith("; move it aside to resume from an earlier one"), r.stderr[-3000:]
     assert [l for l in r.stderr.splitlines() if not l.startswith("[rank0]")] == [line]
     assert (broken / "metrics.jsonl").read_text() == before
+
+
+@pytest.mark.slow
+def test_overwrite_moves_the_earlier_run_aside(run30, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(run30, run_dir)
+    old_metrics = (run_dir / "metrics.jsonl").read_text()
+    r = _ok([f"run_dir={run_dir}", "train.max_steps=10", "overwrite=true"])
+    (aside,) = tmp_path.glob("run.old-*")
+    assert f"overwrite=true: moved the earlier run in {run_dir} to {aside}" in r.stderr
+    assert sorted(p.name for p in (aside / "checkpoints").iterdir()) == [f"step_{s:09d}" for s in (10, 20, 30)]
+    assert (aside / "metrics.jsonl").read_text() == old_metrics
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_000000010"]
+    assert _summary(run_dir)["steps"] == 10 and _summary(run_dir)["resumed_from"] is None

@@ -196,7 +196,7 @@ def preflight(cfg, total_steps: int, shape: dict, warn: bool = True) -> Path | N
     run_dir = cfg.resolved_run_dir()
     resume = wants_resume(cfg)
     aside = check_fresh(run_dir, resume, getattr(cfg, "overwrite", False))
-    if aside is not None and warn:
+    if aside is not None:  # (in the launcher, logging's last-resort handler prints it)
         logging.getLogger("recsys.train").warning("overwrite=true: moved the earlier run in %s to %s", run_dir, aside)
     if not resume:
         return None
