@@ -218,7 +218,7 @@ class Checkpointer:
         saved = marker.get("shape")
         if saved is None:  # written before shapes were recorded: the world size is all we know
             saved = {"train.world_size": marker.get("ranks_per_host", marker["world_size"])}
-            current = {"train.world_size": self.shard_world}
+            current = {"train.world_size": self.shape.get("train.world_size", self.shard_world)}
         else:
             current = self.shape
         changes = shape_changes(saved, current)
