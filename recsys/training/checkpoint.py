@@ -108,7 +108,16 @@ def incomplete_reason(path: Path) -> str | None:
     return None
 
 
-# Keys of `shape` that a checkpoint tolerates changing: none so far (see docs/run_integrity.md).
+# FBGEMM's own fused optimizers: their state is per-row or per-element tensors that DCP reshards
+# by offset, so a plain (not hierarchical) checkpoint loads on another world size (tested 2 -> 1
+# -> 2 ranks with exact metrics; docs/run_integrity.md).
+RESHARDABLE_OPTIMIZERS = ("rowwise_adagrad", "adagrad", "sgd")
+
+
+def reshardable(shape: dict[str, Any]) -> bool:
+    return shape.get("optim.embedding") in RESHARDABLE_OPTIMIZERS and not shape.get("train.merge_every")
+
+
 def shape_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """`key old -> new` for every key whose value differs (a key absent on one side counts)."""
     out = []
@@ -221,6 +230,9 @@ class Checkpointer:
             current = {"train.world_size": self.shape.get("train.world_size", self.shard_world)}
         else:
             current = self.shape
+            if reshardable(saved) and reshardable(current):  # another world size is fine
+                saved = {k: v for k, v in saved.items() if k != "train.world_size"}
+                current = {k: v for k, v in current.items() if k != "train.world_size"}
         changes = shape_changes(saved, current)
         if changes:
             raise CheckpointError(
@@ -340,7 +352,9 @@ class Checkpointer:
         with `step` and `rank_state` (what `save` got as rank_state, {} if none)."""
         marker = read_marker(path)
         shard_world = marker.get("ranks_per_host", marker["world_size"])
-        if shard_world != self.shard_world:
+        if shard_world != self.shard_world and not (
+            self.groups is None and "ranks_per_host" not in marker and reshardable(marker.get("shape", {}))
+        ):
             what = f"{shard_world} ranks" + (" per host" if "ranks_per_host" in marker else "")
             mine = f"{self.shard_world} ranks" + (" per host" if self.groups is not None else "")
             raise CheckpointError(f"checkpoint {path} was written by {what}, this job has {mine}")
@@ -364,6 +378,8 @@ class Checkpointer:
         rank_file = path / f"rank{self.rank}.pt"
         if not rank_file.is_file() and g is not None:  # another host count: a replica's RNG
             rank_file = path / f"rank{g.local_rank}.pt"
+        if not rank_file.is_file():  # more ranks than the checkpoint had: rank 0's RNG
+            rank_file = path / "rank0.pt"
         saved = torch.load(rank_file, weights_only=True)
         torch.set_rng_state(saved["torch_rng"])
-        return dict(marker["extra"], step=marker["step"], rank_state=saved.get("state", {}))
+        return dict(marker["extra"], step=marker["step"], world_size=marker["world_size"], rank_state=saved.get("state", {}))
