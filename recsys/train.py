@@ -57,7 +57,10 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         os._exit(2)  # peers may be blocked in a collective on a dead group: no teardown
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # a direct run's Ctrl-C (under `recsys train` the launcher says it)
+        if rank == 0 and "RECSYS_RUN_LOCK_PID" not in os.environ:
+            print("interrupted: the last complete checkpoint is kept (resume=true continues from it)",
+                  file=sys.stderr, flush=True)
         os._exit(130)
     finally:
         shutdown()

@@ -23,7 +23,8 @@ into any run whose shard world matches (another host count, or a plain run of R 
 Integrity (docs/run_integrity.md):
 - COMMITTED also records `shape`, the config that shapes the saved state (model, tables,
   embedding optimizer, batch, world, hosts, merge settings; `state_shape` in loop.py); a resume
-  whose config differs stops with one line naming the keys (`check_compatible`).
+  whose config differs stops with one line naming the keys (`check_compatible`). The world size
+  may change for plain runs with FBGEMM's fused optimizers (`reshardable`): DCP reshards on load.
 - `latest_complete()` checks the newest checkpoint's files against its DCP metadata (every
   `.distcp` present and long enough, every `rank<r>.pt` present) and falls back to the previous
   complete one with a one-line warning naming the bad file.
