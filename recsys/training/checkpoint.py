@@ -22,7 +22,7 @@ into any run whose shard world matches (another host count, or a plain run of R 
 
 Integrity (docs/run_integrity.md):
 - COMMITTED also records `shape`, the config that shapes the saved state (model, tables,
-  embedding optimizer, batch, world, hosts, merge settings; `state_shape` in loop.py); a resume
+  embedding optimizer, batch, shard world, merge settings; `run_dir.state_shape`); a resume
   whose config differs stops with one line naming the keys (`check_compatible`). The world size
   may change for plain runs with FBGEMM's fused optimizers (`reshardable`): DCP reshards on load.
 - `latest_complete()` checks the newest checkpoint's files against its DCP metadata (every
@@ -36,7 +36,6 @@ Integrity (docs/run_integrity.md):
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
