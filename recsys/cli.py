@@ -12,6 +12,7 @@ also dies with its torchrun. The run directory's lock is held until the launcher
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import subprocess
@@ -106,6 +107,9 @@ def _supervise(cmd: list[str], env: dict[str, str], run_dir) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # The launcher's own messages (e.g. "rebuilding the shard cache: ...") are one plain line each.
+    # force: importing fbgemm_gpu calls logging.info(), which installs a "LEVEL:name:" root handler.
+    logging.basicConfig(level=logging.WARNING, format="%(message)s", force=True)
     parser = argparse.ArgumentParser(prog="recsys", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="train a model (launches torchrun)")
