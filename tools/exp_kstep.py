@@ -260,7 +260,6 @@ def main(argv: list[str] | None = None) -> int:
 
     config = a.config or (QUICK_CONFIG if a.quick else CONFIG)
     out = a.out or REPO / "runs" / ("exp_kstep_quick" if a.quick else "exp_kstep")
-    out.mkdir(parents=True, exist_ok=True)
     ks = [int(x) for x in a.ks.split(",") if x.strip()]
     moments = {"both": [False, True], "on": [True], "off": [False]}[a.moments]
     grid = [(k, m) for m in moments for k in ks]
@@ -277,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"exp_kstep: --net {a.net}: {e}", file=sys.stderr)
             return 2
         _log(f"simulated hosts: {', '.join(f'{net.ns(i)} {net.host_addr(i)}' for i in range(HOSTS))}, link {net.link}")
+    out.mkdir(parents=True, exist_ok=True)
     _log(f"{len(grid)} runs of {HOSTS} hosts x {RANKS_PER_HOST} ranks, config {config}, overrides {a.overrides}")
     rows: list[dict[str, Any]] = []
     t0 = time.perf_counter()

@@ -61,9 +61,9 @@ class SimNetError(RuntimeError):
 
 @dataclass(frozen=True)
 class LinkSpec:
-    """Shaping of every host's link, both directions: rate (tc syntax, e.g. 100mbit), one-way delay
-    added per direction (e.g. 1ms; a round trip across hosts adds 4x: two shaped veths each way),
-    packet loss in percent. None: not limited."""
+    """Shaping of every host's link, both directions: rate (tc syntax, e.g. 100mbit), delay added
+    by each shaped veth (e.g. 1ms; host to host passes two, so one way adds 2x and a round trip
+    4x), packet loss in percent per veth. None: not limited. `str()` parses back."""
 
     rate: str | None = None
     delay: str | None = None
@@ -79,13 +79,19 @@ class LinkSpec:
             if not sep or not val:
                 raise SimNetError(f"simnet: bad link setting {part!r} in {text!r}: expected key=value")
             if key == "rate":
-                if not _RATE_RE.match(val):
+                if val in ("0", "unlimited"):
+                    kw["rate"] = None
+                elif not _RATE_RE.match(val):
                     raise SimNetError(f"simnet: bad rate {val!r}: expected e.g. 100mbit, 1gbit, 500kbit")
-                kw["rate"] = None if float(_RATE_RE.match(val).group(1)) == 0 else val
+                else:
+                    kw["rate"] = None if float(_RATE_RE.match(val).group(1)) == 0 else val
             elif key == "delay":
-                if not _TIME_RE.match(val):
+                if val == "0":
+                    kw["delay"] = None
+                elif not _TIME_RE.match(val):
                     raise SimNetError(f"simnet: bad delay {val!r}: expected e.g. 1ms, 100us")
-                kw["delay"] = None if float(_TIME_RE.match(val).group(1)) == 0 else val
+                else:
+                    kw["delay"] = None if float(_TIME_RE.match(val).group(1)) == 0 else val
             elif key == "loss":
                 try:
                     pct = float(val.rstrip("%"))
