@@ -10,6 +10,13 @@ summed over all ranks; docs/kstep.md), and wall time (launch to exit, start-up a
     .venv/bin/python tools/exp_kstep.py                 # the full grid, ~15 minutes on 2 cores
     .venv/bin/python tools/exp_kstep.py --quick         # tiny data, to check the script (~2 min)
     .venv/bin/python tools/exp_kstep.py --ks 1,16 --moments on --set train.max_steps=100
+    .venv/bin/python tools/exp_kstep.py --quick --ks 1,16 --net rate=100mbit   # root: a real, shaped link
+
+`--net rate=R[,delay=D][,loss=P%]` runs each host in its own network namespace behind a tc-shaped
+veth (tools/simnet.py; root, `ip` and `tc` needed, refused in one line otherwise): gloo between
+hosts goes over the link, inside a host over that host's loopback, and each row also gets the
+bytes the hosts sent into the link (veth counters, launch to exit) next to the modelled bytes,
+plus training time and samples/s. Without --net both hosts share loopback (the default).
 
 Progress lines go to stderr; results to <out>/results.json, a plot to --plot (PNG) and a markdown
 table to stdout. The last line of stdout is one JSON object with the headline figures: AUC per k,
