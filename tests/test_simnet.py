@@ -258,3 +258,46 @@ def test_exp_kstep_net_puts_cross_host_gloo_bytes_on_the_link(tmp_path):
     assert min(k1["veth_bytes"]["h0_sent"], k1["veth_bytes"]["h1_sent"]) > 0.4 * k1["cross_host_bytes_total"]
     name = re.search(r"simulated hosts: snet-(k\d+)-h0 10\.213\.\d+\.1, ", r.stderr).group(1)
     assert _mine(name) == []  # exp_kstep deleted its network
+
+
+def _procs_mentioning(text: str) -> list[int]:
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if text in (d / "cmdline").read_bytes().decode(errors="replace"):
+                    pids.append(int(d.name))
+            except OSError:
+                pass
+    return pids
+
+
+@needs_netns
+@pytest.mark.slow
+def test_exp_kstep_net_sigterm_mid_run_leaves_no_network_and_no_process(tmp_path):
+    """SIGTERM while the 4 workers train: exp_kstep kills both nodes' process groups and deletes
+    its namespaces, bridge and veths, then exits 143. Slow (~30 s)."""
+    out = tmp_path / "exp"
+    p = subprocess.Popen(
+        [sys.executable, "tools/exp_kstep.py", "--quick", "--ks", "1", "--moments", "off", "--net", "rate=100mbit",
+         "--out", str(out)],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        name, lines = None, []
+        for line in p.stderr:
+            lines.append(line)
+            if m := re.search(r"simulated hosts: snet-(k\d+)-h0 ", line):
+                name = m.group(1)
+            if " step 16/64 " in line:
+                break
+        assert name is not None and len(_mine(name)) == 5, "".join(lines)[-2000:]
+        assert len(_procs_mentioning(str(out))) >= 6  # 2 agents + 4 workers
+        p.send_signal(signal.SIGTERM)
+        p.stderr.read()
+        assert p.wait(timeout=120) == 128 + signal.SIGTERM
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert _mine(name) == []
+    assert _procs_mentioning(str(out)) == []

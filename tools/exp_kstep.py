@@ -65,9 +65,22 @@ def _forward(stream, sink: list[str], prefix: str) -> None:
             print(f"{prefix} {line.rstrip()}", file=sys.stderr, flush=True)
 
 
-def _kill_group(p: subprocess.Popen) -> None:
-    """Kills a launched node and its workers (each node runs in its own session)."""
-    if p.poll() is None:
+def _stop_nodes(procs: list[subprocess.Popen], grace: float = 30.0) -> None:
+    """Stops launched nodes that still run: SIGTERM first, so each torchrun agent stops its workers
+    (torchrun starts them in sessions of their own, out of reach of the agent's group), then
+    SIGKILL to each node's process group after `grace` seconds."""
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + grace
+    for p in live:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
         try:
             os.killpg(p.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -127,8 +140,7 @@ def run_one(
         except subprocess.TimeoutExpired:
             raise RuntimeError(f"run k={k} moments={moments} exceeded {timeout:.0f} s") from None
     finally:
-        for p in procs:  # a timeout, Ctrl-C or SIGTERM: no node outlives this run
-            _kill_group(p)
+        _stop_nodes(procs)  # a timeout, Ctrl-C or SIGTERM: no node outlives this run
     wall = time.perf_counter() - t0
     after = net.counters() if net is not None else None
     del store  # every agent has exited
