@@ -180,6 +180,9 @@ def test_up_fails_cleanly_when_the_name_exists():
     with SimNet("t2", 1):
         with pytest.raises(SimNetError, match=r"^simnet: a network named 't2' exists already \(tools/simnet.py down --name t2\)$"):
             SimNet("t2", 1).up()
+        with pytest.raises(SimNetError, match="exists already"):
+            with SimNet("t2", 1):
+                pass
         assert len(_mine("t2")) == 3  # the failed second one deleted nothing of the first
     assert _mine("t2") == []
 

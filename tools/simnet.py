@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import fcntl
 import os
 import re
 import shutil
@@ -48,6 +49,7 @@ PREFIX = "snet"
 IFNAME = "simnet0"  # the veth's name inside every host namespace (GLOO_SOCKET_IFNAME)
 SUBNET_BASE = "10.213"
 BRIDGE_HOST = 254
+LOCK = "/tmp/.snet.lock"  # held while a subnet is picked and claimed
 _NAME_RE = re.compile(r"^[a-z0-9]{1,8}$")  # interface names are limited to 15 characters
 _RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit)$")
 _TIME_RE = re.compile(r"^(\d+(?:\.\d+)?)(us|ms|s)$")
@@ -250,16 +252,18 @@ class SimNet:
             f"/sys/class/net/{self.bridge}"
         ).exists():
             raise SimNetError(f"simnet: a network named {self.name!r} exists already (tools/simnet.py down --name {self.name})")
-        used = _used_subnets()
-        free = [n for n in range(1, 255) if n not in used]
-        if not free:
-            raise SimNetError(f"simnet: every subnet {SUBNET_BASE}.1-254.0/24 is in use")
-        self.net = free[0]
-        self._is_up = True
+        self._is_up = True  # from here on, down() deletes what this object made
         try:
-            _run(["ip", "link", "add", self.bridge, "type", "bridge"])
-            _no_ipv6([], self.bridge)
-            _run(["ip", "addr", "add", f"{self.bridge_addr}/24", "dev", self.bridge])
+            with open(LOCK, "a") as lock:  # two networks made at once must not pick the same subnet
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                used = _used_subnets()
+                free = [n for n in range(1, 255) if n not in used]
+                if not free:
+                    raise SimNetError(f"simnet: every subnet {SUBNET_BASE}.1-254.0/24 is in use")
+                self.net = free[0]
+                _run(["ip", "link", "add", self.bridge, "type", "bridge"])
+                _no_ipv6([], self.bridge)
+                _run(["ip", "addr", "add", f"{self.bridge_addr}/24", "dev", self.bridge])
             _run(["ip", "link", "set", self.bridge, "up"])
             for i in range(self.hosts):
                 ns, rv, peer = self.ns(i), self.root_veth(i), f"{PREFIX}{self.name}p{i}"
@@ -282,8 +286,11 @@ class SimNet:
         return self
 
     def down(self) -> None:
-        """Deletes what `up` made (missing pieces are fine). Deleting the root-side veth deletes
-        its peer in the namespace too."""
+        """Deletes what `up` made (missing pieces are fine); nothing if `up` did not start making
+        (e.g. refused because the name exists). Deleting the root-side veth deletes its peer in
+        the namespace too."""
+        if not self._is_up:
+            return
         for i in range(self.hosts):
             _run(["ip", "link", "del", self.root_veth(i)], check=False)
         _run(["ip", "link", "del", self.bridge], check=False)
