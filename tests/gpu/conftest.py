@@ -1,9 +1,9 @@
 """The GPU suite (``make test-gpu``): runs where torch sees a CUDA device, skips loudly elsewhere.
 
-Without CUDA every test here is skipped by one autouse fixture, so ``-ra`` prints ONE line for
-the whole directory ("SKIPPED [N] tests/gpu/conftest.py:..: no CUDA device: ..."), the session
-header says it too, and collection stays cheap (the test modules import only torch and pytest at
-module level). CI (no GPU) shows them that way; ``make test`` collects them like any test.
+Without CUDA every test here is skipped by one autouse fixture with one reason, and one line
+says so at the end of the run ("tests/gpu: N GPU test(s) SKIPPED: no CUDA device (...)"; the
+session header says it too, ``-ra`` lists the tests). Collection stays cheap: the test modules
+import only torch and pytest at module level. CI (no GPU, ``make test``) shows them that way.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ def pytest_report_header(config):
     return [f"tests/gpu: {torch.cuda.device_count()} CUDA device(s): {names}"]
 
 
-@pytest.fixture(autouse=True)
-def _needs_cuda():
+@pytest.fixture(autouse=True, scope="session")
+def _needs_cuda():  # session scope: before any module fixture (test_train_cuda's GPU run)
     if REASON is not None:
         pytest.skip(REASON)
 
