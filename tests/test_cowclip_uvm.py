@@ -20,7 +20,9 @@ from torchrec.distributed.planner import Topology
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.modules.embedding_configs import DataType, PoolingType
 
-from recsys.optim.cowclip_sharder import CowClipEmbeddingBagCollectionSharder, state_location, tag_cowclip_adam
+from recsys.optim.cowclip_sharder import (
+    CowClipEmbeddingBagCollectionSharder, split_by_location, state_location, tag_cowclip_adam,
+)
 from recsys.optim.cowclip_tbe import CowClipAdamTBE, CowClipHyper, unified_zeros
 
 SPECS = [(50, 8), (30, 4), (20, 8)]
@@ -73,28 +75,48 @@ def test_unknown_location_is_a_one_line_error():
         CowClipAdamTBE(SPECS, [0, 1, 2], CowClipHyper(), full_dims=[8, 4, 8], mode="inline", location="hbm")
 
 
-def _group(kernel: EmbeddingComputeKernel, **fused) -> GroupedEmbeddingConfig:
+def _table(name: str, kernel: EmbeddingComputeKernel):
     from torchrec.distributed.embedding_types import ShardedEmbeddingTable
 
-    table = ShardedEmbeddingTable(num_embeddings=10, embedding_dim=4, name="t_big", feature_names=["f"])
-    return GroupedEmbeddingConfig(DataType.FP32, PoolingType.SUM, False, False, kernel, [table],
-                                  fused_params={"optimizer": "recsys.cowclip_adam", **fused})
+    return ShardedEmbeddingTable(num_embeddings=10, embedding_dim=4, name=name, feature_names=[f"f_{name}"],
+                                 compute_kernel=kernel)
 
 
-def test_the_plan_kernel_decides_where_the_state_lives():
+def _group(tables, optimizer: str = "recsys.cowclip_adam", **fused) -> GroupedEmbeddingConfig:
+    """A group as torchrec's grouping makes it: fused and fused_uvm tables filed under ``fused``."""
+    return GroupedEmbeddingConfig(DataType.FP32, PoolingType.SUM, False, False, EmbeddingComputeKernel.FUSED, tables,
+                                  fused_params={"optimizer": optimizer, **fused})
+
+
+def test_the_plan_kernel_of_each_table_decides_where_its_state_lives():
     K = EmbeddingComputeKernel
-    assert state_location(_group(K.FUSED)) == "device"
-    assert state_location(_group(K.DENSE)) == "device"
-    assert state_location(_group(K.FUSED_UVM)) == "managed"
-    assert state_location(_group(K.FUSED_UVM, uvm_host_mapped=True)) == "host_mapped"
+    assert state_location(_group([_table("t_big", K.FUSED)])) == "device"
+    assert state_location(_group([_table("t_big", K.DENSE)])) == "device"
+    assert state_location(_group([_table("t_big", K.FUSED_UVM)])) == "managed"
+    assert state_location(_group([_table("t_big", K.FUSED_UVM)], uvm_host_mapped=True)) == "host_mapped"
     with pytest.raises(ValueError) as e:
-        state_location(_group(K.FUSED_UVM_CACHING))
+        state_location(_group([_table("t_big", K.FUSED_UVM_CACHING)]))
     assert str(e.value) == (
-        "CowClip-Adam tables ['t_big']: compute kernel fused_uvm_caching is not supported (FBGEMM's cache of hot "
+        "CowClip-Adam table t_big: compute kernel fused_uvm_caching is not supported (FBGEMM's cache of hot "
         "rows cannot stay coherent with the CowClip update); use fused_uvm or fused")
-    with pytest.raises(ValueError, match=r"^CowClip-Adam tables \['t_big'\] need compute kernel fused or fused_uvm "
+    with pytest.raises(ValueError, match=r"^CowClip-Adam table t_big needs compute kernel fused or fused_uvm "
                                          r"\(dense for data_parallel\), the plan says key_value$"):
-        state_location(_group(K.KEY_VALUE))
+        state_location(_group([_table("t_big", K.KEY_VALUE)]))
+
+
+def test_mixed_groups_are_cut_into_runs_of_one_location():
+    """torchrec puts fused and fused_uvm tables with equal fused params in one group; our TBE holds
+    one location, so the lookup gets consecutive runs, in the same table (= feature) order."""
+    K = EmbeddingComputeKernel
+    tables = [_table("a", K.FUSED), _table("b", K.FUSED_UVM), _table("c", K.FUSED_UVM), _table("d", K.FUSED)]
+    cow = _group(tables)
+    stock = _group([_table("e", K.FUSED), _table("f", K.FUSED_UVM)], optimizer="exact_sgd")
+    out = split_by_location([cow, stock])
+    assert [[t.name for t in g.embedding_tables] for g in out] == [["a"], ["b", "c"], ["d"], ["e", "f"]]
+    assert [state_location(g) for g in out[:3]] == ["device", "managed", "device"]
+    assert out[3] is stock and all(g.fused_params == cow.fused_params for g in out[:3])
+    with pytest.raises(ValueError, match=r"one kernel holds tables of one location, got \['device', 'managed'\]$"):
+        state_location(cow)
 
 
 # ---------------------------------------------------------------------------- the planner
@@ -173,3 +195,20 @@ def test_tight_hbm_plan_on_a_cuda_topology_puts_cowclip_tables_in_host_memory():
             assert hbm < shard_weight_bytes / 100, so.name
         else:
             assert ddr == 0 and hbm >= 3 * shard_weight_bytes, so.name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2])
+def test_dmp_with_uvm_planned_cowclip_tables_trains_and_resumes_on_cpu(tmp_path, world):
+    """tests/cowclip_uvm_dmp.py over gloo on CPU: a plan with fused and fused_uvm CowClip tables
+    (table-wise, row-wise, column-wise, one host-mapped), the fused and a fused_uvm table in one
+    torchrec group: each table's TBE has the planned location, training equals the per-table
+    formula, a DCP round trip replays bit-identically. (On CUDA: tests/gpu/test_cowclip_uvm_cuda.py.)"""
+    import torch.multiprocessing as mp
+
+    from tests import cowclip_uvm_dmp
+    from tests.test_cowclip_sharded import _free_port
+
+    mp.start_processes(cowclip_uvm_dmp.gloo_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world,
+                       start_method="spawn")
+    cowclip_uvm_dmp.check(tmp_path, world, uvm=False)

@@ -73,6 +73,7 @@ Relies on private torchrec 1.8 attributes of the sharding objects (``_grouped_em
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -126,24 +127,54 @@ def is_cowclip(fused_params: dict[str, Any] | None) -> bool:
     return bool(fused_params) and fused_params.get("optimizer") == COWCLIP_ADAM
 
 
-def state_location(config: GroupedEmbeddingConfig) -> str:
-    """Where a CowClip group keeps weights + optimizer state, from the kernel the plan gave it:
+def table_location(table: Any, fused_params: dict[str, Any] | None) -> str:
+    """Where a CowClip table keeps weights + optimizer state, from the kernel the plan gave it
+    (torchrec keeps it per table: its grouping files ``fused_uvm`` tables under ``fused``):
     ``device`` (fused, dense), ``managed`` (fused_uvm; ``host_mapped`` when the fused params set
     ``uvm_host_mapped``, as for FBGEMM's tables). Any other kernel is a one-line error."""
-    names = [t.name for t in config.embedding_tables]
-    kernel = config.compute_kernel
+    kernel = EmbeddingComputeKernel(table.compute_kernel)
     if kernel == EmbeddingComputeKernel.FUSED_UVM_CACHING:
         raise ValueError(
-            f"CowClip-Adam tables {names}: compute kernel fused_uvm_caching is not supported (FBGEMM's cache of "
+            f"CowClip-Adam table {table.name}: compute kernel fused_uvm_caching is not supported (FBGEMM's cache of "
             "hot rows cannot stay coherent with the CowClip update); use fused_uvm or fused")
     if kernel not in _KERNEL_LOCATION:
         raise ValueError(
-            f"CowClip-Adam tables {names} need compute kernel fused or fused_uvm (dense for data_parallel), "
+            f"CowClip-Adam table {table.name} needs compute kernel fused or fused_uvm (dense for data_parallel), "
             f"the plan says {kernel.value}")
     location = _KERNEL_LOCATION[kernel]
-    if location == "managed" and (config.fused_params or {}).get("uvm_host_mapped"):
+    if location == "managed" and (fused_params or {}).get("uvm_host_mapped"):
         location = "host_mapped"
     return location
+
+
+def state_location(config: GroupedEmbeddingConfig) -> str:
+    """The one location of a CowClip group's tables (``split_by_location`` made it uniform)."""
+    locations = {table_location(t, config.fused_params) for t in config.embedding_tables}
+    if len(locations) != 1:
+        raise ValueError(f"CowClip-Adam tables {[t.name for t in config.embedding_tables]}: one kernel holds "
+                         f"tables of one location, got {sorted(locations)}")
+    return locations.pop()
+
+
+def split_by_location(configs: list[GroupedEmbeddingConfig]) -> list[GroupedEmbeddingConfig]:
+    """torchrec groups ``fused`` and ``fused_uvm`` tables of equal fused params into one group (FBGEMM
+    places each table of a TBE on its own); a CowClip TBE keeps its tables in one flat buffer, so
+    each CowClip group is cut into runs of consecutive tables with the same location. The order of
+    tables, hence of features and output columns across the lookup's groups, is unchanged."""
+    out: list[GroupedEmbeddingConfig] = []
+    for config in configs:
+        if not is_cowclip(config.fused_params):
+            out.append(config)
+            continue
+        runs: list[tuple[str, list[Any]]] = []
+        for t in config.embedding_tables:
+            loc = table_location(t, config.fused_params)
+            if runs and runs[-1][0] == loc:
+                runs[-1][1].append(t)
+            else:
+                runs.append((loc, [t]))
+        out.extend(dataclasses.replace(config, embedding_tables=tables) for _, tables in runs)
+    return out
 
 
 def tag_cowclip_adam(params: Iterable[nn.Parameter], hyper: CowClipHyper | None = None, **kw: Any) -> None:
@@ -307,7 +338,7 @@ class CowClipGroupedPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
 
     def __init__(self, grouped_configs: list[GroupedEmbeddingConfig], *, cowclip_mode: str, **kw: Any) -> None:
         object.__setattr__(self, "_cowclip_mode", cowclip_mode)  # read by _create_embedding_kernel
-        super().__init__(grouped_configs, **kw)
+        super().__init__(split_by_location(grouped_configs), **kw)
 
     def _create_embedding_kernel(self, config, device, pg, sharding_type, env):  # type: ignore[override]
         if not is_cowclip(config.fused_params):
