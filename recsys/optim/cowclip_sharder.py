@@ -61,7 +61,8 @@ Compute kernels (what the planner may choose for an EBC this sharder shards, doc
 "CowClip tables in host memory"): ``fused`` (state in device memory), and on CUDA ``fused_uvm``
 (weights, both moments and ``row_step`` in host memory through FBGEMM's unified-memory
 allocator, ``CowClipAdamTBE(location="managed")``, or ``"host_mapped"`` with the fused param
-``uvm_host_mapped``); ``dense`` for data-parallel. Never ``fused_uvm_caching``: FBGEMM's cache of
+``uvm_host_mapped``; torchrec groups fused and fused_uvm tables together, ``split_by_location``
+cuts CowClip groups by location); ``dense`` for data-parallel. Never ``fused_uvm_caching``: FBGEMM's cache of
 hot weight rows cannot be kept coherent with an update that is not FBGEMM's own backward (see
 ``recsys.optim.cowclip_tbe``). torchrec asks a sharder per sharding type, not per table, so the
 untagged tables of these EBCs get the same choice.
@@ -173,7 +174,10 @@ def split_by_location(configs: list[GroupedEmbeddingConfig]) -> list[GroupedEmbe
                 runs[-1][1].append(t)
             else:
                 runs.append((loc, [t]))
-        out.extend(dataclasses.replace(config, embedding_tables=tables) for _, tables in runs)
+        if len(runs) == 1:
+            out.append(config)
+        else:
+            out.extend(dataclasses.replace(config, embedding_tables=tables) for _, tables in runs)
     return out
 
 
