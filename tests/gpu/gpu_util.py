@@ -33,7 +33,3 @@ def spawn_nccl(fn: Callable[..., None], world: int, *args: Any) -> None:
     NCCL process group; an exception in any worker fails the caller."""
     mp.start_processes(_entry, args=(fn, world, free_port(), args), nprocs=world, start_method="spawn")
 
-
-def worlds() -> list[int]:
-    """World sizes to test: 1, and 2 where the machine has 2 GPUs."""
-    return [1, 2] if torch.cuda.device_count() >= 2 else [1]
