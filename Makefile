@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat constraints.txt pyproject.toml setup.py recsys/optim/csrc/* | sha1sum | cut -c1-12)
 PIP := $(PY) -m pip install -q --disable-pip-version-check -c constraints.txt
 
-.PHONY: venv test-deps demo test test-fast bench clean
+.PHONY: venv test-deps demo test test-fast test-gpu bench clean
 venv: $(STAMP)
 
 # Test-only dependency: triton's interpreter (TRITON_INTERPRET=1) runs the CUDA CowClip kernel on
@@ -45,6 +45,14 @@ test: venv test-deps
 
 test-fast: venv test-deps
 	$(VENV)/bin/pytest -q -m "not slow"
+
+# The GPU suite (tests/gpu; docs/install.md "Testing on a GPU"): NCCL, FBGEMM's CUDA kernels, the
+# Triton kernel compiled, a training run on CUDA. It needs a CUDA build of the stack, e.g.
+# `make test-gpu GPU_VENV=.venv-cuda`; with the CPU stack of $(VENV) (and in `make test`, which
+# collects tests/gpu too) every test is skipped with one reason line.
+GPU_VENV ?= $(VENV)
+test-gpu: $(if $(filter $(GPU_VENV),$(VENV)),venv test-deps)
+	$(GPU_VENV)/bin/pytest -ra tests/gpu
 
 # The benchmark's reference, DeepCTR-Torch, is installed without its deps so it cannot replace torch.
 bench: venv
