@@ -333,9 +333,12 @@ def shipped_topologies() -> list[Path]:
 
 def _read_yaml(p: Path, source: str) -> Any:
     try:
-        text = p.read_text()
+        text = p.read_text(encoding="utf-8")
     except OSError as e:
         raise TopologyError(f"{source}: cannot read: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise TopologyError(f"{source}: not a UTF-8 text file (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+                            "is it a topology YAML?") from None
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as e:

@@ -186,3 +186,13 @@ def test_multi_host_needs_nics(tmp_path):
     two.write_text("hosts:\n  - {from: one.yaml, repeat: 2}\n")
     with pytest.raises(TopologyError, match=r"^two.yaml: key 'hosts': host 'h-0' has no NICs but the cluster has 2 hosts$"):
         load_topology(two)
+
+
+def test_binary_topology_file_is_one_line_naming_it(tmp_path):
+    """Issue 13: a binary file given as a topology said only "'utf-8' codec can't decode"."""
+    f = tmp_path / "topo.yaml"
+    f.write_bytes(b"hosts:\n  - \xff\xfe\x00binary")
+    with pytest.raises(TopologyError) as e:
+        load_topology(f)
+    msg = str(e.value)
+    assert msg == "topo.yaml: not a UTF-8 text file (byte 0xff at offset 11); is it a topology YAML?"
