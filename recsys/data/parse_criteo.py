@@ -77,8 +77,8 @@ def _byte_flags(good: bytes, values: Sequence[int] | None = None) -> np.ndarray:
 # 0 for bytes an integer field may contain (incl. the NUL padding of the fixed-width view), else 0x80.
 _DENSE_CHAR_FLAGS = _byte_flags(b"\x000123456789+-.eE")
 # Hex digit -> its value; NUL padding -> 0; any other byte -> 0x80.
-_HEX_VALUE = _byte_flags(b"\x000123456789abcdefABCDEF", [0, *range(10), *range(10, 16), *range(10, 16)])
 _HIGH_BITS = np.uint64(0x8080808080808080)
+_HEX_VALUE = _byte_flags(b"\x000123456789abcdefABCDEF", [0, *range(10), *range(10, 16), *range(10, 16)])
 _FIELD_WIDTH = 16  # fixed width of the numpy byte-string view; 16+ byte fields are rejected
 
 
@@ -192,11 +192,24 @@ def parse_criteo_lines(
 
 _PAD = 16  # zero bytes before and after the block, so fixed-width windows never leave the buffer
 _NL, _CR, _MINUS, _ZERO = 0x0A, 0x0D, 0x2D, 0x30
-# keep-mask of a right-aligned 8-byte little-endian window holding the last n bytes, n = 0..8
-_KEEP8 = np.array([0 if n == 0 else ((1 << (8 * n)) - 1) << (8 * (8 - n)) for n in range(9)], dtype=np.uint64)
-_NIBBLES = np.uint64(0x0F0F0F0F0F0F0F0F)
-_ASCII_ZEROS = np.uint64(0x3030303030303030)
-_HEX_OR_BAD = _byte_flags(b"0123456789abcdefABCDEF", [*range(10), *range(10, 16), *range(10, 16)])
+_U = np.uint64
+_ALL = _U(0xFFFFFFFFFFFFFFFF)
+_ASCII_ZEROS = _U(0x3030303030303030)
+_SEVENTY_SIXES = _U(0x7676767676767676)
+_LANE16 = _U(0x000F000F000F000F)
+_LANE32 = _U(0x000000FF000000FF)
+_LOW16 = _U(0xFFFF)
+
+
+def _byte_pair_table() -> np.ndarray:
+    """uint16 (two bytes, little-endian) -> 16 * hex(first) + hex(second), or 0x100 if either is no hex digit."""
+    v = _byte_flags(b"0123456789abcdefABCDEF", [*range(10), *range(10, 16), *range(10, 16)]).astype(np.uint16)
+    first, second = v[np.arange(1 << 16) & 0xFF], v[np.arange(1 << 16) >> 8]
+    bad = (first | second) & 0x80
+    return np.where(bad != 0, 0x100, (first << 4) | second).astype(np.uint16)
+
+
+_HEX_PAIRS = _byte_pair_table()
 
 
 def _u64_at(buf: np.ndarray) -> np.ndarray:
@@ -204,18 +217,23 @@ def _u64_at(buf: np.ndarray) -> np.ndarray:
     return np.ndarray((buf.shape[0] - 7,), dtype="<u8", buffer=buf, strides=(1,))
 
 
-def _decimal8(v: np.ndarray) -> np.ndarray:
-    """Eight digit values (0..9, first = most significant = lowest byte) -> their integer (SWAR)."""
-    v = ((v & np.uint64(0x000F000F000F000F)) * np.uint64(10) + ((v >> np.uint64(8)) & np.uint64(0x000F000F000F000F)))
-    v = ((v & np.uint64(0x000000FF000000FF)) * np.uint64(100) + ((v >> np.uint64(16)) & np.uint64(0x000000FF000000FF)))
-    return (v & np.uint64(0xFFFF)) * np.uint64(10000) + ((v >> np.uint64(32)) & np.uint64(0xFFFF))
+def _last_bytes(u64: np.ndarray, ends: np.ndarray, n: np.ndarray, fill: np.uint64) -> np.ndarray:
+    """The ``n`` (0..8) bytes before ``ends`` right-aligned in a uint64, the other bytes ``fill``'s."""
+    keep = _ALL << ((8 - n.astype(np.uint64)) << _U(3))
+    return (u64[ends - 8] & keep) | (fill & ~keep)
 
 
-def _hex8(v: np.ndarray) -> np.ndarray:
-    """Eight nibble values (first = most significant = lowest byte) -> their integer (SWAR)."""
-    v = ((v & np.uint64(0x000F000F000F000F)) << np.uint64(4)) | ((v >> np.uint64(8)) & np.uint64(0x000F000F000F000F))
-    v = ((v & np.uint64(0x000000FF000000FF)) << np.uint64(8)) | ((v >> np.uint64(16)) & np.uint64(0x000000FF000000FF))
-    return ((v & np.uint64(0xFFFF)) << np.uint64(16)) | ((v >> np.uint64(32)) & np.uint64(0xFFFF))
+def _decimal8(x: np.ndarray) -> np.ndarray:
+    """Eight ASCII digits (first = most significant = lowest byte) -> their integer (SWAR)."""
+    x = (x & _LANE16) * _U(10) + ((x >> _U(8)) & _LANE16)
+    x = (x & _LANE32) * _U(100) + ((x >> _U(16)) & _LANE32)
+    return (x & _LOW16) * _U(10000) + ((x >> _U(32)) & _LOW16)
+
+
+def _not_digits(x: np.ndarray) -> np.ndarray:
+    """True where some byte of ``x`` is not an ASCII digit (SWAR; no false negatives)."""
+    d = x - _ASCII_ZEROS  # a borrow only starts at a byte < "0", which is then > 9 itself
+    return (((d + _SEVENTY_SIXES) | d) & _HIGH_BITS) != 0
 
 
 def _fast_rows(
@@ -235,39 +253,48 @@ def _fast_rows(
     # integers: "", or an optional "-" and 1..15 digits
     dl = lens[:, 1 : 1 + _ND]
     de = ends[:, 1 : 1 + _ND]
-    neg = (buf[starts[:, 1 : 1 + _ND]] == _MINUS) & (dl > 0)
-    ndig = dl - neg
+    neg = buf[starts[:, 1 : 1 + _ND]] == _MINUS
+    neg &= dl > 0
+    ndig = dl - neg.view(np.int8)
     clean &= ((ndig > 0) | (dl == 0)).all(axis=1) & (dl <= 15).all(axis=1)
-    ndig = np.minimum(ndig, 15)
-    # Masked to the field, then minus "0" per byte: no borrow crosses into a kept byte unless a
-    # kept byte below it is < "0", and that byte itself then shows up as > 9 (the row is not clean).
-    lo_keep = _KEEP8[np.minimum(ndig, 8)]
-    lo = (u64[de - 8] & lo_keep) - (_ASCII_ZEROS & lo_keep)  # the last 8 characters
-    hi_keep = _KEEP8[np.maximum(ndig - 8, 0)]
-    hi = (u64[de - 16] & hi_keep) - (_ASCII_ZEROS & hi_keep)  # the (up to 7) before them
-    clean &= (lo.view(np.uint8).reshape(*lo.shape, 8) <= 9).all(axis=(1, 2))
-    clean &= (hi.view(np.uint8).reshape(*hi.shape, 8) <= 9).all(axis=(1, 2))
+    lo = _last_bytes(u64, de, np.clip(ndig, 0, 8), _ASCII_ZEROS)
+    clean &= ~_not_digits(lo).any(axis=1)
     value = _decimal8(lo).astype(np.float64)
-    big = ndig > 8
-    if big.any():
-        value[big] += _decimal8(hi[big]).astype(np.float64) * 1e8
+    big = np.flatnonzero(ndig > 8)  # 9..15 digits: rare
+    if big.shape[0]:
+        hi = _last_bytes(u64, de.ravel()[big] - 8, np.clip(ndig.ravel()[big] - 8, 0, 7), _ASCII_ZEROS)
+        clean[big[_not_digits(hi)] // _ND] = False
+        value.ravel()[big] += _decimal8(hi).astype(np.float64) * 1e8
     raw = np.where(neg, -value, value)
 
-    # ids: "" or 1..8 hex digits
+    # ids: "" or 1..8 hex digits, looked up two characters at a time
     sl = lens[:, 1 + _ND :]
     clean &= (sl <= _MAX_HEX_LEN).all(axis=1)
-    w = u64[ends[:, 1 + _ND :] - 8]
-    nib = _HEX_OR_BAD[w.view(np.uint8)].view(np.uint64).reshape(w.shape)
-    nib &= _KEEP8[np.minimum(sl, _MAX_HEX_LEN)]
-    clean &= ((nib & _HIGH_BITS) == 0).all(axis=1)
-    ids = _hex8(nib & _NIBBLES).astype(np.int64)
+    w = _last_bytes(u64, ends[:, 1 + _ND :], np.minimum(sl, _MAX_HEX_LEN), _ASCII_ZEROS)
+    pairs = _HEX_PAIRS[w.view(np.uint16)].view(np.uint64)  # 4 x (16-bit lane: byte value | 0x100 if bad)
+    clean &= ((pairs & _U(0x0100010001000100)) == 0).all(axis=1)
+    pairs = ((pairs & _LANE32) << _U(8)) | ((pairs >> _U(16)) & _LANE32)
+    ids = (((pairs & _LOW16) << _U(16)) | ((pairs >> _U(32)) & _LOW16)).view(np.int64)
     ids[sl == 0] = -1
     return clean, raw, ids, labels
 
 
-def parse_criteo_block(block: Block, layout: Layout, min_pad_cols: int | None) -> ParsedBlock:
-    """Parse one block (see the module docstring); rows come out in line order."""
+def parse_criteo_block(
+    block: Block, layout: Layout, min_pad_cols: int | None, *, fast: bool = True
+) -> ParsedBlock:
+    """Parse one block (see the module docstring); rows come out in line order.
+
+    ``fast=False`` sends every line through the reference path (for tests and comparisons).
+    """
     data = block.data
+    if not fast:
+        lines = data.split(b"\n")
+        if data.endswith(b"\n"):
+            lines.pop()
+        good, raw, ids, labels, rep = parse_criteo_lines(
+            [(block.first_lineno + i, x) for i, x in enumerate(lines)], layout, min_pad_cols
+        )
+        return ParsedBlock(dense_transform(raw), ids, labels, rep)
     n = len(data)
     total = n if data.endswith(b"\n") else n + 1  # a last line without newline gets one
     buf = np.zeros(total + 2 * _PAD, dtype=np.uint8)
@@ -301,6 +328,9 @@ def parse_criteo_block(block: Block, layout: Layout, min_pad_cols: int | None) -
         starts, ends = np.ascontiguousarray(starts[:, mapping]), np.ascontiguousarray(ends[:, mapping])
     clean, raw, ids, labels = _fast_rows(buf, _u64_at(buf), starts, ends)
 
+    if len(set(mapping)) < num_cols:  # unused columns are not looked at: a NUL there is still bad
+        nul_lines = np.searchsorted(line_end, np.flatnonzero(body == 0) + _PAD)
+        clean &= ~np.isin(cand, nul_lines)
     slow = np.ones(num_lines, dtype=bool)
     slow[cand[clean]] = False
     slow_idx = np.flatnonzero(slow)
