@@ -71,6 +71,8 @@ TRICKS = [
     lambda f: "\t" * 39,  # only tabs: blank
     lambda f: "\t" * 20,
     lambda f: "\x0b\x0c",
+    lambda f: "\t".join([*f[:20], "ab\x01", *f[21:]]),  # a control byte below the tab
+    lambda f: "\t".join([f[0], "1\x08", *f[2:]]),
     lambda f: "\t".join(f).replace("0", "\xe9", 1),  # a non-ASCII byte
 ]
 

@@ -304,11 +304,19 @@ def parse_criteo_block(
     num_cols = layout.num_cols
     sep = layout.sep[0]
 
-    delims = np.flatnonzero((body == sep) | (body == _NL)) + _PAD
+    pos_t = np.int32 if buf.shape[0] < (1 << 31) else np.int64  # halves the traffic of the index work
+    if sep < _NL:  # a tab: one comparison finds tabs, newlines and the rarer control bytes below them
+        delims = np.flatnonzero(body <= _NL).astype(pos_t)
+        kind = body[delims]
+        if not ((kind == sep) | (kind == _NL)).all():  # a control byte inside a field: not a delimiter
+            delims = delims[(kind == sep) | (kind == _NL)]
+    else:
+        delims = np.flatnonzero((body == sep) | (body == _NL)).astype(pos_t)
+    delims += _PAD
     nl_idx = np.flatnonzero(buf[delims] == _NL)  # index in delims of every line's end
     num_lines = nl_idx.shape[0]
     line_end = delims[nl_idx]
-    line_start = np.empty(num_lines, np.int64)
+    line_start = np.empty(num_lines, pos_t)
     line_start[0] = _PAD
     line_start[1:] = line_end[:-1] + 1
     fields = np.diff(nl_idx, prepend=-1)
