@@ -2,7 +2,8 @@
 
 Why threads: the Criteo block parser spends its time in numpy, which releases the GIL, so
 ``workers`` threads parse ``workers`` blocks at once while the calling thread reads the next
-blocks and appends finished ones, in file order, to the :class:`~recsys.data.shards.ShardWriter`.
+blocks and appends finished ones, in file order, to the :class:`~recsys.data.shards.ShardWriter`
+(with one worker, reading and writing still overlap the parsing).
 Results are therefore identical for any number of workers. At most ``2 * workers`` blocks are in
 flight, which bounds memory (a block is a few MiB of text).
 

@@ -184,7 +184,7 @@ def _run(
     with ShardWriter(
         out_dir, kind=kind, dense_names=dense_names, sparse_names=sparse_names,
         rows_per_shard=rows_per_shard, overwrite=replace,
-    ) as writer, ThreadPoolExecutor(workers, thread_name_prefix="parse") if workers > 1 else _no_pool() as pool:
+    ) as writer, ThreadPoolExecutor(workers, thread_name_prefix="parse") as pool:
         reports = []
         for path, fmt, reader in jobs:
             report = FileReport(path=str(path), format=fmt)
@@ -198,16 +198,6 @@ def _run(
         return writer.commit(
             reports, extra={"created_by": f"recsys.data.raw_formats.preprocess_{kind}", "cache_key": key}
         )
-
-
-class _no_pool:
-    """Stands in for the thread pool with one worker: blocks are parsed on the calling thread."""
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 def _criteo_parse(pad_short_rows: bool):
