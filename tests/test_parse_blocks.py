@@ -202,3 +202,37 @@ def test_bad_fraction_stop_names_file_and_writes_nothing(tmp_path):
     assert msg.endswith(f"first bad lines: {', '.join(str(n) for n, _ in rep['bad'][:5])}; nothing was written")
     assert "\n" not in msg
     assert sorted(p.name for p in tmp_path.iterdir()) == ["day.tsv"]
+
+
+def test_many_files_in_processes_give_the_shards_of_one_thread(tmp_path):
+    days = []
+    for i in range(3):
+        day = tmp_path / f"day_{i}.tsv"
+        day.write_text(tricky_text(1500 + 300 * i, seed=20 + i, bad_share=0.004) + "\n")
+        days.append(day)
+    gz = tmp_path / "day_3.tsv.gz"
+    gz.write_bytes(gzip.compress(tricky_text(900, seed=30, bad_share=0.004).encode()))
+    days.append(gz)
+    runs = {}
+    for workers in (1, 3):  # 1: files in turn on one thread; 3: one process per file
+        out = tmp_path / f"out{workers}"
+        m = preprocess_criteo(days, out, rows_per_shard=1000, workers=workers, max_bad_fraction=0.5)
+        runs[workers] = (shard_bytes(out), m)
+    (files1, m1), (files3, m3) = runs[1], runs[3]
+    assert files1.keys() == files3.keys() and len(m1["shards"]) >= 5
+    assert {k: v for k, v in files1.items() if k != "manifest.json"} == {k: v for k, v in files3.items() if k != "manifest.json"}
+    assert m1["sources"] == m3["sources"] and m1["num_rows"] == m3["num_rows"]
+    assert [s["bad_rows"] for s in m1["sources"]] != [0, 0, 0, 0]
+    assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no part or temp directory left
+
+
+def test_many_files_in_processes_stop_at_the_first_bad_file(tmp_path):
+    good = tmp_path / "day_0.tsv"
+    good.write_text(tricky_text(500, seed=1, bad_share=0.0) + "\n")
+    bad = tmp_path / "day_1.tsv"
+    bad.write_text(tricky_text(500, seed=2, bad_share=0.6) + "\n")
+    also_bad = tmp_path / "day_2.tsv"
+    also_bad.write_text(tricky_text(500, seed=3, bad_share=0.6) + "\n")
+    with pytest.raises(DataFileError, match=rf"^{bad}: bad-row fraction .* nothing was written$"):
+        preprocess_criteo([good, bad, also_bad], tmp_path / "cache", workers=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["day_0.tsv", "day_1.tsv", "day_2.tsv"]

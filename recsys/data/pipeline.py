@@ -9,25 +9,31 @@ flight, which bounds memory (a block is a few MiB of text).
 
 The progress line (logger ``recsys.data.raw_formats``, every ``progress_every_s`` seconds) shows
 rows, rows/s, the share of the input bytes read and the ETA over all files of the run.
+
+Why processes as well: with many files, :func:`run_files_in_processes` gives each file a process
+of its own (the Avazu parser is Python per line, which threads cannot run in parallel), each
+writing its own part directory that the calling process then appends in file order.
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
+import shutil
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 from recsys.data.bad_rows import FileReport, check_bad_fraction
 from recsys.data.parse_criteo import ParsedBlock
 from recsys.data.read_blocks import Block, BlockReader, Layout
-from recsys.data.shards import ShardWriter
+from recsys.data.shards import ShardedDataset, ShardWriter
 
-__all__ = ["default_workers", "Progress", "run_file"]
+__all__ = ["default_workers", "Progress", "run_file", "run_files_in_processes"]
 
 logger = logging.getLogger("recsys.data.raw_formats")  # the drivers' logger: one place to listen
 
@@ -101,3 +107,64 @@ def run_file(
     report.header = reader.layout.header
     progress.file_done(size)
     check_bad_fraction(report, max_bad_fraction)
+
+
+def _file_to_part(
+    reader: BlockReader,
+    parse: Callable[[Block, Layout], ParsedBlock],
+    part_dir: Path,
+    writer_args: dict,
+    fmt: str,
+    max_bad_fraction: float,
+) -> FileReport:
+    """In a worker process: one file, parsed on this process's thread, into its own shard directory."""
+    report = FileReport(path=str(reader.path), format=fmt)
+    with ShardWriter(part_dir, **writer_args) as part:
+        run_file(reader, parse, part, report, None, 1, Progress([reader.path], every_s=float("inf")), max_bad_fraction)
+        if part.num_rows:
+            part.commit()
+    return report
+
+
+def run_files_in_processes(
+    jobs: Sequence[tuple[Path, str, BlockReader]],
+    parse: Callable[[Block, Layout], ParsedBlock],
+    writer: ShardWriter,
+    processes: int,
+    progress: Progress,
+    max_bad_fraction: float,
+) -> Iterator[FileReport]:
+    """Many files: one process per file (``processes`` at a time), each into a part directory
+    inside ``writer``'s temp directory; the parts are appended to ``writer`` in file order and
+    deleted, so the shards are those of a run on threads. ``parse`` must be picklable.
+
+    Yields each file's report in order; the first file past ``max_bad_fraction`` (in file order,
+    as in a sequential run) raises, and files not started yet are cancelled.
+    """
+    parts = writer.tmp / "parts"
+    parts.mkdir()
+    writer_args = {"kind": writer.kind, "dense_names": writer.dense_names, "sparse_names": writer.sparse_names,
+                   "rows_per_shard": 1 << 20}
+    with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [
+            pool.submit(_file_to_part, reader, parse, parts / f"{i:05d}", writer_args, fmt, max_bad_fraction)
+            for i, (_, fmt, reader) in enumerate(jobs)
+        ]
+        try:
+            for i, fut in enumerate(futures):
+                report = fut.result()
+                part = parts / f"{i:05d}"
+                if part.is_dir():
+                    ds = ShardedDataset.open(part)
+                    for start in range(0, ds.num_rows, 1 << 20):
+                        writer.append(*ds.read(start, min(ds.num_rows, start + (1 << 20))))
+                    del ds
+                    shutil.rmtree(part)
+                size = max(1, jobs[i][0].stat().st_size)
+                progress.update(report.total_rows, size, 1.0)
+                progress.file_done(size)
+                yield report
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+    parts.rmdir()

@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import math
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
@@ -52,10 +53,11 @@ from recsys.data.parse_criteo import (  # noqa: F401
     CRITEO_COLUMNS,
     CRITEO_DENSE_NAMES,
     CRITEO_SPARSE_NAMES,
+    ParsedBlock,
     parse_criteo_block,
 )
-from recsys.data.pipeline import Progress, default_workers, run_file
-from recsys.data.read_blocks import DEFAULT_BLOCK_BYTES, BlockReader, first_line, header_names
+from recsys.data.pipeline import Progress, default_workers, run_file, run_files_in_processes
+from recsys.data.read_blocks import DEFAULT_BLOCK_BYTES, Block, BlockReader, Layout, first_line, header_names
 from recsys.data.shards import FORMAT_VERSION, InvalidShardDirError, ShardedDataset, ShardWriter
 
 logger = logging.getLogger(__name__)
@@ -184,13 +186,20 @@ def _run(
     with ShardWriter(
         out_dir, kind=kind, dense_names=dense_names, sparse_names=sparse_names,
         rows_per_shard=rows_per_shard, overwrite=replace,
-    ) as writer, ThreadPoolExecutor(workers, thread_name_prefix="parse") as pool:
+    ) as writer:
         reports = []
-        for path, fmt, reader in jobs:
-            report = FileReport(path=str(path), format=fmt)
-            run_file(reader, parse, writer, report, pool, workers, progress, max_bad_fraction)
-            _log_summary(report)
-            reports.append(report.to_dict())
+        if len(jobs) > 1 and workers > 1:  # many files: one process per file
+            for report in run_files_in_processes(jobs, parse, writer, min(workers, len(jobs)), progress,
+                                                 max_bad_fraction):
+                _log_summary(report)
+                reports.append(report.to_dict())
+        else:  # one file (or one worker): blocks on threads
+            with ThreadPoolExecutor(workers, thread_name_prefix="parse") as pool:
+                for path, fmt, reader in jobs:
+                    report = FileReport(path=str(path), format=fmt)
+                    run_file(reader, parse, writer, report, pool, workers, progress, max_bad_fraction)
+                    _log_summary(report)
+                    reports.append(report.to_dict())
         if writer.num_rows == 0:  # never publish an empty cache: training on it cannot work
             raise _no_rows_error(paths, reports)
         if progress.rows >= 1_000_000:
@@ -200,13 +209,16 @@ def _run(
         )
 
 
-def _criteo_parse(pad_short_rows: bool):
-    def parse(block, layout):
-        # A short row may be padded only if every missing (trailing) column is categorical.
-        min_pad = max(layout.mapping[: 1 + len(CRITEO_DENSE_NAMES)]) + 1 if pad_short_rows else None
-        return parse_criteo_block(block, layout, min_pad)
+@dataclass(frozen=True)
+class _CriteoParse:
+    """The Criteo block parser with its padding option (a class, so worker processes can get it)."""
 
-    return parse
+    pad_short_rows: bool
+
+    def __call__(self, block: Block, layout: Layout) -> ParsedBlock:
+        # A short row may be padded only if every missing (trailing) column is categorical.
+        min_pad = max(layout.mapping[: 1 + len(CRITEO_DENSE_NAMES)]) + 1 if self.pad_short_rows else None
+        return parse_criteo_block(block, layout, min_pad)
 
 
 def preprocess_criteo(
@@ -230,8 +242,9 @@ def preprocess_criteo(
     Skips work if ``out_dir`` already holds a complete shard directory with the same cache key
     (:mod:`recsys.data.cache_key`: the same files, unchanged, and the same options); a shard
     directory with another key is rebuilt. No valid rows at all is a one-line ``DataFileError``
-    and nothing is written. ``workers`` threads parse blocks of ``block_bytes`` (default: one
-    per core); neither changes the result.
+    and nothing is written. ``workers`` (default: one per core) threads parse blocks of
+    ``block_bytes`` of one file; with several files, ``workers`` processes take one file each.
+    Neither changes the result.
     """
     paths = _normalize_paths(paths)
     out_dir = Path(out_dir)
@@ -253,7 +266,7 @@ def preprocess_criteo(
             raise ValueError(f"{p}: looks like {f} data, not Criteo (use preprocess_avazu)")
         sep = b"\t" if f == "tsv" else b","
         jobs.append((p, f, BlockReader(p, sep, CRITEO_COLUMNS, CRITEO_COLUMNS, block_bytes)))
-    return _run("criteo", jobs, _criteo_parse(pad_short_rows), out_dir, key, rows_per_shard,
+    return _run("criteo", jobs, _CriteoParse(bool(pad_short_rows)), out_dir, key, rows_per_shard,
                 max_bad_fraction, replace, workers)
 
 
