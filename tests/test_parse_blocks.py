@@ -236,3 +236,28 @@ def test_many_files_in_processes_stop_at_the_first_bad_file(tmp_path):
     with pytest.raises(DataFileError, match=rf"^{bad}: bad-row fraction .* nothing was written$"):
         preprocess_criteo([good, bad, also_bad], tmp_path / "cache", workers=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["day_0.tsv", "day_1.tsv", "day_2.tsv"]
+
+
+def test_full_disk_with_files_in_processes_names_the_cache(tmp_path):
+    """A worker process's failed write is reported for the cache, not for its part directory."""
+    import subprocess
+
+    from recsys.data.errors import CacheWriteError
+
+    days = []
+    for i in range(2):
+        day = tmp_path / f"day_{i}.tsv"
+        day.write_text(tricky_text(3000, seed=40 + i, bad_share=0.0) + "\n")
+        days.append(day)
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs to fill (needs root): {r.stderr.strip() or r.returncode}")
+    try:
+        with pytest.raises(CacheWriteError, match=rf"^{mnt / 'cache'}: writing the shard cache failed at shard_00000\."
+                                                  r"\w+\.npy: .* is the disk full\? .*; nothing was written$"):
+            preprocess_criteo(days, mnt / "cache", workers=2)
+        assert list(mnt.iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)

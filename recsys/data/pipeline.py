@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from recsys.data.bad_rows import FileReport, check_bad_fraction
+from recsys.data.errors import CacheWriteError
 from recsys.data.parse_criteo import ParsedBlock
 from recsys.data.read_blocks import Block, BlockReader, Layout
 from recsys.data.shards import ShardedDataset, ShardWriter
@@ -134,7 +135,7 @@ def run_files_in_processes(
     progress: Progress,
     max_bad_fraction: float,
 ) -> Iterator[FileReport]:
-    """Many files: one process per file (``processes`` at a time), each into a part directory
+    """Many files: one process per file (``processes`` at a time, forked), each into a part directory
     inside ``writer``'s temp directory; the parts are appended to ``writer`` in file order and
     deleted, so the shards are those of a run on threads. ``parse`` must be picklable.
 
@@ -145,15 +146,23 @@ def run_files_in_processes(
     parts.mkdir()
     writer_args = {"kind": writer.kind, "dense_names": writer.dense_names, "sparse_names": writer.sparse_names,
                    "rows_per_shard": 1 << 20}
-    with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
+    # fork: the children need nothing but numpy and this package, and (unlike spawn) it does not
+    # re-import the caller's __main__, which breaks scripts without an `if __name__ == "__main__"`.
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context(method)) as pool:
         futures = [
             pool.submit(_file_to_part, reader, parse, parts / f"{i:05d}", writer_args, fmt, max_bad_fraction)
             for i, (_, fmt, reader) in enumerate(jobs)
         ]
         try:
             for i, fut in enumerate(futures):
-                report = fut.result()
                 part = parts / f"{i:05d}"
+                try:
+                    report = fut.result()
+                except CacheWriteError as e:  # say which cache failed, not which part of it
+                    err = CacheWriteError(str(e).replace(str(part.absolute()), str(writer.dest), 1))
+                    err.errno = e.errno
+                    raise err from None
                 if part.is_dir():
                     ds = ShardedDataset.open(part)
                     for start in range(0, ds.num_rows, 1 << 20):
