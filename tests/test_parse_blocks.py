@@ -256,7 +256,7 @@ def test_full_disk_with_files_in_processes_names_the_cache(tmp_path):
         pytest.skip(f"cannot mount a tmpfs to fill (needs root): {r.stderr.strip() or r.returncode}")
     try:
         with pytest.raises(CacheWriteError, match=rf"^{mnt / 'cache'}: writing the shard cache failed at shard_00000\."
-                                                  r"\w+\.npy: .* is the disk full\? .*; nothing was written$"):
+                                                  r"\w+\.npy: .*\(0 bytes free on that filesystem\); nothing was written$"):
             preprocess_criteo(days, mnt / "cache", workers=2)
         assert list(mnt.iterdir()) == []
     finally:
