@@ -11,7 +11,8 @@ All peers run on the same generated multi-million-row Criteo Kaggle-format TSV (
 - ``pyarrow_raw``: ``pyarrow.csv.read_csv`` with all cores, ids kept as strings: a raw parse into
   an Arrow table, no validation, no hex decoding, nothing written;
 - ``pandas``: ``pandas.read_csv`` (C engine), ids as strings, same caveats;
-- ``loader``: reading the shards into torchrec ``Batch``es (8192 rows) in file order.
+- ``loader_read`` / ``loader``: reading the shards in file order, 8192 rows at a time, as arrays /
+  into torchrec ``Batch``es (``recsys.data.batching.to_batch``: ids hashed into 2^20-row tables).
   Shuffled loading is not part of this branch (``loader_shuffled`` is null).
 
 pyarrow and pandas are optional (not project dependencies): install them outside the venv, e.g.
@@ -116,7 +117,8 @@ def pandas_read(path: Path) -> int | None:
     return len(df)
 
 
-def loader(out: Path, batch: int = 8192) -> int:
+def loader(out: Path, batch: int = 8192, batches: bool = True) -> int:
+    """Rows of the shards in file order, 8192 at a time: read only, or read into torchrec Batches."""
     from recsys.data.batching import to_batch  # imported before the clock starts: see main()
     from recsys.data.synthetic import RowBlock
 
@@ -125,7 +127,8 @@ def loader(out: Path, batch: int = 8192) -> int:
     n = 0
     for start in range(0, ds.num_rows - batch + 1, batch):
         d, s, l = ds.read(start, start + batch)
-        to_batch(RowBlock(d, s, l, None), ds.sparse_names, cards)
+        if batches:
+            to_batch(RowBlock(d, s, l, None), ds.sparse_names, cards)
         n += batch
     return n
 
@@ -169,6 +172,7 @@ def main() -> None:
         "ours_2w": lambda: ours(path, outs["ours_2w"], 2),
         "pyarrow_raw": lambda: pyarrow_raw(path),
         "pandas": lambda: pandas_read(path),
+        "loader_read": lambda: loader(outs["ours_1w"], batches=False),
         "loader": lambda: loader(outs["ours_1w"]),
     }
     rates: dict[str, list[float]] = {k: [] for k in peers}
@@ -194,7 +198,8 @@ def main() -> None:
     result = {
         "bench": "data", "file": str(path), "rows": rows["ours_1w"], "file_mb": round(size_mb, 1),
         "repeats": args.repeats, "cores": len(os.sched_getaffinity(0)),
-        "rows_per_s": {k: (None if v is None else round(v)) for k, v in med.items() if k != "loader"},
+        "rows_per_s": {k: (None if v is None else round(v)) for k, v in med.items() if not k.startswith("loader")},
+        "loader_read_samples_per_s": None if med["loader_read"] is None else round(med["loader_read"]),
         "loader_samples_per_s": None if med["loader"] is None else round(med["loader"]),
         "loader_shuffled_samples_per_s": None,
         "ratios": {"ours_1w/reference": ratio("ours_1w", "reference"), "ours_2w/reference": ratio("ours_2w", "reference"),
