@@ -37,6 +37,7 @@ from recsys.data.shards import ShardedDataset, ShardWriter
 __all__ = ["default_workers", "Progress", "run_file", "run_files_in_processes"]
 
 logger = logging.getLogger("recsys.data.raw_formats")  # the drivers' logger: one place to listen
+_APPEND_ROWS = 1 << 18  # rows of a part copied at a time (about 70 MB of Criteo arrays)
 
 
 def default_workers() -> int:
@@ -165,8 +166,8 @@ def run_files_in_processes(
                     raise err from None
                 if part.is_dir():
                     ds = ShardedDataset.open(part)
-                    for start in range(0, ds.num_rows, 1 << 20):
-                        writer.append(*ds.read(start, min(ds.num_rows, start + (1 << 20))))
+                    for start in range(0, ds.num_rows, _APPEND_ROWS):
+                        writer.append(*ds.read(start, min(ds.num_rows, start + _APPEND_ROWS)))
                     del ds
                     shutil.rmtree(part)
                 size = max(1, jobs[i][0].stat().st_size)

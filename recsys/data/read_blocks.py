@@ -24,7 +24,7 @@ from recsys.data.errors import reading
 
 __all__ = ["DEFAULT_BLOCK_BYTES", "Block", "Layout", "open_binary", "first_line", "header_names", "BlockReader"]
 
-DEFAULT_BLOCK_BYTES = 8 << 20
+DEFAULT_BLOCK_BYTES = 1 << 20
 BOM = b"\xef\xbb\xbf"
 
 
