@@ -205,6 +205,11 @@ def main() -> None:
         "ratios": {"ours_1w/reference": ratio("ours_1w", "reference"), "ours_2w/reference": ratio("ours_2w", "reference"),
                    "ours_2w/pyarrow_raw": ratio("ours_2w", "pyarrow_raw"), "ours_1w/pyarrow_raw": ratio("ours_1w", "pyarrow_raw"),
                    "ours_2w/pandas": ratio("ours_2w", "pandas")},
+        "round_ratios": {  # the same ratios per round: peers ran back to back, under the same load
+            "ours_1w/reference": [round(a / b, 2) for a, b in zip(rates["ours_1w"], rates["reference"])],
+            "ours_2w/reference": [round(a / b, 2) for a, b in zip(rates["ours_2w"], rates["reference"])],
+            "ours_2w/pyarrow_raw": [round(a / b, 2) for a, b in zip(rates["ours_2w"], rates["pyarrow_raw"])],
+        },
         "identical_shards": identical,
     }
     if not args.keep:
