@@ -13,6 +13,7 @@ from __future__ import annotations
 import gzip
 import json
 import random
+import re
 import sys
 from pathlib import Path
 
@@ -261,3 +262,24 @@ def test_full_disk_with_files_in_processes_names_the_cache(tmp_path):
         assert list(mnt.iterdir()) == []
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_progress_line_rows_per_second_and_eta(tmp_path, caplog):
+    import logging
+    import time
+
+    from recsys.data.pipeline import Progress
+
+    a, b = tmp_path / "a.tsv", tmp_path / "b.tsv"
+    a.write_bytes(b"x" * 3000)
+    b.write_bytes(b"x" * 1000)
+    p = Progress([a, b], every_s=0.0)
+    p.start = time.monotonic() - 10.0  # 10 s into the run
+    caplog.set_level(logging.INFO, logger="recsys.data.raw_formats")
+    p.update(500_000, 3000, 0.5)  # half of a.tsv: 1500 of 4000 bytes
+    (line,) = [r.getMessage() for r in caplog.records]
+    rows, rate, share, eta = re.fullmatch(
+        r"preprocessing: (\d+) rows, (\d+)K rows/s, (\d+)% of the input, ETA (\d+) s", line).groups()
+    assert (int(rows), int(share)) == (500_000, 38)
+    assert 45 <= int(rate) <= 50  # 500K rows in a bit over 10 s
+    assert 16 <= int(eta) <= 17  # 10 s for 37.5%: 16.7 s to go
