@@ -21,8 +21,9 @@ pyarrow and pandas are optional (not project dependencies): install them outside
 
     PYTHONPATH=. .venv/bin/python tools/bench_data.py --rows 2000000 --repeats 3
 
-Rates are rows/s of wall time (the file is in the page cache after the first pass). The last
-line is one JSON object. The generated file lives in ``--workdir`` and is deleted unless ``--keep``.
+Rates are rows/s of wall time (the file is in the page cache after the first pass), and rows per
+CPU-second of this process (all its threads): on a machine shared with other work the CPU
+figures depend much less on the load. The last line is one JSON object. The generated file lives in ``--workdir`` and is deleted unless ``--keep``.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import json
 import logging
 import os
 import random
+import resource
 import shutil
 import statistics
 import sys
@@ -141,11 +143,17 @@ def shard_digest(out: Path) -> str:
     return h.hexdigest()
 
 
-def timed(fn: Callable[[], int | None]) -> tuple[float | None, int | None]:
-    t = time.perf_counter()
+def _cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)  # all threads of this process
+    return r.ru_utime + r.ru_stime
+
+
+def timed(fn: Callable[[], int | None]) -> tuple[float | None, float | None, int | None]:
+    """(rows per wall second, rows per CPU second of this process, rows)."""
+    t, c = time.perf_counter(), _cpu_s()
     n = fn()
-    dt = time.perf_counter() - t
-    return (None if n is None else n / dt), n
+    dt, dc = time.perf_counter() - t, _cpu_s() - c
+    return (None, None, None) if n is None else (n / dt, n / max(dc, 1e-9), n)
 
 
 def main() -> None:
@@ -176,15 +184,19 @@ def main() -> None:
         "loader": lambda: loader(outs["ours_1w"]),
     }
     rates: dict[str, list[float]] = {k: [] for k in peers}
+    cpu_rates: dict[str, list[float]] = {k: [] for k in peers}
     rows: dict[str, int | None] = {}
     for r in range(args.repeats):
         for name, fn in peers.items():
-            rate, n = timed(fn)
+            rate, cpu_rate, n = timed(fn)
             rows[name] = n
-            if rate is not None:
+            if rate is not None and cpu_rate is not None:
                 rates[name].append(rate)
-            print(f"round {r + 1}: {name:12s} " + ("not available" if rate is None else f"{rate / 1e3:8.0f}K rows/s"), flush=True)
+                cpu_rates[name].append(cpu_rate)
+            print(f"round {r + 1}: {name:12s} " + ("not available" if rate is None else
+                  f"{rate / 1e3:8.0f}K rows/s, {cpu_rate / 1e3:8.0f}K rows per CPU-second"), flush=True)
     med = {k: (statistics.median(v) if v else None) for k, v in rates.items()}
+    cpu_med = {k: (statistics.median(v) if v else None) for k, v in cpu_rates.items()}
     digests = {k: shard_digest(o) for k, o in outs.items()}
     identical = len(set(digests.values())) == 1
 
@@ -202,6 +214,11 @@ def main() -> None:
         "loader_read_samples_per_s": None if med["loader_read"] is None else round(med["loader_read"]),
         "loader_samples_per_s": None if med["loader"] is None else round(med["loader"]),
         "loader_shuffled_samples_per_s": None,
+        "rows_per_cpu_s": {k: (None if v is None else round(v)) for k, v in cpu_med.items() if not k.startswith("loader")},
+        "cpu_ratios": {k: (None if cpu_med[a] is None or cpu_med[b] is None else round(cpu_med[a] / cpu_med[b], 2))
+                       for k, (a, b) in {"ours_1w/reference": ("ours_1w", "reference"),
+                                         "ours_2w/reference": ("ours_2w", "reference"),
+                                         "ours_1w/pyarrow_raw": ("ours_1w", "pyarrow_raw")}.items()},
         "ratios": {"ours_1w/reference": ratio("ours_1w", "reference"), "ours_2w/reference": ratio("ours_2w", "reference"),
                    "ours_2w/pyarrow_raw": ratio("ours_2w", "pyarrow_raw"), "ours_1w/pyarrow_raw": ratio("ours_1w", "pyarrow_raw"),
                    "ours_2w/pandas": ratio("ours_2w", "pandas")},
