@@ -9,8 +9,16 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat constraints.txt pyproject.toml setup.py recsys/optim/csrc/* | sha1sum | cut -c1-12)
 PIP := $(PY) -m pip install -q --disable-pip-version-check -c constraints.txt
 
-.PHONY: venv demo test test-fast bench clean
+.PHONY: venv test-deps demo test test-fast test-gpu bench clean
 venv: $(STAMP)
+
+# Test-only dependency: triton's interpreter (TRITON_INTERPRET=1) runs the CUDA CowClip kernel on
+# CPU tensors in tests/test_cowclip_triton.py (a ~290 MB wheel, so not part of `make demo`).
+TEST_STAMP := $(VENV)/.test-deps-$(shell grep -E '^triton' constraints.txt | sha1sum | cut -c1-8)
+test-deps: $(TEST_STAMP)
+$(TEST_STAMP): $(STAMP)
+	$(PIP) triton
+	@rm -f $(VENV)/.test-deps-* && touch $@
 
 $(STAMP):
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,11 +40,19 @@ demo: venv
 	$(VENV)/bin/recsys train --config configs/experiments/demo.yaml
 
 # pytest exits 5 when it collects no tests; that is not a failure of the suite.
-test: venv
+test: venv test-deps
 	$(VENV)/bin/pytest -q || [ $$? -eq 5 ]
 
-test-fast: venv
+test-fast: venv test-deps
 	$(VENV)/bin/pytest -q -m "not slow"
+
+# The GPU suite (tests/gpu; docs/install.md "Testing on a GPU"): NCCL, FBGEMM's CUDA kernels, the
+# Triton kernel compiled, a training run on CUDA. It needs a CUDA build of the stack, e.g.
+# `make test-gpu GPU_VENV=.venv-cuda`; with the CPU stack of $(VENV) (and in `make test`, which
+# collects tests/gpu too) every test is skipped with one reason line.
+GPU_VENV ?= $(VENV)
+test-gpu: $(if $(filter $(GPU_VENV),$(VENV)),venv test-deps)
+	$(GPU_VENV)/bin/pytest -ra tests/gpu
 
 # The benchmark's reference, DeepCTR-Torch, is installed without its deps so it cannot replace torch.
 bench: venv

@@ -1,41 +1,68 @@
 """`recsys` command line. `recsys train --config FILE [key=value ...]` checks the config (one-line
-errors, before any process starts), preprocesses raw data once, then launches torchrun with
-`train.nproc_per_node` local processes running `recsys.train`."""
+errors, before any process starts), locks the run directory and checks it (a fresh run into old
+checkpoints, a finished or incompatible resume), preprocesses raw data once, then launches
+torchrun with `train.nproc_per_node` local processes running `recsys.train`.
+
+Process lifetime (docs/run_integrity.md): torchrun runs in its own session, so a Ctrl-C in the
+terminal reaches only this launcher, which forwards SIGTERM to torchrun (torchrun stops its
+workers) and prints one line; SIGTERM likewise. If the launcher is killed outright (SIGKILL),
+torchrun gets SIGTERM from the kernel (parent-death signal) and the workers follow; each worker
+also dies with its torchrun. The run directory's lock is held until the launcher exits."""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import signal
 import subprocess
 import sys
 
 from recsys.config import ConfigError, load_config
+from recsys.training.checkpoint import CheckpointError, Checkpointer
+from recsys.training.process import die_with_parent
+from recsys.training.run_dir import (
+    LAUNCHER_ENV, RunDirError, RunFinished, RunLock, preflight, shard_world_size, state_shape, total_steps,
+)
 
 
 def _check_saved_plan(cfg) -> None:
-    """A saved plan for another model or world size fails here, before any process starts."""
+    """A saved plan that torchrec cannot run (unknown sharding type or kernel, shards that do not
+    tile a table, ranks outside the world) or that is for another model or world size fails here,
+    with one line, before any process starts (sharding/plan_validation.py: the check
+    `recsys-plan validate` and `show` run)."""
     import torch
 
     from recsys.data.source import build_source
     from recsys.models.ctr import TrainModule
     from recsys.training.loop import default_model
     from sharding import plan_io
+    from sharding.plan_validation import validate_plan
 
-    tables = plan_io.model_tables(TrainModule(default_model(cfg, build_source(cfg), torch.device("cpu"))))
-    plan, header = plan_io.load_plan(cfg.plan)
-    plan_io.check_plan_fits(header, plan, tables, cfg.train.nproc_per_node, cfg.plan)
+    plan, header = plan_io.read_plan_file(cfg.plan)
+    validate_plan(plan, header, cfg.plan)
+    model = TrainModule(default_model(cfg, build_source(cfg), torch.device("meta")))
+    plan_io.check_plan_fits(header, plan, plan_io.model_tables(model), cfg.train.nproc_per_node, cfg.plan)
 
 
 def _train(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
-        from recsys.data.source import prepare_data
+        from recsys.data.source import build_source, prepare_data
 
         prepare_data(cfg)  # once, in this process, so workers find the shards ready
         if cfg.plan:
             _check_saved_plan(cfg)
-    except (ConfigError, FileNotFoundError, FileExistsError, ValueError) as e:  # PlanFileError too
-        # ValueError: e.g. a data file with more malformed rows than data.max_bad_fraction
+        RunLock(cfg.resolved_run_dir()).acquire()  # held until this process exits
+        source = build_source(cfg)
+        world = shard_world_size(cfg, cfg.train.nproc_per_node)
+        preflight(cfg, total_steps(cfg, source), state_shape(cfg, source.sparse_names, source.cardinalities, world),
+                  warn=False)  # the workers repeat it (and warn about broken checkpoints) before writing
+    except RunFinished as e:
+        print(e, file=sys.stderr)
+        return 0
+    except (ConfigError, RunDirError, CheckpointError, FileNotFoundError, FileExistsError, ValueError) as e:
+        # PlanFileError too; ValueError: e.g. a data file with more malformed rows than data.max_bad_fraction
         print(f"error: {e}", file=sys.stderr)
         return 2
     worker = ["-m", "recsys.train", "--config", args.config, *args.overrides]
@@ -43,15 +70,46 @@ def _train(args: argparse.Namespace) -> int:
         cmd = [sys.executable, *worker]
     else:
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            sys.executable, "-m", "recsys.training.torchrun_quiet", "--standalone",
             f"--nproc_per_node={cfg.train.nproc_per_node}", *worker,
         ]
-    env = dict(os.environ)
+    env = dict(os.environ, **{LAUNCHER_ENV: str(os.getpid())})  # the workers' rank 0 accepts our lock
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.train.nproc_per_node)))
-    return subprocess.call(cmd, env=env)
+    return _supervise(cmd, env, cfg.resolved_run_dir())
+
+
+def _supervise(cmd: list[str], env: dict[str, str], run_dir) -> int:
+    """Runs the job in its own session, dying with us; SIGINT/SIGTERM stop it and say so once."""
+    me = os.getpid()
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True,
+                            preexec_fn=lambda: die_with_parent(signal.SIGTERM, expected_parent=me))
+    stopped: list[int] = []
+
+    def stop(sig: int, _frame) -> None:
+        if not stopped:  # torchrun forwards SIGTERM to its workers and waits for them
+            stopped.append(sig)
+            proc.send_signal(signal.SIGTERM)
+        else:  # a second Ctrl-C: no more waiting
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        rc = proc.wait()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    if not stopped:
+        return rc
+    latest = Checkpointer(run_dir / "checkpoints", -1, 1).latest_complete()
+    where = f"the last complete checkpoint is {latest} (resume=true continues from it)" if latest else "no checkpoint was written"
+    print(f"stopped by {signal.Signals(stopped[0]).name}: every worker has exited; {where}", file=sys.stderr)
+    return 128 + stopped[0]
 
 
 def main(argv: list[str] | None = None) -> int:
+    # The launcher's own messages (e.g. "rebuilding the shard cache: ...") are one plain line each.
+    # force: importing fbgemm_gpu calls logging.info(), which installs a "LEVEL:name:" root handler.
+    logging.basicConfig(level=logging.WARNING, format="%(message)s", force=True)
     parser = argparse.ArgumentParser(prog="recsys", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="train a model (launches torchrun)")

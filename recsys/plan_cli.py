@@ -3,14 +3,22 @@
     recsys-plan make --config configs/experiments/demo.yaml --world-size 8 --compute-device cuda \
         --hbm-gb 80 --out plan.json [--set data.cardinalities=criteo_kaggle_raw ...] \
         [--data-sample synthetic:200000|data:N|hist.json|SHARD_DIR[:N] [--target-hit-rate 0.95]]
+    recsys-plan make --model mypackage.models:build_model --world-size 8 --batch-size 65536 --out plan.json
     (--model is another name for --config)
-    recsys-plan show plan.json [--topology dgx-a100-2host] [--format text|json|html] [--out report.html]
+    recsys-plan show plan.json [--model MODEL] [--topology dgx-a100-2host] [--format text|json|html] [--out report.html]
     recsys-plan diff a.json b.json [--format text|json]
-    recsys-plan validate plan.json --config configs/experiments/demo.yaml [--world-size N] [--hbm-gb G] [--set K=V]
+    recsys-plan validate plan.json [--model MODEL] [--world-size N] [--hbm-gb G] [--ddr-gb G] [--set K=V]
+
+MODEL is an experiment YAML (`--config` is the same option) or `package.module:factory`, a function
+that takes no arguments and returns an nn.Module holding the EmbeddingBagCollections the plan is
+for (called on the `meta` device when it can be). `show` and `validate` need no model: a plan file
+records each table's shape, data type and optimizer state. With a model, `validate` also checks
+that the plan is for it (table names and shapes).
 
 Plans are computed on this machine for any cluster (the model is built on `meta`). Exit codes:
-0 ok, 1 `validate` found problems (listed), 2 bad input (one line on stderr; no output file is
-written, or an existing one is left as it was).
+0 ok, 1 `validate` found problems (one line each), 2 bad input, including a plan that fails
+validation in `show` or `diff` (one line on stderr; no output file is written, or an existing one
+is left as it was).
 """
 
 from __future__ import annotations
@@ -44,11 +52,78 @@ def _model_and_tables(config: str, overrides: list[str]):
     return cfg, model, plan_io.model_tables(model)
 
 
+def is_factory(spec: str) -> bool:
+    """``package.module:factory`` (a Python factory), not a YAML path."""
+    return ":" in spec and not spec.lower().endswith((".yaml", ".yml"))
+
+
+def factory_model(spec: str):
+    """Import ``package.module`` and call ``factory()``, on the meta device when it builds there."""
+    import importlib
+
+    import torch
+    from torch import nn
+
+    mod_name, _, fn_name = spec.partition(":")
+    if os.getcwd() not in sys.path and "" not in sys.path:  # console script: find the user's modules as `python -m` does
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(mod_name)
+    except Exception as e:
+        raise UsageError(f"--model {spec}: cannot import '{mod_name}' ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    factory = getattr(module, fn_name, None)
+    if not callable(factory):
+        raise UsageError(f"--model {spec}: module '{mod_name}' has no function '{fn_name}'")
+    try:
+        with torch.device("meta"):
+            model = factory()
+    except Exception:  # some models cannot be built on meta (e.g. they read their weights): build on CPU
+        try:
+            model = factory()
+        except Exception as e:
+            raise UsageError(f"--model {spec}: {fn_name}() raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"--model {spec}: {fn_name}() returned {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def _tables_of(spec: str, overrides: list[str]) -> dict[str, dict]:
+    """The tables (shapes, data types, optimizer state) of a model given as YAML or module:factory."""
+    from sharding import plan_io
+
+    if is_factory(spec):
+        tables = plan_io.model_tables(factory_model(spec))
+        if not tables:
+            raise UsageError(f"--model {spec}: the model has no EmbeddingBagCollection / EmbeddingCollection tables")
+        return tables
+    return _model_and_tables(spec, overrides)[2]
+
+
+def _read_valid(path: str, model: str | None = None, overrides: list[str] | None = None):
+    """A plan file, validated (PlanFileError on the first problem); with a model, checked to be
+    for it and reported with its tables' data types and optimizer state."""
+    from sharding import plan_io
+    from sharding.plan_validation import validate_plan
+
+    plan, header = plan_io.read_plan_file(path)
+    validate_plan(plan, header, str(path))
+    if model:
+        tables = _tables_of(model, overrides or [])
+        plan_io.check_plan_fits(header, plan, tables, header["world_size"], str(path))
+        header["tables"] = tables
+    return plan, header
+
+
 def _write_atomic(path: Path, text: str) -> None:
+    """Temp file + rename; on any failure (a full disk) the temp file is removed."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _emit(text: str, out: str | None) -> None:
@@ -72,13 +147,42 @@ def _topology_file(args: argparse.Namespace) -> str:
     from sharding.topology import dump_topology
     from sharding.topology_import import import_topo
 
-    caps = {"hbm_gb": args.hbm_gb or 80.0, "hbm_bw_gb_s": args.hbm_bw_gb_s}
+    # the GPU's capacities: from --gpu's preset (or `nvidia-smi -L` lines in the file), each
+    # overridden by an explicit --hbm-gb / --hbm-bw-gb-s; an unknown GPU without them is an error
+    caps: dict = {"gpu_model": args.gpu} if args.gpu else {}
+    if args.hbm_gb:
+        caps["hbm_gb"] = args.hbm_gb
+    if args.hbm_bw_gb_s:
+        caps["hbm_bw_gb_s"] = args.hbm_bw_gb_s
     if args.ddr_gb:
         caps["ddr_gb"] = args.ddr_gb
     topo = import_topo(args.topology, **caps)
     path = Path(args.out).with_suffix(".topology.yaml")
-    _write_atomic(path, dump_topology(topo, header=f"imported from {args.topology} by recsys-plan make"))
+    _write_atomic(path, dump_topology(topo, header=f"imported from {Path(args.topology).name} by recsys-plan make"))
     return str(path)
+
+
+def _factory_inputs(args: argparse.Namespace, overrides: list[str]):
+    """Config defaults, the user's model and the sharders its tables need (CowClip-Adam tables:
+    the project's sharder; others: torchrec's)."""
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+
+    from recsys.config import ExperimentConfig
+    from recsys.optim.cowclip_sharder import CowClipEmbeddingBagCollectionSharder
+    from sharding.optimizer_state import table_optimizers
+
+    if args.overrides or args.data_sample:
+        raise UsageError(f"--model {args.config}: --set and --data-sample need an experiment config (--config FILE.yaml)")
+    cfg = ExperimentConfig()
+    for o in overrides:  # only the topology-aware planner's, set by --topology
+        key, _, value = o.partition("=")
+        setattr(cfg.sharding, key.split(".", 1)[1], value)
+    model = factory_model(args.config)
+    kinds = set(table_optimizers(model).values())
+    if not kinds:
+        raise UsageError(f"--model {args.config}: the model has no EmbeddingBagCollection / EmbeddingCollection tables")
+    sharder = CowClipEmbeddingBagCollectionSharder() if "cowclip_adam" in kinds else EmbeddingBagCollectionSharder()
+    return cfg, model, [sharder]
 
 
 def cmd_make(args: argparse.Namespace) -> int:
@@ -92,7 +196,11 @@ def cmd_make(args: argparse.Namespace) -> int:
         cluster_file = _topology_file(args)
         cluster = _load_cluster(cluster_file)
         overrides += ["sharding.planner=topology", f"sharding.topology={cluster_file}"]
-    cfg, model, tables = _model_and_tables(args.config, overrides)
+    if is_factory(args.config):  # a user's model: no experiment config, so no --set / --data-sample
+        cfg, model, sharders = _factory_inputs(args, overrides)
+    else:
+        cfg, model, _ = _model_and_tables(args.config, overrides)
+        sharders = embedding_sharders(cfg.optim)
     world = args.world_size or (cluster.world_size if cluster else cfg.train.nproc_per_node)
     local = args.local_world_size or (cluster.local_world_size if cluster else min(world, 8))
     if world <= 0 or world % local:
@@ -115,7 +223,7 @@ def cmd_make(args: argparse.Namespace) -> int:
         cache_stats=stats, target_hit_rate=args.target_hit_rate,
     )
     try:
-        plan = planner.plan(model, embedding_sharders(cfg.optim))
+        plan = planner.plan(model, sharders)
     except Exception as e:  # torchrec's PlannerError is multi-line; keep its first line
         raise UsageError(f"planning failed: {str(e).strip().splitlines()[0]}") from None
     meta = {"planner": cfg.sharding.planner, "topology": cfg.sharding.topology, "config": str(args.config), "overrides": args.overrides,
@@ -127,17 +235,17 @@ def cmd_make(args: argparse.Namespace) -> int:
         lfs = {name: ps.cache_params.load_factor for mp in plan.plan.values() for name, ps in mp.items()
                if ps.compute_kernel == "fused_uvm_caching" and ps.cache_params is not None and ps.cache_params.load_factor is not None}
         meta.update(data_sample=args.data_sample, target_hit_rate=args.target_hit_rate, cache_sizing=summary(stats, lfs, args.target_hit_rate, MAX_CACHE_LOAD_FACTOR))
-    plan_io.save_plan(args.out, plan_io.plan_to_dict(plan, world, args.compute_device, tables, meta))
+    plan_io.save_plan(plan, args.out, model, world_size=world, compute_device=args.compute_device, meta=meta)
     print(f"wrote {args.out}: {sum(len(m) for m in plan.plan.values())} tables on {world} ranks")
     return 0
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from sharding import plan_io, plan_report, plan_traffic
+    from sharding import plan_report, plan_traffic
 
     if args.format == "html" and not args.out:
         raise UsageError("--format html needs --out FILE.html")
-    plan, header = plan_io.load_plan(args.plan)
+    plan, header = _read_valid(args.plan, args.config, args.overrides)
     rep = plan_report.report(plan, header)
     topo = None
     if args.topology:
@@ -169,10 +277,10 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    from sharding import plan_io, plan_report
+    from sharding import plan_report
 
-    a, ha = plan_io.load_plan(args.a)
-    b, hb = plan_io.load_plan(args.b)
+    a, ha = _read_valid(args.a)
+    b, hb = _read_valid(args.b)
     d = plan_report.diff(a, ha, b, hb)
     text = plan_report.format_diff(d)
     if args.topology:  # modeled time per rank on this hardware, b - a
@@ -205,20 +313,26 @@ def _modeled_seconds(plan, header: dict, topology: str) -> list[float]:
 def cmd_validate(args: argparse.Namespace) -> int:
     from sharding import plan_io, plan_report
     from sharding.plan_io import PlanFileError
+    from sharding.plan_validation import plan_problems
 
-    plan, header = plan_io.load_plan(args.plan)
-    _, _, tables = _model_and_tables(args.config, args.overrides)
+    plan, header = plan_io.read_plan_file(args.plan)  # a file that is not a plan: exit 2
     world = args.world_size or header["world_size"]
-    problems: list[str] = []
-    try:
-        plan_io.check_plan_fits(header, plan, tables, world, str(args.plan))
-    except PlanFileError as e:
-        problems.append(str(e))
+    problems = plan_problems(plan, header, str(args.plan))
+    if args.config:  # the plan must be for this model
+        tables = _tables_of(args.config, args.overrides)
+        try:
+            plan_io.check_plan_fits(header, plan, tables, world, str(args.plan))
+            header["tables"] = tables  # memory with the model's optimizer state (version-1 files record none)
+        except PlanFileError as e:
+            problems.append(str(e))
+    elif world != header["world_size"]:
+        problems.append(f"{args.plan}: key 'world_size': plan is for {header['world_size']} ranks, this job has {world}")
     caps = {"hbm_bytes": ("HBM", args.hbm_gb), "host_bytes": ("host memory", args.ddr_gb)}
-    for r in plan_report.rank_memory(plan_report.table_infos(plan, header), header["world_size"]):
-        for key, (label, gbs) in caps.items():
-            if gbs and r[key] > gbs * 1024**3:
-                problems.append(f"rank {r['rank']}: {label} {r[key] / 1024**3:.2f} GB > {gbs} GB")
+    if not problems:
+        for r in plan_report.rank_memory(plan_report.table_infos(plan, header), header["world_size"]):
+            for key, (label, gbs) in caps.items():
+                if gbs and r[key] > gbs * 1024**3:
+                    problems.append(f"{args.plan}: rank {r['rank']}: {label} {r[key] / 1024**3:.2f} GB > {gbs} GB")
     for p in problems:
         print(f"invalid: {p}")
     if not problems:
@@ -230,12 +344,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="recsys-plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     m = sub.add_parser("make", help="plan a model for a cluster and write the plan file")
-    m.add_argument("--config", "--model", dest="config", required=True, help="experiment YAML (model and data sections); --model is the same")
+    m.add_argument("--config", "--model", dest="config", required=True, metavar="MODEL",
+                   help="experiment YAML (model and data sections), or package.module:factory (a function returning your nn.Module)")
     m.add_argument("--world-size", type=int, default=0, help="ranks (default: train.nproc_per_node)")
     m.add_argument("--local-world-size", type=int, default=0, help="ranks per host (default: min(world, 8))")
     m.add_argument("--compute-device", choices=("cuda", "cpu"), default="cuda")
     m.add_argument("--topology", default="", help="topology YAML, shipped name (configs/topologies) or `nvidia-smi topo -m` text (.txt): plan with the topology-aware planner")
-    m.add_argument("--hbm-bw-gb-s", type=float, default=2039.0, help="HBM bandwidth for an imported nvidia-smi topology (default: A100's)")
+    m.add_argument("--gpu", default="", help="GPU model of an imported nvidia-smi topology (e.g. 'NVIDIA H100 80GB HBM3', h100-sxm, a100-80gb-sxm): HBM size and bandwidth from its preset")
+    m.add_argument("--hbm-bw-gb-s", type=float, default=None, help="HBM bandwidth for an imported nvidia-smi topology (default: the --gpu preset)")
     m.add_argument("--hbm-gb", type=float, default=0.0, help="HBM per GPU (default: torchrec's)")
     m.add_argument("--ddr-gb", type=float, default=0.0, help="host memory per rank (default: torchrec's)")
     m.add_argument("--batch-size", type=int, default=0, help="global batch (default: train.batch_size)")
@@ -249,6 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.set_defaults(fn=cmd_make)
     s = sub.add_parser("show", help="per-table placement and per-rank memory")
     s.add_argument("plan")
+    s.add_argument("--model", "--config", dest="config", default=None, metavar="MODEL",
+                   help="experiment YAML or package.module:factory: check the plan is for this model, report its optimizer state")
+    s.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
     s.add_argument("--format", choices=("text", "json", "html"), default="text",
                    help="html: one self-contained file with charts (needs --out)")
     s.add_argument("--topology", help="topology YAML or shipped name (configs/topologies/): adds modeled time per rank")
@@ -261,9 +380,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--topology", default="", help="also report modeled time deltas per rank on this topology")
     d.add_argument("--out")
     d.set_defaults(fn=cmd_diff)
-    v = sub.add_parser("validate", help="covers every table once, matches the world size, fits memory")
+    v = sub.add_parser("validate", help="torchrec sharding types/kernels, shards tile each table, ranks in the world, "
+                                       "every table once, fits memory; with --model: the plan is for that model")
     v.add_argument("plan")
-    v.add_argument("--config", "--model", dest="config", required=True)
+    v.add_argument("--model", "--config", dest="config", default=None, metavar="MODEL",
+                   help="experiment YAML or package.module:factory (optional: the plan file records its tables)")
     v.add_argument("--world-size", type=int, default=0)
     v.add_argument("--hbm-gb", type=float, default=0.0)
     v.add_argument("--ddr-gb", type=float, default=0.0)

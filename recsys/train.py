@@ -3,6 +3,11 @@
     torchrun --nproc_per_node 2 -m recsys.train --config configs/experiments/demo.yaml [key=value ...]
 
 `recsys train` (recsys/cli.py) validates the config and launches this for you.
+
+Expected failures (a locked or foreign run directory, an incompatible checkpoint, a full disk
+during a checkpoint, ...) end every rank with exit code 2; rank 0 prints one `error: ...` line,
+the others nothing. A resume of a finished run prints one line and exits 0. Interrupted
+(SIGINT) workers exit 130 without a traceback; SIGTERM ends them at once (Python's default).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import warnings
 
 from recsys.config import ConfigError, load_config
 from recsys.training.distributed import shutdown
+from recsys.training.process import die_with_parent
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True)
     parser.add_argument("overrides", nargs="*", help="key=value, e.g. train.batch_size=8192")
     args = parser.parse_args(argv)
+    die_with_parent()  # our torchrun (or launcher) killed outright: this worker goes too
     rank = int(os.environ.get("RANK", "0"))
     # Our progress lines on rank 0; everyone else's (torchrec, fbgemm) only from WARNING up.
     logging.basicConfig(level=logging.WARNING, format=f"[rank{rank}] %(asctime)s %(message)s", datefmt="%H:%M:%S")
@@ -33,12 +40,28 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
         return 2
+    from recsys.training.checkpoint import CheckpointError
     from recsys.training.loop import run
+    from recsys.training.run_dir import RunDirError, RunFinished
 
     try:
         run(cfg)
+    except RunFinished as e:
+        if rank == 0:
+            print(str(e), file=sys.stderr)
+        return 0
+    except (RunDirError, CheckpointError, ConfigError, FileNotFoundError, FileExistsError) as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        os._exit(2)  # peers may be blocked in a collective on a dead group: no teardown
+    except KeyboardInterrupt:  # a direct run's Ctrl-C (under `recsys train` the launcher says it)
+        if rank == 0 and "RECSYS_RUN_LOCK_PID" not in os.environ:
+            print("interrupted: the last complete checkpoint is kept (resume=true continues from it)",
+                  file=sys.stderr, flush=True)
+        os._exit(130)
     finally:
         shutdown()
     return 0

@@ -19,7 +19,8 @@ The rules, in order (``a``, ``b`` ranks; ``ga``, ``gb`` their devices):
 1. ``a == b``: the device's memory bandwidth (HBM; DDR of its NUMA node for CPU ranks).
 2. same host, NVLink between them: links x per-link bandwidth (NVSwitch: links per GPU x per link).
 3. same host, same PCIe switch: the switch's ports (peer-to-peer through the switch).
-4. same host, different switches: both ports and both switch uplinks (through the root complex);
+4. same host, different switches: both ports and the uplinks of each side's switches up to the
+   first switch they share (a leaf switch inside a parent switch), else up to the root complex;
    on different sockets also the inter-socket link.
 5. different hosts: each side's path to its nearest NIC (rules 3-4 with the NIC as endpoint), both
    NICs, and the network's per-NIC bandwidth.
@@ -142,20 +143,29 @@ def shared_uplink_groups(topo: ClusterTopology) -> list[UplinkGroup]:
     out = []
     for h, host in enumerate(topo.hosts):
         for s in host.pcie_switches:
-            out.append(UplinkGroup(host.name, s.name, s.numa, s.uplink_bw, tuple(topo.rank(h, g) for g in s.gpus), s.nics))
+            below = [x for x in host.pcie_switches if s in host.switch_chain(x.name)]
+            nics = tuple(n for x in below for n in x.nics)
+            out.append(UplinkGroup(host.name, s.name, s.numa, s.uplink_bw, tuple(topo.rank(h, g) for g in host.gpus_below(s.name)), nics))
     return out
 
 
 def nearest_nic(host: Host, local: int) -> Nic | None:
-    """The NIC a device uses for inter-host traffic: one on its own PCIe switch if any, else one on
-    its socket, else any. Ties are spread: the k-th device among those choosing from the same
-    candidates takes candidate k mod len (as NCCL pairs GPU i with NIC i on a DGX)."""
+    """The NIC a device uses for inter-host traffic: one on its own PCIe switch if any, else one
+    under the same top-level switch, else one on its socket, else any. Ties are spread: the k-th
+    device among those choosing from the same candidates takes candidate k mod len (as NCCL pairs
+    GPU i with NIC i on a DGX)."""
     if not host.nics:
         return None
     g = host.gpus[local]
+
+    def top(switch: str | None) -> str | None:
+        return None if switch is None else host.switch_chain(switch)[-1].name
+
     tiers = [
         ([n for n in host.nics if g.pcie_switch is not None and n.pcie_switch == g.pcie_switch],
          [x.index for x in host.gpus if x.pcie_switch == g.pcie_switch]),
+        ([n for n in host.nics if g.pcie_switch is not None and top(n.pcie_switch) == top(g.pcie_switch)],
+         [x.index for x in host.gpus if top(x.pcie_switch) == top(g.pcie_switch)]),
         ([n for n in host.nics if n.numa == g.numa], [x.index for x in host.gpus if x.numa == g.numa]),
         (list(host.nics), [x.index for x in host.gpus]),
     ]
@@ -188,12 +198,17 @@ def _inter_socket(host: Host, a: int, b: int) -> Link:
     return Link(f"{host.name}/inter_socket", host.inter_socket_bw, users)
 
 
-def _up_to_socket(host: Host, switch: str | None) -> list[Link]:
-    # a device's own port, then its switch's uplink (shared by the GPUs below the switch)
+def _up_to_socket(host: Host, switch: str | None, stop: str | None = None) -> list[Link]:
+    # a device's own port, then the uplinks of its switch and those above it (each shared by the
+    # GPUs below that switch), up to the root complex or to the switch ``stop``
     if switch is None:
         return []
-    s = host.switch(switch)
-    return [Link(f"{host.name}/{s.name}.port", s.port_bw), Link(f"{host.name}/{s.name}.uplink", s.uplink_bw, max(1, len(s.gpus)))]
+    links = [Link(f"{host.name}/{switch}.port", host.switch(switch).port_bw)]
+    for s in host.switch_chain(switch):
+        if s.name == stop:
+            break
+        links.append(Link(f"{host.name}/{s.name}.uplink", s.uplink_bw, max(1, len(host.gpus_below(s.name)))))
+    return links
 
 
 def _gpu_end(host: Host, local: int) -> tuple[str, str | None, int]:
@@ -208,7 +223,13 @@ def _pcie_path(host: Host, a: tuple[str, str | None, int], b: tuple[str, str | N
         # rule 3: peer-to-peer inside one switch: each endpoint's own port, no uplink
         s = host.switch(sa)
         return [Link(f"{host.name}/{sa}.port.{na}", s.port_bw), Link(f"{host.name}/{sa}.port.{nb}", s.port_bw)]
-    # rule 4: up through each switch to the root complex, across sockets if needed
+    # rule 4: up through each switch to the first switch both sit below, else to the root
+    # complex and across sockets if needed
+    if sa is not None and sb is not None:
+        above_b = {s.name for s in host.switch_chain(sb)}
+        common = next((s.name for s in host.switch_chain(sa) if s.name in above_b), None)
+        if common is not None:
+            return _dedup(_up_to_socket(host, sa, common) + _up_to_socket(host, sb, common))
     links = _up_to_socket(host, sa) + _up_to_socket(host, sb)
     if ma != mb:
         links.append(_inter_socket(host, ma, mb))

@@ -1,12 +1,14 @@
 """What a plan puts where: per-table placement and bytes, per-rank memory, and plan diffs.
 
-Memory model (the same one torchrec's planner uses for storage, simplified to what a plan file
-holds): a shard of R rows x C columns holds R*C weights of 4 bytes plus its optimizer state
-(row-wise Adagrad: one float per row; Adam: two floats per weight). Kernels decide where it
-lives: `fused`/`dense` on the device (HBM on GPUs, host memory on CPU ranks), `fused_uvm` in host
-memory, `fused_uvm_caching` in host memory plus an HBM cache of load_factor x the shard.
+Memory model (the same one torchrec's planner uses for storage, with the optimizer state the
+table really has): a shard of R rows x C columns holds R*C weights of its data type (4 bytes for
+FP32) plus its optimizer state, ``bytes_per_weight * R*C + bytes_per_row * R`` as the plan file
+records it per table (sharding/optimizer_state.py: CowClip-Adam 8 + 8, Adam 8 + 0, row-wise
+Adagrad 0 + 4, SGD 0 + 0). Version-1 plan files record no optimizer: row-wise Adagrad is assumed
+(``optimizer_assumed`` in the report). Kernels decide where it lives: `fused`/`dense` on the
+device (HBM on GPUs, host memory on CPU ranks), `fused_uvm` in host memory, `fused_uvm_caching`
+in host memory plus an HBM cache of load_factor x the shard's weights.
 """
-
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
@@ -14,9 +16,10 @@ from typing import Any
 
 from torchrec.distributed.types import ShardingPlan
 
-BYTES_PER_WEIGHT = 4
-# Optimizer state per shard: (floats per weight, floats per row).
-OPTIMIZER_STATE = {"rowwise_adagrad": (0, 1), "adagrad": (1, 0), "sgd": (0, 0), "adam": (2, 0)}
+from sharding.optimizer_state import state_of, weight_bytes
+
+BYTES_PER_WEIGHT = 4  # FP32 weights (plan_traffic: bytes of pooled embeddings sent)
+ASSUMED_OPTIMIZER = "rowwise_adagrad"  # for version-1 plan files, which record none
 DEFAULT_CACHE_LOAD_FACTOR = 0.2  # torchrec's default when a plan leaves it unset
 
 
@@ -37,6 +40,7 @@ class TableInfo:
     compute_kernel: str
     ranks: list[int]
     cache_load_factor: float | None
+    optimizer: str = ASSUMED_OPTIMIZER
     shards: list[ShardInfo] = field(default_factory=list)
 
     @property
@@ -48,37 +52,43 @@ class TableInfo:
         return sum(s.host_bytes for s in self.shards)
 
 
-def _shard_bytes(rows: int, cols: int, kernel: str, load_factor: float | None, optimizer: str, device: str) -> tuple[int, int]:
-    per_weight, per_row = OPTIMIZER_STATE.get(optimizer, (0, 1))
-    total = rows * cols * BYTES_PER_WEIGHT * (1 + per_weight) + rows * per_row * 4
+def _shard_bytes(rows: int, cols: int, kernel: str, load_factor: float | None, table: dict[str, Any], device: str) -> tuple[int, int]:
+    """(HBM, host) bytes of a rows x cols shard of ``table`` (a plan header's table entry)."""
+    weights = weight_bytes(table.get("data_type") or "FP32", rows, cols)
+    st = table.get("optimizer_state") or state_of(ASSUMED_OPTIMIZER).to_dict()
+    total = weights + rows * cols * st["bytes_per_weight"] + rows * st["bytes_per_row"]
     if device != "cuda":  # CPU ranks: everything is host memory
         return 0, total
     if kernel == "fused_uvm":
         return 0, total
     if kernel == "fused_uvm_caching":
         lf = DEFAULT_CACHE_LOAD_FACTOR if load_factor is None else load_factor
-        return int(rows * cols * BYTES_PER_WEIGHT * lf), total
+        return int(weights * lf), total
     return total, 0
 
 
-def table_infos(plan: ShardingPlan, header: dict[str, Any], optimizer: str = "rowwise_adagrad") -> list[TableInfo]:
+def table_infos(plan: ShardingPlan, header: dict[str, Any]) -> list[TableInfo]:
+    """Per table: placement and (HBM, host) bytes per shard, with the optimizer state the plan
+    file records for it (row-wise Adagrad for version-1 files)."""
     device = header.get("compute_device", "cuda")
     tables = header.get("tables", {})
     out = []
     for module, mplan in plan.plan.items():
         for name, ps in mplan.items():
+            t = tables.get(name, {})
             lf = ps.cache_params.load_factor if ps.cache_params is not None else None
-            info = TableInfo(module, name, ps.sharding_type, ps.compute_kernel, list(ps.ranks or []), lf)
+            kind = (t.get("optimizer_state") or {}).get("kind", ASSUMED_OPTIMIZER)
+            info = TableInfo(module, name, ps.sharding_type, ps.compute_kernel, list(ps.ranks or []), lf, kind)
             if ps.sharding_spec is not None:
                 for s in ps.sharding_spec.shards:
                     rows, cols = s.shard_sizes
-                    hbm, host = _shard_bytes(rows, cols, ps.compute_kernel, lf, optimizer, device)
+                    hbm, host = _shard_bytes(rows, cols, ps.compute_kernel, lf, t, device)
                     info.shards.append(ShardInfo(s.placement.rank(), rows, cols, hbm, host))
             else:  # data-parallel: a full replica on every rank
-                shape = tables.get(name, {"num_embeddings": 0, "embedding_dim": 0})
+                rows, cols = t.get("num_embeddings", 0), t.get("embedding_dim", 0)
                 for r in info.ranks:
-                    hbm, host = _shard_bytes(shape["num_embeddings"], shape["embedding_dim"], ps.compute_kernel, lf, "adam", device)
-                    info.shards.append(ShardInfo(r, shape["num_embeddings"], shape["embedding_dim"], hbm, host))
+                    hbm, host = _shard_bytes(rows, cols, ps.compute_kernel, lf, t, device)
+                    info.shards.append(ShardInfo(r, rows, cols, hbm, host))
             out.append(info)
     return out
 
@@ -96,9 +106,11 @@ def rank_memory(infos: list[TableInfo], world_size: int) -> list[dict[str, int]]
 
 def report(plan: ShardingPlan, header: dict[str, Any]) -> dict[str, Any]:
     infos = table_infos(plan, header)
+    tables = header.get("tables", {})
     return {
         "world_size": header["world_size"],
         "compute_device": header["compute_device"],
+        "optimizer_assumed": any(not (tables.get(t.table) or {}).get("optimizer_state") for t in infos),
         "meta": header.get("meta", {}),
         "tables": [dict(asdict(t), hbm_bytes=t.hbm_bytes, host_bytes=t.host_bytes) for t in infos],
         "ranks": rank_memory(infos, header["world_size"]),
@@ -110,14 +122,20 @@ def _mb(n: int) -> str:
 
 
 def format_text(rep: dict[str, Any]) -> str:
-    lines = [f"plan for {rep['world_size']} ranks ({rep['compute_device']})", ""]
-    lines.append(f"{'table':<12} {'module':<18} {'sharding':<18} {'kernel':<18} {'ranks':<14} {'cache lf':>8} {'HBM':>12} {'host':>12}")
+    lines = [f"plan for {rep['world_size']} ranks ({rep['compute_device']})"]
+    if rep.get("optimizer_assumed"):
+        lines.append("optimizer state: not recorded in this plan file (format version 1); row-wise Adagrad assumed")
+    lines.append("")
+    tw = max([12] + [len(t["table"]) + 1 for t in rep["tables"]])
+    mw = max([18] + [len(t["module"]) + 1 for t in rep["tables"]])
+    lines.append(f"{'table':<{tw}} {'module':<{mw}} {'sharding':<18} {'kernel':<18} {'optimizer':<16} {'ranks':<14} {'cache lf':>8} "
+                 f"{'HBM':>12} {'host':>12}")
     for t in rep["tables"]:
         ranks = ",".join(map(str, t["ranks"])) if len(t["ranks"]) <= 4 else f"{t['ranks'][0]}..{t['ranks'][-1]} ({len(t['ranks'])})"
         lf = "" if t["cache_load_factor"] is None else f"{t['cache_load_factor']:.2f}"
         lines.append(
-            f"{t['table']:<12} {t['module']:<18} {t['sharding_type']:<18} {t['compute_kernel']:<18} {ranks:<14} {lf:>8} "
-            f"{_mb(t['hbm_bytes']):>12} {_mb(t['host_bytes']):>12}"
+            f"{t['table']:<{tw}} {t['module']:<{mw}} {t['sharding_type']:<18} {t['compute_kernel']:<18} {t['optimizer']:<16} "
+            f"{ranks:<14} {lf:>8} {_mb(t['hbm_bytes']):>12} {_mb(t['host_bytes']):>12}"
         )
     lines += ["", f"{'rank':<6} {'tables':>6} {'HBM':>12} {'host':>12}"]
     for r in rep["ranks"]:
@@ -139,7 +157,7 @@ def diff(a_plan: ShardingPlan, a_header: dict, b_plan: ShardingPlan, b_header: d
             changes.append({"table": key[1], "module": key[0], "change": "added" if ta is None else "removed"})
             continue
         what = {}
-        for attr in ("sharding_type", "compute_kernel", "ranks", "cache_load_factor"):
+        for attr in ("sharding_type", "compute_kernel", "ranks", "cache_load_factor", "optimizer"):
             if getattr(ta, attr) != getattr(tb, attr):
                 what[attr] = [getattr(ta, attr), getattr(tb, attr)]
         if [(s.rank, s.rows, s.cols) for s in ta.shards] != [(s.rank, s.rows, s.cols) for s in tb.shards] and "ranks" not in what:

@@ -11,7 +11,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
-from torchrec.distributed.planner.types import HardwareConfig, KernelConfig, TopologyFactory, TrainerConfig
+from torchrec.distributed.planner.types import (
+    HardwareConfig,
+    KernelConfig,
+    PlannerError,
+    PlannerErrorType,
+    Topology,
+    TopologyFactory,
+    TrainerConfig,
+)
 from torchrec.distributed.types import ModuleSharder, ShardingPlan
 from typing import Protocol, Sequence
 
@@ -91,7 +99,26 @@ def build_planner(
     }
     if cache_stats:
         apply_cache_stats(constraints, cache_stats, target)
-    return EmbeddingShardingPlanner(topology=topology, batch_size=batch_size_per_rank, constraints=constraints)
+    return StorageExplainingPlanner(topology=topology, batch_size=batch_size_per_rank, constraints=constraints)
+
+
+class StorageExplainingPlanner(EmbeddingShardingPlanner):
+    """torchrec's planner whose "insufficient storage" error is one line naming what the
+    embeddings need, the shortfall and the largest tables (sharding/fit_report.py)."""
+
+    def __init__(self, topology: Topology, **kwargs) -> None:
+        super().__init__(topology=topology, **kwargs)
+        self.topology = topology
+
+    def plan(self, module: nn.Module, sharders: list[ModuleSharder[nn.Module]]) -> ShardingPlan:
+        try:
+            return super().plan(module, sharders)
+        except PlannerError as e:
+            if e.error_type != PlannerErrorType.INSUFFICIENT_STORAGE:
+                raise
+            from sharding.fit_report import does_not_fit_message
+
+            raise PlannerError(does_not_fit_message(module, self.topology, e), PlannerErrorType.INSUFFICIENT_STORAGE) from None
 
 
 def make_plan(

@@ -67,7 +67,9 @@ class PcieSwitch:
     """A PCIe switch (or a CPU root port, for a device attached directly: a switch of one).
 
     ``port_bw`` is each downstream port (the GPU's / NIC's own link), ``uplink_bw`` the link to the
-    socket's root complex, which every device below the switch shares for traffic leaving it."""
+    socket's root complex, which every device below the switch shares for traffic leaving it.
+    ``parent`` names the switch its uplink plugs into (a two-level tree: ``PIX`` pairs behind a
+    leaf switch inside a ``PXB`` group); None: the uplink goes to the root complex."""
 
     name: str
     numa: int
@@ -75,6 +77,7 @@ class PcieSwitch:
     port_bw: float
     gpus: tuple[int, ...] = ()
     nics: tuple[str, ...] = ()
+    parent: str | None = None
 
 
 @dataclass(frozen=True)
@@ -140,6 +143,19 @@ class Host:
             if s.name == name:
                 return s
         raise KeyError(name)
+
+    def switch_chain(self, name: str) -> tuple[PcieSwitch, ...]:
+        """The switch ``name`` and the switches above it (its parent, ...), leaf first."""
+        out = [self.switch(name)]
+        while out[-1].parent is not None:
+            out.append(self.switch(out[-1].parent))
+        return tuple(out)
+
+    def gpus_below(self, name: str) -> tuple[int, ...]:
+        """The GPUs on switch ``name`` or on a switch below it: they share its uplink."""
+        if all(s.parent != name for s in self.pcie_switches):
+            return self.switch(name).gpus
+        return tuple(g.index for g in self.gpus if g.pcie_switch is not None and any(s.name == name for s in self.switch_chain(g.pcie_switch)))
 
     def numa(self, index: int) -> NumaNode:
         for n in self.numa_nodes:
@@ -317,9 +333,12 @@ def shipped_topologies() -> list[Path]:
 
 def _read_yaml(p: Path, source: str) -> Any:
     try:
-        text = p.read_text()
+        text = p.read_text(encoding="utf-8")
     except OSError as e:
         raise TopologyError(f"{source}: cannot read: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise TopologyError(f"{source}: not a UTF-8 text file (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+                            "is it a topology YAML?") from None
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -445,13 +464,20 @@ def _parse_host(ctx: _Ctx, key: str, d: dict, device: str, name: str) -> Host:
         default_port = _number(ctx, f"{pk}.port_gb_s", pd["port_gb_s"]) * GB_S if "port_gb_s" in pd else None
         for s, raw in enumerate(_list(ctx, f"{pk}.switches", pd["switches"])):
             sk = f"{pk}.switches[{s}]"
-            sd = _mapping(ctx, sk, raw, ["name", "numa", "uplink_gb_s"], ["port_gb_s", "gpus", "nics"])
+            sd = _mapping(ctx, sk, raw, ["name", "numa", "uplink_gb_s"], ["port_gb_s", "gpus", "nics", "parent"])
             sname = _str(ctx, f"{sk}.name", sd["name"])
             if any(x.name == sname for x in switches):
                 raise ctx.fail(f"{sk}.name", f"switch '{sname}' is listed twice")
             numa = _int(ctx, f"{sk}.numa", sd["numa"])
             if numa not in numa_ids:
                 raise ctx.fail(f"{sk}.numa", f"NUMA node {numa} does not exist (have {sorted(numa_ids)})")
+            parent = _str(ctx, f"{sk}.parent", sd["parent"]) if "parent" in sd else None
+            if parent is not None:
+                up = next((x for x in switches if x.name == parent), None)
+                if up is None:
+                    raise ctx.fail(f"{sk}.parent", f"'{parent}' is not a switch listed before '{sname}'")
+                if up.numa != numa:
+                    raise ctx.fail(f"{sk}.numa", f"NUMA {numa} disagrees with its parent switch '{parent}' (NUMA {up.numa})")
             uplink = _number(ctx, f"{sk}.uplink_gb_s", sd["uplink_gb_s"]) * GB_S
             if "port_gb_s" in sd:
                 port = _number(ctx, f"{sk}.port_gb_s", sd["port_gb_s"]) * GB_S
@@ -480,7 +506,7 @@ def _parse_host(ctx: _Ctx, key: str, d: dict, device: str, name: str) -> Host:
                 if nn in nic_switch:
                     raise ctx.fail(nk, f"NIC '{nn}' is already on switch '{nic_switch[nn].name}'")
                 nl.append(nn)
-            sw = PcieSwitch(sname, numa, uplink, port, tuple(gl), tuple(nl))
+            sw = PcieSwitch(sname, numa, uplink, port, tuple(gl), tuple(nl), parent)
             for nn in nl:
                 nic_switch[nn] = sw
             switches.append(sw)
@@ -671,6 +697,7 @@ def topology_to_dict(topo: ClusterTopology) -> dict[str, Any]:
                         "port_gb_s": _num(s.port_bw / GB_S),
                         "gpus": list(s.gpus),
                         "nics": list(s.nics),
+                        **({"parent": s.parent} if s.parent else {}),
                     }
                     for s in h.pcie_switches
                 ]

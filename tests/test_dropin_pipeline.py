@@ -70,7 +70,7 @@ def test_dropin_two_ranks_follow_the_plan_and_train(tmp_path):
         assert r["merges"] == 0
     assert res[0]["plan"] == res[1]["plan"]
     types = res[0]["types"]
-    assert types == {f"t_cat_{i}": "table_wise" if i % 2 else "row_wise" for i in range(4)}
+    assert types == {f"t_cat_{i}": ("row_wise", "table_wise", "column_wise")[i % 3] for i in range(4)}
     ranks = {t: {sh[2] for sh in v} for t, v in res[0]["plan"].items()}
     assert all(ranks[t] == {0, 1} for t in types if types[t] == "row_wise")
     # every table moved (its rows are on one rank or split over both), with only the dense

@@ -45,7 +45,7 @@ def test_html_is_self_contained_and_complete(report16):
     assert text.startswith("<!DOCTYPE html>") and text.rstrip().endswith("</html>")
     assert "http://" not in text and "https://" not in text and "src=" not in text
     assert "<link" not in text and "<script" not in text and "url(" not in text
-    header = plan_io.load_plan(plan)[1]
+    header = plan_io.read_plan_file(plan)[1]
     for name in header["tables"]:
         assert f">{name}<" in text, name
     for chart in ("memory-chart", "traffic-heatmap", "topology-diagram"):

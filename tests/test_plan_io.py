@@ -47,16 +47,39 @@ def test_round_trip_is_lossless(gpu_plan, tmp_path):
     kernels = {ps.compute_kernel for m in plan.plan.values() for ps in m.values()}
     assert "fused_uvm_caching" in kernels  # the interesting case: cache params and enums
     tables = plan_io.model_tables(model)
-    d = plan_io.plan_to_dict(plan, 4, "cuda", tables, {"by": "test"})
-    path = plan_io.save_plan(tmp_path / "plan.json", d)
-    back, header = plan_io.load_plan(path)
+    path = plan_io.save_plan(plan, tmp_path / "plan.json", model, meta={"by": "test"})
+    back = plan_io.load_plan(path)
     assert back.plan.keys() == plan.plan.keys()
     for mod in plan.plan:
         assert dict(back.plan[mod]) == dict(plan.plan[mod])  # dataclass equality, field by field
     assert str(back) == str(plan)
-    assert header["world_size"] == 4 and header["tables"] == tables and header["meta"] == {"by": "test"}
+    _, header = plan_io.read_plan_file(path)
+    # world size and device inferred from the shards' placements
+    assert header["world_size"] == 4 and header["compute_device"] == "cuda" and header["meta"] == {"by": "test"}
+    assert header["tables"] == tables and header["version"] == 2
+    assert tables["t_C1"] == {"num_embeddings": CARDINALITY_PRESETS["criteo_kaggle_raw"][0], "embedding_dim": 16, "data_type": "FP32",
+                              "optimizer_state": {"kind": "rowwise_adagrad", "bytes_per_weight": 0, "bytes_per_row": 4}}
     # and again: the JSON is a fixed point
     assert plan_io.plan_to_dict(back, 4, "cuda", tables, {"by": "test"}) == json.loads(path.read_text())
+    assert not [p for p in tmp_path.iterdir() if p.name != "plan.json"]  # no temp file left
+
+
+def test_version_1_files_still_load(gpu_plan, tmp_path):
+    """A plan written by the version-1 tools (tables with shapes only) loads; reports assume
+    row-wise Adagrad and say so."""
+    from sharding import plan_report
+
+    model, plan = gpu_plan
+    d = plan_io.plan_to_dict(plan, 4, "cuda", {n: {k: t[k] for k in ("num_embeddings", "embedding_dim")}
+                                              for n, t in plan_io.model_tables(model).items()})
+    d["version"] = 1
+    p = tmp_path / "v1.json"
+    p.write_text(json.dumps(d))
+    assert str(plan_io.load_plan(p)) == str(plan)
+    _, header = plan_io.read_plan_file(p)
+    assert header["tables"]["t_C1"]["data_type"] == "FP32" and header["tables"]["t_C1"]["optimizer_state"] is None
+    rep = plan_report.report(plan, header)
+    assert rep["optimizer_assumed"] and "row-wise Adagrad assumed" in plan_report.format_text(rep)
 
 
 def test_checks_for_another_model_or_world(gpu_plan):
@@ -74,7 +97,10 @@ def test_checks_for_another_model_or_world(gpu_plan):
 @pytest.mark.parametrize(
     "mutate, needle",
     [
-        (lambda d: d.update(version=7), "key 'version': unsupported plan format version 7"),
+        (lambda d: d.update(version=7), "key 'version': unsupported plan format version 7 (this tool reads 1, 2)"),
+        (lambda d: d["tables"]["t_C2"].update(num_embeddings=-3), "key 'tables.t_C2.num_embeddings': expected a positive integer"),
+        (lambda d: d["tables"]["t_C2"].update(data_type="FP12"), "key 'tables.t_C2.data_type': unknown data type 'FP12'"),
+        (lambda d: d["tables"]["t_C2"].update(optimizer_state={"kind": "adam"}), "key 'tables.t_C2.optimizer_state': expected"),
         (lambda d: d.update(format="x"), "not a sharding plan file"),
         (lambda d: d.pop("world_size"), "key 'world_size': expected int"),
         (lambda d: next(iter(next(iter(d["modules"].values()))["params"].values())).update(ranks="zero"), ".ranks: expected a list of ranks"),
@@ -90,7 +116,7 @@ def test_bad_files_give_one_line_errors(gpu_plan, tmp_path, mutate, needle):
     p = tmp_path / "bad.json"
     p.write_text(json.dumps(d))
     with pytest.raises(PlanFileError) as e:
-        plan_io.load_plan(p)
+        plan_io.read_plan_file(p)
     assert needle in str(e.value) and str(p) in str(e.value) and "\n" not in str(e.value)
 
 
@@ -101,12 +127,16 @@ def test_not_json_and_truncated(tmp_path):
         plan_io.load_plan(p)
     with pytest.raises(PlanFileError, match="no such plan file"):
         plan_io.load_plan(tmp_path / "missing.json")
+    b = tmp_path / "binary.json"
+    b.write_bytes(b'{"format": "\xff\xfe"}')
+    with pytest.raises(PlanFileError) as e:
+        plan_io.load_plan(b)
+    assert str(e.value) == f"{b}: not a text file (byte 12 is not UTF-8)"
 
 
 def test_save_is_atomic(gpu_plan, tmp_path, monkeypatch):
-    """A failure while writing leaves the previous file intact and no partial file."""
+    """A failure while writing leaves the previous file intact and no partial or temp file."""
     model, plan = gpu_plan
-    d = plan_io.plan_to_dict(plan, 4, "cuda", plan_io.model_tables(model))
     target = tmp_path / "plan.json"
     target.write_text("previous")
 
@@ -115,5 +145,20 @@ def test_save_is_atomic(gpu_plan, tmp_path, monkeypatch):
 
     monkeypatch.setattr(plan_io.os, "fsync", boom)
     with pytest.raises(OSError):
-        plan_io.save_plan(target, d)
+        plan_io.save_plan(plan, target, model)
     assert target.read_text() == "previous"
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]
+
+
+def test_save_refuses_an_invalid_plan_and_writes_nothing(gpu_plan, tmp_path):
+    """save_plan validates first: a plan torchrec could not run is never written."""
+    import copy
+
+    model, plan = gpu_plan
+    bad = copy.deepcopy(plan)
+    name, ps = next(iter(next(iter(bad.plan.values())).items()))
+    ps.compute_kernel = "bogus_kernel"
+    target = tmp_path / "plan.json"
+    with pytest.raises(PlanFileError, match=rf"plan.json: key 'modules\.[^']*\.{name}\.compute_kernel': 'bogus_kernel' is not a torchrec compute kernel"):
+        plan_io.save_plan(bad, target, model)
+    assert not list(tmp_path.iterdir())

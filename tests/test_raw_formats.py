@@ -217,7 +217,7 @@ def test_malformed_tsv_rows_skipped_with_line_numbers(tmp_path, caplog):
     bad_file.write_bytes(text.encode())
 
     caplog.set_level(logging.INFO, logger="recsys.data.raw_formats")
-    m = preprocess_criteo([bad_file], tmp_path / "out", chunk_rows=64)  # many chunk boundaries
+    m = preprocess_criteo([bad_file], tmp_path / "out", block_bytes=4096)  # many block boundaries
     [rep] = m["sources"]
     assert rep["total_rows"] == 1000 and rep["bad_rows"] == 7 and m["num_rows"] == 993
     assert rep["bad_by_reason"] == {
@@ -435,7 +435,7 @@ def test_existing_complete_dir_is_reused_only_with_the_same_key(tmp_path, monkey
         raise AssertionError("should not re-parse")
 
     with monkeypatch.context() as mp:
-        mp.setattr(rf, "_parse_criteo_chunk", no_parsing)
+        mp.setattr(rf, "parse_criteo_block", no_parsing)
         assert preprocess_criteo(sample(CSV), out, rows_per_shard=64) == first
     again = preprocess_criteo(sample(CSV), out, rows_per_shard=100, overwrite=True)
     assert [s["num_rows"] for s in again["shards"]] == [100, 100]

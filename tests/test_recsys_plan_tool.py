@@ -67,6 +67,8 @@ def test_validate_exit_codes(plans):
     roomy, _ = plans
     ok = tool("validate", str(roomy), "--config", DEMO, *RAW)
     assert ok.returncode == 0 and ok.stdout.startswith("valid: 52 tables")
+    alone = tool("validate", str(roomy))  # no model: the plan file records its tables
+    assert alone.returncode == 0 and alone.stdout.startswith("valid: 52 tables"), alone.stdout + alone.stderr
     small = tool("validate", str(roomy), "--config", DEMO, "--hbm-gb", "0.1", *RAW)
     assert small.returncode == 1 and "HBM" in small.stdout and "> 0.1 GB" in small.stdout
     other = tool("validate", str(roomy), "--config", DEMO)  # filtered sizes: another model
@@ -97,11 +99,16 @@ SHARED_TOPO = REPO.parent / "shared" / "data" / "topo" / "8x-h100-sxm-nv18-no-ni
 
 @pytest.mark.skipif(not SHARED_TOPO.exists(), reason="shared data not present")
 def test_make_with_topology_from_nvidia_smi_text(tmp_path):
-    """`make --topology topo.txt`: the nvidia-smi matrix is imported (capacities from the command
-    line), kept next to the plan, and the topology-aware planner plans for its 8 GPUs."""
+    """`make --topology topo.txt`: the nvidia-smi matrix is imported (capacities from the --gpu
+    model's preset), kept next to the plan, and the topology-aware planner plans for its 8 GPUs;
+    without a model or capacities it stops with one line instead of assuming an A100."""
+    r = tool("make", "--config", DEMO, "--topology", str(SHARED_TOPO), "--out", str(tmp_path / "n.json"))
+    assert r.returncode == 2 and "no GPU model: name it with --gpu" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "n.json").exists()
     out = tmp_path / "p.json"
-    r = tool("make", "--config", DEMO, "--topology", str(SHARED_TOPO), "--hbm-gb", "80", "--out", str(out))
+    r = tool("make", "--config", DEMO, "--topology", str(SHARED_TOPO), "--gpu", "h100-sxm", "--out", str(out))
     assert r.returncode == 0, r.stderr
+    assert "hbm_gb: 80, hbm_bw_gb_s: 3350" in (tmp_path / "p.topology.yaml").read_text()
     plan = json.loads(out.read_text())
     assert plan["world_size"] == 8 and plan["meta"]["planner"] == "topology"
     imported = tmp_path / "p.topology.yaml"
@@ -178,3 +185,26 @@ def test_bad_data_sample_is_one_line_exit_2_and_writes_nothing(tmp_path):
         assert r.returncode == 2, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("error: ") and expect in r.stderr, r.stderr
         assert not out.exists()
+
+
+def test_cowclip_plan_memory_counts_two_moments_and_a_step_per_row(tmp_path):
+    """A CowClip-Adam plan (issue 12: `show` assumed row-wise Adagrad for every table): each shard
+    holds 4 B weights + two 4 B moments per weight + an 8 B step per row, counted from the file
+    alone (no config), on CPU ranks all in host memory."""
+    out = tmp_path / "cowclip.json"
+    r = tool("make", "--config", DEMO, "--world-size", "2", "--compute-device", "cpu", "--out", str(out),
+             "--set", "optim.embedding=cowclip_adam")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(out.read_text())
+    assert {t["optimizer_state"]["kind"] for t in d["tables"].values()} == {"cowclip_adam"}
+    expected = [0, 0]
+    for m in d["modules"].values():
+        for name, ps in m["params"].items():
+            t = d["tables"][name]
+            shards = ps["shards"] or [{"sizes": [t["num_embeddings"], t["embedding_dim"]], "placement": f"rank:{r}/cpu"} for r in ps["ranks"]]
+            for sh in shards:
+                rows, cols = sh["sizes"]
+                expected[int(sh["placement"].split("/")[0][5:])] += rows * cols * (4 + 8) + rows * 8
+    rep = json.loads(tool("show", str(out), "--format", "json").stdout)
+    assert [x["host_bytes"] for x in rep["ranks"]] == expected
+    assert {t["optimizer"] for t in rep["tables"]} == {"cowclip_adam"}

@@ -146,8 +146,8 @@ def test_plan_with_shipped_names_from_another_directory(installed):
     shown = json.loads(r.stdout)
     assert len(shown["tables"]) == n_tables and len(shown["ranks"]) == 2
 
-    # TODO(lead, after the plan-file helper's merge): drop "--config smoke": validate then needs no config.
-    r = _run([PY, "-m", "recsys.plan_cli", "validate", "plan.json", "--config", "smoke"], work, env)
+    # plan files carry their tables' shapes and optimizer state: validate needs no config
+    r = _run([PY, "-m", "recsys.plan_cli", "validate", "plan.json"], work, env)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.startswith(f"valid: {n_tables} tables")
 

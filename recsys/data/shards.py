@@ -26,6 +26,7 @@ import re
 import shutil
 import socket
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -191,9 +192,12 @@ class ShardWriter:
         self._fill = 0
         self._closed = False
         # np.empty does not touch pages, so a large rows_per_shard costs nothing for small inputs.
-        self._dense = np.empty((self.rows_per_shard, len(self.dense_names)), DENSE_DTYPE)
-        self._sparse = np.empty((self.rows_per_shard, len(self.sparse_names)), SPARSE_DTYPE)
-        self._labels = np.empty((self.rows_per_shard,), LABEL_DTYPE)
+        self._dense, self._sparse, self._labels = self._buffers()
+        # A full shard is written (np.save + fsync) on a background thread while the next one
+        # fills the spare buffers: the disk and the parser work at the same time.
+        self._spare: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._saver = ThreadPoolExecutor(1, thread_name_prefix="shard-save")
+        self._saving: Future[None] | None = None
 
     # -- context manager -------------------------------------------------------------------
     def __enter__(self) -> "ShardWriter":
@@ -231,18 +235,40 @@ class ShardWriter:
                 self._flush()
         self._num_rows += n
 
+    def _buffers(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return (
+            np.empty((self.rows_per_shard, len(self.dense_names)), DENSE_DTYPE),
+            np.empty((self.rows_per_shard, len(self.sparse_names)), SPARSE_DTYPE),
+            np.empty((self.rows_per_shard,), LABEL_DTYPE),
+        )
+
+    def _save_shard(self, name: str, arrays: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
+        for path, array in zip(shard_paths(self.tmp, name), arrays):
+            try:
+                _save_npy(path, array)
+            except OSError as e:  # e.g. a full disk: numpy says only "N requested and M written"
+                raise write_error(self.dest, path, e) from None  # now, so it reports the free space seen
+
+    def _wait_saved(self) -> None:
+        """Wait for the shard being written; its failure aborts the writer and is raised here."""
+        saving, self._saving = self._saving, None
+        if saving is not None:
+            try:
+                saving.result()
+            except BaseException:
+                self.abort()
+                raise
+
     def _flush(self) -> None:
         if self._fill == 0:
             return
+        self._wait_saved()  # the spare buffers are free again
         name = shard_name(len(self._shards))
-        dense_p, sparse_p, labels_p = shard_paths(self.tmp, name)
-        for path, array in ((dense_p, self._dense), (sparse_p, self._sparse), (labels_p, self._labels)):
-            try:
-                _save_npy(path, array[: self._fill])
-            except OSError as e:  # e.g. a full disk: numpy says only "N requested and M written"
-                err = write_error(self.dest, path, e)  # before abort(), so it reports the free space seen
-                self.abort()
-                raise err from None
+        full = (self._dense[: self._fill], self._sparse[: self._fill], self._labels[: self._fill])
+        self._saving = self._saver.submit(self._save_shard, name, full)
+        if self._spare is None:
+            self._spare = self._buffers()
+        (self._dense, self._sparse, self._labels), self._spare = self._spare, (self._dense, self._sparse, self._labels)
         self._shards.append({"name": name, "num_rows": self._fill})
         self._fill = 0
 
@@ -252,6 +278,7 @@ class ShardWriter:
             raise RuntimeError("ShardWriter is closed")
         try:
             self._flush()
+            self._wait_saved()
             manifest: dict[str, Any] = {
                 "format_version": FORMAT_VERSION,
                 "kind": self.kind,
@@ -282,6 +309,7 @@ class ShardWriter:
             self.abort()
             raise
         self._closed = True
+        self._saver.shutdown(wait=False)  # idle: the last shard was waited for above
         return manifest
 
     def _publish(self) -> None:
@@ -313,6 +341,8 @@ class ShardWriter:
     def abort(self) -> None:
         """Delete the temp dir; the destination is left exactly as it was."""
         self._closed = True
+        self._saver.shutdown(wait=True)  # a shard still being written must not outlive the rmtree
+        self._saving = None
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 

@@ -57,6 +57,16 @@ called outside its lookup), the next forward of that kernel raises instead of re
 weights. Calling backward twice on one graph (``retain_graph``) updates twice, like every fused
 torchrec optimizer.
 
+Compute kernels (what the planner may choose for an EBC this sharder shards, docs/cowclip.md
+"CowClip tables in host memory"): ``fused`` (state in device memory), and on CUDA ``fused_uvm``
+(weights, both moments and ``row_step`` in host memory through FBGEMM's unified-memory
+allocator, ``CowClipAdamTBE(location="managed")``, or ``"host_mapped"`` with the fused param
+``uvm_host_mapped``; torchrec groups fused and fused_uvm tables together, ``split_by_location``
+cuts CowClip groups by location); ``dense`` for data-parallel. Never ``fused_uvm_caching``: FBGEMM's cache of
+hot weight rows cannot be kept coherent with an update that is not FBGEMM's own backward (see
+``recsys.optim.cowclip_tbe``). torchrec asks a sharder per sharding type, not per table, so the
+untagged tables of these EBCs get the same choice.
+
 Relies on private torchrec 1.8 attributes of the sharding objects (``_grouped_embedding_configs``,
 ``_grouped_embedding_configs_per_rank``, ``_rank``, ``_pg``, ``_env``, ``_device``);
 ``tests/test_cowclip_sharded.py`` guards them so an upgrade fails loudly.
@@ -64,6 +74,7 @@ Relies on private torchrec 1.8 attributes of the sharding objects (``_grouped_em
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -93,6 +104,13 @@ from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizer, FusedOptim
 from recsys.optim.cowclip_exchange import ExchangeTable, column_wise_step, data_parallel_step
 from recsys.optim.cowclip_tbe import COWCLIP_ADAM, CowClipAdamTBE, CowClipHyper, cowclip_fused_params
 
+# the plan's compute kernel -> where CowClipAdamTBE keeps weights + state (fused_uvm: see state_location)
+_KERNEL_LOCATION = {
+    EmbeddingComputeKernel.FUSED: "device",
+    EmbeddingComputeKernel.DENSE: "device",
+    EmbeddingComputeKernel.FUSED_UVM: "managed",
+}
+
 __all__ = [
     "COWCLIP_ADAM",
     "take_update_stats",
@@ -108,6 +126,59 @@ _DP = ShardingType.DATA_PARALLEL.value
 
 def is_cowclip(fused_params: dict[str, Any] | None) -> bool:
     return bool(fused_params) and fused_params.get("optimizer") == COWCLIP_ADAM
+
+
+def table_location(table: Any, fused_params: dict[str, Any] | None) -> str:
+    """Where a CowClip table keeps weights + optimizer state, from the kernel the plan gave it
+    (torchrec keeps it per table: its grouping files ``fused_uvm`` tables under ``fused``):
+    ``device`` (fused, dense), ``managed`` (fused_uvm; ``host_mapped`` when the fused params set
+    ``uvm_host_mapped``, as for FBGEMM's tables). Any other kernel is a one-line error."""
+    kernel = EmbeddingComputeKernel(table.compute_kernel)
+    if kernel == EmbeddingComputeKernel.FUSED_UVM_CACHING:
+        raise ValueError(
+            f"CowClip-Adam table {table.name}: compute kernel fused_uvm_caching is not supported (FBGEMM's cache of "
+            "hot rows cannot stay coherent with the CowClip update); use fused_uvm or fused")
+    if kernel not in _KERNEL_LOCATION:
+        raise ValueError(
+            f"CowClip-Adam table {table.name} needs compute kernel fused or fused_uvm (dense for data_parallel), "
+            f"the plan says {kernel.value}")
+    location = _KERNEL_LOCATION[kernel]
+    if location == "managed" and (fused_params or {}).get("uvm_host_mapped"):
+        location = "host_mapped"
+    return location
+
+
+def state_location(config: GroupedEmbeddingConfig) -> str:
+    """The one location of a CowClip group's tables (``split_by_location`` made it uniform)."""
+    locations = {table_location(t, config.fused_params) for t in config.embedding_tables}
+    if len(locations) != 1:
+        raise ValueError(f"CowClip-Adam tables {[t.name for t in config.embedding_tables]}: one kernel holds "
+                         f"tables of one location, got {sorted(locations)}")
+    return locations.pop()
+
+
+def split_by_location(configs: list[GroupedEmbeddingConfig]) -> list[GroupedEmbeddingConfig]:
+    """torchrec groups ``fused`` and ``fused_uvm`` tables of equal fused params into one group (FBGEMM
+    places each table of a TBE on its own); a CowClip TBE keeps its tables in one flat buffer, so
+    each CowClip group is cut into runs of consecutive tables with the same location. The order of
+    tables, hence of features and output columns across the lookup's groups, is unchanged."""
+    out: list[GroupedEmbeddingConfig] = []
+    for config in configs:
+        if not is_cowclip(config.fused_params):
+            out.append(config)
+            continue
+        runs: list[tuple[str, list[Any]]] = []
+        for t in config.embedding_tables:
+            loc = table_location(t, config.fused_params)
+            if runs and runs[-1][0] == loc:
+                runs[-1][1].append(t)
+            else:
+                runs.append((loc, [t]))
+        if len(runs) == 1:
+            out.append(config)
+        else:
+            out.extend(dataclasses.replace(config, embedding_tables=tables) for _, tables in runs)
+    return out
 
 
 def tag_cowclip_adam(params: Iterable[nn.Parameter], hyper: CowClipHyper | None = None, **kw: Any) -> None:
@@ -207,12 +278,14 @@ class CowClipEmbeddingBag(BaseBatchedEmbeddingBag[Tensor], FusedOptimizerModule)
         sharding_type: ShardingType | None,
         mode: str,
         replicated: bool,
+        location: str = "device",
     ) -> None:
         super().__init__(config, pg, device, sharding_type)
         hyper = CowClipHyper.from_fused_params(config.fused_params)
         self._emb_module = CowClipAdamTBE(
             list(zip(self._local_rows, self._local_cols)), self._feature_table_map, hyper,
             full_dims=self._embedding_dims, mode=mode, pooling_mode=self._pooling, device=device,
+            location=location,
         )
         self.table_names = [t.name for t in config.embedding_tables]
         self._emb_module.table_names = self.table_names
@@ -269,18 +342,15 @@ class CowClipGroupedPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
 
     def __init__(self, grouped_configs: list[GroupedEmbeddingConfig], *, cowclip_mode: str, **kw: Any) -> None:
         object.__setattr__(self, "_cowclip_mode", cowclip_mode)  # read by _create_embedding_kernel
-        super().__init__(grouped_configs, **kw)
+        super().__init__(split_by_location(grouped_configs), **kw)
 
     def _create_embedding_kernel(self, config, device, pg, sharding_type, env):  # type: ignore[override]
         if not is_cowclip(config.fused_params):
             return super()._create_embedding_kernel(config, device, pg, sharding_type, env)
-        if config.compute_kernel not in (EmbeddingComputeKernel.FUSED, EmbeddingComputeKernel.DENSE):
-            raise ValueError(
-                f"CowClip-Adam tables {[t.name for t in config.embedding_tables]} need compute kernel "
-                f"fused (or dense for data_parallel), the plan says {config.compute_kernel.value}"
-            )
+        location = state_location(config)
         mode = "inline" if self._cowclip_mode == "inline" else "deferred"
-        return CowClipEmbeddingBag(config, pg, device, sharding_type, mode=mode, replicated=self._cowclip_mode == "dp")
+        return CowClipEmbeddingBag(config, pg, device, sharding_type, mode=mode, replicated=self._cowclip_mode == "dp",
+                                   location=location)
 
     def cowclip_kernels(self) -> list[CowClipEmbeddingBag]:
         return [m for m in self._emb_modules if isinstance(m, CowClipEmbeddingBag)]
@@ -503,9 +573,12 @@ class CowClipEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         return types
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
-        """Our kernel keeps weights in device memory: no UVM / key-value kernels for this EBC."""
+        """What the CowClip kernel supports (module docstring): ``fused``, plus ``fused_uvm`` on
+        CUDA; ``dense`` for data-parallel. No UVM caching, no key-value kernels."""
         if sharding_type == _DP:
             return [EmbeddingComputeKernel.DENSE.value]
+        if compute_device_type == "cuda":
+            return [EmbeddingComputeKernel.FUSED.value, EmbeddingComputeKernel.FUSED_UVM.value]
         return [EmbeddingComputeKernel.FUSED.value]
 
 

@@ -19,13 +19,29 @@ Two update modes, chosen by the sharding type (docs/design/cowclip.md section 3)
   it (``recsys.optim.cowclip_sharder.CowClipExchangeLookup``, ``recsys.optim.cowclip_exchange``).
   The lookup hands that node's output to the kernels as ``autograd_anchor``; staged rows still
   present at the next forward mean an update was missed, and the forward raises.
+
+Where the state lives (``location``, docs/cowclip.md "CowClip tables in host memory"):
+
+* ``device``: weights, both moments and ``row_step`` in the device's memory (HBM on CUDA; the
+  plan's ``fused`` kernel);
+* ``managed`` / ``host_mapped``: all four in host memory the GPU reads over PCIe/NVLink-C2C (the
+  plan's ``fused_uvm`` kernel), allocated as FBGEMM allocates its own UVM tables
+  (``torch.ops.fbgemm.new_unified_tensor``: ``cudaMallocManaged`` or ``cudaHostAlloc``-mapped).
+  The forward (FBGEMM's dense CUDA lookup) and the update (Triton kernel, torch ops of the
+  exchange) take them as ordinary CUDA tensors. On a CPU device FBGEMM's CPU build of the same
+  op hands back plain host memory, so the CPU path is the same code with the same numbers.
+
+There is no UVM-caching variant: FBGEMM's cache keeps hot *weight* rows in HBM, filled and
+evicted by its own prefetch and written by its own backward; an update that writes the host row
+behind it leaves the cached copy stale, and the optimizer state (2x the weights + 8 B a row)
+would stay uncached anyway.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from fbgemm_gpu.split_embedding_configs import SparseType
@@ -34,9 +50,12 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import DenseTableBat
 from torch import Tensor
 
 from recsys.optim.cowclip import CowClipAdamState, _adam_rows, _clip_scale, batch_row_gradients
-from recsys.optim.cowclip_kernel import advise_huge_pages, fused_available, fused_cowclip_adam_step, fused_cowclip_adam_tables
+from recsys.optim.cowclip_kernel import advise_huge_pages
+from recsys.optim.cowclip_triton import cowclip_table_update_for, cowclip_update_for
 
 HUGE_PAGE_MIN_BYTES = 64 << 20  # tables smaller than this stay on whatever pages they got
+# where weights + optimizer state live; the values the sharder maps the plan's kernels to
+STATE_LOCATIONS = ("device", "managed", "host_mapped")
 COWCLIP_ADAM = "recsys.cowclip_adam"  # value of fused_params["optimizer"] that selects our kernel
 
 # fused_params keys of ours; everything else torchrec/FBGEMM may add (cache_precision, ...) is ignored
@@ -87,6 +106,23 @@ def cowclip_fused_params(hp: CowClipHyper) -> dict[str, Any]:
     ``lr`` is the name torchrec renames to ``learning_rate``."""
     d = {k: getattr(hp, k) for k in _OUR_KEYS - {"optimizer", "learning_rate"}}
     return {"optimizer": COWCLIP_ADAM, "lr": hp.learning_rate, **d}
+
+
+def unified_zeros(numel: int, dtype: torch.dtype, device: torch.device, host_mapped: bool) -> Tensor:
+    """A zero-filled 1-D tensor in unified (host) memory, allocated exactly as FBGEMM's
+    ``apply_split_helper`` allocates a ``MANAGED`` table: ``new_unified_tensor`` (managed memory,
+    or pinned host memory mapped into the device with ``host_mapped``), then ``zeros(out=)``.
+    On CUDA the result is a CUDA tensor backed by host memory; FBGEMM's CPU build returns an
+    empty CPU tensor that ``zeros(out=)`` grows, i.e. ordinary host memory."""
+    proto = torch.zeros(1, device=device, dtype=dtype)
+    try:
+        unified = torch.ops.fbgemm.new_unified_tensor(proto, [numel], is_host_mapped=host_mapped)
+    except (AttributeError, RuntimeError, NotImplementedError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise RuntimeError(
+            f"CowClip-Adam UVM table: this fbgemm_gpu cannot allocate unified memory on {device} ({first[:160]})"
+        ) from None
+    return torch.zeros(numel, device=device, dtype=dtype, out=unified)
 
 
 @dataclass
@@ -144,6 +180,7 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
 
     ``full_dims[t]``: the table's full embedding dim (zeta' uses it; a column shard holds fewer).
     ``clip[t]``: whether table t is clipped. ``mode``: ``inline`` or ``deferred`` (module doc).
+    ``location``: ``device``, ``managed`` or ``host_mapped`` (module doc, "Where the state lives").
     """
 
     def __init__(
@@ -155,28 +192,49 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
         mode: str,
         pooling_mode: PoolingMode = PoolingMode.SUM,
         device: torch.device | None = None,
+        tables_op: Callable[..., Tensor] | None | str = "auto",
+        location: str = "device",
     ) -> None:
-        device = device or torch.device("cpu")
+        """``tables_op``: the multi-table update op for inline mode; ``"auto"`` picks it by device
+        on first use (the C++ op on CPU, the Triton kernel on CUDA: ``cowclip_update_for``),
+        ``None`` forces the per-table path."""
+        device = torch.device(device or "cpu")
+        if location not in STATE_LOCATIONS:
+            raise ValueError(f"CowClip-Adam kernel: location must be {'|'.join(STATE_LOCATIONS)}, got {location!r}")
         if pooling_mode != PoolingMode.SUM:
             raise NotImplementedError(f"CowClip-Adam kernel supports SUM pooling only, got {pooling_mode}")
         if mode not in ("inline", "deferred"):
             raise ValueError(f"mode must be inline|deferred, got {mode!r}")
         if len(set(feature_table_map)) != len(feature_table_map):
             raise NotImplementedError("CowClip-Adam kernel: a table read by several features is not supported")
+        unified = location != "device"
+        # a UVM table is one that does not fit the device: FBGEMM's constructor draws the initial
+        # weights where it computes, so draw them in host memory and move only the small buffers
         super().__init__(
             embedding_specs, feature_table_map, weights_precision=SparseType.FP32, pooling_mode=pooling_mode,
-            use_cpu=device.type == "cpu",
+            use_cpu=device.type == "cpu" or unified,
         )
-        if device.type not in ("cpu",) and self.weights.device != device:
-            self.to(device)
         # our weights are updated in place by the optimizer, never by autograd: a buffer, not a Parameter
         w = self.weights.detach()
         del self.weights
-        self.register_buffer("weights", w)
-        self.register_buffer("momentum1", torch.zeros_like(w))
-        self.register_buffer("momentum2", torch.zeros_like(w))
+        if device.type != "cpu":
+            self.to(device)  # offsets and the like (and, on the device, the weights: below)
+            self.current_device = device
+            self.use_cpu = False
         total_rows = sum(r for r, _ in embedding_specs)
-        self.register_buffer("row_step", torch.zeros(total_rows, dtype=torch.long, device=w.device))
+        if unified:
+            host_mapped = location == "host_mapped"
+            state = [unified_zeros(w.numel(), w.dtype, device, host_mapped) for _ in range(3)]
+            state[0].copy_(w)
+            del w
+            state.append(unified_zeros(total_rows, torch.long, device, host_mapped))
+        else:
+            w = w.to(device)
+            state = [w, torch.zeros_like(w), torch.zeros_like(w), torch.zeros(total_rows, dtype=torch.long, device=device)]
+        for name, t in zip(("weights", "momentum1", "momentum2", "row_step"), state):
+            self.register_buffer(name, t)
+        self.location = location
+        w = self.weights
         if w.device.type == "cpu" and w.numel() * 4 >= HUGE_PAGE_MIN_BYTES:
             # lazy Adam touches 4 random rows per id (w, m, v, row_step): 2 MB pages save the page
             # walks (docs/benchmarks.md, CowClip: 20.8 -> 13.7 ms at 26 x 1M rows, batch 8K)
@@ -198,6 +256,7 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
         self.autograd_anchor: Tensor | None = None
         self.table_names: list[str] = []  # for error messages; set by the sharded kernel
         self.stats = UpdateStats()
+        self._tables_op = tables_op
         self._states = [self._state_views(t) for t in range(len(embedding_specs))]
 
     # ---- views -------------------------------------------------------------------------------
@@ -286,11 +345,14 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
 
     @torch.no_grad()
     def backward_update(self, grad_out: Tensor, indices: Tensor, offsets: Tensor, psw: Tensor | None) -> None:
-        """Inline mode: one call of the multi-table C++ op for all tables (CPU, extension built),
+        """Inline mode: one call of the multi-table op for all tables (``tables_op``: C++ on CPU, Triton on CUDA),
         else one ``fused_cowclip_adam_step`` per table. Deferred mode: stage per-table row
         gradients and counts for the exchange."""
         grad_out = grad_out.float()
-        if self.mode == "inline" and self.weights.device.type == "cpu" and fused_available():
+        if self._tables_op == "auto":  # resolved on first use: loading the op may build it
+            self._tables_op = cowclip_update_for(self.weights.device)
+        update = self._tables_op if self.mode == "inline" else None
+        if update is not None:
             F = len(self.feature_table_map)
             B = (offsets.numel() - 1) // F
             if B * F + 1 != offsets.numel() or grad_out.shape[0] != B:
@@ -308,7 +370,7 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
                      for f, t in enumerate(self.feature_table_map)], dtype=torch.long)
                 zeta = torch.tensor([self._zeta_for_full_dim(t) for t in self.feature_table_map], dtype=torch.float64)
                 cached = self._fused_meta = (key, meta, zeta)
-            stats = fused_cowclip_adam_tables(
+            stats = update(
                 self.weights, self.momentum1, self.momentum2, self.row_step, cached[1], cached[2],
                 indices, offsets, grad_out, psw,
                 lr=self.lr, betas=(hp.beta1, hp.beta2), eps=hp.eps, r=hp.cowclip_r, l2=hp.l2,
@@ -319,7 +381,7 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
             return
         for t, idx, offs, go, w in self._feature_slices(grad_out, indices, offsets, psw):
             if self.mode == "inline":
-                st = fused_cowclip_adam_step(
+                st = cowclip_table_update_for(self.weights.device)(
                     self._view(self.weights, t), self._states[t], idx, offs, go.contiguous(), w,
                     lr=self.lr, betas=(self.hyper.beta1, self.hyper.beta2), eps=self.hyper.eps,
                     r=self.hyper.cowclip_r, zeta=self._zeta_for_full_dim(t), l2=self.hyper.l2,

@@ -19,6 +19,19 @@ exact resume without forcing a moment merge at checkpoint steps. Resume: every h
 model (and, if there is no `host<h>/`, the optimizer state) from host 0's files over its own
 `host_pg`. COMMITTED records `ranks_per_host` (the shard world) and `hosts`; a checkpoint loads
 into any run whose shard world matches (another host count, or a plain run of R ranks).
+
+Integrity (docs/run_integrity.md):
+- COMMITTED also records `shape`, the config that shapes the saved state (model, tables,
+  embedding optimizer, batch, shard world, merge settings; `run_dir.state_shape`); a resume
+  whose config differs stops with one line naming the keys (`check_compatible`). The world size
+  may change for plain runs with FBGEMM's fused optimizers (`reshardable`): DCP reshards on load.
+- `latest_complete()` checks the newest checkpoint's files against its DCP metadata (every
+  `.distcp` present and long enough, every `rank<r>.pt` present) and falls back to the previous
+  complete one with a one-line warning naming the bad file.
+- Pruning keeps the `keep` newest checkpoints of this run's lineage (`lineage` in COMMITTED,
+  inherited on resume) by step, never the one just written and never another run's.
+- A failed write (a full disk) removes the `.tmp` directory on every rank and raises
+  `CheckpointError` (one line); the previous checkpoints are untouched.
 """
 
 from __future__ import annotations
@@ -28,6 +41,7 @@ import logging
 import os
 import re
 import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +55,112 @@ from torchrec.optim.keyed import KeyedOptimizer
 log = logging.getLogger(__name__)
 _NAME = re.compile(r"^step_(\d{9})$")
 MARKER = "COMMITTED"
+
+
+class CheckpointError(RuntimeError):
+    """An expected, user-facing checkpoint failure; the message is one line."""
+
+
+def step_dir_name(step: int) -> str:
+    """`step_000000120`; a negative or oversized step has no name (resume could never find it)."""
+    if not 0 <= step < 10**9:
+        raise ValueError(f"checkpoint step {step} is outside [0, 1e9)")
+    return f"step_{step:09d}"
+
+
+def step_of(path: Path) -> int | None:
+    m = _NAME.match(Path(path).name)
+    return int(m.group(1)) if m else None
+
+
+def read_marker(path: Path) -> dict[str, Any]:
+    return json.loads((Path(path) / MARKER).read_text())
+
+
+def incomplete_reason(path: Path) -> str | None:
+    """Why the checkpoint at `path` cannot load (naming the bad file), or None if it looks complete:
+    a readable marker and DCP metadata, every storage file the metadata names present and long
+    enough, and one rank<r>.pt per writing rank."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    path = Path(path)
+    try:
+        marker = read_marker(path)
+    except (OSError, ValueError):
+        return f"{path / MARKER} is unreadable"
+    try:
+        meta = FileSystemReader(str(path)).read_metadata()
+    except Exception:  # a missing or truncated .metadata fails in open() or in unpickling
+        return f"{path / '.metadata'} is missing or unreadable"
+    needed: dict[str, int] = {}
+    for info in meta.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        f = path / name
+        if not f.is_file():
+            return f"{f} is missing"
+        if f.stat().st_size < size:
+            return f"{f} is truncated ({f.stat().st_size} of {size} bytes)"
+    for r in range(int(marker.get("world_size", 1))):
+        f = path / f"rank{r}.pt"
+        if not f.is_file() or f.stat().st_size == 0:
+            return f"{f} is missing"
+    return None
+
+
+# FBGEMM's own fused optimizers: their state is per-row or per-element tensors that DCP reshards
+# by offset, so a plain (not hierarchical) checkpoint loads on another world size (tested 2 -> 1
+# -> 2 ranks with exact metrics; docs/run_integrity.md).
+RESHARDABLE_OPTIMIZERS = ("rowwise_adagrad", "adagrad", "sgd")
+
+
+def reshardable(shape: dict[str, Any]) -> bool:
+    return shape.get("optim.embedding") in RESHARDABLE_OPTIMIZERS and not shape.get("train.merge_every")
+
+
+def shape_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """`key old -> new` for every key whose value differs (a key absent on one side counts)."""
+    out = []
+    for key in sorted(set(saved) | set(current)):
+        old, new = saved.get(key), current.get(key)
+        if old == new:
+            continue
+        if isinstance(old, dict) and isinstance(new, dict):  # e.g. data.tables: only the tables that differ
+            out.extend(f"{key}.{c}" for c in shape_changes(old, new))
+        else:
+            out.append(f"{key} {_short(old)} -> {_short(new)}")
+    return out
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else value
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def describe_failure(e: BaseException) -> str:
+    """One line for an exception; DCP's CheckpointException is unwrapped to its first rank's error."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        e = first[0] if isinstance(first, (list, tuple)) else first
+    text = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _disk_reason(e: BaseException) -> str:
+    """One line for a failed write: the first OSError found in the exception (DCP wraps them)."""
+    seen: list[BaseException] = [e]
+    failures = getattr(e, "failures", None)  # torch.distributed.checkpoint's CheckpointException
+    if isinstance(failures, dict):
+        for v in failures.values():
+            seen.extend(v if isinstance(v, (list, tuple)) else [v])
+    for x in seen:  # (DCP's failures are (exception, stack) pairs)
+        while isinstance(x, BaseException):
+            if isinstance(x, OSError):
+                where = f" ({x.filename})" if x.filename else ""
+                return (os.strerror(x.errno) if x.errno else str(x)) + where
+            x = x.__cause__ or x.__context__
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
 def _fsync_dir(path: Path) -> None:
@@ -60,14 +180,20 @@ def _fsync_tree(path: Path) -> None:
 
 
 class Checkpointer:
-    def __init__(self, root: Path, rank: int, world_size: int, keep: int = 2, groups: Any = None) -> None:
-        """`groups`: a `hierarchy.HostGroups` for hierarchical runs (see the module docstring)."""
+    def __init__(
+        self, root: Path, rank: int, world_size: int, keep: int = 2, groups: Any = None,
+        shape: dict[str, Any] | None = None,
+    ) -> None:
+        """`groups`: a `hierarchy.HostGroups` for hierarchical runs (see the module docstring).
+        `shape`: the config that shapes the saved state, recorded in and checked against COMMITTED."""
         self.root = Path(root)
         self.rank = rank
         self.world_size = world_size
         self.keep = keep
         self.groups = groups
+        self.shape = shape or {}
         self.per_host_optim = False  # hierarchical, moments not merged: host h>0 saves its own
+        self.lineage = uuid.uuid4().hex  # this run's; a resume adopts the checkpoint's (load)
 
     @property
     def shard_world(self) -> int:
@@ -84,20 +210,85 @@ class Checkpointer:
         found = self.committed()
         return found[-1] if found else None
 
+    def latest_complete(self) -> Path | None:
+        """The newest checkpoint that looks complete (`incomplete_reason`); each newer, broken one
+        gets a one-line warning naming its bad file (on rank 0) and is left in place."""
+        for path in reversed(self.committed()):
+            why = incomplete_reason(path)
+            if why is None:
+                return path
+            if self.rank == 0:
+                log.warning("warning: checkpoint %s is incomplete (%s); falling back to an earlier one", path.name, why)
+        return None
+
+    def check_compatible(self, path: Path) -> None:
+        """CheckpointError (one line) if the checkpoint was written under another state shape."""
+        marker = read_marker(path)
+        saved = marker.get("shape")
+        if saved is None:  # written before shapes were recorded: the world size is all we know
+            saved = {"train.world_size": marker.get("ranks_per_host", marker["world_size"])}
+            current = {"train.world_size": self.shape.get("train.world_size", self.shard_world)}
+        else:
+            current = self.shape
+            if reshardable(saved) and reshardable(current):  # another world size is fine
+                saved = {k: v for k, v in saved.items() if k != "train.world_size"}
+                current = {k: v for k, v in current.items() if k != "train.world_size"}
+        changes = shape_changes(saved, current)
+        if changes:
+            raise CheckpointError(
+                f"cannot resume from {path}: the config changed ({'; '.join(changes)}); restore these values, "
+                "or start a new run (another run_dir, or overwrite=true)"
+            )
+
     # -- save ----------------------------------------------------------------------------------
     def save(
         self, step: int, model: nn.Module, optimizer: KeyedOptimizer, extra: dict[str, Any],
         rank_state: dict[str, Any] | None = None,
     ) -> Path:
         """Collective over all ranks. `rank_state`: small per-rank state (saved in rank<r>.pt)."""
-        final = self.root / f"step_{step:09d}"
-        tmp = self.root / f"step_{step:09d}.tmp"
+        final = self.root / step_dir_name(step)
+        tmp = self.root / f"{final.name}.tmp"
+        err: BaseException | None = None
         if self.rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            for stale in self.root.glob("*.tmp"):
-                shutil.rmtree(stale, ignore_errors=True)
-            tmp.mkdir()
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                for stale in self.root.glob("*.tmp"):  # a crashed save of this run (the run dir is locked)
+                    shutil.rmtree(stale, ignore_errors=True)
+                tmp.mkdir()
+            except OSError as e:
+                err = e
+        self._agree(err, tmp, final)
+        try:
+            self._write(step, tmp, model, optimizer, rank_state)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # a full disk: OSError, or DCP's CheckpointException (a BaseException)
+            err = e
+        self._agree(err, tmp, final)
+        if self.rank == 0:
+            try:
+                self._commit(step, tmp, final, extra)
+            except OSError as e:
+                err = e
+        self._agree(err, tmp, final)
+        return final
+
+    def _agree(self, err: BaseException | None, tmp: Path, final: Path) -> None:
+        """Collective: if any rank failed, rank 0 removes the `.tmp` and every rank raises one line."""
+        flag = torch.tensor([1 if err is not None else 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if not flag.item():
+            return
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
         dist.barrier()
+        reason = _disk_reason(err) if err is not None else "another rank failed to write its part"
+        kept = self.latest()
+        raise CheckpointError(
+            f"checkpoint {final} not written: {reason}; " + (f"the last complete one is {kept}" if kept else "no earlier checkpoint")
+        )
+
+    def _write(self, step: int, tmp: Path, model: nn.Module, optimizer: KeyedOptimizer, rank_state: dict[str, Any] | None) -> None:
         # One file per tensor: FBGEMM keeps all tables of a kernel in one flat buffer, so DCP
         # clones each table view before writing it and, with one file per rank, keeps every
         # clone alive until the file is closed, doubling memory at raw-Criteo table sizes.
@@ -117,39 +308,57 @@ class Checkpointer:
             writer = dcp.FileSystemWriter(str(sub), single_file_per_rank=False)
             dcp.save({"optim": optimizer.state_dict()}, storage_writer=writer, process_group=g.host_pg)
         torch.save({"torch_rng": torch.get_rng_state(), "state": rank_state or {}}, tmp / f"rank{self.rank}.pt")
-        dist.barrier()
-        if self.rank == 0:
-            for sub in tmp.glob("host*"):
-                _fsync_tree(sub)
-            _fsync_tree(tmp)
-            marker = {"step": step, "world_size": self.world_size, "extra": extra}
-            if g is not None:
-                marker.update(ranks_per_host=g.ranks_per_host, hosts=g.hosts, per_host_optim=self.per_host_optim)
-            with open(tmp / MARKER, "w") as f:
-                json.dump(marker, f)
-                f.flush()
-                os.fsync(f.fileno())
-            old = self.root / f"step_{step:09d}.old.tmp"
-            if final.exists():  # a re-save of the same step (e.g. after resume): move it aside
-                os.replace(final, old)  # deleted only once the new one is in place
-            os.replace(tmp, final)
-            _fsync_dir(self.root)
+
+    def _commit(self, step: int, tmp: Path, final: Path, extra: dict[str, Any]) -> None:
+        """Rank 0, after every rank wrote its part: marker, fsync, rename, prune."""
+        g = self.groups
+        for sub in tmp.glob("host*"):
+            _fsync_tree(sub)
+        _fsync_tree(tmp)
+        marker = {"step": step, "world_size": self.world_size, "extra": extra, "shape": self.shape, "lineage": self.lineage}
+        if g is not None:
+            marker.update(ranks_per_host=g.ranks_per_host, hosts=g.hosts, per_host_optim=self.per_host_optim)
+        with open(tmp / MARKER, "w") as f:
+            json.dump(marker, f)
+            f.flush()
+            os.fsync(f.fileno())
+        old = self.root / f"{final.name}.old.tmp"
+        if final.exists():  # a re-save of the same step (e.g. after resume): move it aside
+            os.replace(final, old)  # deleted only once the new one is in place
+        os.replace(tmp, final)
+        _fsync_dir(self.root)
+        shutil.rmtree(old, ignore_errors=True)
+        self._prune(step)
+
+    def _prune(self, step: int) -> None:
+        """Keeps the `keep` newest checkpoints of this lineage up to `step` (the one just written
+        among them); later steps (an abandoned branch after a fallback) and other runs' stay."""
+        mine = []
+        for p in self.committed():
+            s = step_of(p)
+            if s is None or s >= step:
+                continue
+            try:
+                if read_marker(p).get("lineage") == self.lineage:
+                    mine.append(p)
+            except (OSError, ValueError):
+                continue
+        for old in mine[: max(len(mine) - (self.keep - 1), 0)]:
             shutil.rmtree(old, ignore_errors=True)
-            for old in self.committed()[: -self.keep]:
-                shutil.rmtree(old, ignore_errors=True)
-        dist.barrier()
-        return final
 
     # -- load ----------------------------------------------------------------------------------
     def load(self, path: Path, model: nn.Module, optimizer: KeyedOptimizer, dense_optimizer: KeyedOptimizer) -> dict[str, Any]:
         """Restores model, optimizer and this rank's RNG in place; returns the marker's `extra`
         with `step` and `rank_state` (what `save` got as rank_state, {} if none)."""
-        marker = json.loads((path / MARKER).read_text())
+        marker = read_marker(path)
         shard_world = marker.get("ranks_per_host", marker["world_size"])
-        if shard_world != self.shard_world:
+        if shard_world != self.shard_world and not (
+            self.groups is None and "ranks_per_host" not in marker and reshardable(marker.get("shape", {}))
+        ):
             what = f"{shard_world} ranks" + (" per host" if "ranks_per_host" in marker else "")
             mine = f"{self.shard_world} ranks" + (" per host" if self.groups is not None else "")
-            raise RuntimeError(f"checkpoint {path} was written by {what}, this job has {mine}")
+            raise CheckpointError(f"checkpoint {path} was written by {what}, this job has {mine}")
+        self.lineage = marker.get("lineage") or self.lineage  # checkpoints from here on continue that run
         # Adam's state is created lazily; a zero-gradient step creates it so DCP can load into it.
         dense_optimizer.init_state()
         g = self.groups
@@ -169,6 +378,8 @@ class Checkpointer:
         rank_file = path / f"rank{self.rank}.pt"
         if not rank_file.is_file() and g is not None:  # another host count: a replica's RNG
             rank_file = path / f"rank{g.local_rank}.pt"
+        if not rank_file.is_file():  # more ranks than the checkpoint had: rank 0's RNG
+            rank_file = path / "rank0.pt"
         saved = torch.load(rank_file, weights_only=True)
         torch.set_rng_state(saved["torch_rng"])
-        return dict(marker["extra"], step=marker["step"], rank_state=saved.get("state", {}))
+        return dict(marker["extra"], step=marker["step"], world_size=marker["world_size"], rank_state=saved.get("state", {}))

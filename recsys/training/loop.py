@@ -27,12 +27,15 @@ from recsys.optim.dense import DenseLrWarmup, combined_optimizer, dense_optimize
 from recsys.optim.scaling import effective_optim
 from recsys.optim.cowclip_sharder import take_update_stats
 from recsys.optim.embedding import attach_embedding_optimizer, embedding_sharders
-from recsys.training.checkpoint import Checkpointer
+from recsys.training.checkpoint import Checkpointer, CheckpointError, describe_failure
 from recsys.training.distributed import DistEnv, init_distributed
 from recsys.training.hierarchy import HostGroups, build_host_groups, pg_timeout_from_env, remap_plan_to_host, resolve_hosts
 from recsys.training.merge import KStepMerger
 from recsys.training.metrics import MetricsWriter, evaluate, write_json_atomic
 from recsys.training.progress import Progress
+from recsys.training.run_dir import (
+    RunDirError, RunFinished, RunLock, preflight, shard_world_size, state_shape, total_steps,
+)
 from sharding import plan_io
 from sharding.planner import allowed_sharding_types, build_planner, make_plan
 
@@ -59,18 +62,45 @@ class Job:
     groups: HostGroups | None = None  # hierarchical training (train.merge_every > 0)
     merger: KStepMerger | None = None
     warmup: DenseLrWarmup | None = None  # dense-lr warmup of the scaling rule
+    resume_from: Path | None = None  # the checkpoint to resume from (preflight), None: from scratch
+    lock: RunLock | None = None  # rank 0: the run directory's lock, held for the whole run
+
+
+def _on_rank0(env: DistEnv, fn: Callable[[], Any]) -> Any:
+    """Runs `fn` on rank 0 and gives every rank its result; an expected failure (one-line errors,
+    RunFinished) is raised on every rank, so all stop together."""
+    box: list[Any] = [None]
+    if env.is_main:
+        try:
+            box[0] = ("ok", fn())
+        except (RunDirError, RunFinished, CheckpointError) as e:
+            box[0] = ("raise", e)
+        except (FileNotFoundError, FileExistsError, ValueError) as e:  # data and config errors: one line
+            box[0] = ("raise", RunDirError(str(e)))
+    if env.world_size > 1:
+        dist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind == "raise":
+        raise value
+    return value
 
 
 def setup(cfg: ExperimentConfig, model_factory: ModelFactory | None = None) -> Job:
     env = init_distributed(cfg.train)
     torch.manual_seed(cfg.train.seed)
     run_dir = cfg.resolved_run_dir()
-    if env.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
+    lock = RunLock(run_dir)
+
+    def lock_and_prepare() -> None:  # a `recsys train` launcher above us may hold the lock for us
+        lock.acquire(allow_ancestor=True)
         prepare_data(cfg)
-        (run_dir / "config.yaml").write_text(config_mod.dump(cfg))
-    dist.barrier()
+
+    _on_rank0(env, lock_and_prepare)
     source = build_source(cfg)
+    shape = state_shape(cfg, source.sparse_names, source.cardinalities, shard_world_size(cfg, env.world_size))
+    resume_from = _on_rank0(env, lambda: preflight(cfg, total_steps(cfg, source), shape))
+    # only now, when the run is known to go ahead, is anything written
+    _on_rank0(env, lambda: _write_or_fail(run_dir / "config.yaml", config_mod.dump(cfg)))
 
     # the scaling rule (optim.scale_from_batch): hyperparameters for this batch size, dense-lr warmup
     optim_cfg, warmup_steps = effective_optim(cfg.optim, cfg.train.batch_size,
@@ -90,7 +120,7 @@ def setup(cfg: ExperimentConfig, model_factory: ModelFactory | None = None) -> J
     groups = build_host_groups(resolve_hosts(cfg.train.hosts), pg_timeout_from_env(cfg.train.pg_timeout_s)) if cfg.train.merge_every > 0 else None
     shard_world = groups.ranks_per_host if groups else env.world_size
     if cfg.plan:  # a saved plan: it must be for this model and world size (the host's, if hierarchical)
-        plan, header = plan_io.load_plan(cfg.plan)
+        plan, header = plan_io.read_plan_file(cfg.plan)
         plan_io.check_plan_fits(header, plan, tables, shard_world, cfg.plan)
         meta = dict(header["meta"], loaded_from=str(cfg.plan))
     elif groups:  # planned for one host on global rank 0, broadcast to all hosts
@@ -104,9 +134,9 @@ def setup(cfg: ExperimentConfig, model_factory: ModelFactory | None = None) -> J
         plan = make_plan(cfg.sharding, module, sharders, env.device, env.local_world_size, local_batch,
                          cache_stats=_cache_stats(cfg, module))
         meta = {"planner": cfg.sharding.planner, "batch_size_per_rank": local_batch}
-    if env.is_main:  # the plan this run used, as a reusable file and as torchrec's table
-        plan_io.save_plan(run_dir / "plan.json", plan_io.plan_to_dict(plan, shard_world, env.device.type, tables, meta))
-        (run_dir / "plan.txt").write_text(str(plan) + "\n")
+    # the plan this run used, as a reusable file and as torchrec's table
+    _on_rank0(env, lambda: _save_plan_files(run_dir, plan_io.plan_to_dict(plan, shard_world, env.device.type, tables, meta),
+                                            str(plan)))
     sharding_env = {}
     if groups:  # DMP over the host's ranks, with the plan moved onto them
         plan = remap_plan_to_host(plan, groups, env.device.type)
@@ -115,7 +145,7 @@ def setup(cfg: ExperimentConfig, model_factory: ModelFactory | None = None) -> J
     dense = dense_optimizer(dmp, optim_cfg)
     optimizer = combined_optimizer(dmp, dense)
     warmup = DenseLrWarmup(dense, optim_cfg.dense_lr, warmup_steps) if warmup_steps else None
-    ckpt = Checkpointer(run_dir / "checkpoints", env.rank, env.world_size, cfg.checkpoint.keep, groups)
+    ckpt = Checkpointer(run_dir / "checkpoints", env.rank, env.world_size, cfg.checkpoint.keep, groups, shape)
     merger = None
     if groups:  # train.merge_route (RECSYS_MERGE_ROUTE overrides): auto (hierarchical when R > 1) | flat | hierarchical
         merger = KStepMerger(
@@ -123,7 +153,27 @@ def setup(cfg: ExperimentConfig, model_factory: ModelFactory | None = None) -> J
             host_pg=groups.host_pg, route=os.environ.get("RECSYS_MERGE_ROUTE", cfg.train.merge_route),
         )
         ckpt.per_host_optim = not cfg.train.merge_moments  # unmerged moments: each host saves its own
-    return Job(cfg, env, source, dmp, optimizer, dense, ckpt, run_dir, groups, merger, warmup)
+    return Job(cfg, env, source, dmp, optimizer, dense, ckpt, run_dir, groups, merger, warmup, resume_from,
+               lock if env.is_main else None)
+
+
+def _write_or_fail(path: Path, text: str) -> None:
+    try:
+        path.write_text(text)
+    except OSError as e:
+        raise RunDirError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+def _save_plan_files(run_dir: Path, plan_dict: dict[str, Any], table: str) -> None:
+    """plan.json (atomic) and plan.txt; a failed write (a full disk) leaves no temp file and
+    says which file in one line."""
+    try:
+        plan_io.write_plan_file(run_dir / "plan.json", plan_dict)
+        (run_dir / "plan.txt").write_text(table + "\n")
+    except OSError as e:
+        for tmp in run_dir.glob(".plan.json.tmp*"):
+            tmp.unlink(missing_ok=True)
+        raise RunDirError(f"cannot write the plan files in {run_dir}: {e.strerror or e}") from None
 
 
 def host_local_sharding(cfg: ShardingConfig) -> ShardingConfig:
@@ -154,14 +204,20 @@ def run(cfg: ExperimentConfig, model_factory: ModelFactory | None = None) -> dic
     job = setup(cfg, model_factory)
     env, t = job.env, cfg.train
     per_epoch = steps_per_epoch(job.source, TRAIN, t.batch_size)
-    total = t.max_steps or t.epochs * per_epoch
+    total = total_steps(cfg, job.source)
 
     start_step, resumed_from = 0, None
     # RECSYS_RESUME=1: the same as resume=true
     if cfg.resume or os.environ.get("RECSYS_RESUME") == "1":
-        latest = job.checkpointer.latest()
+        latest = job.resume_from  # the newest complete, compatible checkpoint (run_dir.preflight)
         if latest is not None:
-            extra = job.checkpointer.load(latest, job.dmp, job.optimizer, job.dense_optimizer)
+            try:
+                extra = job.checkpointer.load(latest, job.dmp, job.optimizer, job.dense_optimizer)
+            except (CheckpointError, KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as e:  # corrupt bytes behind complete-looking files (DCP raises on every rank)
+                raise CheckpointError(f"cannot load checkpoint {latest}: {describe_failure(e)}; move it aside to resume from "
+                                      "an earlier one") from None
             start_step, resumed_from = int(extra["step"]), str(latest)
             # FBGEMM's COWCLIP/counter modes keep their iteration outside the state dict
             job.optimizer.set_optimizer_step(start_step)
@@ -169,6 +225,8 @@ def run(cfg: ExperimentConfig, model_factory: ModelFactory | None = None) -> dic
                 job.merger.load_state_dict(extra["rank_state"].get("merger", {}))
             if env.is_main:
                 log.info("resumed from %s at step %d", latest, start_step)
+                if extra.get("world_size", env.world_size) != env.world_size:
+                    log.info("resharded from %d to %d ranks", extra["world_size"], env.world_size)
         elif env.is_main:
             log.info("resume=true but no checkpoint in %s: starting from scratch", job.checkpointer.root)
     writer = MetricsWriter(job.run_dir, env.is_main, resume_step=start_step if resumed_from else None)

@@ -1,0 +1,233 @@
+"""A run directory belongs to one run at a time (docs/run_integrity.md).
+
+- `RunLock`: an exclusive `fcntl.flock` on `<run_dir>/.lock`, held for the whole run, with the
+  holder's pid written inside. `recsys train` takes it before launching torchrun; rank 0 of the
+  workers takes it too (so plain `torchrun -m recsys.train` is covered), and accepts a lock held
+  by the launcher that started it (its pid in $RECSYS_RUN_LOCK_PID and among the worker's
+  ancestors). flock locks die with their holder, so a killed run never leaves a stale lock.
+- `check_fresh`: a run without `resume` must not write into a directory holding checkpoints of
+  an earlier run (its pruning and a later resume would mix the two); `overwrite=true` moves the
+  old run aside to `<run_dir>.old-<timestamp>`; nothing is deleted.
+- `finished_step`: the step of a run that already finished (its final checkpoint and
+  summary.json are there), so a resume can say so and write nothing.
+
+Every refusal is a `RunDirError` whose message is one line.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import time
+from pathlib import Path
+
+LOCK_NAME = ".lock"
+LAUNCHER_ENV = "RECSYS_RUN_LOCK_PID"  # set by `recsys train` for its workers: "I hold the lock for you"
+
+
+class RunDirError(RuntimeError):
+    """An expected, user-facing refusal; the message is one line."""
+
+
+def _ancestors(pid: int) -> set[int]:
+    """Parent pids of `pid` up to init, from /proc (Linux)."""
+    out: set[int] = set()
+    while pid > 1:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            break
+        pid = int(stat.rsplit(")", 1)[1].split()[1])
+        if pid in out:
+            break
+        out.add(pid)
+    return out
+
+
+class RunLock:
+    """Exclusive lock on a run directory for the lifetime of this object (or process)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / LOCK_NAME
+        self._fd: int | None = None
+
+    def holder(self) -> int | None:
+        try:
+            text = self.path.read_text().strip()
+        except OSError:
+            return None
+        return int(text) if text.isdigit() else None
+
+    def acquire(self, allow_ancestor: bool = False) -> "RunLock":
+        """Takes the lock or raises RunDirError naming the holder's pid. `allow_ancestor`: a lock
+        held by the `recsys train` launcher that started this process (an ancestor whose pid the
+        launcher put in $RECSYS_RUN_LOCK_PID) counts as ours."""
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            raise RunDirError(f"run_dir {self.run_dir} exists and is not a directory") from None
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+            pid = self.holder()
+            if allow_ancestor and pid is not None and os.environ.get(LAUNCHER_ENV) == str(pid) \
+                    and pid in _ancestors(os.getpid()):
+                return self  # our launcher holds it for us
+            who = f"pid {pid}" if pid is not None else "another process"
+            raise RunDirError(
+                f"run_dir {self.run_dir} is in use by another run ({who}); wait for it to finish, stop it, "
+                "or choose another run_dir"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        os.fsync(fd)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> "RunLock":
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def committed_steps(ckpt_root: Path) -> list[int]:
+    """Steps of the committed checkpoints under `ckpt_root` (complete or not), ascending."""
+    from recsys.training.checkpoint import MARKER, step_of
+
+    if not ckpt_root.is_dir():
+        return []
+    steps = [step_of(p) for p in ckpt_root.iterdir() if (p / MARKER).is_file()]
+    return sorted(s for s in steps if s is not None)
+
+
+def check_fresh(run_dir: Path, resume: bool, overwrite: bool) -> Path | None:
+    """For a run without `resume`: refuses a directory with checkpoints, or with `overwrite`
+    moves its contents (all but the lock) to `<run_dir>.old-<timestamp>` and returns that path."""
+    run_dir = Path(run_dir)
+    if resume:
+        return None
+    steps = committed_steps(run_dir / "checkpoints")
+    if not steps:
+        return None
+    if not overwrite:
+        raise RunDirError(
+            f"run_dir {run_dir} holds checkpoints of an earlier run (newest step {steps[-1]}); pass resume=true "
+            "to continue it, overwrite=true to move it aside, or choose another run_dir"
+        )
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    aside = run_dir.with_name(f"{run_dir.name}.old-{stamp}")
+    n = 1
+    while aside.exists():
+        n += 1
+        aside = run_dir.with_name(f"{run_dir.name}.old-{stamp}-{n}")
+    aside.mkdir()
+    for entry in run_dir.iterdir():
+        if entry.name != LOCK_NAME:
+            os.rename(entry, aside / entry.name)
+    return aside
+
+
+def finished_step(run_dir: Path, total_steps: int) -> int | None:
+    """`total_steps` if the run in `run_dir` already finished: summary.json records that many
+    steps and the checkpoint of that step is committed; else None."""
+    run_dir = Path(run_dir)
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if summary.get("steps") != total_steps or total_steps not in committed_steps(run_dir / "checkpoints"):
+        return None
+    return total_steps
+
+
+class RunFinished(Exception):
+    """Resume of a run that already finished: not an error; the message is one line."""
+
+
+def state_shape(cfg, sparse_names: list[str], cardinalities: list[int], shard_world: int) -> dict:
+    """The config that shapes a checkpoint's state, flat `section.key -> value`: a resume must
+    match every entry (Checkpointer.check_compatible). The host count is not among them: a
+    hierarchical checkpoint loads into any run with the same ranks per host (docs/kstep.md)."""
+    m, t = cfg.model, cfg.train
+    return {
+        "model.name": m.name,
+        "model.embedding_dim": m.embedding_dim,
+        "model.dnn": list(m.dnn),
+        "model.cross_layers": m.cross_layers,
+        "model.cross_low_rank": m.cross_low_rank,
+        "data.tables": dict(zip(sparse_names, [int(c) for c in cardinalities])),
+        "optim.embedding": cfg.optim.embedding,
+        "train.batch_size": t.batch_size,
+        "train.world_size": shard_world,
+        "train.merge_every": t.merge_every,
+        "train.merge_moments": t.merge_moments,
+    }
+
+
+def wants_resume(cfg) -> bool:
+    """`resume=true`, or RECSYS_RESUME=1 in the environment (the same; docs/kstep.md)."""
+    return bool(cfg.resume) or os.environ.get("RECSYS_RESUME") == "1"
+
+
+def preflight(cfg, total_steps: int, shape: dict, warn: bool = True) -> Path | None:
+    """The run-directory checks, before anything is written (the launcher, then rank 0 of the
+    workers): a fresh run refuses (or with `overwrite` moves aside) earlier checkpoints; a
+    resume picks the newest complete checkpoint, stops with RunFinished if the run already
+    finished, and with CheckpointError if the config changed. Returns the checkpoint to resume
+    from (None: start from scratch). The caller holds the run lock."""
+    from recsys.training.checkpoint import Checkpointer, step_of
+
+    import logging
+
+    run_dir = cfg.resolved_run_dir()
+    resume = wants_resume(cfg)
+    aside = check_fresh(run_dir, resume, getattr(cfg, "overwrite", False))
+    if aside is not None:  # (in the launcher, logging's last-resort handler prints it)
+        logging.getLogger("recsys.train").warning("overwrite=true: moved the earlier run in %s to %s", run_dir, aside)
+    if not resume:
+        return None
+    ckpt = Checkpointer(run_dir / "checkpoints", 0 if warn else -1, 1, shape=shape)
+    path = ckpt.latest_complete()
+    if path is None:
+        return None
+    ckpt.check_compatible(path)
+    if step_of(path) == total_steps and finished_step(run_dir, total_steps) is not None:
+        raise RunFinished(
+            f"the run in {run_dir} already finished at step {total_steps} ({path.name}, summary.json); nothing to do "
+            "(raise train.max_steps or train.epochs to train on)"
+        )
+    return path
+
+
+def total_steps(cfg, source) -> int:
+    """The run's last step: train.max_steps, else epochs x steps per epoch."""
+    from recsys.data.batching import steps_per_epoch
+    from recsys.data.source import TRAIN
+
+    t = cfg.train
+    total = t.max_steps or t.epochs * steps_per_epoch(source, TRAIN, t.batch_size)
+    if total < 1:  # config checks refuse these first; a step -5 would never be found by resume
+        raise RunDirError(f"nothing to train: train.max_steps={t.max_steps}, train.epochs={t.epochs} "
+                          f"and train.batch_size={t.batch_size} give {total} steps")
+    return total
+
+
+def shard_world_size(cfg, world_size: int) -> int:
+    """Ranks the embeddings are sharded over: the world, or one host's ranks (merge_every > 0)."""
+    from recsys.training.hierarchy import resolve_hosts
+
+    return world_size // resolve_hosts(cfg.train.hosts) if cfg.train.merge_every > 0 else world_size

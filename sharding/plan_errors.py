@@ -1,0 +1,8 @@
+"""The plan-file error, in a module of its own so that ``plan_io`` (reading files) and
+``plan_validation`` (checking plans) can both raise it without importing each other."""
+
+from __future__ import annotations
+
+
+class PlanFileError(ValueError):
+    """A plan file that cannot be used; the message is one line naming the file and key."""

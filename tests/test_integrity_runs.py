@@ -1,0 +1,347 @@
+"""Run integrity (issue 13): run directories own their runs, no orphaned workers, resume only what
+is compatible, broken checkpoints and full disks. Real `recsys train` launches (torchrun, gloo,
+DMP, FBGEMM) on configs/experiments/smoke.yaml with tiny step counts; the unit tests at the top
+need no processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from recsys.training.checkpoint import MARKER, Checkpointer, incomplete_reason, shape_changes, step_dir_name
+from recsys.training.run_dir import RunDirError, RunLock, check_fresh
+
+REPO = Path(__file__).resolve().parents[1]
+SMOKE = REPO / "configs" / "experiments" / "smoke.yaml"
+RECSYS = [sys.executable, "-m", "recsys.cli", "train", "--config", str(SMOKE)]
+ENV = dict(os.environ, PYTHONPATH=str(REPO))
+
+
+def _recsys(args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(RECSYS + args, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=ENV)
+
+
+def _ok(args: list[str]) -> subprocess.CompletedProcess:
+    r = _recsys(args)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
+def _last_line(r: subprocess.CompletedProcess) -> str:
+    """The one line a refusal prints (stderr), after checking there is no traceback."""
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    return r.stderr.strip().splitlines()[-1]
+
+
+def _fake_checkpoint(root: Path, step: int, lineage: str = "old") -> Path:
+    d = root / step_dir_name(step)
+    d.mkdir(parents=True)
+    (d / MARKER).write_text(json.dumps({"step": step, "world_size": 1, "extra": {}, "lineage": lineage}))
+    return d
+
+
+def _summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+# -- unit tests: no processes ------------------------------------------------------------------
+
+def test_lock_names_the_holder_and_admits_its_children(tmp_path):
+    with RunLock(tmp_path / "run"):
+        assert (tmp_path / "run" / ".lock").read_text().strip() == str(os.getpid())
+        take = "from recsys.training.run_dir import RunLock; import sys; RunLock(sys.argv[1]).acquire(allow_ancestor=True)"
+        child = [sys.executable, "-c", take, str(tmp_path / "run")]
+        launched = dict(ENV, RECSYS_RUN_LOCK_PID=str(os.getpid()))  # what `recsys train` tells its workers
+        assert subprocess.run(child, env=launched, capture_output=True).returncode == 0
+        for env in (ENV, dict(ENV, RECSYS_RUN_LOCK_PID="1")):  # not started by the holder as its launcher
+            stranger = subprocess.run(child, env=env, capture_output=True, text=True)
+            assert stranger.returncode != 0
+            assert f"run_dir {tmp_path / 'run'} is in use by another run (pid {os.getpid()})" in stranger.stderr
+    RunLock(tmp_path / "run").acquire().release()  # released with its holder
+
+
+def test_run_dir_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(RunDirError, match=r"^run_dir .*/f exists and is not a directory$"):
+        RunLock(tmp_path / "f").acquire()
+
+
+def test_fresh_run_refuses_old_checkpoints_and_overwrite_moves_them_aside(tmp_path):
+    run = tmp_path / "run"
+    for s in (30, 40):
+        _fake_checkpoint(run / "checkpoints", s)
+    (run / "metrics.jsonl").write_text("{}\n")
+    assert check_fresh(run, resume=True, overwrite=False) is None  # a resume continues them
+    with pytest.raises(RunDirError) as e:
+        check_fresh(run, resume=False, overwrite=False)
+    assert str(e.value) == (f"run_dir {run} holds checkpoints of an earlier run (newest step 40); pass resume=true to "
+                            "continue it, overwrite=true to move it aside, or choose another run_dir")
+    with RunLock(run):
+        aside = check_fresh(run, resume=False, overwrite=True)
+        assert aside.name.startswith("run.old-") and aside.parent == tmp_path
+        assert sorted(p.name for p in (aside / "checkpoints").iterdir()) == ["step_000000030", "step_000000040"]
+        assert (aside / "metrics.jsonl").read_text() == "{}\n"  # nothing deleted
+        assert [p.name for p in run.iterdir()] == [".lock"]
+
+
+def test_pruning_keeps_the_newest_of_this_run_only(tmp_path):
+    """Issue case 4: keep-2 by name deleted a new run's step 10/20 next to an old run's 30/40."""
+    root = tmp_path / "checkpoints"
+    for s in (30, 40):
+        _fake_checkpoint(root, s, "old")
+    ck = Checkpointer(root, 0, 1, keep=2)
+    ck.lineage = "new"
+    for s in (10, 20, 25):
+        _fake_checkpoint(root, s, "new")
+        ck._prune(s)
+    names = sorted(p.name for p in root.iterdir())
+    assert names == ["step_000000020", "step_000000025", "step_000000030", "step_000000040"]
+
+
+def test_checkpoint_names_refuse_negative_steps():
+    assert step_dir_name(120) == "step_000000120"
+    with pytest.raises(ValueError, match=r"checkpoint step -5 is outside"):
+        step_dir_name(-5)
+
+
+def test_shape_changes_name_keys_old_and_new():
+    old = {"train.batch_size": 512, "data.tables": {"C1": 100, "C2": 50}, "model.name": "deepfm"}
+    new = {"train.batch_size": 256, "data.tables": {"C1": 100, "C2": 60}, "model.name": "deepfm"}
+    assert shape_changes(old, new) == ["data.tables.C2 50 -> 60", "train.batch_size 512 -> 256"]
+
+
+# -- real runs ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def run30(tmp_path_factory):
+    """A finished 2-rank run: 30 steps, checkpoints at 10, 20, 30 (keep 3)."""
+    run_dir = tmp_path_factory.mktemp("run30") / "run"
+    _ok([f"run_dir={run_dir}", "train.max_steps=30", "checkpoint.every_steps=10", "checkpoint.keep=3"])
+    return run_dir
+
+
+@pytest.mark.slow
+def test_fresh_run_into_a_finished_run_dir_stops(run30):
+    before = (run30 / "metrics.jsonl").read_text()
+    r = _recsys([f"run_dir={run30}", "train.max_steps=30"])
+    assert r.returncode == 2
+    assert _last_line(r) == (f"error: run_dir {run30} holds checkpoints of an earlier run (newest step 30); pass "
+                             "resume=true to continue it, overwrite=true to move it aside, or choose another run_dir")
+    assert (run30 / "metrics.jsonl").read_text() == before
+
+
+@pytest.mark.slow
+def test_resuming_a_finished_run_says_so_and_writes_nothing(run30):
+    def snapshot() -> dict:
+        return {str(p): (p.stat().st_mtime_ns, p.stat().st_size) for p in run30.rglob("*") if p.name != ".lock"}
+
+    before = snapshot()
+    r = _recsys([f"run_dir={run30}", "train.max_steps=30", "resume=true"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _last_line(r) == (f"the run in {run30} already finished at step 30 (step_000000030, summary.json); nothing "
+                             "to do (raise train.max_steps or train.epochs to train on)")
+    assert snapshot() == before  # no duplicate eval line, no new checkpoint
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("override, change", [
+    ("train.batch_size=256", "train.batch_size 512 -> 256"),
+    ("model.name=dcn", "model.name deepfm -> dcn"),
+    ("model.embedding_dim=16", "model.embedding_dim 8 -> 16"),
+    ("optim.embedding=adagrad", "optim.embedding rowwise_adagrad -> adagrad"),
+])
+def test_resume_with_changed_state_shape_names_the_keys(run30, override, change):
+    r = _recsys([f"run_dir={run30}", "train.max_steps=40", "resume=true", override])
+    assert r.returncode == 2
+    assert _last_line(r) == (f"error: cannot resume from {run30}/checkpoints/step_000000030: the config changed "
+                             f"({change}); restore these values, or start a new run (another run_dir, or overwrite=true)")
+
+
+@pytest.mark.slow
+def test_worker_entry_point_checks_the_lock_too(run30):
+    """`torchrun -m recsys.train` users have no launcher: rank 0 takes the lock itself."""
+    with RunLock(run30):
+        r = subprocess.run([sys.executable, "-m", "recsys.train", "--config", str(SMOKE), f"run_dir={run30}",
+                            "train.nproc_per_node=1", "resume=true", "train.max_steps=40"],
+                           capture_output=True, text=True, timeout=600, cwd=REPO, env=ENV)
+    assert r.returncode == 2
+    assert _last_line(r) == f"error: run_dir {run30} is in use by another run (pid {os.getpid()}); wait for it to " \
+                            "finish, stop it, or choose another run_dir"
+
+
+@pytest.mark.slow
+def test_corrupt_newest_checkpoint_falls_back_and_matches_an_uninterrupted_run(run30, tmp_path):
+    """Newest checkpoint truncated: a one-line warning naming the file, resume from step 20, and
+    the end metrics equal those of the uninterrupted 30-step run (same steps 21..30 replayed)."""
+    broken = tmp_path / "run"
+    shutil.copytree(run30, broken)
+    (broken / "summary.json").unlink()
+    victim = sorted((broken / "checkpoints" / "step_000000030").glob("*.distcp"), key=lambda p: p.stat().st_size)[-1]
+    with open(victim, "r+b") as f:
+        f.truncate(victim.stat().st_size // 2)
+    r = _ok([f"run_dir={broken}", "train.max_steps=30", "checkpoint.every_steps=10", "checkpoint.keep=3", "resume=true"])
+    warn = [l for l in r.stderr.splitlines() if "incomplete" in l]
+    assert len(warn) == 1 and f"checkpoint step_000000030 is incomplete ({victim} is truncated" in warn[0], r.stderr
+    s, ref = _summary(broken), _summary(run30)
+    assert s["resumed_from"].endswith("step_000000020")
+    for key in ("auc", "logloss"):
+        assert s[key] == pytest.approx(ref[key], abs=1e-6), key
+    # a missing .metadata is found the same way
+    (broken / "checkpoints" / "step_000000020" / ".metadata").unlink()
+    assert incomplete_reason(broken / "checkpoints" / "step_000000020") == \
+        f"{broken}/checkpoints/step_000000020/.metadata is missing or unreadable"
+
+
+def _tree(pid: int) -> list[int]:
+    """pid and its descendants, from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=lambda s: s.name)
+def test_killing_the_launcher_stops_every_worker(tmp_path, sig):
+    """Issue cases 5 and 6: a second run on the same dir stops at once naming the holder; the
+    launcher alone killed (Ctrl-C, SIGTERM, SIGKILL) takes torchrun and every worker with it;
+    SIGINT/SIGTERM print one line, and the last complete checkpoint resumes."""
+    run_dir = tmp_path / "run"
+    launcher = subprocess.Popen(RECSYS + [f"run_dir={run_dir}", "train.max_steps=100000", "checkpoint.every_steps=10"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=ENV)
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "checkpoints" / "step_000000010" / MARKER).is_file():
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[1][-3000:]
+            time.sleep(0.5)
+        tree = _tree(launcher.pid)
+        assert len(tree) >= 4  # launcher, torchrun, 2 workers
+        second = _recsys([f"run_dir={run_dir}", "train.max_steps=20", "resume=true"])
+        assert second.returncode == 2
+        assert _last_line(second) == (f"error: run_dir {run_dir} is in use by another run (pid {launcher.pid}); "
+                                      "wait for it to finish, stop it, or choose another run_dir")
+        os.kill(launcher.pid, sig)
+        _, err = launcher.communicate(timeout=120)
+        deadline = time.monotonic() + 60  # a liveness bound, not a speed check
+        while any(_alive(p) for p in tree) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [p for p in tree if _alive(p)]
+    finally:
+        for p in _tree(launcher.pid):
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+    assert launcher.returncode == (-sig if sig == signal.SIGKILL else 128 + sig)
+    if sig != signal.SIGKILL:
+        assert "Traceback" not in err
+        tail = err.strip().splitlines()[-1]
+        assert tail.startswith(f"stopped by {sig.name}: every worker has exited; the last complete checkpoint is "
+                               f"{run_dir}/checkpoints/step_"), err[-2000:]
+        assert not [l for l in err.splitlines() if not l.startswith("[rank0]") and l != tail], err[-3000:]
+    if sig == signal.SIGINT:  # resumable from the last complete checkpoint
+        latest = Checkpointer(run_dir / "checkpoints", -1, 1).latest_complete()
+        _ok([f"run_dir={run_dir}", f"train.max_steps={int(latest.name[5:]) + 10}", "resume=true"])
+        assert _summary(run_dir)["resumed_from"] == str(latest)
+
+
+@pytest.mark.slow
+def test_full_disk_during_a_checkpoint(tmp_path):
+    """A tmpfs too small for the first checkpoint: one line, no `.tmp` directory or plan temp file."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=700k", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        run_dir = mnt / "run"
+        r = _recsys([f"run_dir={run_dir}", "train.max_steps=20", "checkpoint.every_steps=10"])
+        assert r.returncode == 2
+        assert _last_line(r) == (f"error: checkpoint {run_dir}/checkpoints/step_000000010 not written: No space left "
+                                 "on device; no earlier checkpoint")
+        assert not list(run_dir.rglob("*tmp*"))
+        assert (run_dir / "plan.json").is_file() and not list((run_dir / "checkpoints").iterdir())
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+@pytest.mark.slow
+def test_checkpoint_with_corrupt_bytes_is_one_line(run30, tmp_path):
+    """Files of the right size with garbage inside pass the completeness check but cannot load:
+    one line naming the checkpoint, exit 2, nothing written."""
+    broken = tmp_path / "run"
+    shutil.copytree(run30, broken)
+    (broken / "summary.json").unlink()
+    victim = sorted((broken / "checkpoints" / "step_000000030").glob("*.distcp"), key=lambda p: p.stat().st_size)[-1]
+    data = bytearray(victim.read_bytes())
+    data[100:400] = bytes(300)
+    victim.write_bytes(bytes(data))
+    before = (broken / "metrics.jsonl").read_text()
+    r = _recsys([f"run_dir={broken}", "train.max_steps=40", "resume=true"])
+    assert r.returncode == 2
+    line = _last_line(r)
+    assert line.startswith(f"error: cannot load checkpoint {broken}/checkpoints/step_000000030: ") and \
+        line.endswith("; move it aside to resume from an earlier one"), r.stderr[-3000:]
+    assert [l for l in r.stderr.splitlines() if not l.startswith("[rank0]")] == [line]
+    assert (broken / "metrics.jsonl").read_text() == before
+
+
+@pytest.mark.slow
+def test_overwrite_moves_the_earlier_run_aside(run30, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(run30, run_dir)
+    old_metrics = (run_dir / "metrics.jsonl").read_text()
+    r = _ok([f"run_dir={run_dir}", "train.max_steps=10", "overwrite=true"])
+    (aside,) = tmp_path.glob("run.old-*")
+    assert f"overwrite=true: moved the earlier run in {run_dir} to {aside}" in r.stderr
+    assert sorted(p.name for p in (aside / "checkpoints").iterdir()) == [f"step_{s:09d}" for s in (10, 20, 30)]
+    assert (aside / "metrics.jsonl").read_text() == old_metrics
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_000000010"]
+    assert _summary(run_dir)["steps"] == 10 and _summary(run_dir)["resumed_from"] is None
+
+
+@pytest.mark.slow
+def test_world_size_change_reshards_model_and_optimizer_exactly(run30, tmp_path):
+    """DCP reshards on load. The sound comparison: the 2-rank checkpoint of step 20 goes through a
+    1-rank job (loaded, nothing trained, saved again at step 20 by 1 rank), then back to 2 ranks,
+    which train steps 21..30: if the model and the fused optimizer state (rowwise Adagrad) survive
+    both reshardings exactly, the end equals the uninterrupted 2-rank run. (A 1-rank continuation
+    is not compared with the 2-rank run: another world size gets another sharding plan, whose
+    floating-point sums differ; see docs/run_integrity.md.)"""
+    run_dir = tmp_path / "run"
+    shutil.copytree(run30, run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / "step_000000030")
+    r = _ok([f"run_dir={run_dir}", "train.max_steps=20", "resume=true", "train.nproc_per_node=1"])
+    assert "resharded from 2 to 1 ranks" in r.stderr
+    marker = json.loads((run_dir / "checkpoints" / "step_000000020" / MARKER).read_text())
+    assert marker["world_size"] == 1 and marker["shape"]["train.world_size"] == 1
+    assert not (run_dir / "checkpoints" / "step_000000020" / "rank1.pt").exists()  # written by one rank
+    r = _ok([f"run_dir={run_dir}", "train.max_steps=30", "checkpoint.every_steps=10", "resume=true"])
+    assert "resharded from 1 to 2 ranks" in r.stderr
+    s, ref = _summary(run_dir), _summary(run30)
+    assert s["world_size"] == 2 and s["resumed_from"].endswith("step_000000020")
+    for key in ("auc", "logloss"):
+        assert s[key] == pytest.approx(ref[key], abs=1e-6), (key, s[key], ref[key])
