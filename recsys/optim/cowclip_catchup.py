@@ -93,22 +93,41 @@ def check_catchup_hyper(l2: float, r: float, clip: bool = True) -> None:
         raise ValueError(f"CowClip catch-up assumes 2*l2 < cowclip_r (l2={l2}, r={r}): absent rows would be clipped")
 
 
+def _pow(b: float, x: Tensor) -> Tensor:
+    """b ** x for a scalar base (one exp instead of pow's scalar-to-tensor round trip)."""
+    return torch.exp(x * math.log(b))
+
+
 def _g(v: Tensor, cw2: Tensor, x: Tensor, t0: Tensor, b1: float, b2: float, eps: float, keras: bool) -> Tensor:
     """Adam's per-step factor G at step j = x of a block (w frozen): [P, D]. x, t0: [P, 1] float64."""
-    b2x = torch.pow(b2, x)
+    b2x = _pow(b2, x)
     t = t0 + x
-    bc1 = (1 - torch.pow(b1, t)).float()
-    bc2 = (1 - torch.pow(b2, t)).float()
-    vx = v * b2x.float() + cw2 * (1 - b2x).float()
+    bc1 = -torch.expm1(t * math.log(b1))
+    bc2 = -torch.expm1(t * math.log(b2))
+    vx = (cw2 - v).mul_((-b2x).add_(1).float()).add_(v)  # b2^x v + (1 - b2^x) c^2 w^2
     if keras:
-        return bc2.sqrt() / bc1 / (vx.sqrt() + eps)
-    return 1.0 / (bc1 * ((vx / bc2).sqrt() + eps))
+        return vx.sqrt_().add_(eps).reciprocal_().mul_((bc2.sqrt() / bc1).float())
+    return vx.mul_((1 / bc2).float()).sqrt_().add_(eps).mul_(bc1.float()).reciprocal_()
+
+
+def _exact_step(w: Tensor, m: Tensor, v: Tensor, t: Tensor, c: float, lr: float, b1: float, b2: float,
+                eps: float, keras: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """One dense L2-only step at global step t [P, 1] (float64): the exact recursion."""
+    m_n = m * b1 + (1 - b1) * c * w
+    v_n = v * b2 + ((1 - b2) * c * c) * w * w
+    bc1 = -torch.expm1(t * math.log(b1))
+    bc2 = -torch.expm1(t * math.log(b2))
+    if keras:
+        step = m_n / (v_n.sqrt() + eps) * (lr * bc2.sqrt() / bc1).float()
+    else:
+        step = (m_n * (lr / bc1).float()) / (v_n.sqrt() * (1 / bc2.sqrt()).float() + eps)
+    return w - step, m_n, v_n
 
 
 def _ema_lin(b: float, k: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """For an EMA with decay b over y = j-1, j = 1..k (from 0): (sum of weights 1-b^k,
     EMA of y, EMA of y^2), in float64 [P, 1]. EMA_k(f) = sum_j (1-b) b^(k-j) f(j)."""
-    bk = torch.pow(b, k)
+    bk = _pow(b, k)
     one = 1 - bk
     a = k - b * one / (1 - b)  # EMA of j
     q = k * k - 2 * b / (1 - b) * k + b * (1 + b) / (1 - b) ** 2 * one  # EMA of j^2
@@ -117,8 +136,9 @@ def _ema_lin(b: float, k: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 def _block(w: Tensor, m: Tensor, v: Tensor, t0: Tensor, k: Tensor, c: float, lr: float,
            b1: float, b2: float, eps: float, keras: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """Advance rows [P, D] by k [P, 1] (float64) dense L2-only steps from global step t0 [P, 1]."""
-    b1k = torch.pow(b1, k)
+    """Advance rows [P, D] by k [P, 1] (float64, k >= 2; the last block of a row may be shorter)
+    dense L2-only steps from global step t0 [P, 1]."""
+    b1k = _pow(b1, k)
     sum_b1 = b1 * (1 - b1k) / (1 - b1)  # sum_{j=1..k} b1^j
     sum_jb1 = b1 * (1 - (k + 1) * b1k + k * b1k * b1) / (1 - b1) ** 2  # sum j b1^j
     j_b = sum_jb1 / sum_b1
@@ -127,17 +147,11 @@ def _block(w: Tensor, m: Tensor, v: Tensor, t0: Tensor, k: Tensor, c: float, lr:
     half = k / 2
     mid = (k + 1) / 2
     s_g = (_g(v, cw2, mid - half * _GL, t0, b1, b2, eps, keras)
-           + _g(v, cw2, mid + half * _GL, t0, b1, b2, eps, keras)) * half.float()
-    one_step = k == 1
-    s_g = torch.where(one_step, g_b, s_g)  # k = 1: the single G exactly (j_B = 1)
-    s_b = g_b * sum_b1.float()
-    s_a = s_g - s_b
-    lam = (lr * c) * s_a
-    f = lr * m * s_b
-    explicit = w * (1 - lam) - f
-    decay_rest = torch.exp(-lam * (1 - j_b / k).float())
-    expo = w * torch.exp(-lam) - f * decay_rest
-    w_e = torch.where(one_step, explicit, expo)
+           .add_(_g(v, cw2, mid + half * _GL, t0, b1, b2, eps, keras))).mul_(half.float())
+    s_b = g_b.mul_(sum_b1.float())
+    lam = s_g.sub_(s_b).mul_(lr * c)  # lr c S_A
+    f = s_b.mul_(m).mul_(lr)  # lr m S_B
+    w_e = torch.exp(-lam) * w - torch.exp(lam * (j_b / k - 1).float()) * f
     s = (w_e - w) / k.float()  # slope of the linear w path inside the block
     one1, y1, _ = _ema_lin(b1, k)
     one2, y2a, y2b = _ema_lin(b2, k)
@@ -148,12 +162,13 @@ def _block(w: Tensor, m: Tensor, v: Tensor, t0: Tensor, k: Tensor, c: float, lr:
 
 def catch_up(w: Tensor, m: Tensor, v: Tensor, row_step: Tensor, step: int, *, lr: float,
              betas: tuple[float, float], eps: float, eps_mode: str, l2: float,
-             growth: float = 2.0) -> tuple[Tensor, Tensor, Tensor]:
+             growth: float = 2.0, presorted: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """Rows ``w, m, v`` [R, D] (gathered copies), current at global steps ``row_step`` [R], advanced
     to global step ``step`` by the block scheme of the module doc; returns new (w, m, v).
     Rows with ``row_step >= step`` come back unchanged. No Python loop over rows: one pass of a
     few dozen elementwise ops per block, over the rows whose gap still has steps left (rows are
-    sorted by gap, so those are a prefix)."""
+    sorted by gap, so those are a prefix). ``presorted``: the caller already ordered the rows by
+    ``row_step`` ascending (gap descending), which saves the permutation gathers."""
     if eps_mode not in ("torch", "keras"):
         raise ValueError(f"eps_mode must be torch|keras, got {eps_mode!r}")
     if growth < 1.0:
@@ -164,21 +179,35 @@ def catch_up(w: Tensor, m: Tensor, v: Tensor, row_step: Tensor, step: int, *, lr
     b1, b2 = betas
     c = 2.0 * l2
     keras = eps_mode == "keras"
-    order = torch.argsort(gap, descending=True, stable=True)
-    gap_s = gap[order]
-    w_s, m_s, v_s = w[order].float(), m[order].float(), v[order].float()
-    t0_all = row_step.long()[order].to(torch.float64).unsqueeze(1)
+    if presorted:
+        order = None
+        gap_s, w_s, m_s, v_s = gap, w.float().clone(), m.float().clone(), v.float().clone()
+        t0_all = row_step.long().to(torch.float64).unsqueeze(1)
+    else:
+        order = torch.argsort(gap, descending=True, stable=True)
+        gap_s = gap[order]
+        w_s, m_s, v_s = w[order].float(), m[order].float(), v[order].float()
+        t0_all = row_step.long()[order].to(torch.float64).unsqueeze(1)
     gap_f = gap_s.to(torch.float64).unsqueeze(1)
     done, size = 0, 1.0
     max_gap = int(gap_s[0])
     while done < max_gap:
         k_nom = int(size)
         p = int((gap_s > done).sum())  # rows with steps left: a prefix (sorted by gap)
-        k = torch.clamp(gap_f[:p] - done, max=k_nom)
-        w_n, m_n, v_n = _block(w_s[:p], m_s[:p], v_s[:p], t0_all[:p] + done, k, c, lr, b1, b2, eps, keras)
-        w_s[:p], m_s[:p], v_s[:p] = w_n, m_n, v_n
+        # rows with one step left (a suffix of the prefix) take the exact step, the others a block
+        p1 = 0 if k_nom == 1 else int((gap_s > done + 1).sum())
+        if p1 < p:
+            sl = slice(p1, p)
+            w_s[sl], m_s[sl], v_s[sl] = _exact_step(w_s[sl], m_s[sl], v_s[sl], t0_all[sl] + (done + 1),
+                                                    c, lr, b1, b2, eps, keras)
+        if p1 > 0 and k_nom > 1:
+            k = torch.clamp(gap_f[:p1] - done, max=k_nom)
+            w_s[:p1], m_s[:p1], v_s[:p1] = _block(w_s[:p1], m_s[:p1], v_s[:p1], t0_all[:p1] + done, k,
+                                                  c, lr, b1, b2, eps, keras)
         done += k_nom
         size *= growth
+    if order is None:
+        return w_s.to(w.dtype), m_s.to(m.dtype), v_s.to(v.dtype)
     inv = torch.empty_like(order)
     inv[order] = torch.arange(order.numel(), device=order.device)
     return w_s[inv].to(w.dtype), m_s[inv].to(m.dtype), v_s[inv].to(v.dtype)

@@ -459,11 +459,13 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
                 g, t = grows[mask], table[mask]
                 if g.numel() == 0:
                     continue
+            rs = self.row_step.index_select(0, g)
+            rs, order = torch.sort(rs, stable=True)  # longest gaps first: catch_up's prefixes
+            g, t = g[order], t[order]
             pos = ((phys[t] + (g - starts[t]) * dim).unsqueeze(1) + torch.arange(dim, device=dev)).reshape(-1)
             w, m, v = (x.index_select(0, pos).view(-1, dim) for x in (self.weights, self.momentum1, self.momentum2))
-            w, m, v = catch_up(w, m, v, self.row_step.index_select(0, g), step, lr=self.lr,
-                               betas=(hp.beta1, hp.beta2), eps=hp.eps, eps_mode=hp.eps_mode, l2=hp.l2,
-                               growth=self.catchup_growth)
+            w, m, v = catch_up(w, m, v, rs, step, lr=self.lr, betas=(hp.beta1, hp.beta2), eps=hp.eps,
+                               eps_mode=hp.eps_mode, l2=hp.l2, growth=self.catchup_growth, presorted=True)
             for x, new in ((self.weights, w), (self.momentum1, m), (self.momentum2, v)):
                 x.index_copy_(0, pos, new.reshape(-1))
         self.row_step.index_fill_(0, grows, step)
@@ -472,9 +474,9 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
     def backward_update_catchup(self, grad_out: Tensor, indices: Tensor, offsets: Tensor, psw: Tensor | None) -> None:
         """The batch's rows, caught up to step S-1 by the forward, get the lazy kernel's update
         (L2 + clip with their count + Adam); its ``t = row_step + 1`` is then the global step S,
-        as in the dense reference. Rows of the batch are caught up again first in case a forward
-        of another step ran in between (none behind: one gather of ``row_step``)."""
-        self.catch_up_lookup(indices, offsets)
+        as in the dense reference. No second catch-up here: between this lookup's forward and
+        its backward the step does not move (an eval forward in between catches up to the same
+        step)."""
         self._dense_step = self.dense_step() + 1
         self.backward_update(grad_out, indices, offsets, psw)
 
