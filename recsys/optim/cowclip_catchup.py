@@ -75,7 +75,7 @@ from torch import Tensor
 
 __all__ = [
     "ERR_M_CLR", "ERR_M_REL", "ERR_V_C2LR2", "ERR_V_REL", "ERR_W_LR", "ERR_W_REL",
-    "catch_up", "check_catchup_hyper", "dense_l2_steps",
+    "catch_up", "catch_up_all_tables", "check_catchup_hyper", "dense_l2_steps",
 ]
 
 # the bound of the module docstring (asserted by tests/test_cowclip_catchup.py; measured worst
@@ -85,6 +85,19 @@ ERR_M_CLR, ERR_M_REL = 4.0, 0.25
 ERR_V_C2LR2, ERR_V_REL = 2.0, 0.2
 
 _GL = 1.0 / math.sqrt(3.0)  # 2-node Gauss-Legendre on [-1, 1]: nodes +-1/sqrt(3), weights 1
+
+
+def catch_up_all_tables(module: torch.nn.Module) -> int:
+    """Call ``catch_up_all()`` on every CowClip table kernel inside ``module`` (a DMP, an EBC, a
+    TBE): every row of the ``update_scope="catchup"`` tables is brought to the current step, as
+    the dense reference holds it. Call before a checkpoint, an export or a k-step merge reads the
+    tables (eval lookups catch up their own rows). Returns the number of rows advanced (local)."""
+    done = 0
+    for mod in module.modules():
+        fn = getattr(mod, "catch_up_all", None)
+        if callable(fn):
+            done += int(fn())
+    return done
 
 
 def check_catchup_hyper(l2: float, r: float, clip: bool = True) -> None:
