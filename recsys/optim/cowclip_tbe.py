@@ -462,12 +462,19 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
             rs = self.row_step.index_select(0, g)
             rs, order = torch.sort(rs, stable=True)  # longest gaps first: catch_up's prefixes
             g, t = g[order], t[order]
-            pos = ((phys[t] + (g - starts[t]) * dim).unsqueeze(1) + torch.arange(dim, device=dev)).reshape(-1)
-            w, m, v = (x.index_select(0, pos).view(-1, dim) for x in (self.weights, self.momentum1, self.momentum2))
+            bufs = (self.weights, self.momentum1, self.momentum2)
+            if len(dim_set) == 1 and self.weights.numel() % dim == 0 and all(
+                    o % dim == 0 for o in self.weights_physical_offsets[: len(self.embedding_specs)]):  # whole rows
+                pos = phys[t] // dim + (g - starts[t])
+                bufs = tuple(x.view(-1, dim) for x in bufs)
+                w, m, v = (x.index_select(0, pos) for x in bufs)
+            else:  # element positions in the flat buffers
+                pos = ((phys[t] + (g - starts[t]) * dim).unsqueeze(1) + torch.arange(dim, device=dev)).reshape(-1)
+                w, m, v = (x.index_select(0, pos).view(-1, dim) for x in bufs)
             w, m, v = catch_up(w, m, v, rs, step, lr=self.lr, betas=(hp.beta1, hp.beta2), eps=hp.eps,
                                eps_mode=hp.eps_mode, l2=hp.l2, growth=self.catchup_growth, presorted=True)
-            for x, new in ((self.weights, w), (self.momentum1, m), (self.momentum2, v)):
-                x.index_copy_(0, pos, new.reshape(-1))
+            for x, new in zip(bufs, (w, m, v)):
+                x.index_copy_(0, pos, new.reshape((-1,) + tuple(x.shape[1:])))
         self.row_step.index_fill_(0, grows, step)
 
     @torch.no_grad()
