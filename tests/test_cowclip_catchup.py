@@ -157,6 +157,12 @@ def test_tbe_catchup_exact_growth_equals_the_dense_pass(eps_mode):
     for od, oc in outs:
         torch.testing.assert_close(oc, od, rtol=1e-5, atol=1e-6)
     assert int((lazy.row_step < 80).sum()) > 100  # most rows were behind before catch_up_all
+    # an eval lookup (no grad) reads rows as the dense reference holds them, and catches them up
+    off = torch.cat([torch.tensor([0]), torch.cumsum(torch.tensor([1] * 6 + [10] * 6), 0)])
+    idx = torch.cat([torch.arange(6) * 4, torch.arange(60) * 3])
+    with torch.no_grad():
+        torch.testing.assert_close(lazy(idx, off), dense(idx, off), rtol=1e-5, atol=1e-6)
+    assert lazy.row_step[30 + idx[6:]].eq(80).all()
     assert lazy.catch_up_all() > 100
     assert lazy.row_step.eq(80).all() and dense.row_step.eq(80).all()
     for a, b in ((lazy.weights, dense.weights), (lazy.momentum1, dense.momentum1), (lazy.momentum2, dense.momentum2)):
