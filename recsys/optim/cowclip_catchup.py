@@ -113,23 +113,25 @@ def _pow(b: float, x: Tensor) -> Tensor:
     return torch.exp(x * math.log(b))
 
 
-def _g(v: Tensor, cw2: Tensor, x: Tensor, t0: Tensor, b1: float, b2: float, eps: float, keras: bool) -> Tensor:
-    """Adam's per-step factor G at step j = x of a block (w frozen): [P, D]. x, t0: [P, 1] float64."""
+def _g(v: Tensor, d: Tensor, x: Tensor, t0: Tensor, b1: float, b2: float, eps: float, keras: bool) -> Tensor:
+    """Adam's per-step factor G at step j = x of a block (w frozen): [P, D], a new tensor.
+    ``d = c^2 w^2 - v``; x, t0: [P, 1] float64."""
     b2x = _pow(b2, x)
     t = t0 + x
     bc1 = -torch.expm1(t * math.log(b1))
     bc2 = -torch.expm1(t * math.log(b2))
-    vx = (cw2 - v).mul_((-b2x).add_(1).float()).add_(v)  # b2^x v + (1 - b2^x) c^2 w^2
-    if keras:
+    vx = torch.addcmul(v, d, (1 - b2x).float())  # b2^x v + (1 - b2^x) c^2 w^2
+    if keras:  # sqrt(bc2) / (bc1 (sqrt(vx) + eps))
         return vx.sqrt_().add_(eps).reciprocal_().mul_((bc2.sqrt() / bc1).float())
-    return vx.mul_((1 / bc2).float()).sqrt_().add_(eps).mul_(bc1.float()).reciprocal_()
+    # 1 / (bc1 (sqrt(vx / bc2) + eps)) = 1 / (sqrt(vx) bc1/sqrt(bc2) + bc1 eps)
+    return vx.sqrt_().mul_((bc1 / bc2.sqrt()).float()).add_((bc1 * eps).float()).reciprocal_()
 
 
 def _exact_step(w: Tensor, m: Tensor, v: Tensor, t: Tensor, c: float, lr: float, b1: float, b2: float,
                 eps: float, keras: bool) -> tuple[Tensor, Tensor, Tensor]:
     """One dense L2-only step at global step t [P, 1] (float64): the exact recursion."""
-    m_n = m * b1 + (1 - b1) * c * w
-    v_n = v * b2 + ((1 - b2) * c * c) * w * w
+    m_n = torch.add(m * b1, w, alpha=(1 - b1) * c)
+    v_n = torch.addcmul(v * b2, w, w, value=(1 - b2) * c * c)
     bc1 = -torch.expm1(t * math.log(b1))
     bc2 = -torch.expm1(t * math.log(b2))
     if keras:
@@ -157,21 +159,22 @@ def _block(w: Tensor, m: Tensor, v: Tensor, t0: Tensor, k: Tensor, c: float, lr:
     sum_b1 = b1 * (1 - b1k) / (1 - b1)  # sum_{j=1..k} b1^j
     sum_jb1 = b1 * (1 - (k + 1) * b1k + k * b1k * b1) / (1 - b1) ** 2  # sum j b1^j
     j_b = sum_jb1 / sum_b1
-    cw2 = (c * c) * w * w
-    g_b = _g(v, cw2, j_b, t0, b1, b2, eps, keras)
+    ww = w * w
+    d = torch.addcmul(-v, ww, torch.tensor(c * c, dtype=w.dtype))  # c^2 w^2 - v
+    g_b = _g(v, d, j_b, t0, b1, b2, eps, keras)
     half = k / 2
     mid = (k + 1) / 2
-    s_g = (_g(v, cw2, mid - half * _GL, t0, b1, b2, eps, keras)
-           .add_(_g(v, cw2, mid + half * _GL, t0, b1, b2, eps, keras))).mul_(half.float())
-    s_b = g_b.mul_(sum_b1.float())
-    lam = s_g.sub_(s_b).mul_(lr * c)  # lr c S_A
-    f = s_b.mul_(m).mul_(lr)  # lr m S_B
-    w_e = torch.exp(-lam) * w - torch.exp(lam * (j_b / k - 1).float()) * f
-    s = (w_e - w) / k.float()  # slope of the linear w path inside the block
+    # lam = lr c S_A = lr c (sum_j G_j - S_B); sum_j G_j by 2-node Gauss-Legendre; S_B = G(j_B) sum b1^j
+    lam = _g(v, d, mid - half * _GL, t0, b1, b2, eps, keras).add_(_g(v, d, mid + half * _GL, t0, b1, b2, eps, keras))
+    lam.mul_((half * (lr * c)).float()).addcmul_(g_b, (-(lr * c) * sum_b1).float())
+    f = g_b.mul_(m).mul_((lr * sum_b1).float())  # lr m S_B
+    w_e = torch.exp(-lam).mul_(w).sub_(lam.mul_((j_b / k - 1).float()).exp_().mul_(f))
+    s = (w_e - w).mul_((1 / k).float())  # slope of the linear w path inside the block
     one1, y1, _ = _ema_lin(b1, k)
     one2, y2a, y2b = _ema_lin(b2, k)
-    m_e = m * b1k.float() + c * (w * one1.float() + s * y1.float())
-    v_e = v * (1 - one2).float() + (c * c) * (w * w * one2.float() + 2 * w * s * y2a.float() + s * s * y2b.float())
+    m_e = (w * (c * one1).float()).addcmul_(s, (c * y1).float()).addcmul_(m, b1k.float())
+    v_e = ww.mul_((c * c * one2).float()).addcmul_(w * s, (2 * c * c * y2a).float())
+    v_e.addcmul_(s * s, (c * c * y2b).float()).addcmul_(v, (1 - one2).float())
     return w_e, m_e, v_e.clamp_(min=0)
 
 
@@ -183,7 +186,8 @@ def catch_up(w: Tensor, m: Tensor, v: Tensor, row_step: Tensor, step: int, *, lr
     Rows with ``row_step >= step`` come back unchanged. No Python loop over rows: one pass of a
     few dozen elementwise ops per block, over the rows whose gap still has steps left (rows are
     sorted by gap, so those are a prefix). ``presorted``: the caller already ordered the rows by
-    ``row_step`` ascending (gap descending), which saves the permutation gathers."""
+    ``row_step`` ascending (gap descending), which saves the permutation gathers, and passes
+    float32 copies it does not need again (they are advanced in place and returned)."""
     if eps_mode not in ("torch", "keras"):
         raise ValueError(f"eps_mode must be torch|keras, got {eps_mode!r}")
     if growth < 1.0:
@@ -196,7 +200,7 @@ def catch_up(w: Tensor, m: Tensor, v: Tensor, row_step: Tensor, step: int, *, lr
     keras = eps_mode == "keras"
     if presorted:
         order = None
-        gap_s, w_s, m_s, v_s = gap, w.float().clone(), m.float().clone(), v.float().clone()
+        gap_s, w_s, m_s, v_s = gap, w.float(), m.float(), v.float()
         t0_all = row_step.long().to(torch.float64).unsqueeze(1)
     else:
         order = torch.argsort(gap, descending=True, stable=True)
