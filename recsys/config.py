@@ -79,7 +79,7 @@ class OptimConfig:
     cowclip_zeta: float = 1e-5
     cowclip_wide: bool = False  # also clip the wide/linear tables
     embedding_l2: float = 0.0  # Keras l2(lambda) (cowclip_adam/adam/fbgemm_cowclip)
-    embedding_l2_scope: str = "batch"  # batch: rows of the batch only (lazy) | all: every row, every step
+    embedding_l2_scope: str = "batch"  # batch: rows of the batch only (lazy) | all: every row, every step | catchup: as all, absent rows advanced when next read
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps_mode: str = "torch"  # torch (torch.optim.Adam) | keras (the paper's tf.keras Adam)
@@ -398,10 +398,10 @@ def validate(cfg: ExperimentConfig, source: str = "config") -> None:
     for key in ("adam_beta1", "adam_beta2"):
         if not 0.0 <= getattr(o, key) < 1.0:
             bad(f"optim.{key}", f"{getattr(o, key)} is not in [0, 1)")
-    if o.embedding_l2_scope not in ("batch", "all"):
-        bad("optim.embedding_l2_scope", f"unknown scope '{o.embedding_l2_scope}' (batch or all)")
-    if o.embedding_l2_scope == "all" and o.embedding not in ("cowclip_adam", "adam"):
-        bad("optim.embedding_l2_scope", "'all' is implemented by the cowclip_adam and adam kernels only")
+    if o.embedding_l2_scope not in ("batch", "all", "catchup"):
+        bad("optim.embedding_l2_scope", f"unknown scope '{o.embedding_l2_scope}' (batch, all or catchup)")
+    if o.embedding_l2_scope in ("all", "catchup") and o.embedding not in ("cowclip_adam", "adam"):
+        bad("optim.embedding_l2_scope", f"'{o.embedding_l2_scope}' is implemented by the cowclip_adam and adam kernels only")
     if o.adam_eps_mode not in ("torch", "keras"):
         bad("optim.adam_eps_mode", f"unknown mode '{o.adam_eps_mode}' (torch or keras)")
     if o.scale_from_batch < 0:

@@ -513,6 +513,13 @@ class ShardedCowClipEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         for sharding in self._embedding_shardings:
             self._lookups.append(_lookup_for(sharding, self._cowclip_tables))
 
+    def catch_up_all(self) -> int:
+        """``update_scope="catchup"`` tables: every row to the current step (the kernels sit in
+        torchrec's plain ``_lookups`` list, out of ``modules()``; ``catch_up_all_tables`` finds
+        this method instead). Returns the rows advanced."""
+        return sum(k.emb_module.catch_up_all() for lk in self._lookups
+                   for k in (lk.cowclip_kernels() if isinstance(lk, CowClipGroupedPooledEmbeddingsLookup) else []))
+
     def init_data_parallel(self) -> None:
         """Stock DDP-wraps data-parallel lookups; CowClip DP tables are merged by the exchange
         instead (their kernel has no autograd gradient for DDP to reduce). Replicas start from

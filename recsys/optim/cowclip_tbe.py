@@ -50,6 +50,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import DenseTableBat
 from torch import Tensor
 
 from recsys.optim.cowclip import CowClipAdamState, _adam_rows, _clip_scale, batch_row_gradients
+from recsys.optim.cowclip_catchup import catch_up, check_catchup_hyper
 from recsys.optim.cowclip_kernel import advise_huge_pages
 from recsys.optim.cowclip_triton import cowclip_table_update_for, cowclip_update_for
 
@@ -81,7 +82,9 @@ class CowClipHyper:
     l2: float = 0.0  # lambda of a Keras l2(lambda) regulariser
     # "batch": lazy Adam, only the batch's rows move (L2 on them only). "all": the reference's dense
     # semantics, every row of the table gets the L2 gradient and an Adam step each step (O(table)
-    # per step, table-wise / row-wise shards only): for measuring what lazy L2 changes.
+    # per step, table-wise / row-wise shards only): for measuring what lazy L2 changes. "catchup":
+    # the dense semantics at the lazy kernel's cost: rows absent for n steps are advanced by n
+    # dense steps when next read (recsys/optim/cowclip_catchup.py; table-/row-wise shards only).
     update_scope: str = "batch"
 
     @classmethod
@@ -96,8 +99,8 @@ class CowClipHyper:
         hp = cls(**kw)
         if hp.eps_mode not in ("torch", "keras"):
             raise ValueError(f"CowClip fused_params eps_mode must be torch|keras, got {hp.eps_mode!r}")
-        if hp.update_scope not in ("batch", "all"):
-            raise ValueError(f"CowClip fused_params update_scope must be batch|all, got {hp.update_scope!r}")
+        if hp.update_scope not in ("batch", "all", "catchup"):
+            raise ValueError(f"CowClip fused_params update_scope must be batch|all|catchup, got {hp.update_scope!r}")
         return hp
 
 
@@ -167,6 +170,8 @@ class _CowClipLookup(torch.autograd.Function):
         indices, offsets, psw = ctx.saved_tensors
         if ctx.tbe.hyper.update_scope == "all":
             ctx.tbe.backward_update_all_rows(grad_out, indices, offsets, psw if ctx.has_psw else None)
+        elif ctx.tbe.hyper.update_scope == "catchup":
+            ctx.tbe.backward_update_catchup(grad_out, indices, offsets, psw if ctx.has_psw else None)
         else:
             ctx.tbe.backward_update(grad_out, indices, offsets, psw if ctx.has_psw else None)
         shape, dtype, device = ctx.anchor_meta
@@ -194,10 +199,12 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
         device: torch.device | None = None,
         tables_op: Callable[..., Tensor] | None | str = "auto",
         location: str = "device",
+        catchup_growth: float = 2.0,
     ) -> None:
         """``tables_op``: the multi-table update op for inline mode; ``"auto"`` picks it by device
         on first use (the C++ op on CPU, the Triton kernel on CUDA: ``cowclip_update_for``),
-        ``None`` forces the per-table path."""
+        ``None`` forces the per-table path. ``catchup_growth``: block growth of the catch-up
+        (``update_scope="catchup"``; 2: O(log gap) blocks, 1: the exact step-by-step iteration)."""
         device = torch.device(device or "cpu")
         if location not in STATE_LOCATIONS:
             raise ValueError(f"CowClip-Adam kernel: location must be {'|'.join(STATE_LOCATIONS)}, got {location!r}")
@@ -258,6 +265,16 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
         self.stats = UpdateStats()
         self._tables_op = tables_op
         self._states = [self._state_views(t) for t in range(len(embedding_specs))]
+        # update_scope="catchup": the global step (completed updates); None = not known yet, then
+        # max(row_step) (a checkpoint taken after catch_up_all has every row at it)
+        self._dense_step: int | None = None
+        self.catchup_growth = float(catchup_growth)
+        if hyper.update_scope == "catchup":
+            if mode != "inline":
+                raise NotImplementedError(
+                    "CowClip update_scope='catchup' needs table-wise, row-wise or table-row-wise sharding "
+                    "(column-wise and data-parallel: not implemented)")
+            check_catchup_hyper(hyper.l2, hyper.cowclip_r, hyper.cowclip)
 
     # ---- views -------------------------------------------------------------------------------
     def _view(self, flat: Tensor, t: int) -> Tensor:
@@ -291,7 +308,11 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
         self.lr = float(lr)
 
     def set_optimizer_step(self, step: int) -> None:
-        """No global step to set: bias correction uses each row's own ``row_step`` (checkpointed)."""
+        """Lazy mode: nothing to set, bias correction uses each row's own ``row_step`` (checkpointed).
+        ``update_scope="catchup"``: the global step the rows are caught up to (the training loop calls
+        this on resume with the checkpoint's step)."""
+        if self.hyper.update_scope == "catchup":
+            self._dense_step = int(step)
 
     def update_hyper_parameters(self, params_dict: dict[str, Any]) -> None:
         kw = {k: v for k, v in params_dict.items() if k in _OUR_KEYS and k != "optimizer"}
@@ -320,6 +341,8 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
         offsets = offsets.to(indices.dtype)
         if per_sample_weights is not None:
             per_sample_weights = per_sample_weights.detach().float()
+        if self.hyper.update_scope == "catchup":  # the lookup reads rows as the dense steps left them
+            self.catch_up_lookup(indices, offsets)
         if not torch.is_grad_enabled():
             return DenseTableBatchedEmbeddingBagsCodegen.forward(self, indices, offsets, per_sample_weights)
         anchor = self.autograd_anchor
@@ -432,6 +455,90 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
                 x.index_copy_(0, rows, old)
             st.row_step.index_fill_(0, rows, step - 1)
             self.apply_rows(t, rows, g, cnt, add_l2=True)
+
+    # ---- update_scope="catchup" (recsys/optim/cowclip_catchup.py) ------------------------------
+    def dense_step(self) -> int:
+        """Global step (updates done) of the catch-up mode; first derived from ``row_step``."""
+        if self._dense_step is None:
+            self._dense_step = int(self.row_step.max()) if self.row_step.numel() else 0
+        return self._dense_step
+
+    @torch.no_grad()
+    def catch_up_lookup(self, indices: Tensor, offsets: Tensor) -> None:
+        """Bring the rows a lookup reads to the current global step (before the forward reads them)."""
+        if indices.numel() == 0:
+            return
+        F = len(self.feature_table_map)
+        B = (offsets.numel() - 1) // F
+        bounds = offsets[:: B] if B > 0 else offsets.new_zeros(F + 1)
+        starts = torch.tensor([self.row_starts[t] for t in self.feature_table_map], dtype=torch.long,
+                              device=indices.device)
+        per_feature = (bounds[1:] - bounds[:-1]).long()
+        grows = indices.long() + torch.repeat_interleave(starts, per_feature, output_size=indices.numel())
+        step = self.dense_step()
+        behind = grows[self.row_step.index_select(0, grows) < step]
+        if behind.numel():
+            self._catch_up_rows(torch.unique(behind), step)
+
+    @torch.no_grad()
+    def catch_up_all(self, chunk_rows: int = 1 << 20) -> int:
+        """Bring every row to the current global step (before a checkpoint, an export or a merge
+        reads the tables; eval lookups catch up their own rows). Returns the rows advanced."""
+        if self.hyper.update_scope != "catchup":
+            return 0
+        step, done = self.dense_step(), 0
+        for lo in range(0, self.row_step.numel(), chunk_rows):
+            rows = lo + torch.nonzero(self.row_step[lo : lo + chunk_rows] < step).flatten()
+            if rows.numel():
+                self._catch_up_rows(rows, step)
+                done += rows.numel()
+        return done
+
+    def _catch_up_rows(self, grows: Tensor, step: int) -> None:
+        """Advance unique global rows ``grows`` (all behind ``step``) to ``step``, grouped by dim."""
+        hp = self.hyper
+        dev = grows.device
+        starts = torch.tensor(self.row_starts, dtype=torch.long, device=dev)
+        table = torch.searchsorted(starts, grows, right=True) - 1
+        dims = torch.tensor([d for _, d in self.embedding_specs], dtype=torch.long, device=dev)
+        phys = torch.tensor(self.weights_physical_offsets[: len(self.embedding_specs)], dtype=torch.long, device=dev)
+        row_dim = dims[table]
+        dim_set = sorted({d for _, d in self.embedding_specs})
+        for dim in dim_set:
+            if len(dim_set) == 1:
+                g, t = grows, table
+            else:
+                mask = row_dim == dim
+                g, t = grows[mask], table[mask]
+                if g.numel() == 0:
+                    continue
+            rs = self.row_step.index_select(0, g)
+            rs, order = torch.sort(rs, stable=True)  # longest gaps first: catch_up's prefixes
+            g, t = g[order], t[order]
+            bufs = (self.weights, self.momentum1, self.momentum2)
+            if len(dim_set) == 1 and self.weights.numel() % dim == 0 and all(
+                    o % dim == 0 for o in self.weights_physical_offsets[: len(self.embedding_specs)]):  # whole rows
+                pos = phys[t] // dim + (g - starts[t])
+                bufs = tuple(x.view(-1, dim) for x in bufs)
+                w, m, v = (x.index_select(0, pos) for x in bufs)
+            else:  # element positions in the flat buffers
+                pos = ((phys[t] + (g - starts[t]) * dim).unsqueeze(1) + torch.arange(dim, device=dev)).reshape(-1)
+                w, m, v = (x.index_select(0, pos).view(-1, dim) for x in bufs)
+            w, m, v = catch_up(w, m, v, rs, step, lr=self.lr, betas=(hp.beta1, hp.beta2), eps=hp.eps,
+                               eps_mode=hp.eps_mode, l2=hp.l2, growth=self.catchup_growth, presorted=True)
+            for x, new in zip(bufs, (w, m, v)):
+                x.index_copy_(0, pos, new.reshape((-1,) + tuple(x.shape[1:])))
+        self.row_step.index_fill_(0, grows, step)
+
+    @torch.no_grad()
+    def backward_update_catchup(self, grad_out: Tensor, indices: Tensor, offsets: Tensor, psw: Tensor | None) -> None:
+        """The batch's rows, caught up to step S-1 by the forward, get the lazy kernel's update
+        (L2 + clip with their count + Adam); its ``t = row_step + 1`` is then the global step S,
+        as in the dense reference. No second catch-up here: between this lookup's forward and
+        its backward the step does not move (an eval forward in between catches up to the same
+        step)."""
+        self._dense_step = self.dense_step() + 1
+        self.backward_update(grad_out, indices, offsets, psw)
 
     def _zeta_for_full_dim(self, t: int) -> float:
         """The fused op computes zeta' = r * sqrt(local D) * zeta; a table-wise/row-wise shard has

@@ -25,6 +25,7 @@ from recsys.data.source import TRAIN, DataSource, build_source, prepare_data
 from recsys.models.ctr import TrainModule, build_model
 from recsys.optim.dense import DenseLrWarmup, combined_optimizer, dense_optimizer
 from recsys.optim.scaling import effective_optim
+from recsys.optim.cowclip_catchup import catch_up_all_tables
 from recsys.optim.cowclip_sharder import take_update_stats
 from recsys.optim.embedding import attach_embedding_optimizer, embedding_sharders
 from recsys.training.checkpoint import Checkpointer, CheckpointError, describe_failure
@@ -266,6 +267,7 @@ def run(cfg: ExperimentConfig, model_factory: ModelFactory | None = None) -> dic
     def checkpoint_now(step: int) -> None:
         rank_state = {"merger": job.merger.state_dict()} if job.merger is not None else None
         with progress.pause():
+            catch_up_all_tables(job.dmp)  # embedding_l2_scope=catchup: every row at this step
             job.checkpointer.save(step, job.dmp, job.optimizer, {"samples": step * t.batch_size}, rank_state)
 
     for step in range(start_step + 1, total + 1):
