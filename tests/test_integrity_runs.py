@@ -18,6 +18,7 @@ import pytest
 
 from recsys.training.checkpoint import MARKER, Checkpointer, incomplete_reason, shape_changes, step_dir_name
 from recsys.training.run_dir import RunDirError, RunLock, check_fresh
+from test_train_integration import _descendants  # the /proc walk over a process tree
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = REPO / "configs" / "experiments" / "smoke.yaml"
@@ -201,23 +202,6 @@ def test_corrupt_newest_checkpoint_falls_back_and_matches_an_uninterrupted_run(r
         f"{broken}/checkpoints/step_000000020/.metadata is missing or unreadable"
 
 
-def _tree(pid: int) -> list[int]:
-    """pid and its descendants, from /proc."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo.extend(children.get(p, []))
-    return out
-
-
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -240,7 +224,7 @@ def test_killing_the_launcher_stops_every_worker(tmp_path, sig):
         while not (run_dir / "checkpoints" / "step_000000010" / MARKER).is_file():
             assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[1][-3000:]
             time.sleep(0.5)
-        tree = _tree(launcher.pid)
+        tree = _descendants(launcher.pid)
         assert len(tree) >= 4  # launcher, torchrun, 2 workers
         second = _recsys([f"run_dir={run_dir}", "train.max_steps=20", "resume=true"])
         assert second.returncode == 2
@@ -253,7 +237,7 @@ def test_killing_the_launcher_stops_every_worker(tmp_path, sig):
             time.sleep(0.2)
         assert not [p for p in tree if _alive(p)]
     finally:
-        for p in _tree(launcher.pid):
+        for p in _descendants(launcher.pid):
             if _alive(p):
                 os.kill(p, signal.SIGKILL)
     assert launcher.returncode == (-sig if sig == signal.SIGKILL else 128 + sig)
