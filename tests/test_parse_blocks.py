@@ -266,20 +266,23 @@ def test_full_disk_with_files_in_processes_names_the_cache(tmp_path):
 
 def test_progress_line_rows_per_second_and_eta(tmp_path, caplog):
     import logging
-    import time
 
     from recsys.data.pipeline import Progress
 
     a, b = tmp_path / "a.tsv", tmp_path / "b.tsv"
     a.write_bytes(b"x" * 3000)
     b.write_bytes(b"x" * 1000)
-    p = Progress([a, b], every_s=0.0)
-    p.start = time.monotonic() - 10.0  # 10 s into the run
+    now = [100.0]
+    p = Progress([a, b], every_s=5.0, clock=lambda: now[0])
     caplog.set_level(logging.INFO, logger="recsys.data.raw_formats")
-    p.update(500_000, 3000, 0.5)  # half of a.tsv: 1500 of 4000 bytes
+    now[0] = 104.0  # before every_s: no line
+    p.update(200_000, 3000, 0.2)
+    assert not caplog.records
+    now[0] = 110.0  # 10 s into the run
+    p.update(300_000, 3000, 0.5)  # half of a.tsv: 1500 of 4000 bytes
     (line,) = [r.getMessage() for r in caplog.records]
     rows, rate, share, eta = re.fullmatch(
         r"preprocessing: (\d+) rows, (\d+)K rows/s, (\d+)% of the input, ETA (\d+) s", line).groups()
     assert (int(rows), int(share)) == (500_000, 38)
-    assert 45 <= int(rate) <= 50  # 500K rows in a bit over 10 s
-    assert 16 <= int(eta) <= 17  # 10 s for 37.5%: 16.7 s to go
+    assert int(rate) == 50  # 500K rows in 10 s
+    assert int(eta) == 17  # 10 s for 37.5%: 16.7 s to go

@@ -50,27 +50,30 @@ def default_workers() -> int:
 
 @dataclass
 class Progress:
-    """Rows/s and ETA over the input files of one preprocessing run."""
+    """Rows/s and ETA over the input files of one preprocessing run. ``clock`` is injectable so
+    tests can check the figures without depending on how fast the machine is."""
 
     paths: Sequence[Path]
     every_s: float = 10.0
     rows: int = 0
     done_bytes: int = 0
-    start: float = field(default_factory=time.monotonic)
-    _last: float = field(default_factory=time.monotonic)
+    clock: Callable[[], float] = time.monotonic
+    start: float = field(init=False)
+    _last: float = field(init=False)
 
     def __post_init__(self) -> None:
         self.total_bytes = sum(max(1, p.stat().st_size) for p in self.paths)
+        self.start = self._last = self.clock()
 
     def line(self, fraction: float) -> str:
-        elapsed = max(time.monotonic() - self.start, 1e-9)
+        elapsed = max(self.clock() - self.start, 1e-9)
         rate = self.rows / elapsed
         eta = elapsed * (1.0 - fraction) / fraction if fraction > 0 else float("nan")
         return f"preprocessing: {self.rows} rows, {rate / 1e3:.0f}K rows/s, {100 * fraction:.0f}% of the input, ETA {eta:.0f} s"
 
     def update(self, rows: int, size: int, file_fraction: float, force: bool = False) -> None:
         self.rows += rows
-        now = time.monotonic()
+        now = self.clock()
         if force or now - self._last >= self.every_s:
             self._last = now
             logger.info(self.line((self.done_bytes + file_fraction * size) / self.total_bytes))
