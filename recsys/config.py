@@ -50,6 +50,13 @@ class DataConfig:
     cache_dir: str = ""  # default: data_cache/<source>-<name of path>-<hash of its absolute path> (docs/data.md)
     eval_fraction: float = 0.1  # criteo/avazu: the last fraction of rows is the eval split
     max_bad_fraction: float = 0.01
+    # Training epochs in a seeded, shuffled order (recsys/data/order.py, docs/data.md): blocks of
+    # shuffle_block_rows consecutive rows permuted per epoch, rows permuted again inside windows
+    # of shuffle_buffer_rows (0: blocks only). Eval always reads its split in order.
+    shuffle: bool = True
+    shuffle_seed: int = 0
+    shuffle_block_rows: int = 256
+    shuffle_buffer_rows: int = 65536
     # Table sizes: a preset name or an explicit list (raw ids are hashed into these sizes).
     cardinalities: Union[str, list[int]] = "criteo_kaggle_filtered"
     # synthetic source
@@ -381,6 +388,12 @@ def validate(cfg: ExperimentConfig, source: str = "config") -> None:
             bad("data.cache_dir", f"{d.cache_dir} is an existing file, not a directory")
     if not 0.0 <= d.max_bad_fraction <= 1.0:
         bad("data.max_bad_fraction", f"{d.max_bad_fraction} is not in [0, 1]")
+    if d.shuffle_seed < 0:
+        bad("data.shuffle_seed", "must be >= 0")
+    if d.shuffle_block_rows < 1:
+        bad("data.shuffle_block_rows", "must be positive")
+    if d.shuffle_buffer_rows < 0:
+        bad("data.shuffle_buffer_rows", "must be >= 0 (0: shuffle blocks only)")
     if o.embedding not in _EMB_OPTIMS:
         bad("optim.embedding", f"unknown embedding optimizer '{o.embedding}' (choose from {', '.join(_EMB_OPTIMS)})")
     for key in ("embedding_lr", "dense_lr", "embedding_eps"):

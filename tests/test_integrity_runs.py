@@ -159,6 +159,8 @@ def test_resuming_a_finished_run_says_so_and_writes_nothing(run30):
     ("model.name=dcn", "model.name deepfm -> dcn"),
     ("model.embedding_dim=16", "model.embedding_dim 8 -> 16"),
     ("optim.embedding=adagrad", "optim.embedding rowwise_adagrad -> adagrad"),
+    ("data.shuffle=false", "data.order shuffle seed=0 block=256 buffer=65536 -> null"),
+    ("data.shuffle_seed=1", "data.order shuffle seed=0 block=256 buffer=65536 -> shuffle seed=1 block=256 buffer=65536"),
 ])
 def test_resume_with_changed_state_shape_names_the_keys(run30, override, change):
     r = _recsys([f"run_dir={run30}", "train.max_steps=40", "resume=true", override])

@@ -1,8 +1,9 @@
 """Turning rows into torchrec `Batch`es: per-rank slices of global batches, at any step.
 
-The mapping step -> rows is fixed (global batch b of an epoch is rows [b*B, (b+1)*B) of the
-split; rank r of W takes the r-th of W equal slices), so a run resumed at step s reads exactly
-the rows an uninterrupted run would, and 1-process and N-process runs see the same global batch.
+The mapping step -> rows is fixed (global batch b of an epoch is positions [b*B, (b+1)*B) of
+the epoch's order, `order.EpochOrder`: file order or a seeded shuffle; rank r of W takes the
+r-th of W equal slices), so a run resumed at step s reads exactly the rows an uninterrupted run
+would, and 1-process and N-process runs see the same global batch.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from recsys.data.order import EpochOrder, WindowReader
 from recsys.data.source import EVAL, TRAIN, DataSource
 from recsys.data.synthetic import RowBlock
 
@@ -56,14 +58,20 @@ def steps_per_epoch(source: DataSource, split: int, global_batch: int) -> int:
 
 
 def train_batches(
-    source: DataSource, global_batch: int, rank: int, world: int, start_step: int, stop_step: int
+    source: DataSource, global_batch: int, rank: int, world: int, start_step: int, stop_step: int,
+    order: EpochOrder | None = None,
 ) -> Iterator[Batch]:
-    """Training batches for steps [start_step, stop_step), wrapping over epochs."""
+    """Training batches for steps [start_step, stop_step), wrapping over epochs, in `order`
+    (default: file order)."""
     per_epoch = steps_per_epoch(source, TRAIN, global_batch)
     cards = np.asarray(source.cardinalities, dtype=np.int64)
+    order = order or EpochOrder(source.num_rows(TRAIN), shuffle=False)
+    if order.num_rows != source.num_rows(TRAIN):
+        raise ValueError(f"the epoch order covers {order.num_rows} rows, the training split has {source.num_rows(TRAIN)}")
+    reader = WindowReader(order, lambda lo, hi: source.read(TRAIN, lo, hi))
     for step in range(start_step, stop_step):
         lo, hi = rank_rows(step % per_epoch, global_batch, rank, world)
-        yield to_batch(source.read(TRAIN, lo, hi), source.sparse_names, cards)
+        yield to_batch(reader.read(step // per_epoch, lo, hi), source.sparse_names, cards)
 
 
 def eval_blocks(source: DataSource, global_batch: int, rank: int, world: int) -> Iterator[RowBlock]:

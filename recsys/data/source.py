@@ -11,10 +11,11 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 
 from recsys.config import ConfigError, ExperimentConfig, cardinalities
+from recsys.data.order import EpochOrder
 from recsys.data.synthetic import EVAL, NUM_DENSE, TRAIN, CriteoLikeGenerator, RowBlock
 
 __all__ = [
-    "DataSource", "SyntheticSource", "ShardSource", "build_source", "prepare_data", "check_row_counts", "TRAIN", "EVAL",
+    "DataSource", "SyntheticSource", "ShardSource", "build_source", "epoch_order", "prepare_data", "check_row_counts", "TRAIN", "EVAL",
 ]
 
 log = logging.getLogger(__name__)
@@ -182,6 +183,12 @@ def prepare_data(cfg: ExperimentConfig) -> dict | None:
         manifest = raw_formats.preprocess_avazu(files, out, max_bad_fraction=cfg.data.max_bad_fraction)
     check_row_counts(cfg, manifest)
     return manifest
+
+
+def epoch_order(cfg: ExperimentConfig, source: DataSource) -> EpochOrder:
+    """The training split's epoch order from `data.shuffle*` (eval is always in order)."""
+    d = cfg.data
+    return EpochOrder(source.num_rows(TRAIN), d.shuffle, d.shuffle_seed, d.shuffle_block_rows, d.shuffle_buffer_rows)
 
 
 def build_source(cfg: ExperimentConfig) -> DataSource:

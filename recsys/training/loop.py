@@ -21,7 +21,7 @@ from torchrec.distributed.types import ShardingEnv
 from recsys import config as config_mod
 from recsys.config import ExperimentConfig, ShardingConfig
 from recsys.data.batching import steps_per_epoch, train_batches
-from recsys.data.source import TRAIN, DataSource, build_source, prepare_data
+from recsys.data.source import TRAIN, DataSource, build_source, epoch_order, prepare_data
 from recsys.models.ctr import TrainModule, build_model
 from recsys.optim.dense import DenseLrWarmup, combined_optimizer, dense_optimizer
 from recsys.optim.scaling import effective_optim
@@ -238,7 +238,8 @@ def run(cfg: ExperimentConfig, model_factory: ModelFactory | None = None) -> dic
         )
 
     pipeline = TrainPipelineSparseDist(job.dmp, job.optimizer, env.device)
-    batches = train_batches(job.source, t.batch_size, env.rank, env.world_size, start_step, total)
+    batches = train_batches(job.source, t.batch_size, env.rank, env.world_size, start_step, total,
+                            epoch_order(cfg, job.source))
     progress = Progress(total, start_step, t.batch_size)
     wall0 = time.perf_counter()
     loss_sum, loss_n = 0.0, 0

@@ -161,8 +161,13 @@ class RunFinished(Exception):
 def state_shape(cfg, sparse_names: list[str], cardinalities: list[int], shard_world: int) -> dict:
     """The config that shapes a checkpoint's state, flat `section.key -> value`: a resume must
     match every entry (Checkpointer.check_compatible). The host count is not among them: a
-    hierarchical checkpoint loads into any run with the same ranks per host (docs/kstep.md)."""
-    m, t = cfg.model, cfg.train
+    hierarchical checkpoint loads into any run with the same ranks per host (docs/kstep.md).
+    A shuffled epoch order is recorded as `data.order` (absent for file order, as in checkpoints
+    written before shuffling existed): resuming under another order would re-read rows."""
+    from recsys.data.order import order_label
+
+    m, t, d = cfg.model, cfg.train, cfg.data
+    order = {"data.order": order_label(d.shuffle_seed, d.shuffle_block_rows, d.shuffle_buffer_rows)} if d.shuffle else {}
     return {
         "model.name": m.name,
         "model.embedding_dim": m.embedding_dim,
@@ -175,6 +180,7 @@ def state_shape(cfg, sparse_names: list[str], cardinalities: list[int], shard_wo
         "train.world_size": shard_world,
         "train.merge_every": t.merge_every,
         "train.merge_moments": t.merge_moments,
+        **order,
     }
 
 
