@@ -1,4 +1,6 @@
-"""`recsys` command line. `recsys train --config FILE [key=value ...]` checks the config (one-line
+"""`recsys` command line. `recsys preprocess --config FILE [--task I --tasks N] [key=value ...]`
+preprocesses the config's raw files into its shard cache (all of them, or one task's share of a
+fan-out, docs/data.md). `recsys train --config FILE [key=value ...]` checks the config (one-line
 errors, before any process starts), locks the run directory and checks it (a fresh run into old
 checkpoints, a finished or incompatible resume), preprocesses raw data once, then launches
 torchrun with `train.nproc_per_node` local processes running `recsys.train`.
@@ -106,6 +108,35 @@ def _supervise(cmd: list[str], env: dict[str, str], run_dir) -> int:
     return 128 + stopped[0]
 
 
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return int(value) if value and value.isdigit() else default
+
+
+def _preprocess(args: argparse.Namespace) -> int:
+    """Preprocess the config's raw files into its shard cache: all at once (`--tasks 1`), or as
+    task `--task` of `--tasks` (recsys/data/fanout.py), the last task joining the parts."""
+    from recsys.data.errors import DataFileError
+    from recsys.data.source import prepare_data, preprocess_task, shard_dir
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if args.tasks < 1 or not 0 <= args.task < args.tasks:
+            raise ConfigError(f"--task {args.task} of --tasks {args.tasks}: need 0 <= task < tasks")
+        if cfg.data.source == "synthetic":
+            raise ConfigError(f"{args.config}: key 'data.source': generated data (synthetic) has nothing to preprocess")
+        manifest = prepare_data(cfg) if args.tasks == 1 else preprocess_task(cfg, args.task, args.tasks)
+    except (ConfigError, DataFileError, FileNotFoundError, FileExistsError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if manifest is None:
+        print(f"task {args.task} of {args.tasks}: part written; the last task to finish joins {shard_dir(cfg)}")
+    else:
+        print(f"task {args.task} of {args.tasks}: {shard_dir(cfg)} holds {manifest['num_rows']} rows "
+              f"in {len(manifest['shards'])} shards")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     # The launcher's own messages (e.g. "rebuilding the shard cache: ...") are one plain line each.
     # force: importing fbgemm_gpu calls logging.info(), which installs a "LEVEL:name:" root handler.
@@ -116,9 +147,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", required=True, help="experiment YAML, e.g. configs/experiments/demo.yaml")
     p.add_argument("--torchrun", action="store_true", help="use torchrun even for one process")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.batch_size=8192 resume=true")
+    p = sub.add_parser("preprocess", help="preprocess raw data into the config's shard cache (all, or one task of many)")
+    p.add_argument("--config", required=True, help="experiment YAML whose data section names the raw files")
+    p.add_argument("--task", type=int, default=_env_int("SLURM_ARRAY_TASK_ID", 0),
+                   help="this task's index (default: $SLURM_ARRAY_TASK_ID, else 0)")
+    p.add_argument("--tasks", type=int, default=_env_int("SLURM_ARRAY_TASK_COUNT", 1),
+                   help="number of tasks the files are split over (default: $SLURM_ARRAY_TASK_COUNT, else 1)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. data.path=/data/day_*.gz")
     args = parser.parse_args(argv)
     if args.command == "train":
         return _train(args)
+    if args.command == "preprocess":
+        return _preprocess(args)
     return 2
 
 

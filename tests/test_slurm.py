@@ -121,3 +121,53 @@ def test_requeued_job_resumes_from_last_checkpoint(tmp_path):
     logged = [json.loads(l)["step"] for l in (run_dir / "metrics.jsonl").read_text().splitlines()
               if json.loads(l)["kind"] == "train"]
     assert logged == sorted(set(logged)) and logged[-1] == steps, logged
+
+
+def test_preprocess_component_fans_out_as_slurm_tasks_and_joins(tmp_path):
+    """`recsys.preprocess --tasks 2` on Slurm: two tasks (the role's replicas, one Slurm job
+    component each), each preprocessing its files into a part; the joined dataset equals a
+    single-process preprocessing of the same files."""
+    import numpy as np
+    from torchx.runner import get_runner
+    from torchx.specs import parse_app_handle
+
+    from recsys.config import load_config
+    from recsys.data.shards import ShardedDataset
+    from recsys.data.source import prepare_data
+    from test_preprocess_fanout import _criteo_lines
+
+    raw, fan, submit = tmp_path / "raw", tmp_path / "fan", tmp_path / "submit"
+    raw.mkdir()
+    submit.mkdir()
+    rng = np.random.default_rng(3)
+    for i, n in enumerate([500, 300, 450, 200]):
+        (raw / f"day_{i}.tsv").write_text("".join(_criteo_lines(rng, n)))
+    data = ["data.source=criteo", f"data.path={raw}", "train.batch_size=128"]
+    old = os.getcwd()
+    os.chdir(submit)
+    try:
+        with get_runner() as runner:
+            handle = runner.run_component(
+                str(REPO / "torchx_components" / "launch.py") + ":preprocess",
+                ["--config", SMOKE, "--tasks", "2", "--cpu", "1", "--memMB", "2048", *data, f"data.cache_dir={fan}"],
+                "slurm", cfg={"partition": "debug", "time": "15"})
+    finally:
+        os.chdir(old)
+    job_id = parse_app_handle(handle).app_id
+    t0 = time.time()
+    while True:  # every component of the job (one per task) in a final state
+        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, check=True).stdout
+        states = [dict(t.partition("=")[::2] for t in line.split() if "=" in t) for line in out.splitlines() if line]
+        if all(s["JobState"] in FINAL for s in states):
+            break
+        assert time.time() - t0 < 300, (states, _logs(submit))
+        time.sleep(1)
+    assert len(states) == 2 and all(s["JobState"] == "COMPLETED" for s in states), (states, _logs(submit))
+    assert sorted(s["JobName"] for s in states) == ["preprocess-0", "preprocess-1"]
+    manifest = json.loads((fan / "manifest.json").read_text())
+    assert manifest["created_by"] == "recsys.data.fanout.join_parts (2 parts)"
+    ref = prepare_data(load_config(SMOKE, [*data, f"data.cache_dir={tmp_path / 'single'}"]))
+    assert manifest["cache_key"] == ref["cache_key"] and manifest["num_rows"] == ref["num_rows"] == 1450
+    a, b = ShardedDataset.open(fan), ShardedDataset.open(tmp_path / "single")
+    for x, y in zip(a.read(0, a.num_rows), b.read(0, b.num_rows)):
+        np.testing.assert_array_equal(x, y)

@@ -12,8 +12,11 @@ All peers run on the same generated multi-million-row Criteo Kaggle-format TSV (
   an Arrow table, no validation, no hex decoding, nothing written;
 - ``pandas``: ``pandas.read_csv`` (C engine), ids as strings, same caveats;
 - ``loader_read`` / ``loader``: reading the shards in file order, 8192 rows at a time, as arrays /
-  into torchrec ``Batch``es (``recsys.data.batching.to_batch``: ids hashed into 2^20-row tables).
-  Shuffled loading is not part of this branch (``loader_shuffled`` is null).
+  into torchrec ``Batch``es (``recsys.data.batching.to_batch``: ids hashed into 2^20-row tables);
+- ``loader_shuffled_read`` / ``loader_shuffled``: the same through a shuffled epoch
+  (``recsys.data.order``, the training default: 256-row blocks, 64K-row windows) on one rank;
+  ``loader_shuffled_rank_of_2``: rank 0 of 2 (it reads every window, keeps its half of each batch),
+  counted in the samples that rank trains on.
 
 pyarrow and pandas are optional (not project dependencies): install them outside the venv, e.g.
 ``.venv/bin/pip install --target /tmp/parser-site pyarrow pandas`` and run with
@@ -118,19 +121,23 @@ def pandas_read(path: Path) -> int | None:
     return len(df)
 
 
-def loader(out: Path, batch: int = 8192, batches: bool = True) -> int:
-    """Rows of the shards in file order, 8192 at a time: read only, or read into torchrec Batches."""
-    from recsys.data.batching import to_batch  # imported before the clock starts: see main()
+def loader(out: Path, batch: int = 8192, batches: bool = True, shuffle: bool = False, world: int = 1) -> int:
+    """One epoch of the shards, 8192 rows a global batch, in file order or shuffled, on rank 0 of
+    ``world``: read only, or read into torchrec Batches. Returns the rows rank 0 trains on."""
+    from recsys.data.batching import rank_rows, to_batch  # imported before the clock starts: see main()
+    from recsys.data.order import EpochOrder, WindowReader
     from recsys.data.synthetic import RowBlock
 
     ds = ShardedDataset.open(out)
     cards = np.full(len(ds.sparse_names), 1 << 20, dtype=np.int64)
+    reader = WindowReader(EpochOrder(ds.num_rows, shuffle), lambda lo, hi: RowBlock(*ds.read(lo, hi), None))
     n = 0
-    for start in range(0, ds.num_rows - batch + 1, batch):
-        d, s, l = ds.read(start, start + batch)
+    for step in range(ds.num_rows // batch):
+        lo, hi = rank_rows(step, batch, 0, world)
+        block = reader.read(0, lo, hi)
         if batches:
-            to_batch(RowBlock(d, s, l, None), ds.sparse_names, cards)
-        n += batch
+            to_batch(block, ds.sparse_names, cards)
+        n += hi - lo
     return n
 
 
@@ -162,6 +169,8 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/bench_data"))
     ap.add_argument("--file", type=Path, help="an existing Criteo TSV instead of a generated one")
     ap.add_argument("--keep", action="store_true", help="keep the generated file and shards")
+    ap.add_argument("--peers", default="", help="comma-separated subset of the peers (default: all); the "
+                    "loader peers read ours_1w's shards, so keep ours_1w among them")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     import recsys.data.batching  # noqa: F401  (torch and torchrec load here, not inside a timing)
@@ -181,12 +190,20 @@ def main() -> None:
         "pandas": lambda: pandas_read(path),
         "loader_read": lambda: loader(outs["ours_1w"], batches=False),
         "loader": lambda: loader(outs["ours_1w"]),
+        "loader_shuffled_read": lambda: loader(outs["ours_1w"], batches=False, shuffle=True),
+        "loader_shuffled": lambda: loader(outs["ours_1w"], shuffle=True),
+        "loader_shuffled_rank_of_2": lambda: loader(outs["ours_1w"], shuffle=True, world=2),
     }
-    rates: dict[str, list[float]] = {k: [] for k in peers}
+    chosen = args.peers.split(",") if args.peers else list(peers)
+    if set(chosen) - set(peers):
+        ap.error(f"unknown peers {sorted(set(chosen) - set(peers))} (choose from {', '.join(peers)})")
+    rates: dict[str, list[float]] = {k: [] for k in peers}  # a peer left out keeps no figures (null)
     cpu_rates: dict[str, list[float]] = {k: [] for k in peers}
-    rows: dict[str, int | None] = {}
+    rows: dict[str, int | None] = {k: None for k in peers}
     for r in range(args.repeats):
         for name, fn in peers.items():
+            if name not in chosen:
+                continue
             rate, cpu_rate, n = timed(fn)
             rows[name] = n
             if rate is not None and cpu_rate is not None:
@@ -196,8 +213,8 @@ def main() -> None:
                   f"{rate / 1e3:8.0f}K rows/s, {cpu_rate / 1e3:8.0f}K rows per CPU-second"), flush=True)
     med = {k: (statistics.median(v) if v else None) for k, v in rates.items()}
     cpu_med = {k: (statistics.median(v) if v else None) for k, v in cpu_rates.items()}
-    digests = {k: shard_digest(o) for k, o in outs.items()}
-    identical = len(set(digests.values())) == 1
+    digests = {k: shard_digest(o) for k, o in outs.items() if k in chosen}
+    identical = len(set(digests.values())) == 1 if len(digests) > 1 else None  # None: nothing to compare
 
     def ratio(a: str, b: str) -> float | None:
         return None if med[a] is None or med[b] is None else round(med[a] / med[b], 2)
@@ -205,14 +222,15 @@ def main() -> None:
     print(f"\n{path.name}: {rows['ours_1w']} rows, {size_mb:.0f} MB; median of {args.repeats} rounds, rows/s")
     for k, v in med.items():
         print(f"  {k:12s} {'-' if v is None else f'{v / 1e3:8.0f}K'}")
-    print(f"  shards of reference / ours_1w / ours_2w byte-identical: {identical}")
+    print(f"  shards of {' / '.join(digests)} byte-identical: {identical}")
     result = {
         "bench": "data", "file": str(path), "rows": rows["ours_1w"], "file_mb": round(size_mb, 1),
         "repeats": args.repeats, "cores": len(os.sched_getaffinity(0)),
         "rows_per_s": {k: (None if v is None else round(v)) for k, v in med.items() if not k.startswith("loader")},
         "loader_read_samples_per_s": None if med["loader_read"] is None else round(med["loader_read"]),
         "loader_samples_per_s": None if med["loader"] is None else round(med["loader"]),
-        "loader_shuffled_samples_per_s": None,
+        **{f"{k}_samples_per_s": None if med[k] is None else round(med[k])
+           for k in ("loader_shuffled_read", "loader_shuffled", "loader_shuffled_rank_of_2")},
         "rows_per_cpu_s": {k: (None if v is None else round(v)) for k, v in cpu_med.items() if not k.startswith("loader")},
         "cpu_ratios": {k: (None if cpu_med[a] is None or cpu_med[b] is None else round(cpu_med[a] / cpu_med[b], 2))
                        for k, (a, b) in {"ours_1w/reference": ("ours_1w", "reference"),

@@ -267,3 +267,61 @@ def plan(
             )
         ],
     )
+
+
+def preprocess(
+    *overrides: str,
+    config: str,
+    tasks: int = 2,
+    cpu: int = 1,
+    memMB: int = 4096,
+    max_retries: int = 0,
+    name: str = "recsys-preprocess",
+    python: str = "",
+) -> specs.AppDef:
+    """Preprocess the config's raw files into its shard cache, fanned out over `tasks` tasks:
+    task i takes a contiguous, byte-balanced group of the files (`recsys preprocess --task i
+    --tasks N`) and writes its own part; the last task to finish joins the parts into one dataset
+    without copying the arrays (recsys/data/fanout.py). On Slurm the tasks are the replicas of
+    one role (TorchX's fan-out: one Slurm task each, with its own log); on local_cwd they are
+    local processes. Training with the same config then finds the cache up to date.
+
+    Args:
+        overrides: key=value config overrides, e.g. data.path=/data/day_*.gz data.cache_dir=/data/shards
+        config: experiment YAML whose data section names the raw files (source criteo or avazu), or a shipped name
+        tasks: number of tasks the files are split over (more tasks than files leaves some idle)
+        cpu: CPU cores per task (the parser uses one thread per core)
+        memMB: memory per task in MB
+        max_retries: scheduler retries after a failure (a retried task reuses the parts already written)
+        name: job name
+        python: Python interpreter on the nodes; empty: the one running this component
+    """
+    if tasks < 1 or cpu < 1 or memMB < 1024 or max_retries < 0:
+        raise LaunchError("preprocess: --tasks and --cpu must be >= 1, --memMB >= 1024 and --max_retries >= 0")
+    from recsys.config import ConfigError, load_config
+    from recsys.data.source import raw_files
+
+    try:
+        cfg = load_config(config, list(overrides))
+        if cfg.data.source == "synthetic":
+            raise ConfigError(f"{config}: key 'data.source': generated data (synthetic) has nothing to preprocess")
+        raw_files(cfg)  # the files exist (on a cluster: the submit host sees the shared filesystem)
+    except ConfigError as e:
+        raise LaunchError(str(e).replace("\n", " ")) from None
+    python = python or sys.executable
+    return specs.AppDef(
+        name=name,
+        roles=[
+            specs.Role(
+                name="preprocess",
+                image=REPO,
+                entrypoint=python,
+                args=["-m", "recsys.cli", "preprocess", "--config", config, "--task", macros.replica_id,
+                      "--tasks", str(tasks), *overrides],
+                num_replicas=tasks,
+                resource=specs.Resource(cpu=cpu, gpu=0, memMB=memMB),
+                env={"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(cpu)},
+                max_retries=max_retries,
+            )
+        ],
+    )

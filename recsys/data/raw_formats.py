@@ -221,6 +221,25 @@ class _CriteoParse:
         return parse_criteo_block(block, layout, min_pad)
 
 
+def criteo_key(paths: Sequence[Path], fmt: str = "auto", rows_per_shard: int = DEFAULT_ROWS_PER_SHARD,
+               max_bad_fraction: float = 0.01, pad_short_rows: bool = True) -> dict[str, Any]:
+    """The cache key :func:`preprocess_criteo` writes for these files and options (also the key
+    of a dataset joined from parts, recsys/data/fanout.py)."""
+    return make_key(paths, {
+        "kind": "criteo", "format": fmt, "pad_short_rows": bool(pad_short_rows), "rows_per_shard": int(rows_per_shard),
+        "max_bad_fraction": float(max_bad_fraction), "parser_version": PARSER_VERSION, "format_version": FORMAT_VERSION,
+    })
+
+
+def avazu_key(paths: Sequence[Path], rows_per_shard: int = DEFAULT_ROWS_PER_SHARD,
+              max_bad_fraction: float = 0.01) -> dict[str, Any]:
+    """The cache key :func:`preprocess_avazu` writes for these files and options."""
+    return make_key(paths, {
+        "kind": "avazu", "rows_per_shard": int(rows_per_shard), "max_bad_fraction": float(max_bad_fraction),
+        "parser_version": PARSER_VERSION, "format_version": FORMAT_VERSION,
+    })
+
+
 def preprocess_criteo(
     paths: str | Path | Sequence[str | Path],
     out_dir: str | Path,
@@ -252,10 +271,7 @@ def preprocess_criteo(
     if fmt not in ("tsv", "csv", "auto"):
         raise ValueError(f"fmt must be 'tsv', 'csv' or 'auto', got {fmt!r}")
     _check_inputs(paths)
-    key = make_key(paths, {
-        "kind": "criteo", "format": fmt, "pad_short_rows": bool(pad_short_rows), "rows_per_shard": int(rows_per_shard),
-        "max_bad_fraction": float(max_bad_fraction), "parser_version": PARSER_VERSION, "format_version": FORMAT_VERSION,
-    })
+    key = criteo_key(paths, fmt, rows_per_shard, max_bad_fraction, pad_short_rows)
     existing, replace = _existing_manifest(out_dir, key, overwrite)
     if existing is not None:
         return existing
@@ -290,10 +306,7 @@ def preprocess_avazu(
     out_dir = Path(out_dir)
     _check_common_args(rows_per_shard, max_bad_fraction, block_bytes, workers)
     _check_inputs(paths)
-    key = make_key(paths, {
-        "kind": "avazu", "rows_per_shard": int(rows_per_shard), "max_bad_fraction": float(max_bad_fraction),
-        "parser_version": PARSER_VERSION, "format_version": FORMAT_VERSION,
-    })
+    key = avazu_key(paths, rows_per_shard, max_bad_fraction)
     existing, replace = _existing_manifest(out_dir, key, overwrite)
     if existing is not None:
         return existing

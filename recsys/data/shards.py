@@ -47,6 +47,9 @@ SPARSE_DTYPE = np.dtype(np.int64)
 LABEL_DTYPE = np.dtype(np.float32)
 
 _SHARD_NAME_RE = re.compile(r"^shard_\d{5,}$")
+# A joined dataset (recsys/data/fanout.py) lists the shards of its parts where they were written,
+# ``parts/NNNNN`` below the manifest, instead of copying them; nothing else is allowed (no ``..``).
+_PART_DIR_RE = re.compile(r"^parts/\d{5,}$")
 _TMP_TAG = "tmp"
 _OLD_TAG = "old"
 
@@ -398,6 +401,7 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
             or not _SHARD_NAME_RE.match(s["name"])
             or not isinstance(s.get("num_rows"), int)
             or s["num_rows"] <= 0
+            or ("dir" in s and not (isinstance(s["dir"], str) and _PART_DIR_RE.match(s["dir"])))
         ):
             raise bad(f"bad shard entry {s!r}")
         total += s["num_rows"]
@@ -439,11 +443,11 @@ class ShardedDataset:
                 (LABEL_DTYPE, (n,)),
             )
             loaded = []
-            for p, (dtype, shape) in zip(shard_paths(root, s["name"]), expected):
+            for p, (dtype, shape) in zip(shard_paths(root / s.get("dir", ""), s["name"]), expected):
                 try:
                     a = np.load(p, mmap_mode="r", allow_pickle=False)
                 except FileNotFoundError:
-                    raise InvalidShardDirError(f"{root}: shard file {p.name} is missing") from None
+                    raise InvalidShardDirError(f"{root}: shard file {p.relative_to(root)} is missing") from None
                 except (OSError, ValueError, EOFError) as e:
                     msg = str(e).splitlines()[0] if str(e) else type(e).__name__
                     raise InvalidShardDirError(f"{p}: unreadable shard file ({msg})") from None

@@ -9,6 +9,7 @@ import logging
 import os
 from abc import ABC, abstractmethod
 from pathlib import Path
+from typing import Callable
 
 from recsys.config import ConfigError, ExperimentConfig, cardinalities
 from recsys.data.order import EpochOrder
@@ -171,17 +172,39 @@ def prepare_data(cfg: ExperimentConfig) -> dict | None:
     and checks that they hold enough rows; returns the cache's manifest (None: synthetic)."""
     if cfg.data.source == "synthetic":
         return None
+    manifest = _preprocess_files(cfg)(raw_files(cfg), shard_dir(cfg))
+    check_row_counts(cfg, manifest)
+    return manifest
+
+
+def _preprocess_files(cfg: ExperimentConfig) -> Callable[[list[Path], Path], dict]:
+    """files, out -> manifest: the config's preprocessing of some files into one directory."""
     from recsys.data import raw_formats
 
-    files = raw_files(cfg)
-    out = shard_dir(cfg)
-    if cfg.data.source == "criteo":
-        manifest = raw_formats.preprocess_criteo(
-            files, out, fmt=cfg.data.format, max_bad_fraction=cfg.data.max_bad_fraction
-        )
-    else:
-        manifest = raw_formats.preprocess_avazu(files, out, max_bad_fraction=cfg.data.max_bad_fraction)
-    check_row_counts(cfg, manifest)
+    d = cfg.data
+    if d.source == "criteo":
+        return lambda files, out: raw_formats.preprocess_criteo(files, out, fmt=d.format, max_bad_fraction=d.max_bad_fraction)
+    return lambda files, out: raw_formats.preprocess_avazu(files, out, max_bad_fraction=d.max_bad_fraction)
+
+
+def preprocess_task(cfg: ExperimentConfig, task: int, tasks: int) -> dict | None:
+    """Task `task` of `tasks` of a fanned-out preprocessing of the config's raw files into its
+    shard cache (recsys/data/fanout.py); the last task to finish joins the parts. Returns the
+    joined manifest (checked like `prepare_data`'s), or None while other parts are missing."""
+    from recsys.data import fanout, raw_formats
+
+    if cfg.data.source == "synthetic":
+        raise ConfigError("key 'data.source': generated data (synthetic) has nothing to preprocess")
+    d = cfg.data
+
+    def key_of(files: list[Path]) -> dict:  # the key `_preprocess_files` writes for these files
+        if d.source == "criteo":
+            return raw_formats.criteo_key(files, d.format, max_bad_fraction=d.max_bad_fraction)
+        return raw_formats.avazu_key(files, max_bad_fraction=d.max_bad_fraction)
+
+    manifest = fanout.run_task(raw_files(cfg), shard_dir(cfg), task, tasks, _preprocess_files(cfg), key_of)
+    if manifest is not None:
+        check_row_counts(cfg, manifest)
     return manifest
 
 
