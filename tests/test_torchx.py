@@ -168,3 +168,27 @@ def test_plan_component_writes_a_plan_file(tmp_path):
     bad = _torchx(["run", "-s", "local_cwd", "torchx_components/launch.py:plan", "--config",
                    "configs/experiments/demo.yaml", "--world_size", "12", "--local_world_size", "8", "--out", str(out)])
     assert bad.returncode != 0 and _lines(bad.stderr)[-1].startswith("error: plan: --world_size 12")
+
+
+def test_preprocess_component_bad_input_and_slurm_script(tmp_path):
+    """`preprocess`: a config without raw files, or impossible resources, stop before submission
+    in one line; on Slurm each task is one job component with its own task number."""
+    comp = "torchx_components/launch.py:preprocess"
+    bad = _torchx(["run", "-s", "local_cwd", comp, "--config", SMOKE])
+    assert bad.returncode != 0 and _lines(bad.stderr)[-1] == \
+        f"error: {SMOKE}: key 'data.source': generated data (synthetic) has nothing to preprocess"
+    bad = _torchx(["run", "-s", "local_cwd", comp, "--config", SMOKE, "--tasks", "0"])
+    assert _lines(bad.stderr)[-1] == \
+        "error: preprocess: --tasks and --cpu must be >= 1, --memMB >= 1024 and --max_retries >= 0"
+    bad = _torchx(["run", "-s", "local_cwd", comp, "--config", SMOKE, "data.source=criteo", f"data.path={tmp_path}/nope.tsv"])
+    assert _lines(bad.stderr)[-1] == f"error: key 'data.path': no such file {tmp_path}/nope.tsv"
+    raw = tmp_path / "day_0.tsv"
+    raw.write_text("0" + "\t" * 39 + "\n")
+    r = _torchx(["run", "-s", "slurm", "--dryrun", "-cfg", "partition=debug", comp, "--config", SMOKE, "--tasks", "3",
+                 "data.source=criteo", f"data.path={raw}"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    script = r.stdout[r.stdout.index("#!/bin/bash"):]
+    assert [l.split("--job-name=")[1].split()[0] for l in script.splitlines() if "--job-name=" in l] == \
+        ["preprocess-0", "preprocess-1", "preprocess-2"]
+    for i in range(3):
+        assert f"-m recsys.cli preprocess --config {SMOKE} --task {i} --tasks 3 data.source=criteo" in script

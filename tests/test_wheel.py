@@ -221,7 +221,7 @@ def test_torchx_builtins_lists_the_components(installed):
              _env(installed["site"], installed["tmp"] / "cache-tx"), timeout=120)
     assert r.returncode == 0, r.stderr
     listed = {line.split(". ", 1)[1].strip() for line in r.stdout.splitlines() if ". " in line}
-    assert {"recsys.train", "recsys.plan"} <= listed
+    assert {"recsys.train", "recsys.plan", "recsys.preprocess"} <= listed
     assert {"dist.ddp", "utils.python"} <= listed  # torchx's own stay listed
 
 
