@@ -228,6 +228,8 @@ def cmd_make(args: argparse.Namespace) -> int:
         raise UsageError(f"planning failed: {str(e).strip().splitlines()[0]}") from None
     meta = {"planner": cfg.sharding.planner, "topology": cfg.sharding.topology, "config": str(args.config), "overrides": args.overrides,
             "batch_size_per_rank": batch, "hbm_gb": args.hbm_gb, "ddr_gb": args.ddr_gb}
+    if getattr(planner, "last_pooling", None):  # what its modelled step used (sharding/plan_cost.py)
+        meta["pooling"] = planner.last_pooling
     if stats:
         from sharding.cache_sizing import summary
         from sharding.topology_planner import MAX_CACHE_LOAD_FACTOR
@@ -254,26 +256,39 @@ def cmd_show(args: argparse.Namespace) -> int:
         topo = load_topology(args.topology)  # a file or a shipped name; TopologyError is a ValueError
         if topo.world_size != header["world_size"]:
             raise UsageError(f"--topology {args.topology}: {topo.world_size} ranks, the plan has {header['world_size']}")
-    tr = None
+    tr = cost = None
+    batch = plan_traffic.batch_size_of(header)
     if topo is not None or args.format == "html":
         infos = plan_report.table_infos(plan, header)
-        tr = plan_traffic.traffic(infos, header["world_size"], plan_traffic.batch_size_of(header))
+        tr = plan_traffic.traffic(infos, header["world_size"], batch)
         if topo is not None:
             plan_traffic.apply_topology(tr, topo, infos, rep["ranks"])
+            cost = _modeled_step(plan, header, topo)  # the planner's own model (sharding/plan_cost.py)
     if args.format == "html":
         from sharding import plan_html
 
         _emit(plan_html.render_html(rep, tr, topo), args.out)
     elif args.format == "json":
         if topo is not None:
+            rep["modeled_step"] = {**cost.as_dict(), "batch_size_per_rank": batch, "model": "sharding/cost_model.py"}
             rep["traffic"] = tr.to_dict()
         _emit(json.dumps(rep, indent=1), args.out)
     else:
         text = plan_report.format_text(rep)
         if topo is not None:
-            text += "\n\n" + plan_traffic.format_text(tr)
+            from sharding.plan_cost import format_step
+
+            text += "\n\n" + format_step(cost, args.topology, batch) + "\n\n" + plan_traffic.format_text(tr)
         _emit(text, args.out)
     return 0
+
+
+def _modeled_step(plan, header: dict, topo):
+    """The planner's modelled step of a plan file on a topology (sharding/plan_cost.py)."""
+    from sharding.plan_cost import modeled_step, plan_pooling, plan_tables
+    from sharding.plan_traffic import batch_size_of
+
+    return modeled_step(plan, plan_tables(header), topo, batch_size_of(header), plan_pooling(header))
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
@@ -284,30 +299,28 @@ def cmd_diff(args: argparse.Namespace) -> int:
     d = plan_report.diff(a, ha, b, hb)
     text = plan_report.format_diff(d)
     if args.topology:  # modeled time per rank on this hardware, b - a
-        ta, tb = _modeled_seconds(a, ha, args.topology), _modeled_seconds(b, hb, args.topology)
+        (ta, sa), (tb, sb) = _modeled_seconds(a, ha, args.topology), _modeled_seconds(b, hb, args.topology)
         for r in d["ranks"]:
             r["modeled_s_delta"] = tb[r["rank"]] - ta[r["rank"]]
-        d["modeled_step_s"] = [max(ta), max(tb)]
-        text += "\nmodeled time per rank on {} (b - a): {}\nmodeled step (slowest rank): {:.4f} ms -> {:.4f} ms".format(
+        d["modeled_step_s"] = [sa, sb]
+        text += "\nmodeled time per rank on {} (b - a): {}\nmodeled step (the planner's model): {:.4f} ms -> {:.4f} ms".format(
             args.topology, ", ".join(f"{r['rank']}: {r['modeled_s_delta'] * 1e3:+.4f} ms" for r in d["ranks"]),
-            max(ta) * 1e3, max(tb) * 1e3,
+            sa * 1e3, sb * 1e3,
         )
     _emit(json.dumps(d, indent=1) if args.format == "json" else text, args.out)
     return 0
 
 
-def _modeled_seconds(plan, header: dict, topology: str) -> list[float]:
-    """Per-rank modeled seconds per step (sharding/plan_traffic.py) of a plan on a topology."""
-    from sharding import plan_report, plan_traffic
+def _modeled_seconds(plan, header: dict, topology: str) -> tuple[list[float], float]:
+    """Per-rank modelled seconds and the modelled step of a plan on a topology: the planner's
+    model (sharding/plan_cost.py; the step includes the collectives' busiest links)."""
     from sharding.topology import load_topology
 
     topo = load_topology(topology)
     if topo.world_size != header["world_size"]:
         raise UsageError(f"--topology {topology}: {topo.world_size} ranks, the plan has {header['world_size']}")
-    infos = plan_report.table_infos(plan, header)
-    tr = plan_traffic.traffic(infos, header["world_size"], plan_traffic.batch_size_of(header))
-    plan_traffic.apply_topology(tr, topo, infos, plan_report.rank_memory(infos, header["world_size"]))
-    return [float(x) for x in tr.total_s]
+    cost = _modeled_step(plan, header, topo)
+    return [float(x) for x in cost.rank_time], float(cost.step_time)
 
 
 def cmd_validate(args: argparse.Namespace) -> int:

@@ -258,7 +258,7 @@ def apply_topology(tr: Traffic, topo, infos: list[TableInfo] | None = None, rank
         what = f"{LINK_LABELS[key[0]]} all-to-all to host {key[1]} ({topo.hosts[key[1]].name})"
     tr.critical = {
         "rank": crit, "total_s": float(tot[crit]), "dominant": key[0], "dominant_host": key[1], "share": float(share),
-        "why": f"rank {crit}: {share:.0%} of its modeled {tot[crit] * 1e3:.3f} ms per step is {what}",
+        "why": f"rank {crit}: {share:.0%} of its {tot[crit] * 1e3:.3f} ms per step (pairwise view) is {what}",
     }
     tr.hosts = []
     for h, host in enumerate(topo.hosts):
@@ -284,7 +284,8 @@ def apply_topology(tr: Traffic, topo, infos: list[TableInfo] | None = None, rank
 
 def format_text(tr: Traffic) -> str:
     """The modeled time per rank and the critical rank (needs :func:`apply_topology`)."""
-    lines = [f"modeled step on {tr.topology} (batch {tr.batch_size_per_rank} per rank; model: sharding/plan_traffic.py)",
+    lines = [f"traffic by link kind on {tr.topology} (batch {tr.batch_size_per_rank} per rank; pairwise view of "
+             "sharding/plan_traffic.py: bytes / pair bandwidth, no latency; the plan's step is the planner's, above)",
              f"{'rank':<6} {'sent':>12} {'compute ms':>11} " + " ".join(f"{LINK_LABELS[k] + ' ms':>11}" for k in LINK_KINDS) + f" {'total ms':>10}"]
     for r in range(tr.world_size):
         lines.append(f"{r:<6} {tr.sent[r] / 2**20:>9,.2f} MB {tr.compute_s[r] * 1e3:>11.4f} "

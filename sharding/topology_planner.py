@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import math
 import os
 from typing import Mapping, Optional
@@ -51,6 +52,7 @@ from typing import Mapping, Optional
 import numpy as np
 from torch import nn
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
+from torchrec.distributed.planner.constants import POOLING_FACTOR
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.planner.partitioners import GreedyPerfPartitioner
 from torchrec.distributed.planner.proposers import GreedyProposer, UniformProposer
@@ -74,9 +76,12 @@ from sharding.cache_sizing import DEFAULT_TARGET_HIT_RATE, apply_cache_stats, sa
 from sharding.constants import A2A_TYPES, DEFAULT_LOAD_FACTOR, MAX_CACHE_LOAD_FACTOR, MODEL_PARALLEL_TYPES, UNIFORM_TYPES, UVM_KERNELS
 from sharding.cost_model import CostState, PlacedShard, TopologyCostModel, TopologyPerfModel, placed_from_option
 from sharding.cost_model import with_all_ranks as _with_all_ranks
+from sharding.plan_cost import modeled_step, step_line
 from sharding.tables import table_configs
 from sharding.topology import ClusterTopology, load_topology
 from sharding.torchrec_speedups import fast_planner_internals
+
+logger = logging.getLogger(__name__)
 
 GIB = 1024**3
 # column-wise variants the planner adds: each device-resident table cut into 2 and 4 column shards
@@ -588,6 +593,14 @@ class TopologyAwarePlanner(EmbeddingShardingPlanner):
         except PlannerError as e:
             raise ModelDoesNotFitError(fit_message(self.cluster, module, self._topology, e)) from None
         self.search_space = self._enumerator.last_search_space
+        # The number the search minimised, for the plan it returns: the same function and inputs
+        # as `recsys-plan show --topology` (sharding/plan_cost.py), so the two always agree.
+        self.last_pooling = {c.name: float(sum(self._constraints[c.name].pooling_factors))
+                             if c.name in self._constraints and self._constraints[c.name].pooling_factors
+                             else POOLING_FACTOR for c in table_configs(module)}
+        tables = {c.name: {"num_embeddings": c.num_embeddings, "embedding_dim": c.embedding_dim} for c in table_configs(module)}
+        self.last_cost = modeled_step(plan, tables, self.cluster, self.cost_model.batch, self.last_pooling)
+        logger.info("topology-aware plan: %s on %s", step_line(self.last_cost), self.cluster.name or "the topology")
         return plan
 
     def collective_plan(
