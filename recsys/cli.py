@@ -115,25 +115,29 @@ def _env_int(name: str, default: int) -> int:
 
 def _preprocess(args: argparse.Namespace) -> int:
     """Preprocess the config's raw files into its shard cache: all at once (`--tasks 1`), or as
-    task `--task` of `--tasks` (recsys/data/fanout.py), the last task joining the parts."""
+    task `--task` of `--tasks` (recsys/data/fanout.py), the last part to finish joining them all.
+    `--procs P` splits this task into P parts, one process each (the files go to tasks x P parts)."""
     from recsys.data.errors import DataFileError
-    from recsys.data.source import prepare_data, preprocess_task, shard_dir
+    from recsys.data.source import prepare_data, preprocess_tasks, shard_dir
 
     try:
         cfg = load_config(args.config, args.overrides)
-        if args.tasks < 1 or not 0 <= args.task < args.tasks:
-            raise ConfigError(f"--task {args.task} of --tasks {args.tasks}: need 0 <= task < tasks")
+        if args.tasks < 1 or args.procs < 1 or not 0 <= args.task < args.tasks:
+            raise ConfigError(f"--task {args.task} of --tasks {args.tasks} (--procs {args.procs}): "
+                              "need 0 <= task < tasks and procs >= 1")
         if cfg.data.source == "synthetic":
             raise ConfigError(f"{args.config}: key 'data.source': generated data (synthetic) has nothing to preprocess")
-        manifest = prepare_data(cfg) if args.tasks == 1 else preprocess_task(cfg, args.task, args.tasks)
+        total = args.tasks * args.procs
+        parts = list(range(args.task * args.procs, (args.task + 1) * args.procs))
+        manifest = prepare_data(cfg) if total == 1 else preprocess_tasks(cfg, parts, total)
     except (ConfigError, DataFileError, FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    what = f"task {args.task} of {args.tasks}" + (f" (parts {parts[0]}-{parts[-1]} of {total})" if args.procs > 1 else "")
     if manifest is None:
-        print(f"task {args.task} of {args.tasks}: part written; the last task to finish joins {shard_dir(cfg)}")
+        print(f"{what}: part written; the last task to finish joins {shard_dir(cfg)}")
     else:
-        print(f"task {args.task} of {args.tasks}: {shard_dir(cfg)} holds {manifest['num_rows']} rows "
-              f"in {len(manifest['shards'])} shards")
+        print(f"{what}: {shard_dir(cfg)} holds {manifest['num_rows']} rows in {len(manifest['shards'])} shards")
     return 0
 
 
@@ -153,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="this task's index (default: $SLURM_ARRAY_TASK_ID, else 0)")
     p.add_argument("--tasks", type=int, default=_env_int("SLURM_ARRAY_TASK_COUNT", 1),
                    help="number of tasks the files are split over (default: $SLURM_ARRAY_TASK_COUNT, else 1)")
+    p.add_argument("--procs", type=int, default=1,
+                   help="processes this task runs, each preprocessing its own part (parts: tasks x procs)")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. data.path=/data/day_*.gz")
     args = parser.parse_args(argv)
     if args.command == "train":

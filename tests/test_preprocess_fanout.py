@@ -144,7 +144,15 @@ def test_cli_task_from_the_slurm_array_environment_and_one_line_errors(raw_dir, 
     assert outs == [f"task 1 of 2: part written; the last task to finish joins {fan}",
                     f"task 0 of 2: {fan} holds 2409 rows in 2 shards"]
     r = subprocess.run(args[:6] + ["--tasks", "2", "--task", "2"], capture_output=True, text=True, env=ENV, timeout=300)
-    assert (r.returncode, r.stderr.strip()) == (2, "error: --task 2 of --tasks 2: need 0 <= task < tasks")
+    assert (r.returncode, r.stderr.strip()) == \
+        (2, "error: --task 2 of --tasks 2 (--procs 1): need 0 <= task < tasks and procs >= 1")
+    # one task in 3 processes (3 parts), into another cache: the same rows
+    three = [a.replace(str(fan), str(tmp_path / "three")) for a in args] + ["--tasks", "1", "--procs", "3"]
+    r = subprocess.run(three, capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == \
+        f"task 0 of 1 (parts 0-2 of 3): {tmp_path / 'three'} holds 2409 rows in 3 shards", r.stderr[-2000:]
+    for a, b in zip(_rows(fan), _rows(tmp_path / "three")):
+        np.testing.assert_array_equal(a, b)
     r = subprocess.run(args[:6], capture_output=True, text=True, env=ENV, timeout=300)
     assert (r.returncode, r.stderr.strip()) == \
         (2, f"error: {SMOKE}: key 'data.source': generated data (synthetic) has nothing to preprocess")
@@ -152,16 +160,18 @@ def test_cli_task_from_the_slurm_array_environment_and_one_line_errors(raw_dir, 
 
 @pytest.mark.slow
 def test_torchx_component_on_local_cwd_gives_the_single_process_dataset(raw_dir, tmp_path):
-    """`torchx run -s local_cwd recsys.preprocess --tasks 3`: three local processes, one join."""
+    """`torchx run -s local_cwd recsys.preprocess --tasks 2 --procs_per_task 2`: two local tasks of
+    two processes each, four parts, one join."""
     fan = tmp_path / "fan"
     torchx = Path(sys.executable).parent / "torchx"
     r = subprocess.run([str(torchx), "run", "-s", "local_cwd", "--wait", "--log",
-                        f"{REPO}/torchx_components/launch.py:preprocess", "--config", str(SMOKE), "--tasks", "3",
+                        f"{REPO}/torchx_components/launch.py:preprocess", "--config", str(SMOKE), "--tasks", "2",
+                        "--procs_per_task", "2",
                         "data.source=criteo", f"data.path={raw_dir}", f"data.cache_dir={fan}", "train.batch_size=128"],
                        capture_output=True, text=True, env=ENV, timeout=600, cwd=tmp_path)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
     manifest = json.loads((fan / "manifest.json").read_text())
-    assert manifest["created_by"] == "recsys.data.fanout.join_parts (3 parts)"
+    assert manifest["created_by"] == "recsys.data.fanout.join_parts (4 parts)"
     ref = prepare_data(_cfg(raw_dir, tmp_path / "single"))
     assert manifest["cache_key"] == ref["cache_key"]
     for a, b in zip(_rows(fan), _rows(tmp_path / "single")):

@@ -178,8 +178,8 @@ def test_preprocess_component_bad_input_and_slurm_script(tmp_path):
     assert bad.returncode != 0 and _lines(bad.stderr)[-1] == \
         f"error: {SMOKE}: key 'data.source': generated data (synthetic) has nothing to preprocess"
     bad = _torchx(["run", "-s", "local_cwd", comp, "--config", SMOKE, "--tasks", "0"])
-    assert _lines(bad.stderr)[-1] == \
-        "error: preprocess: --tasks and --cpu must be >= 1, --memMB >= 1024 and --max_retries >= 0"
+    assert _lines(bad.stderr)[-1] == ("error: preprocess: --tasks, --procs_per_task and --cpu must be >= 1, "
+                                      "--memMB >= 1024 and --max_retries >= 0")
     bad = _torchx(["run", "-s", "local_cwd", comp, "--config", SMOKE, "data.source=criteo", f"data.path={tmp_path}/nope.tsv"])
     assert _lines(bad.stderr)[-1] == f"error: key 'data.path': no such file {tmp_path}/nope.tsv"
     raw = tmp_path / "day_0.tsv"
@@ -191,4 +191,4 @@ def test_preprocess_component_bad_input_and_slurm_script(tmp_path):
     assert [l.split("--job-name=")[1].split()[0] for l in script.splitlines() if "--job-name=" in l] == \
         ["preprocess-0", "preprocess-1", "preprocess-2"]
     for i in range(3):
-        assert f"-m recsys.cli preprocess --config {SMOKE} --task {i} --tasks 3 data.source=criteo" in script
+        assert f"-m recsys.cli preprocess --config {SMOKE} --task {i} --tasks 3 --procs 2 data.source=criteo" in script

@@ -272,32 +272,36 @@ def plan(
 def preprocess(
     *overrides: str,
     config: str,
-    tasks: int = 2,
-    cpu: int = 1,
+    tasks: int = 1,
+    procs_per_task: int = 2,
+    cpu: int = 2,
     memMB: int = 4096,
     max_retries: int = 0,
     name: str = "recsys-preprocess",
     python: str = "",
 ) -> specs.AppDef:
-    """Preprocess the config's raw files into its shard cache, fanned out over `tasks` tasks:
-    task i takes a contiguous, byte-balanced group of the files (`recsys preprocess --task i
-    --tasks N`) and writes its own part; the last task to finish joins the parts into one dataset
-    without copying the arrays (recsys/data/fanout.py). On Slurm the tasks are the replicas of
-    one role (TorchX's fan-out: one Slurm task each, with its own log); on local_cwd they are
-    local processes. Training with the same config then finds the cache up to date.
+    """Preprocess the config's raw files into its shard cache, fanned out over `tasks` x
+    `procs_per_task` parts: each part takes a contiguous, byte-balanced group of the files and
+    writes its own shard directory; the last part to finish joins them into one dataset without
+    copying the arrays (recsys/data/fanout.py). The tasks are the replicas of one role (TorchX's
+    fan-out; on Slurm one component of a heterogeneous job each, on its own node); each task
+    runs `recsys preprocess --task i --tasks N --procs P`, i.e. P local processes. On local_cwd
+    the tasks are local process trees. Training with the same config then finds the cache up to date.
 
     Args:
         overrides: key=value config overrides, e.g. data.path=/data/day_*.gz data.cache_dir=/data/shards
         config: experiment YAML whose data section names the raw files (source criteo or avazu), or a shipped name
-        tasks: number of tasks the files are split over (more tasks than files leaves some idle)
-        cpu: CPU cores per task (the parser uses one thread per core)
+        tasks: tasks (TorchX replicas; on Slurm, heterogeneous job components, which Slurm puts on different nodes)
+        procs_per_task: processes per task, each preprocessing its own part (more parts than files leaves some idle)
+        cpu: CPU cores per task (each process parses with threads over the cores it has)
         memMB: memory per task in MB
         max_retries: scheduler retries after a failure (a retried task reuses the parts already written)
         name: job name
         python: Python interpreter on the nodes; empty: the one running this component
     """
-    if tasks < 1 or cpu < 1 or memMB < 1024 or max_retries < 0:
-        raise LaunchError("preprocess: --tasks and --cpu must be >= 1, --memMB >= 1024 and --max_retries >= 0")
+    if tasks < 1 or procs_per_task < 1 or cpu < 1 or memMB < 1024 or max_retries < 0:
+        raise LaunchError("preprocess: --tasks, --procs_per_task and --cpu must be >= 1, --memMB >= 1024 "
+                          "and --max_retries >= 0")
     from recsys.config import ConfigError, load_config
     from recsys.data.source import raw_files
 
@@ -317,10 +321,10 @@ def preprocess(
                 image=REPO,
                 entrypoint=python,
                 args=["-m", "recsys.cli", "preprocess", "--config", config, "--task", macros.replica_id,
-                      "--tasks", str(tasks), *overrides],
+                      "--tasks", str(tasks), "--procs", str(procs_per_task), *overrides],
                 num_replicas=tasks,
                 resource=specs.Resource(cpu=cpu, gpu=0, memMB=memMB),
-                env={"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(cpu)},
+                env={"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(max(1, cpu // procs_per_task))},
                 max_retries=max_retries,
             )
         ],

@@ -208,6 +208,22 @@ def preprocess_task(cfg: ExperimentConfig, task: int, tasks: int) -> dict | None
     return manifest
 
 
+def preprocess_tasks(cfg: ExperimentConfig, tasks: list[int], total: int) -> dict | None:
+    """Several tasks of a fan-out on this machine, one process each (forked, as for many files in
+    recsys/data/pipeline.py): what one TorchX replica or Slurm task runs when a node takes more
+    than one part. Returns the joined manifest if one of them joined (None otherwise); the first
+    failure is raised as it was raised in its process."""
+    if len(tasks) == 1:
+        return preprocess_task(cfg, tasks[0], total)
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    with ProcessPoolExecutor(len(tasks), mp_context=multiprocessing.get_context(method)) as pool:
+        results = [f.result() for f in [pool.submit(preprocess_task, cfg, t, total) for t in tasks]]
+    return next((m for m in results if m is not None), None)
+
+
 def epoch_order(cfg: ExperimentConfig, source: DataSource) -> EpochOrder:
     """The training split's epoch order from `data.shuffle*` (eval is always in order)."""
     d = cfg.data
