@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -173,5 +174,49 @@ def test_preprocess_component_fans_out_as_slurm_tasks_and_joins(tmp_path):
     ref = prepare_data(load_config(SMOKE, [*data, f"data.cache_dir={tmp_path / 'single'}"]))
     assert manifest["cache_key"] == ref["cache_key"] and manifest["num_rows"] == ref["num_rows"] == 1450
     a, b = ShardedDataset.open(fan), ShardedDataset.open(tmp_path / "single")
+    for x, y in zip(a.read(0, a.num_rows), b.read(0, b.num_rows)):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_preprocess_as_a_plain_slurm_array(tmp_path):
+    """`sbatch --array=0-2` running `recsys preprocess` (no TorchX): each array task takes its
+    number from SLURM_ARRAY_TASK_ID/COUNT; array tasks are separate jobs, so they share this one
+    node; the last to finish joins, and the dataset equals a single-process preprocessing."""
+    import numpy as np
+
+    from recsys.config import load_config
+    from recsys.data.shards import ShardedDataset
+    from recsys.data.source import prepare_data
+    from test_preprocess_fanout import _criteo_lines
+
+    raw, fan = tmp_path / "raw", tmp_path / "fan"
+    raw.mkdir()
+    rng = np.random.default_rng(5)
+    for i, n in enumerate([300, 500, 200, 400]):
+        (raw / f"day_{i}.tsv").write_text("".join(_criteo_lines(rng, n)))
+    data = ["data.source=criteo", f"data.path={raw}", "train.batch_size=128"]
+    script = tmp_path / "array.sh"
+    script.write_text("#!/bin/bash\n"
+                      f"exec {sys.executable} -m recsys.cli preprocess --config {SMOKE} "
+                      + " ".join(data) + f" data.cache_dir={fan}\n")
+    r = subprocess.run(["sbatch", "--parsable", "--array=0-2", "--partition=debug", "--time=10", "--cpus-per-task=1",
+                        "--mem=1500", f"--chdir={tmp_path}", f"--output={tmp_path}/array-%a.out",
+                        f"--export=ALL,PYTHONPATH={REPO}", str(script)], capture_output=True, text=True, check=True)
+    job_id = r.stdout.strip().split(";")[0]
+    t0 = time.time()
+    while True:
+        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True).stdout
+        states = [dict(t.partition("=")[::2] for t in line.split() if "=" in t) for line in out.splitlines() if line]
+        if states and len(states) == 3 and all(s["JobState"] in FINAL for s in states):
+            break
+        assert time.time() - t0 < 300, (states, [p.read_text()[-1500:] for p in tmp_path.glob("array-*.out")])
+        time.sleep(1)
+    logs = {p.name: p.read_text() for p in tmp_path.glob("array-*.out")}
+    assert all(s["JobState"] == "COMPLETED" for s in states), (states, logs)
+    lines = sorted(l for text in logs.values() for l in text.splitlines() if l.startswith("task "))
+    assert len(lines) == 3 and sum(f"{fan} holds 1400 rows" in l for l in lines) == 1, lines
+    ref = prepare_data(load_config(SMOKE, [*data, f"data.cache_dir={tmp_path / 'single'}"]))
+    a, b = ShardedDataset.open(fan), ShardedDataset.open(tmp_path / "single")
+    assert a.manifest["cache_key"] == ref["cache_key"] and a.manifest["created_by"].endswith("(3 parts)")
     for x, y in zip(a.read(0, a.num_rows), b.read(0, b.num_rows)):
         np.testing.assert_array_equal(x, y)
