@@ -1,4 +1,4 @@
-"""`recsys` command line. `recsys preprocess --config FILE [--task I --tasks N] [key=value ...]`
+"""`recsys` command line. `recsys preprocess --config FILE [--task I --tasks N --procs P] [key=value ...]`
 preprocesses the config's raw files into its shard cache (all of them, or one task's share of a
 fan-out, docs/data.md). `recsys train --config FILE [key=value ...]` checks the config (one-line
 errors, before any process starts), locks the run directory and checks it (a fresh run into old

@@ -16,7 +16,8 @@ from recsys.data.order import EpochOrder
 from recsys.data.synthetic import EVAL, NUM_DENSE, TRAIN, CriteoLikeGenerator, RowBlock
 
 __all__ = [
-    "DataSource", "SyntheticSource", "ShardSource", "build_source", "epoch_order", "prepare_data", "check_row_counts", "TRAIN", "EVAL",
+    "DataSource", "SyntheticSource", "ShardSource", "build_source", "epoch_order", "prepare_data", "preprocess_task",
+    "preprocess_tasks", "check_row_counts", "TRAIN", "EVAL",
 ]
 
 log = logging.getLogger(__name__)
@@ -172,37 +173,35 @@ def prepare_data(cfg: ExperimentConfig) -> dict | None:
     and checks that they hold enough rows; returns the cache's manifest (None: synthetic)."""
     if cfg.data.source == "synthetic":
         return None
-    manifest = _preprocess_files(cfg)(raw_files(cfg), shard_dir(cfg))
+    preprocess_files, _ = _preprocessing(cfg)
+    manifest = preprocess_files(raw_files(cfg), shard_dir(cfg))
     check_row_counts(cfg, manifest)
     return manifest
 
 
-def _preprocess_files(cfg: ExperimentConfig) -> Callable[[list[Path], Path], dict]:
-    """files, out -> manifest: the config's preprocessing of some files into one directory."""
+def _preprocessing(cfg: ExperimentConfig) -> tuple[Callable[[list[Path], Path], dict], Callable[[list[Path]], dict]]:
+    """(files, out -> manifest, files -> cache key): the config's preprocessing of some files
+    into one directory, and the cache key that writes for them."""
     from recsys.data import raw_formats
 
     d = cfg.data
     if d.source == "criteo":
-        return lambda files, out: raw_formats.preprocess_criteo(files, out, fmt=d.format, max_bad_fraction=d.max_bad_fraction)
-    return lambda files, out: raw_formats.preprocess_avazu(files, out, max_bad_fraction=d.max_bad_fraction)
+        return (lambda files, out: raw_formats.preprocess_criteo(files, out, fmt=d.format, max_bad_fraction=d.max_bad_fraction),
+                lambda files: raw_formats.criteo_key(files, d.format, max_bad_fraction=d.max_bad_fraction))
+    return (lambda files, out: raw_formats.preprocess_avazu(files, out, max_bad_fraction=d.max_bad_fraction),
+            lambda files: raw_formats.avazu_key(files, max_bad_fraction=d.max_bad_fraction))
 
 
 def preprocess_task(cfg: ExperimentConfig, task: int, tasks: int) -> dict | None:
     """Task `task` of `tasks` of a fanned-out preprocessing of the config's raw files into its
     shard cache (recsys/data/fanout.py); the last task to finish joins the parts. Returns the
     joined manifest (checked like `prepare_data`'s), or None while other parts are missing."""
-    from recsys.data import fanout, raw_formats
+    from recsys.data import fanout
 
     if cfg.data.source == "synthetic":
         raise ConfigError("key 'data.source': generated data (synthetic) has nothing to preprocess")
-    d = cfg.data
-
-    def key_of(files: list[Path]) -> dict:  # the key `_preprocess_files` writes for these files
-        if d.source == "criteo":
-            return raw_formats.criteo_key(files, d.format, max_bad_fraction=d.max_bad_fraction)
-        return raw_formats.avazu_key(files, max_bad_fraction=d.max_bad_fraction)
-
-    manifest = fanout.run_task(raw_files(cfg), shard_dir(cfg), task, tasks, _preprocess_files(cfg), key_of)
+    preprocess_files, key_of = _preprocessing(cfg)
+    manifest = fanout.run_task(raw_files(cfg), shard_dir(cfg), task, tasks, preprocess_files, key_of)
     if manifest is not None:
         check_row_counts(cfg, manifest)
     return manifest
