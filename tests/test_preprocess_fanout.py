@@ -176,3 +176,24 @@ def test_torchx_component_on_local_cwd_gives_the_single_process_dataset(raw_dir,
     assert manifest["cache_key"] == ref["cache_key"]
     for a, b in zip(_rows(fan), _rows(tmp_path / "single")):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_joined_manifest_may_only_point_into_its_parts(raw_dir, tmp_path):
+    from recsys.data.shards import InvalidShardDirError
+
+    fan = tmp_path / "fan"
+    cfg = _cfg(raw_dir, fan)
+    preprocess_task(cfg, 0, 2)
+    preprocess_task(cfg, 1, 2)
+    good = (fan / "manifest.json").read_text()
+    for bad in ("../single", "/etc", "parts/00000/../../x"):
+        m = json.loads(good)
+        m["shards"][0]["dir"] = bad
+        (fan / "manifest.json").write_text(json.dumps(m))
+        with pytest.raises(InvalidShardDirError, match="corrupt manifest \\(bad shard entry"):
+            ShardedDataset.open(fan)
+    m = json.loads(good)
+    (fan / "parts" / "00001" / f"{m['shards'][-1]['name']}.labels.npy").unlink()
+    (fan / "manifest.json").write_text(good)
+    with pytest.raises(InvalidShardDirError, match=f"shard file parts/00001/{m['shards'][-1]['name']}.labels.npy is missing"):
+        ShardedDataset.open(fan)
