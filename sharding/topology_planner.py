@@ -1,7 +1,9 @@
 """A topology-aware drop-in for torchrec's ``EmbeddingShardingPlanner``.
 
 It is torchrec's planner (enumerator, shard estimators, proposers, storage reservation, plan
-output) with three pieces swapped in through torchrec's extension points:
+output) with these pieces swapped in through torchrec's extension points, i.e. the constructor
+arguments of an ``EmbeddingShardingPlanner`` that ``plan()`` builds for each model (the
+constraints depend on the model's tables; no private attribute is set from outside):
 
 - the ``Topology`` is built from a :class:`ClusterTopology` (HBM per GPU, host memory per rank =
   host memory / ranks per host, bandwidths from the path model in ``sharding/bandwidth.py``);
@@ -47,6 +49,7 @@ import dataclasses
 import logging
 import math
 import os
+import time
 from typing import Mapping, Optional
 
 import numpy as np
@@ -555,19 +558,34 @@ class TopologyAwarePlanner(EmbeddingShardingPlanner):
         callbacks = [self.partitioner.compare_with_default]
         if tune_cache_load_factor and self.cluster.compute_device != "cpu":
             callbacks.append(self._tune_load_factors)
-        topo = torchrec_topology(self.cluster, hbm_bytes, ddr_bytes)
-        super().__init__(
-            topology=topo,
+        # What each plan() hands torchrec's planner through its constructor (the constraints and the
+        # enumerator that holds them are per model: the defaults depend on the model's tables).
+        self.torchrec_topology = torchrec_topology(self.cluster, hbm_bytes, ddr_bytes)
+        self.batch_size_per_rank = int(batch_size)
+        self.perf_model = perf_model
+        self.proposers = proposer
+        self.callbacks = callbacks
+        self.timeout_seconds = timeout_seconds
+        self.debug = debug
+        self.constraints: dict[str, ParameterConstraints] = {}
+        self.last_planner: EmbeddingShardingPlanner | None = None
+        self.last_enumerator: TopologyEnumerator | None = None
+        super().__init__(  # a valid torchrec planner of its own (collective_plan, isinstance checks)
+            topology=self.torchrec_topology,
             batch_size=batch_size,
-            enumerator=TopologyEnumerator(topo, batch_size, self.column_splits),
+            enumerator=TopologyEnumerator(self.torchrec_topology, batch_size, self.column_splits),
             partitioner=self.partitioner,
             performance_model=perf_model,
-            constraints=None,  # per model, in plan(): the defaults need the model's tables
             debug=debug,
             callbacks=callbacks,
             timeout_seconds=timeout_seconds,
             proposer=proposer,
         )
+
+    @property
+    def best_plan(self) -> list[ShardingOption] | None:
+        """The sharding options of the latest plan (torchrec's planner keeps them as its best plan)."""
+        return None if self.last_planner is None else self.last_planner._best_plan
 
     def constraints_for(self, module: nn.Module) -> dict[str, ParameterConstraints]:
         """The constraints a plan of ``module`` uses: the planner's defaults for every table,
@@ -581,22 +599,36 @@ class TopologyAwarePlanner(EmbeddingShardingPlanner):
     def plan(self, module: nn.Module, sharders: list[ModuleSharder[nn.Module]]) -> ShardingPlan:
         """A plan for ``module`` on the planner's topology (one host's ranks when ``hosts`` > 1,
         with host-local placements; ``collective_plan`` moves them to the caller's host)."""
-        # the planner's own constraints (storage reservation, logging) and the enumerator's
-        self._constraints = self.constraints_for(module)
-        self._enumerator.use_constraints(self._constraints)
-        self._perf_model.tracker.reset()
+        # torchrec's planner, configured through its constructor for this model: our enumerator
+        # (holding this model's constraints), partitioner, perf model, proposers and callbacks
+        self.constraints = self.constraints_for(module)
+        self.last_enumerator = TopologyEnumerator(self.torchrec_topology, self.batch_size_per_rank, self.column_splits,
+                                                  self.constraints)
+        self.last_planner = EmbeddingShardingPlanner(
+            topology=self.torchrec_topology,
+            batch_size=self.batch_size_per_rank,
+            enumerator=self.last_enumerator,
+            partitioner=self.partitioner,
+            performance_model=self.perf_model,
+            constraints=self.constraints,
+            debug=self.debug,
+            callbacks=self.callbacks,
+            timeout_seconds=self.timeout_seconds,
+            proposer=self.proposers,
+        )
+        self.perf_model.tracker.reset()
         try:
             with fast_planner_internals():
-                plan = super().plan(module, sharders)
+                plan = self.last_planner.plan(module, sharders)
         except ModelDoesNotFitError:
             raise
         except PlannerError as e:
-            raise ModelDoesNotFitError(fit_message(self.cluster, module, self._topology, e)) from None
-        self.search_space = self._enumerator.last_search_space
+            raise ModelDoesNotFitError(fit_message(self.cluster, module, self.torchrec_topology, e)) from None
+        self.search_space = self.last_enumerator.last_search_space
         # The number the search minimised, for the plan it returns: the same function and inputs
         # as `recsys-plan show --topology` (sharding/plan_cost.py), so the two always agree.
-        self.last_pooling = {c.name: float(sum(self._constraints[c.name].pooling_factors))
-                             if c.name in self._constraints and self._constraints[c.name].pooling_factors
+        self.last_pooling = {c.name: float(sum(self.constraints[c.name].pooling_factors))
+                             if c.name in self.constraints and self.constraints[c.name].pooling_factors
                              else POOLING_FACTOR for c in table_configs(module)}
         tables = {c.name: {"num_embeddings": c.num_embeddings, "embedding_dim": c.embedding_dim} for c in table_configs(module)}
         self.last_cost = modeled_step(plan, tables, self.cluster, self.cost_model.batch, self.last_pooling)
@@ -695,7 +727,7 @@ def finer_column_splits(enumerator, space: list[ShardingOption], splits: tuple[i
     from torchrec.distributed.planner.types import Shard
     from torchrec.distributed.sharding_plan import calculate_shard_sizes_and_offsets
 
-    cons = enumerator._constraints or {}
+    cons = enumerator.constraints
     out: list[ShardingOption] = []
     for so in space:
         if so.sharding_type not in ("column_wise", "table_column_wise") or so.compute_kernel != "fused":
@@ -821,21 +853,21 @@ def default_proposers(patience: int | None | str = "auto") -> list:
 
 class TopologyEnumerator(EmbeddingEnumerator):
     """torchrec's enumerator with the planner's additions, given through the planner's
-    ``enumerator=`` argument: the constraints of the model being planned (``use_constraints``,
-    set by ``TopologyAwarePlanner.plan`` because the defaults depend on the model's tables),
-    column-wise variants cut into ``column_splits`` shards (``finer_column_splits``), and a fixed
-    order of the search space (``_sorted_enumeration``); the last search space is kept
-    (``last_search_space``) for bounds (``sharding/bounds.py``)."""
+    ``enumerator=`` argument: the constraints of the model being planned (a new enumerator per
+    ``TopologyAwarePlanner.plan``, because the defaults depend on the model's tables), column-wise
+    variants cut into ``column_splits`` shards (``finer_column_splits``), and a fixed order of the
+    search space (``_sorted_enumeration``); the last search space is kept (``last_search_space``)
+    for bounds (``sharding/bounds.py``), with the seconds its enumeration took (``last_enumerate_s``)."""
 
-    def __init__(self, topology: Topology, batch_size: int, column_splits: tuple[int, ...] = DEFAULT_COLUMN_SPLITS) -> None:
-        super().__init__(topology=topology, batch_size=batch_size, constraints=None)
+    def __init__(self, topology: Topology, batch_size: int, column_splits: tuple[int, ...] = DEFAULT_COLUMN_SPLITS,
+                 constraints: dict[str, ParameterConstraints] | None = None) -> None:
+        super().__init__(topology=topology, batch_size=batch_size, constraints=constraints)
+        self.constraints: dict[str, ParameterConstraints] = dict(constraints or {})
         self.column_splits = tuple(column_splits)
         self.world_size = topology.world_size
         self.local_world_size = topology.local_world_size
         self.last_search_space: list[ShardingOption] = []
-
-    def use_constraints(self, constraints: dict[str, ParameterConstraints] | None) -> None:
-        self._constraints = constraints
+        self.last_enumerate_s = 0.0
 
     def enumerate(self, module: nn.Module, sharders: list[ModuleSharder[nn.Module]]) -> list[ShardingOption]:
         def extra(space: list[ShardingOption]) -> list[ShardingOption]:
@@ -843,7 +875,9 @@ class TopologyEnumerator(EmbeddingEnumerator):
                 return []
             return finer_column_splits(self, space, self.column_splits, self.world_size, self.local_world_size)
 
+        t0 = time.perf_counter()
         self.last_search_space = _sorted_enumeration(super().enumerate, extra=extra)(module=module, sharders=sharders)
+        self.last_enumerate_s += time.perf_counter() - t0
         return self.last_search_space
 
 

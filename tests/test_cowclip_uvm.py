@@ -186,7 +186,7 @@ def test_tight_hbm_plan_on_a_cuda_topology_puts_cowclip_tables_in_host_memory():
     kernels = {name: ps.compute_kernel for m in plan.plan.values() for name, ps in m.items()}
     assert len(kernels) == 8 and "fused_uvm_caching" not in kernels.values()
     assert "fused_uvm" in kernels.values()
-    for so in planner._best_plan:
+    for so in planner.best_plan:
         shard_weight_bytes = sum(sh.size[0] * sh.size[1] * 4 for sh in so.shards)
         ddr = sum(sh.storage.ddr for sh in so.shards)
         hbm = sum(sh.storage.hbm for sh in so.shards)

@@ -56,7 +56,7 @@ def test_show_prints_the_step_the_planner_logged(tmp_path, topology):
     assert step, line
     # what the search rated its best proposal; the returned plan is that, or torchrec's placement
     # of it when the model prefers that (compare_with_default): never worse
-    assert planner.last_cost.step_time * 1e3 <= planner._perf_model.tracker.rating * (1 + 1e-9)
+    assert planner.last_cost.step_time * 1e3 <= planner.perf_model.tracker.rating * (1 + 1e-9)
 
     path = tmp_path / "plan.json"
     save_plan(plan, path, model, world_size=planner.cluster.world_size, compute_device="cuda",

@@ -156,5 +156,5 @@ def test_one_rank_plans_without_links():
     planner = TopologyAwarePlanner(topo, 64)
     plan = planner.plan(EmbeddingBagCollection(tables=tables, device=torch.device("meta")), [EmbeddingBagCollectionSharder()])
     assert sorted(n for m in plan.plan.values() for n in m) == ["t0", "t1", "t2", "t3"]
-    assert planner.cost_model.score(planner._best_plan).comm_time == pytest.approx(
-        sum(planner.cost_model.type_latency(t) for t in {so.sharding_type for so in planner._best_plan}))
+    assert planner.cost_model.score(planner.best_plan).comm_time == pytest.approx(
+        sum(planner.cost_model.type_latency(t) for t in {so.sharding_type for so in planner.best_plan}))

@@ -54,7 +54,7 @@ def check_cover_and_fit(topo, planner, plan, specs):
         area = sum(s.shard_sizes[0] * s.shard_sizes[1] for s in ps.sharding_spec.shards)
         assert area == n * d, name
     # HBM per rank and host memory per host within the planner's (reserved) capacities
-    opts = planner._best_plan
+    opts = planner.best_plan
     sc = planner.partitioner.last_storage_constraint
     hbm = [0] * topo.world_size
     host = [0] * len(topo.hosts)
@@ -247,10 +247,10 @@ def test_lower_bound_is_below_every_plan_and_tight_when_tables_balance():
     for name in ("pcie-8gpu-2socket", "dgx-a100-2host"):
         planner, _ = plan_for(load_topology(name), kaggle, batch=4096)
         lb = step_time_lower_bound(planner.cost_model, planner.search_space)
-        assert 0 < lb <= planner.cost_model.score(planner._best_plan).step_time * (1 + 1e-9)
+        assert 0 < lb <= planner.cost_model.score(planner.best_plan).step_time * (1 + 1e-9)
     # 8 equal tables on 8 equal ranks: one each is optimal and meets the bound
     planner, plan = plan_for(load_topology("dgx-a100"), [(50_000, 32)] * 8, batch=4096)
-    step = planner.cost_model.score(planner._best_plan).step_time
+    step = planner.cost_model.score(planner.best_plan).step_time
     assert step_time_lower_bound(planner.cost_model, planner.search_space) == pytest.approx(step, rel=1e-9)
     assert sorted(ps.ranks[0] for ps in shards_of(plan).values()) == list(range(8))
 
@@ -265,7 +265,7 @@ def test_partitioner_matches_or_beats_torchrecs_greedy_placement(name):
 
     specs = KAGGLE_DIM16
     planner, _ = plan_for(load_topology(name), specs, batch=4096, compare_default=False)
-    plan = planner._best_plan
+    plan = planner.best_plan
     ours = planner.cost_model.score(plan).step_time
     _reset(plan)
     GreedyPerfPartitioner().partition(plan, planner.partitioner.last_storage_constraint)
@@ -285,7 +285,7 @@ def test_finer_column_splits_are_planned_and_cover_the_table():
                          for n, ps in shards_of(plan).items() if n in split)
     whole = TopologyAwarePlanner(topo, 4096, timeout_seconds=10, column_splits=())
     whole.plan(ebc(specs), [EmbeddingBagCollectionSharder()])
-    assert planner.cost_model.score(planner._best_plan).step_time < whole.cost_model.score(whole._best_plan).step_time
+    assert planner.cost_model.score(planner.best_plan).step_time < whole.cost_model.score(whole.best_plan).step_time
 
 
 def _options(planner):

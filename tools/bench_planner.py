@@ -94,8 +94,11 @@ def torchrec_score(opts, ref: EmbeddingShardingPlanner) -> float:
 
 
 def _time_enumeration(planner) -> list[float]:
-    """Wrap the planner's enumerator so the search time (plan - enumeration) can be told apart."""
+    """Wrap torchrec's default planner's enumerator so the search time (plan - enumeration) can be
+    told apart (ours reports it: ``planner.last_enumerator.last_enumerate_s``)."""
     spent: list[float] = []
+    if isinstance(planner, TopologyAwarePlanner):
+        return spent
     inner = planner._enumerator.enumerate
 
     def timed(*a, **k):
@@ -130,15 +133,18 @@ def run_one(topo_name: str, model_name: str, batch: int, default_timeout: int | 
         results[who] = (planner, err)
         row[f"{who}_plan_s"] = round(dt, 2)
         row[f"{who}_plan_cpu_s"] = round(time.process_time() - c0, 2)
+        ours = isinstance(planner, TopologyAwarePlanner)
+        if ours and planner.last_enumerator is not None:
+            enum_s.append(planner.last_enumerator.last_enumerate_s)
         row[f"{who}_enumerate_s"] = round(sum(enum_s), 2)
-        row[f"{who}_proposals"] = planner._num_proposals
-        limit = default_timeout if who == "default" else planner._timeout_seconds
+        row[f"{who}_proposals"] = (planner.last_planner if ours else planner)._num_proposals
+        limit = default_timeout if who == "default" else planner.timeout_seconds
         if limit and dt - sum(enum_s) >= limit:
             row[f"{who}_search_cut"] = True
         if err:
             row[f"{who}_error"] = err
             continue
-        opts = planner._best_plan
+        opts = planner.best_plan if ours else planner._best_plan
         cost = cm.score(opts)
         row[f"{who}_step_ms"] = round(cost.step_time * 1e3, 4)
         row[f"{who}_max_hbm_gib"] = round(float(cost.hbm_bytes.max()) / 2**30, 2)
@@ -148,7 +154,8 @@ def run_one(topo_name: str, model_name: str, batch: int, default_timeout: int | 
     ref = results["default"][0]
     if not results["default"][1] and not results["ours"][1]:
         for who in ("default", "ours"):
-            row[f"{who}_torchrec_est"] = round(torchrec_score(results[who][0]._best_plan, ref), 4)
+            p = results[who][0]
+            row[f"{who}_torchrec_est"] = round(torchrec_score(p.best_plan if who == "ours" else p._best_plan, ref), 4)
         row["ratio_ours_vs_default"] = round(row["ours_step_ms"] / row["default_step_ms"], 3)
         # no plan of our search space (a superset of torchrec's) can go below this, by the model
         lb = step_time_lower_bound(cm, results["ours"][0].search_space) * 1e3

@@ -88,8 +88,8 @@ def _plan(args, world: int, which: str):
                 for t in cons}
     planner = TopologyAwarePlanner(cluster, args.batch, cons, column_splits=() if which != "planner" else (2, 4))
     plan = planner.plan(module, [EmbeddingBagCollectionSharder()])
-    types = sorted({so.sharding_type for so in planner._best_plan})
-    return plan, planner.cost_model.score(planner._best_plan).step_time, types
+    types = sorted({so.sharding_type for so in planner.best_plan})
+    return plan, planner.cost_model.score(planner.best_plan).step_time, types
 
 
 def _rank0_plan(args, cluster, module):
