@@ -232,7 +232,7 @@ def cmd_make(args: argparse.Namespace) -> int:
         meta["pooling"] = planner.last_pooling
     if stats:
         from sharding.cache_sizing import summary
-        from sharding.topology_planner import MAX_CACHE_LOAD_FACTOR
+        from sharding.constants import MAX_CACHE_LOAD_FACTOR
 
         lfs = {name: ps.cache_params.load_factor for mp in plan.plan.values() for name, ps in mp.items()
                if ps.compute_kernel == "fused_uvm_caching" and ps.cache_params is not None and ps.cache_params.load_factor is not None}

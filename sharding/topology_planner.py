@@ -49,20 +49,15 @@ import dataclasses
 import logging
 import math
 import os
-import time
-from typing import Mapping, Optional
+from typing import Mapping
 
 import numpy as np
 from torch import nn
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
 from torchrec.distributed.planner.constants import POOLING_FACTOR
-from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
-from torchrec.distributed.planner.partitioners import GreedyPerfPartitioner
-from torchrec.distributed.planner.proposers import GreedyProposer, UniformProposer
 from torchrec.distributed.planner.types import (
     HardwareConfig,
     KernelConfig,
-    Partitioner,
     PlannerError,
     PlannerErrorType,
     ShardingOption,
@@ -73,23 +68,33 @@ from torchrec.distributed.planner.types import (
 )
 from torchrec.distributed.types import CacheStatistics, ModuleSharder, ShardingPlan
 
-from sharding.balance_proposer import BalanceProposer, BestPlanTracker
+from sharding.balance_proposer import BalanceProposer
 from sharding.bandwidth import host_to_gpu_bandwidth
 from sharding.cache_sizing import DEFAULT_TARGET_HIT_RATE, apply_cache_stats, saturation_load_factor
-from sharding.constants import A2A_TYPES, DEFAULT_LOAD_FACTOR, MAX_CACHE_LOAD_FACTOR, MODEL_PARALLEL_TYPES, UNIFORM_TYPES, UVM_KERNELS
-from sharding.cost_model import CostState, PlacedShard, TopologyCostModel, TopologyPerfModel, placed_from_option
-from sharding.cost_model import with_all_ranks as _with_all_ranks
+from sharding.constants import DEFAULT_LOAD_FACTOR, MAX_CACHE_LOAD_FACTOR, MODEL_PARALLEL_TYPES
+from sharding.cost_model import TopologyCostModel
+from sharding.constraints import default_constraints, merge_constraints, table_bytes
+from sharding.enumerator import DEFAULT_COLUMN_SPLITS, TopologyEnumerator, finer_column_splits
+from sharding.partitioner import TopologyPartitioner, refine_placement
+from sharding.perf_model import CachedPerfModel
 from sharding.plan_cost import modeled_step, step_line
+from sharding.proposers import PatientGreedyProposer, PerTableUniformProposer, default_proposers, greedy_patience_for
 from sharding.tables import table_configs
 from sharding.topology import ClusterTopology, load_topology
 from sharding.torchrec_speedups import fast_planner_internals
 
+__all__ = [
+    "TopologyAwarePlanner", "ModelDoesNotFitError", "torchrec_topology", "remap_plan_to_host", "fit_message",
+    "cpu_topology_like", "cluster_for",
+    # the roles, each in its own module (the torchrec planner package's layout), re-exported here
+    "TopologyPartitioner", "refine_placement", "CachedPerfModel", "TopologyEnumerator", "finer_column_splits",
+    "DEFAULT_COLUMN_SPLITS", "default_proposers", "greedy_patience_for", "PatientGreedyProposer",
+    "PerTableUniformProposer", "default_constraints", "merge_constraints",
+]
+
 logger = logging.getLogger(__name__)
 
 GIB = 1024**3
-# column-wise variants the planner adds: each device-resident table cut into 2 and 4 column shards
-DEFAULT_COLUMN_SPLITS = (2, 4)
-UNIFORM = UNIFORM_TYPES
 
 
 class ModelDoesNotFitError(PlannerError):
@@ -127,364 +132,6 @@ def torchrec_topology(
         hardware_config=hardware,
         kernel_config=KernelConfig(compute_device=topo.compute_device, use_hardware_based_bandwidth=True),
     )
-
-
-class TopologyPartitioner(Partitioner):
-    """Greedy placement by modeled step time (see module docstring)."""
-
-    def __init__(self, cost_model: TopologyCostModel, compare_default: bool = True, refine: bool = True) -> None:
-        self.cost_model = cost_model
-        self.compare_default = compare_default
-        self.refine = refine
-        self.last_storage_constraint: Topology | None = None
-
-    def partition(
-        self, proposal: list[ShardingOption], storage_constraint: Topology, hbm_per_device: Optional[int] = None
-    ) -> list[ShardingOption]:
-        self.last_storage_constraint = storage_constraint
-        self._partition(proposal, storage_constraint, hbm_per_device)
-        self.last = (id(proposal), _sig(proposal), self.cost_model.score(proposal).step_time)
-        return proposal
-
-    def cached_step_time(self, plan: list[ShardingOption]) -> float | None:
-        last = getattr(self, "last", None)
-        if last is not None and last[0] == id(plan) and last[1] == _sig(plan):
-            return last[2]
-        return None
-
-    def compare_with_default(self, plan: list[ShardingOption]) -> list[ShardingOption]:
-        """Re-place the chosen proposal with torchrec's GreedyPerfPartitioner and keep whichever
-        placement the cost model prefers (so ours is never worse than torchrec's on it)."""
-        sc = self.last_storage_constraint
-        if not self.compare_default or sc is None:
-            return plan
-        ours = _ranks(plan)
-        ours_cost = self.cost_model.score(plan).step_time
-        _reset(plan)
-        try:
-            GreedyPerfPartitioner().partition(plan, sc)
-            if self._fits_hosts(plan, sc) and self.cost_model.score(plan).step_time < ours_cost:
-                return plan
-        except PlannerError:
-            pass
-        _set_ranks(plan, ours)
-        return plan
-
-    # host memory is a per-host budget: torchrec's per-rank DDR split can be exceeded per rank
-    def _fits_hosts(self, plan: list[ShardingOption], sc: Topology) -> bool:
-        lw = sc.local_world_size
-        used: dict[int, float] = {}
-        for so in plan:
-            for sh in so.shards:
-                used[sh.rank // lw] = used.get(sh.rank // lw, 0) + sh.storage.ddr
-        cap = {h: sum(d.storage.ddr for d in sc.devices[h * lw:(h + 1) * lw]) for h in range(sc.world_size // lw)}
-        return all(u <= cap[h] for h, u in used.items())
-
-    def _partition(
-        self, proposal: list[ShardingOption], sc: Topology, hbm_per_device: Optional[int]
-    ) -> list[ShardingOption]:
-        m = self.cost_model
-        w, lw = sc.world_size, sc.local_world_size
-        if w != m.world:
-            raise PlannerError(f"topology world size {m.world} != planner world size {w}", PlannerErrorType.OTHER)
-        hbm_free = np.array([float(hbm_per_device or d.storage.hbm) for d in sc.devices])
-        nh = w // lw
-        host_free = np.array([sum(float(d.storage.ddr) for d in sc.devices[h * lw:(h + 1) * lw]) for h in range(nh)])
-        host_of = np.arange(w) // lw
-        st = m.new_state()
-        _reset(proposal)
-
-        def fits(rank: int, s: Storage) -> bool:
-            return s.hbm <= hbm_free[rank] and s.ddr <= host_free[host_of[rank]]
-
-        def take(rank: int, s: Storage) -> None:
-            hbm_free[rank] -= s.hbm
-            host_free[host_of[rank]] -= s.ddr
-
-        def fail(so: ShardingOption, what: str) -> PlannerError:
-            return PlannerError(
-                f"{so.name} ({so.sharding_type}, {so.compute_kernel}): {what}", PlannerErrorType.PARTITION
-            )
-
-        # 1. uniform options (RW, DP): shard i on rank i, as torchrec does
-        for so in proposal:
-            if so.sharding_type in UNIFORM:
-                if len(so.shards) != w:
-                    raise fail(so, f"{len(so.shards)} shards for {w} ranks")
-                for r, sh in enumerate(so.shards):
-                    if not fits(r, sh.storage):
-                        raise fail(so, f"shard does not fit on rank {r}")
-                    take(r, sh.storage)
-                    sh.rank = r
-                st.add_many(m.placed(so))
-
-        rest = [so for so in proposal if so.sharding_type not in UNIFORM]
-        rest.sort(key=lambda so: (-sum(sh.perf.total for sh in so.shards), -sum(sh.storage.hbm + sh.storage.ddr for sh in so.shards), so.name))
-
-        # 2. table-row-wise: one host (its NVLink domain), shard i on its rank i
-        for so in rest:
-            if so.sharding_type != "table_row_wise":
-                continue
-            if len(so.shards) != lw:
-                raise fail(so, f"{len(so.shards)} shards for {lw} ranks per host")
-            best = None
-            fast = nh > 1 and not m.cpu and so.compute_kernel not in UVM_KERNELS
-            if fast:  # device-resident: the step time on each host in closed form, no trial states
-                protos = placed_from_option(_with_all_ranks(so, 0))
-                base = st.base_scores()
-            for h in range(nh):
-                ranks = list(range(h * lw, (h + 1) * lw))
-                if not all(sh.storage.hbm <= hbm_free[r] for r, sh in zip(ranks, so.shards)):
-                    continue
-                if sum(sh.storage.ddr for sh in so.shards) > host_free[h]:
-                    continue
-                if fast:
-                    step, spread = st.step_time_with(*st.twrw_loads(protos, ranks), "table_row_wise", base=base)
-                    key = (round(step, 12), spread, h)
-                    if best is None or key < best[0]:
-                        best = (key, h, None)
-                    continue
-                if nh == 1:
-                    for r, sh in zip(ranks, so.shards):
-                        sh.rank = r
-                    for p in placed_from_option(so):
-                        st.add(p)
-                    best = (None, h, st)
-                    break
-                trial = st.copy()
-                for r, sh in zip(ranks, so.shards):
-                    sh.rank = r
-                for p in placed_from_option(so):
-                    trial.add(p)
-                key = (round(trial.step_time(), 12), trial.spread(), h)
-                if best is None or key < best[0]:
-                    best = (key, h, trial)
-            if best is None:
-                raise fail(so, "no host has room for it")
-            _, h, trial = best
-            for r, sh in zip(range(h * lw, (h + 1) * lw), so.shards):
-                sh.rank = r
-                take(r, sh.storage)
-            if trial is None:
-                for p in m.placed(so):
-                    st.add(p)
-            else:
-                st = trial
-
-        # 3. table-/column-wise shards, heaviest first, each where the modeled step grows least
-        for so in rest:
-            if so.sharding_type == "table_row_wise":
-                continue
-            protos = placed_from_option(_with_all_ranks(so, 0))
-            host_lock = None
-            for sh, proto in zip(so.shards, protos):
-                cands = [r for r in range(w) if fits(r, sh.storage) and (host_lock is None or host_of[r] == host_lock)]
-                if not cands:
-                    raise fail(so, f"a shard needing {sh.storage} fits on no rank")
-                r = _pick(st, proto, cands)
-                sh.rank = r
-                take(r, sh.storage)
-                st.add(dataclasses.replace(proto, rank=r))
-                if so.sharding_type == "table_column_wise":
-                    host_lock = host_of[r]
-        if self.refine:
-            refine_placement(st, [so for so in rest if so.sharding_type != "table_row_wise"], hbm_free, host_of)
-        return proposal
-
-
-REFINE_MAX_MOVES = 200
-REFINE_SWAP_WORLD = 64  # swaps (pairs of shards) only up to this many ranks; moves always
-
-
-def refine_placement(st: CostState, options: list[ShardingOption], hbm_free: np.ndarray, host_of: np.ndarray) -> int:
-    """Local search after the greedy placement: move one device-resident table-/column-wise
-    shard to another rank, or swap one on the bottleneck rank with one elsewhere, while that
-    lowers the modeled step time (or keeps it and lowers the spread: the sum of squared rank and
-    directed-link times, i.e. evens the loads out). Beyond ``REFINE_SWAP_WORLD`` ranks only moves
-    off the bottleneck rank are tried (the rank whose lookups plus its own links' busiest loads
-    are highest).
-
-    Greedy placement (heaviest first, each shard where the step grows least) settles early
-    shards before it knows the rest; on 26 Criteo tables on 16 ranks it ended ~7% above
-    torchrec's own greedy placement, which this recovers. A shard's lookups and directed-link
-    loads depend on its rank only (``a2a_loads``), so a move is scored in closed form. Returns
-    the number of moves and swaps made; the shards' ranks and ``hbm_free`` are updated, ``st`` is
-    not (the caller rescores the plan)."""
-    m = st.model
-    w = m.world
-    L = m.links
-    items = []  # (option, shard, ids bytes, pooled bytes, lookup bytes)
-    for so in options:
-        if so.sharding_type not in A2A_TYPES or so.compute_kernel != "fused":
-            continue
-        for proto, sh in zip(placed_from_option(_with_all_ranks(so, 0)), so.shards):
-            items.append((so, sh, m.ids_bytes(proto.pooling), m.batch * proto.cols * 4.0, st._lookup_bytes(proto)))
-    if len(items) < 2:
-        return 0
-    types = sorted({it[0].sharding_type for it in items})
-    ttype = np.array([types.index(it[0].sharding_type) for it in items])
-    idb = np.array([it[2] for it in items])
-    pooled = np.array([it[3] for it in items])
-    lkb = np.array([it[4] for it in items])
-    hbm = np.array([float(it[1].storage.hbm) for it in items])
-    rank = np.array([int(it[1].rank) for it in items])
-    tcw = np.array([it[0].sharding_type == "table_column_wise" for it in items])
-    # the phases the items load: (type index, coefficient per item, link matrix per rank)
-    phases = []
-    for ti, t in enumerate(types):
-        for stage, coef, mat in (("ids", idb, L.in_inv), ("fwd", pooled, L.out_inv), ("bwd", pooled, L.in_inv)):
-            phases.append((ti, f"{t}:{stage}", coef, mat))
-    loads = [st.load(name).copy() for _, name, _, _ in phases]
-    comm_other = st.comm_time() - sum(float(v.max(initial=0.0)) for v in loads)
-    lk = st.lookup + st.host_io()
-    chunk_trials = max(1, int(2e6 // max(1, L.count)))
-
-    def evaluate(moves: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
-        """(step, spread) of trials, each the same-index entries of ``moves``: (items, from, to)."""
-        n = len(moves[0][0])
-        lks = np.repeat(lk[None, :], n, axis=0)
-        rows = np.arange(n)
-        for i, a, b in moves:
-            np.add.at(lks, (rows, a), -lkb[i] / m.mem_bw[a])
-            np.add.at(lks, (rows, b), lkb[i] / m.mem_bw[b])
-        step = lks.max(axis=1) + comm_other
-        spread = (lks * lks).sum(axis=1)
-        for (ti, _, coef, mat), cur in zip(phases, loads):
-            hit = [(i, a, b) for i, a, b in moves if (ttype[i] == ti).any()]
-            if not hit:
-                step += float(cur.max(initial=0.0))
-                spread += float((cur * cur).sum())
-                continue
-            new = np.repeat(cur[None, :], n, axis=0)
-            for i, a, b in hit:
-                c = np.where(ttype[i] == ti, coef[i], 0.0)[:, None]
-                new += c * (mat[b] - mat[a])
-            step += new.max(axis=1)
-            spread += (new * new).sum(axis=1)
-        return np.round(step, 12), spread
-
-    def apply(i: int, a: int, b: int) -> None:
-        lk[a] -= lkb[i] / m.mem_bw[a]
-        lk[b] += lkb[i] / m.mem_bw[b]
-        for (ti, _, coef, mat), cur in zip(phases, loads):
-            if ttype[i] == ti:
-                cur += coef[i] * (mat[b] - mat[a])
-
-    def bottleneck() -> int:
-        att = lk.copy()
-        for cur in loads:
-            att += np.array([float(cur[a].max(initial=0.0)) if len(a) else 0.0 for a in m.attached])
-        return int(np.argmax(att))
-
-    cur_key = evaluate([(np.array([0]), np.array([rank[0]]), np.array([rank[0]]))])
-    cur = (float(cur_key[0][0]), float(cur_key[1][0]))
-    changes = 0
-    all_ranks = np.arange(w)
-    for _ in range(REFINE_MAX_MOVES):
-        slow = bottleneck()
-        best = None
-        movers = np.arange(len(items)) if w <= REFINE_SWAP_WORLD else np.flatnonzero(rank == slow)
-        idx = np.repeat(movers, w)
-        dest = np.tile(all_ranks, len(movers))
-        ok = (dest != rank[idx]) & (hbm[idx] <= hbm_free[dest])
-        ok &= ~tcw[idx] | (host_of[dest] == host_of[rank[idx]])
-        idx, dest = idx[ok], dest[ok]
-        for lo in range(0, len(idx), chunk_trials):
-            i, d = idx[lo:lo + chunk_trials], dest[lo:lo + chunk_trials]
-            step, spread = evaluate([(i, rank[i], d)])
-            k = int(np.lexsort((spread, step))[0])
-            key = (float(step[k]), float(spread[k]))
-            if best is None or key < best[0]:
-                best = (key, ("move", int(i[k]), int(d[k])))
-        if w <= REFINE_SWAP_WORLD:
-            others = np.flatnonzero((rank != slow) & ~tcw)
-            for i in np.flatnonzero((rank == slow) & ~tcw):
-                if not len(others):
-                    break
-                r2 = rank[others]
-                fit = (hbm[i] <= hbm_free[r2] + hbm[others]) & (hbm[others] <= hbm_free[slow] + hbm[i])
-                js, r2 = others[fit], r2[fit]
-                for lo in range(0, len(js), chunk_trials):
-                    j, rj = js[lo:lo + chunk_trials], r2[lo:lo + chunk_trials]
-                    ii = np.full(len(j), i)
-                    sl = np.full(len(j), slow)
-                    step, spread = evaluate([(ii, sl, rj), (j, rj, sl)])
-                    k = int(np.lexsort((spread, step))[0])
-                    key = (float(step[k]), float(spread[k]))
-                    if best is None or key < best[0]:
-                        best = (key, ("swap", int(i), int(j[k])))
-        if best is None or not best[0] < (cur[0], cur[1] * (1 - 1e-9)):
-            break
-        kind, i, x = best[1]
-        if kind == "move":
-            hbm_free[rank[i]] += hbm[i]
-            hbm_free[x] -= hbm[i]
-            apply(i, int(rank[i]), x)
-            rank[i] = x
-        else:
-            r2 = int(rank[x])
-            hbm_free[slow] += hbm[i] - hbm[x]
-            hbm_free[r2] += hbm[x] - hbm[i]
-            apply(i, slow, r2)
-            apply(x, r2, slow)
-            rank[i], rank[x] = r2, slow
-        cur = best[0]
-        changes += 1
-    if changes:
-        for it, r in zip(items, rank):
-            it[1].rank = int(r)
-    return changes
-
-
-def _pick(st: CostState, proto: PlacedShard, cands: list[int]) -> int:
-    """The candidate with the lowest resulting step time; ties: the lowest resulting spread (sum
-    of squared rank and link times: evens loads, spreads host traffic over switches), then the
-    lowest rank."""
-    if len(cands) == 1:
-        return cands[0]
-    c = np.asarray(cands)
-    maxes, sums = st.candidate_scores(proto, cands)
-    lo = maxes.min()
-    tol = 1e-9 * max(lo, 1e-12)
-    ok = maxes <= lo + tol
-    idx = np.flatnonzero(ok)
-    best = idx[np.lexsort((c[idx], sums[idx]))[0]]
-    return int(c[best])
-
-
-def _sig(plan: list[ShardingOption]) -> tuple:
-    return tuple(sh.rank for so in plan for sh in so.shards)
-
-
-def _ranks(plan: list[ShardingOption]) -> list[list[int]]:
-    return [[sh.rank for sh in so.shards] for so in plan]
-
-
-def _set_ranks(plan: list[ShardingOption], ranks: list[list[int]]) -> None:
-    for so, rs in zip(plan, ranks):
-        for sh, r in zip(so.shards, rs):
-            sh.rank = r
-
-
-def _reset(plan: list[ShardingOption]) -> None:
-    for so in plan:
-        for sh in so.shards:
-            sh.rank = None
-
-
-class _CachedPerfModel(TopologyPerfModel):
-    """TopologyPerfModel that reuses the partitioner's score of the plan it just placed."""
-
-    def __init__(self, cost_model: TopologyCostModel, partitioner: TopologyPartitioner) -> None:
-        super().__init__(cost_model)
-        self.partitioner = partitioner
-        self.tracker = BestPlanTracker(cost_model)
-
-    def rate(self, plan: list[ShardingOption]) -> float:
-        hit = self.partitioner.cached_step_time(plan)
-        rating = hit * 1e3 if hit is not None else super().rate(plan)
-        self.tracker.offer(plan, rating)
-        return rating
 
 
 class TopologyAwarePlanner(EmbeddingShardingPlanner):
@@ -550,7 +197,7 @@ class TopologyAwarePlanner(EmbeddingShardingPlanner):
             raise ValueError(f"target_hit_rate must be in (0, 1], got {target_hit_rate}")
         self.cost_model = TopologyCostModel(self.cluster, batch_size)
         self.partitioner = TopologyPartitioner(self.cost_model, compare_default=compare_default)
-        perf_model = _CachedPerfModel(self.cost_model, self.partitioner)
+        perf_model = CachedPerfModel(self.cost_model, self.partitioner)
         if proposer is None:
             proposer = default_proposers(greedy_patience)
             if self.column_splits:
@@ -709,193 +356,6 @@ class TopologyAwarePlanner(EmbeddingShardingPlanner):
         return plan
 
 
-_TYPE_ORDER = ("table_wise", "column_wise", "table_column_wise", "row_wise", "table_row_wise", "grid_shard", "data_parallel")
-_KERNEL_ORDER = ("fused", "fused_uvm_caching", "fused_uvm", "dense", "quant", "key_value")
-
-
-def finer_column_splits(enumerator, space: list[ShardingOption], splits: tuple[int, ...], world: int,
-                        local_world: int) -> list[ShardingOption]:
-    """Column-wise / table-column-wise variants of each device-resident option cut into ``k`` in
-    ``splits`` equal column shards (at least 4 columns each, FBGEMM's alignment, and at most one
-    shard per rank; per host for table-column-wise), estimated by the enumerator's estimators.
-
-    torchrec cuts columns in blocks of ``min_partition`` (default 128), so tables of dim <= 128
-    (all of a Criteo DLRM's) get one column shard, the same as table-wise: balance then comes
-    in whole tables (26 tables on 8 or 16 ranks leave ranks with one table more than others).
-    Tables whose ``ParameterConstraints.min_partition`` is set keep the user's choice. The cost
-    model charges each column shard the table's ids (input dist), so finer is not free."""
-    from torchrec.distributed.planner.types import Shard
-    from torchrec.distributed.sharding_plan import calculate_shard_sizes_and_offsets
-
-    cons = enumerator.constraints
-    out: list[ShardingOption] = []
-    for so in space:
-        if so.sharding_type not in ("column_wise", "table_column_wise") or so.compute_kernel != "fused":
-            continue
-        c = cons.get(so.name)
-        if c is not None and c.min_partition is not None:
-            continue
-        dim = int(so.tensor.shape[1])
-        limit = local_world if so.sharding_type == "table_column_wise" else world
-        for k in splits:
-            part = dim // k
-            if k <= len(so.shards) or k > limit or part < 4 or part % 4 or dim % k:
-                continue
-            sizes, offsets = calculate_shard_sizes_and_offsets(
-                tensor=so.tensor, world_size=world, local_world_size=local_world, sharding_type=so.sharding_type,
-                col_wise_shard_dim=part, device_memory_sizes=enumerator._device_memory_sizes)
-            if len(sizes) != k:
-                continue
-            new = copy.copy(so)
-            new.shards = [Shard(size=sz, offset=off) for sz, off in zip(sizes, offsets)]
-            out.append(new)
-    if out:
-        enumerator.populate_estimates(out)
-    return out
-
-
-def _sorted_enumeration(enumerate_fn, extra=None):
-    """The search space in a fixed order: tables as the enumerator first lists them, then sharding
-    type, kernel, load factor, shard count. torchrec builds each table's types and kernels with
-    ``list(set(...) & set(...))``, so its order (and with it the proposers' order and which of two
-    equally rated plans wins) changed with PYTHONHASHSEED from one process to the next.
-    ``extra(space)``: more options to add (before sorting)."""
-
-    def run(*args, **kwargs):
-        space = enumerate_fn(*args, **kwargs)
-        if extra is not None:
-            space = list(space) + extra(space)
-        first: dict[str, int] = {}
-        for so in space:
-            first.setdefault(so.fqn, len(first))
-
-        def key(so):
-            st, k = so.sharding_type, so.compute_kernel
-            return (first[so.fqn], _TYPE_ORDER.index(st) if st in _TYPE_ORDER else len(_TYPE_ORDER), st,
-                    _KERNEL_ORDER.index(k) if k in _KERNEL_ORDER else len(_KERNEL_ORDER), k,
-                    so.cache_load_factor if so.cache_load_factor is not None else -1.0, len(so.shards))
-
-        return sorted(space, key=key)
-
-    return run
-
-
-def greedy_patience_for(num_tables: int) -> int | None:
-    """How many consecutive fitting-but-worse proposals a greedy proposer may make before it
-    stops (torchrec's ``GreedyProposer(threshold=...)``): 2000 / tables, within [4, 50].
-
-    torchrec's greedy proposers walk from each table's fastest option (by torchrec's estimate)
-    towards smaller ones, one table per proposal, for memory; once a proposal fits, later ones
-    trade speed for memory and rarely win. Measured without a limit: on the quick benchmark
-    (26 tables, 8-16 GPUs) the first greedy proposer's ~360 proposals never beat the best plan,
-    which came from the second proposer's first few; on 500 tables x 128 GPUs the first fitting
-    proposal of each greedy proposer was its best (of 33 tried in 60 s). Proposals that do not
-    fit do not count, so a model that needs many steps to fit still gets them. A count instead of
-    the wall-clock timeout (still there, 20 s, as a safety net) keeps plans deterministic on a
-    loaded machine: with only the timeout, a busy 2-core machine cut the 16-GPU DeepFM search
-    early and returned a 0.88 ms plan instead of 0.63 ms."""
-    return max(4, min(50, 2000 // max(1, num_tables)))
-
-
-class PatientGreedyProposer(GreedyProposer):
-    """torchrec's ``GreedyProposer`` whose early-stopping threshold is chosen when it sees the
-    search space: ``greedy_patience_for(tables)`` with ``patience="auto"``, else ``patience``."""
-
-    def __init__(self, use_depth: bool = True, patience: int | None | str = "auto") -> None:
-        super().__init__(use_depth=use_depth, threshold=None if patience == "auto" else patience)  # type: ignore[arg-type]
-        self.patience = patience
-
-    def load(self, search_space: list[ShardingOption], enumerator=None) -> None:
-        super().load(search_space, enumerator)
-        if self.patience == "auto":
-            self._threshold = greedy_patience_for(len({so.name for so in search_space}))
-
-
-class PerTableUniformProposer(UniformProposer):
-    """torchrec's ``UniformProposer`` (one plan per sharding type, every table of that type),
-    except that a table without the type (a user constraint excludes it) keeps its own best
-    option instead of cancelling the type's plan for all tables.
-
-    torchrec proposes a type's uniform plan only if every table offers it, so constraining one
-    table to ``column_wise`` removed the "all table-column-wise" plan the planner chose without
-    constraints, and the other tables' choice changed with it (issue 12, "constraints leak")."""
-
-    def load(self, search_space: list[ShardingOption], enumerator=None) -> None:
-        from torchrec.distributed.planner.proposers import _sharding_option_score
-
-        self._reset()
-        by_fqn: dict[str, list[ShardingOption]] = {}
-        for so in search_space:
-            by_fqn.setdefault(so.fqn, []).append(so)
-        types: list[str] = []
-        for so in search_space:
-            if so.sharding_type not in types:
-                types.append(so.sharding_type)
-        for fqn in by_fqn:
-            by_fqn[fqn].sort(key=lambda x: _sharding_option_score(x, self._use_depth))
-        for st in types:
-            proposal = []
-            for options in by_fqn.values():
-                same = [so for so in options if so.sharding_type == st]
-                proposal.append(same[0] if same else options[0])
-            self._grouped_sharding_options.append(proposal)
-
-
-def default_proposers(patience: int | None | str = "auto") -> list:
-    """torchrec's default proposers, the greedy ones with early stopping after ``patience``
-    fitting proposals that do not improve (``"auto"``: ``greedy_patience_for(tables)``), the
-    uniform one per table (``PerTableUniformProposer``)."""
-    from torchrec.distributed.planner.proposers import GridSearchProposer
-
-    return [GridSearchProposer(), PatientGreedyProposer(patience=patience),
-            PatientGreedyProposer(use_depth=False, patience=patience), PerTableUniformProposer()]
-
-
-class TopologyEnumerator(EmbeddingEnumerator):
-    """torchrec's enumerator with the planner's additions, given through the planner's
-    ``enumerator=`` argument: the constraints of the model being planned (a new enumerator per
-    ``TopologyAwarePlanner.plan``, because the defaults depend on the model's tables), column-wise
-    variants cut into ``column_splits`` shards (``finer_column_splits``), and a fixed order of the
-    search space (``_sorted_enumeration``); the last search space is kept (``last_search_space``)
-    for bounds (``sharding/bounds.py``), with the seconds its enumeration took (``last_enumerate_s``)."""
-
-    def __init__(self, topology: Topology, batch_size: int, column_splits: tuple[int, ...] = DEFAULT_COLUMN_SPLITS,
-                 constraints: dict[str, ParameterConstraints] | None = None) -> None:
-        super().__init__(topology=topology, batch_size=batch_size, constraints=constraints)
-        self.constraints: dict[str, ParameterConstraints] = dict(constraints or {})
-        self.column_splits = tuple(column_splits)
-        self.world_size = topology.world_size
-        self.local_world_size = topology.local_world_size
-        self.last_search_space: list[ShardingOption] = []
-        self.last_enumerate_s = 0.0
-
-    def enumerate(self, module: nn.Module, sharders: list[ModuleSharder[nn.Module]]) -> list[ShardingOption]:
-        def extra(space: list[ShardingOption]) -> list[ShardingOption]:
-            if not self.column_splits:
-                return []
-            return finer_column_splits(self, space, self.column_splits, self.world_size, self.local_world_size)
-
-        t0 = time.perf_counter()
-        self.last_search_space = _sorted_enumeration(super().enumerate, extra=extra)(module=module, sharders=sharders)
-        self.last_enumerate_s += time.perf_counter() - t0
-        return self.last_search_space
-
-
-def merge_constraints(
-    defaults: Mapping[str, ParameterConstraints], user: Mapping[str, ParameterConstraints] | None
-) -> dict[str, ParameterConstraints]:
-    """Per table: the user's constraint where given, with the fields it leaves None
-    (``sharding_types``, ``compute_kernels``) taken from the planner's default for that table;
-    the default elsewhere. A constraint on one table never changes another's. Copies: the user's
-    objects are not modified (cache statistics are written into the result later)."""
-    out = {name: dataclasses.replace(c) for name, c in defaults.items()}
-    for name, c in (user or {}).items():
-        d = defaults.get(name)
-        fill = {} if d is None else {f: getattr(d, f) for f in ("sharding_types", "compute_kernels") if getattr(c, f) is None}
-        out[name] = dataclasses.replace(c, **fill)
-    return out
-
-
 def remap_plan_to_host(plan: ShardingPlan, host: int, ranks_per_host: int, device_type: str) -> ShardingPlan:
     """A copy of a plan made for ranks 0..R-1 with the shard placements moved to ``host``'s
     global ranks (ShardedTensor placements name global ranks, even on a subgroup); ``ranks`` stay
@@ -935,27 +395,13 @@ def _cluster_to_plan(cluster: ClusterTopology, hosts: int, world_size: int | Non
     return cluster
 
 
-def default_constraints(module: nn.Module, compute_device: str, sharding_types: list[str] | None = None) -> dict[str, ParameterConstraints]:
-    """Model-parallel sharding types; fused kernels, plus UVM and UVM caching on GPUs."""
-    types = list(sharding_types or MODEL_PARALLEL_TYPES)
-    kernels = ["fused"] if compute_device == "cpu" else ["fused", "fused_uvm", "fused_uvm_caching"]
-    if "data_parallel" in types:
-        kernels.append("dense")
-    return {name: ParameterConstraints(sharding_types=types, compute_kernels=kernels) for name in _table_bytes(module)}
-
-
-def _table_bytes(module: nn.Module) -> dict[str, int]:
-    """Table -> weights + row-wise optimizer state bytes (fp32)."""
-    return {c.name: c.num_embeddings * c.embedding_dim * 4 + c.num_embeddings * 4 for c in table_configs(module)}
-
-
 def _gib(n: float) -> str:
     return f"{n / GIB:,.1f} GiB"
 
 
 def fit_message(cluster: ClusterTopology, module: nn.Module, topo: Topology, err: Exception) -> str:
     """One line: what the model needs, what the cluster has, the largest tables, what would fit."""
-    tables = _table_bytes(module)
+    tables = table_bytes(module)
     need = sum(tables.values())
     top = sorted(tables.items(), key=lambda kv: (-kv[1], kv[0]))[:3]
     w = cluster.world_size

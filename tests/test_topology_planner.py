@@ -261,7 +261,7 @@ def test_partitioner_matches_or_beats_torchrecs_greedy_placement(name):
     never worse by the model than torchrec's GreedyPerfPartitioner on the same proposal."""
     from torchrec.distributed.planner.partitioners import GreedyPerfPartitioner
 
-    from sharding.topology_planner import _reset
+    from sharding.partitioner import _reset
 
     specs = KAGGLE_DIM16
     planner, _ = plan_for(load_topology(name), specs, batch=4096, compare_default=False)

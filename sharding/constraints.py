@@ -1,0 +1,43 @@
+"""Per-table ``ParameterConstraints``: the planner's defaults for a model's tables and their
+per-table merge with a user's constraints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+from torch import nn
+from torchrec.distributed.planner import ParameterConstraints
+
+from sharding.constants import MODEL_PARALLEL_TYPES
+from sharding.tables import table_configs
+
+
+def merge_constraints(
+    defaults: Mapping[str, ParameterConstraints], user: Mapping[str, ParameterConstraints] | None
+) -> dict[str, ParameterConstraints]:
+    """Per table: the user's constraint where given, with the fields it leaves None
+    (``sharding_types``, ``compute_kernels``) taken from the planner's default for that table;
+    the default elsewhere. A constraint on one table never changes another's. Copies: the user's
+    objects are not modified (cache statistics are written into the result later)."""
+    out = {name: dataclasses.replace(c) for name, c in defaults.items()}
+    for name, c in (user or {}).items():
+        d = defaults.get(name)
+        fill = {} if d is None else {f: getattr(d, f) for f in ("sharding_types", "compute_kernels") if getattr(c, f) is None}
+        out[name] = dataclasses.replace(c, **fill)
+    return out
+
+
+def default_constraints(module: nn.Module, compute_device: str, sharding_types: list[str] | None = None) -> dict[str, ParameterConstraints]:
+    """Model-parallel sharding types; fused kernels, plus UVM and UVM caching on GPUs."""
+    types = list(sharding_types or MODEL_PARALLEL_TYPES)
+    kernels = ["fused"] if compute_device == "cpu" else ["fused", "fused_uvm", "fused_uvm_caching"]
+    if "data_parallel" in types:
+        kernels.append("dense")
+    return {name: ParameterConstraints(sharding_types=types, compute_kernels=kernels) for name in table_bytes(module)}
+
+
+def table_bytes(module: nn.Module) -> dict[str, int]:
+    """Table -> weights + row-wise optimizer state bytes (fp32)."""
+    return {c.name: c.num_embeddings * c.embedding_dim * 4 + c.num_embeddings * 4 for c in table_configs(module)}
