@@ -5,9 +5,7 @@ proposers (the greedy ones stop early, deterministically) and a per-table unifor
 from __future__ import annotations
 
 from torchrec.distributed.planner.proposers import GreedyProposer, UniformProposer
-from torchrec.distributed.planner.types import (
-    ShardingOption,
-)
+from torchrec.distributed.planner.types import ShardingOption
 
 
 def greedy_patience_for(num_tables: int) -> int | None:
