@@ -238,6 +238,49 @@ def test_config_accepts_catchup_for_the_adam_kernels_only(tmp_path):
         load_config(bad, [])
 
 
+def test_catchup_runs_plan_only_the_sharding_types_whose_kernels_catch_up(tmp_path):
+    """Column-wise and data-parallel kernels do not catch rows up, and merges do not either: the
+    config refuses them in one line, and an unconstrained run plans TW/RW/TWRW only."""
+    from recsys.config import CATCHUP_SHARDING_TYPES, ConfigError, load_config
+    from recsys.training.loop import catchup_sharding
+
+    base = tmp_path / "c.yaml"
+    base.write_text("optim:\n  embedding: cowclip_adam\n  embedding_l2_scope: catchup\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(base, ["sharding.sharding_types=[row_wise,column_wise,data_parallel]"])
+    assert str(e.value) == (f"{base}: key 'sharding.sharding_types': column_wise, data_parallel cannot run "
+                            "optim.embedding_l2_scope=catchup (use table_wise, row_wise, table_row_wise, or leave it empty)")
+    with pytest.raises(ConfigError) as e:
+        load_config(base, ["train.merge_every=4"])
+    assert str(e.value) == (f"{base}: key 'optim.embedding_l2_scope': catchup is not applied across k-step merges "
+                            "(train.merge_every > 0): use batch or all")
+    assert catchup_sharding(load_config(base, [])).sharding_types == list(CATCHUP_SHARDING_TYPES)
+    assert catchup_sharding(load_config(base, ["sharding.sharding_types=[row_wise]"])).sharding_types == ["row_wise"]
+    assert catchup_sharding(load_config(None, [])).sharding_types == []  # other scopes: the planner's own choice
+
+
+@pytest.mark.slow
+def test_a_saved_column_wise_plan_is_refused_before_launch_for_catchup(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    smoke = repo / "configs" / "experiments" / "smoke.yaml"
+    run = lambda *o: subprocess.run([sys.executable, "-m", "recsys.cli", "train", "--config", str(smoke), *o],  # noqa: E731
+                                    capture_output=True, text=True, cwd=repo, timeout=600)
+    r = run(f"run_dir={tmp_path / 'cw'}", "train.max_steps=2", "train.nproc_per_node=1",
+            "sharding.sharding_types=[column_wise]")
+    assert r.returncode == 0, r.stderr[-2000:]
+    plan = tmp_path / "cw" / "plan.json"
+    r = run(f"run_dir={tmp_path / 'cu'}", "train.max_steps=2", "train.nproc_per_node=1", f"plan={plan}",
+            "optim.embedding=cowclip_adam", "optim.embedding_l2_scope=catchup")
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(
+        f"error: plan {plan}: table ") and r.stderr.strip().endswith(
+        "is column_wise; optim.embedding_l2_scope=catchup needs table_wise, row_wise, table_row_wise"), r.stderr[-2000:]
+    assert not (tmp_path / "cu").exists()  # refused before anything was written
+
+
 # ---- real TorchRec sharding (gloo) ------------------------------------------------------------
 
 SH_TABLES = {"c_tw": (50, ("table_wise", 0)), "c_rw": (61, ("row_wise", None)), "c_twrw": (47, ("table_row_wise", 0))}
