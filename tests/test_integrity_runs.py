@@ -338,3 +338,29 @@ def test_world_size_change_reshards_model_and_optimizer_exactly(run30, tmp_path)
     assert s["world_size"] == 2 and s["resumed_from"].endswith("step_000000020")
     for key in ("auc", "logloss"):
         assert s[key] == pytest.approx(ref[key], abs=1e-6), (key, s[key], ref[key])
+
+
+@pytest.mark.parametrize("saved_optim, merge_every, reshards", [
+    ("rowwise_adagrad", 0, True),  # FBGEMM's fused state: DCP reshards it
+    ("cowclip_adam", 0, False),  # our per-row step and moments: not resharded, refused by name
+    ("adam", 0, False),
+    ("rowwise_adagrad", 4, False),  # hierarchical: per-host replicas, refused
+])
+def test_another_world_size_reshards_or_is_refused_in_one_line(tmp_path, saved_optim, merge_every, reshards):
+    """Which states may resume on another world size (checkpoint.reshardable); the others stop
+    with the one line naming train.world_size, before anything loads."""
+    from recsys.training.checkpoint import CheckpointError
+
+    shape = lambda world: {"optim.embedding": saved_optim, "train.merge_every": merge_every,  # noqa: E731
+                           "train.world_size": world, "train.batch_size": 512}
+    d = _fake_checkpoint(tmp_path / "checkpoints", 20)
+    marker = json.loads((d / MARKER).read_text())
+    (d / MARKER).write_text(json.dumps({**marker, "world_size": 2, "shape": shape(2)}))
+    ck = Checkpointer(tmp_path / "checkpoints", 0, 1, shape=shape(1))
+    if reshards:
+        ck.check_compatible(d)
+        return
+    with pytest.raises(CheckpointError) as e:
+        ck.check_compatible(d)
+    assert str(e.value) == (f"cannot resume from {d}: the config changed (train.world_size 2 -> 1); restore these "
+                            "values, or start a new run (another run_dir, or overwrite=true)")
