@@ -217,17 +217,18 @@ class TopologyAwarePlanner(EmbeddingShardingPlanner):
         self.constraints: dict[str, ParameterConstraints] = {}
         self.last_planner: EmbeddingShardingPlanner | None = None
         self.last_enumerator: TopologyEnumerator | None = None
-        super().__init__(  # a valid torchrec planner of its own (collective_plan, isinstance checks)
-            topology=self.torchrec_topology,
-            batch_size=batch_size,
-            enumerator=TopologyEnumerator(self.torchrec_topology, batch_size, self.column_splits),
-            partitioner=self.partitioner,
-            performance_model=perf_model,
-            debug=debug,
-            callbacks=callbacks,
-            timeout_seconds=timeout_seconds,
-            proposer=proposer,
-        )
+        # a valid torchrec planner of its own too (collective_plan, isinstance checks)
+        super().__init__(**self._torchrec_planner_args({}))
+
+    def _torchrec_planner_args(self, constraints: dict[str, ParameterConstraints]) -> dict:
+        """The constructor arguments of torchrec's planner: our roles, and ``constraints`` with the
+        enumerator that holds them."""
+        enumerator = TopologyEnumerator(self.torchrec_topology, self.batch_size_per_rank, self.column_splits,
+                                        constraints)
+        return dict(topology=self.torchrec_topology, batch_size=self.batch_size_per_rank, enumerator=enumerator,
+                    partitioner=self.partitioner, performance_model=self.perf_model, constraints=constraints or None,
+                    debug=self.debug, callbacks=self.callbacks, timeout_seconds=self.timeout_seconds,
+                    proposer=self.proposers)
 
     @property
     def best_plan(self) -> list[ShardingOption] | None:
@@ -249,20 +250,9 @@ class TopologyAwarePlanner(EmbeddingShardingPlanner):
         # torchrec's planner, configured through its constructor for this model: our enumerator
         # (holding this model's constraints), partitioner, perf model, proposers and callbacks
         self.constraints = self.constraints_for(module)
-        self.last_enumerator = TopologyEnumerator(self.torchrec_topology, self.batch_size_per_rank, self.column_splits,
-                                                  self.constraints)
-        self.last_planner = EmbeddingShardingPlanner(
-            topology=self.torchrec_topology,
-            batch_size=self.batch_size_per_rank,
-            enumerator=self.last_enumerator,
-            partitioner=self.partitioner,
-            performance_model=self.perf_model,
-            constraints=self.constraints,
-            debug=self.debug,
-            callbacks=self.callbacks,
-            timeout_seconds=self.timeout_seconds,
-            proposer=self.proposers,
-        )
+        args = self._torchrec_planner_args(self.constraints)
+        self.last_enumerator = args["enumerator"]
+        self.last_planner = EmbeddingShardingPlanner(**args)
         self.perf_model.tracker.reset()
         try:
             with fast_planner_internals():

@@ -18,15 +18,13 @@ sees either no dataset or a complete one.
 from __future__ import annotations
 
 import fcntl
-import json
 import logging
-import os
 import re
 import shutil
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from recsys.data.shards import MANIFEST_NAME, ShardedDataset, InvalidShardDirError, _fsync_dir
+from recsys.data.shards import InvalidShardDirError, ShardedDataset, replace_manifest
 
 __all__ = ["task_files", "part_dir", "run_task", "join_parts", "JOINED_BY"]
 
@@ -69,7 +67,8 @@ def run_task(
     is there and up to date. ``key_of(files)`` is the cache key that call writes for ``files``.
     Returns the joined manifest, or None while parts are missing."""
     out_dir = Path(out_dir)
-    done = _complete_with_key(out_dir, key_of(list(paths)))
+    key = key_of(list(paths))  # hashes every file's head and tail: once per task
+    done = _complete_with_key(out_dir, key)
     if done is not None:
         logger.info("%s: shard cache is up to date (%d rows); task %d has nothing to do", out_dir, done["num_rows"], task)
         return done
@@ -77,7 +76,7 @@ def run_task(
     if files:
         part_dir(out_dir, task).parent.mkdir(parents=True, exist_ok=True)
         preprocess_files(files, part_dir(out_dir, task))
-    return join_parts(out_dir, paths, tasks, key_of)
+    return join_parts(out_dir, paths, tasks, key_of, key)
 
 
 def _complete_with_key(out_dir: Path, key: dict[str, Any]) -> dict[str, Any] | None:
@@ -88,15 +87,16 @@ def _complete_with_key(out_dir: Path, key: dict[str, Any]) -> dict[str, Any] | N
     return manifest if manifest.get("cache_key") == key else None
 
 
-def join_parts(out_dir: Path, paths: Sequence[Path], tasks: int,
-               key_of: Callable[[list[Path]], dict[str, Any]]) -> dict[str, Any] | None:
+def join_parts(out_dir: Path, paths: Sequence[Path], tasks: int, key_of: Callable[[list[Path]], dict[str, Any]],
+               key: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """Write ``out_dir``'s manifest over the parts of ``tasks`` tasks once each of them is
     complete and built from its files as they are now (None before that). Under a lock, so
     concurrent finishers join once; shard files and parts that the new manifest does not list (an
-    older cache in the same place) are removed after the manifest is in place."""
+    older cache in the same place) are removed after the manifest is in place. ``key``: the whole
+    input's key when the caller has it already (``key_of(paths)``)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    key = key_of(list(paths))
+    key = key_of(list(paths)) if key is None else key
     with open(out_dir / ".join.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         done = _complete_with_key(out_dir, key)
@@ -124,13 +124,7 @@ def join_parts(out_dir: Path, paths: Sequence[Path], tasks: int,
         manifest = {k: v for k, v in first.items() if k not in ("shards", "sources", "num_rows", "cache_key", "created_by")}
         manifest.update(num_rows=sum(s["num_rows"] for s in shards), shards=shards, sources=sources,
                         created_by=f"{JOINED_BY} ({len(parts)} parts)", cache_key=key)
-        tmp = out_dir / f".{MANIFEST_NAME}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out_dir / MANIFEST_NAME)
-        _fsync_dir(out_dir)
+        replace_manifest(out_dir, manifest)
         _remove_unlisted(out_dir, {part_dir(out_dir, t).name for t, _ in parts})
         ShardedDataset.open(out_dir)  # every listed file is there, with its dtype and shape
         logger.info("%s: joined %d parts, %d rows (no arrays copied)", out_dir, len(parts), manifest["num_rows"])

@@ -131,24 +131,14 @@ class WindowReader:
             parts = [self._read(int(f), int(min(f + b, self.order.num_rows))) for f in firsts]
             where = np.searchsorted(firsts, rows // b * b)
             offsets = np.concatenate([[0], np.cumsum([len(p) for p in parts])])[where] + rows % b
-            cat = lambda name: None if getattr(parts[0], name) is None else \
-                np.concatenate([getattr(p, name) for p in parts])[offsets]  # noqa: E731
             if len(self._held) >= 2:  # a step spans at most two windows; older ones are done
                 self._held.pop(next(iter(self._held)))
-            self._held[key] = RowBlock(cat("dense"), cat("sparse"), cat("labels"), cat("probs"))
+            self._held[key] = RowBlock.concat(parts).take(offsets)
         return self._held[key]
 
     def read(self, epoch: int, start: int, stop: int) -> RowBlock:
         """Rows at positions [start, stop) of an epoch, in that order."""
         if not self.order.shuffle:
             return self._read(start, stop)
-        parts = []
-        for w, a, b in self.order.windows(epoch, start, stop):
-            held = self._window(epoch, w)
-            parts.append(RowBlock(held.dense[a:b], held.sparse[a:b], held.labels[a:b],
-                                  None if held.probs is None else held.probs[a:b]))
-        if len(parts) == 1:
-            return parts[0]
-        cat = lambda name: None if getattr(parts[0], name) is None else \
-            np.concatenate([getattr(p, name) for p in parts])  # noqa: E731
-        return RowBlock(cat("dense"), cat("sparse"), cat("labels"), cat("probs"))
+        return RowBlock.concat([self._window(epoch, w).take(slice(a, b))
+                                for w, a, b in self.order.windows(epoch, start, stop)])

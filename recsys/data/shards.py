@@ -107,6 +107,16 @@ def _write_json(path: Path, obj: Any) -> None:
         os.fsync(f.fileno())
 
 
+def replace_manifest(root: Path, manifest: dict[str, Any]) -> None:
+    """Write ``root``'s manifest in place, atomically and durably (temp file, fsync, rename,
+    directory fsync): for a directory whose shard files are already there, e.g. one joined from
+    parts (recsys/data/fanout.py). Readers see the old manifest or the new one, never a mix."""
+    tmp = root / f".{MANIFEST_NAME}.tmp"
+    _write_json(tmp, manifest)
+    os.replace(tmp, root / MANIFEST_NAME)
+    _fsync_dir(root)
+
+
 def _side_name(dest: Path, tag: str) -> str:
     """Hidden sibling name carrying host and pid, so stale ones can be recognised later."""
     host = socket.gethostname().replace(os.sep, "_") or "host"

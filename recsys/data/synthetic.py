@@ -48,6 +48,20 @@ class RowBlock:
     def __len__(self) -> int:
         return int(self.labels.shape[0])
 
+    def take(self, index: slice | np.ndarray) -> "RowBlock":
+        """The rows at ``index`` (a slice or an index array), every field."""
+        return RowBlock(self.dense[index], self.sparse[index], self.labels[index],
+                        None if self.probs is None else self.probs[index])
+
+    @staticmethod
+    def concat(blocks: "list[RowBlock]") -> "RowBlock":
+        """The rows of ``blocks`` one after the other (one block: itself, no copy)."""
+        if len(blocks) == 1:
+            return blocks[0]
+        field = lambda name: None if getattr(blocks[0], name) is None else \
+            np.concatenate([getattr(b, name) for b in blocks])  # noqa: E731
+        return RowBlock(field("dense"), field("sparse"), field("labels"), field("probs"))
+
 
 def zipf_ranks(u: np.ndarray, n: np.ndarray, a: float) -> np.ndarray:
     """Inverse CDF of a continuous power law p(x) ~ x^-a on [1, n+1), floored to ranks 0..n-1."""
@@ -153,6 +167,4 @@ class CriteoLikeGenerator:
         first, last = start // CHUNK_ROWS, (stop - 1) // CHUNK_ROWS
         parts = [self._chunk(split, i) for i in range(first, last + 1)]
         lo = start - first * CHUNK_ROWS
-        hi = lo + (stop - start)
-        cat = lambda name: np.concatenate([getattr(p, name) for p in parts])[lo:hi]  # noqa: E731
-        return RowBlock(cat("dense"), cat("sparse"), cat("labels"), cat("probs"))
+        return RowBlock.concat(parts).take(slice(lo, lo + (stop - start)))
