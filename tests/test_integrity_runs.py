@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from recsys.training.checkpoint import MARKER, Checkpointer, incomplete_reason, shape_changes, step_dir_name
+from recsys.training.checkpoint import MARKER, Checkpointer, _disk_reason, incomplete_reason, shape_changes, step_dir_name
 from recsys.training.run_dir import RunDirError, RunLock, check_fresh
 from test_train_integration import _descendants  # the /proc walk over a process tree
 
@@ -277,6 +277,33 @@ def test_full_disk_during_a_checkpoint(tmp_path):
                                  "on device; no earlier checkpoint")
         assert not list(run_dir.rglob("*tmp*"))
         assert (run_dir / "plan.json").is_file() and not list((run_dir / "checkpoints").iterdir())
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_full_disk_is_named_when_torch_save_lost_the_oserror(tmp_path):
+    """torch.save reports a short write as `RuntimeError: [enforce fail ...] unexpected pos`, with the
+    ENOSPC OSError as its context only sometimes. Wrapped by DCP with no OSError anywhere, the reason
+    comes from the disk itself: full -> "No space left on device"; not full -> the exception's line."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    lost = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    wrapped = CheckpointException("ranks:dict_keys([0, 1])", {0: (lost, None), 1: (lost, None)})
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        step_tmp = mnt / "step_000000010.tmp"
+        step_tmp.mkdir()
+        assert _disk_reason(wrapped, step_tmp) == "RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"
+        with pytest.raises(OSError):
+            with open(step_tmp / "fill", "wb") as f:
+                f.write(bytes(128 << 10))
+        assert _disk_reason(wrapped, step_tmp) == "No space left on device"
+        with_context = RuntimeError("unexpected pos")
+        with_context.__context__ = OSError(28, "No space left on device")
+        assert _disk_reason(CheckpointException("x", {1: (with_context, None)})) == "No space left on device"
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
 

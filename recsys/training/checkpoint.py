@@ -36,6 +36,7 @@ Integrity (docs/run_integrity.md):
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -147,8 +148,20 @@ def describe_failure(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
-def _disk_reason(e: BaseException) -> str:
-    """One line for a failed write: the first OSError found in the exception (DCP wraps them)."""
+# Below min(this, 1/16 of the file system) free, a failed write is put down to a full disk
+# (see `_disk_reason`).
+FULL_DISK_BYTES = 1 << 20
+
+
+def _disk_reason(e: BaseException, where: Path | None = None) -> str:
+    """One line for a failed write: the first OSError found in the exception (DCP wraps them).
+
+    torch.save (DCP's tensor writer) turns a failed write into `RuntimeError: [enforce fail at
+    inline_container.cc] unexpected pos`; whether the OSError survives as its `__context__` depends
+    on which write hit the end of the disk, so when no OSError is found, the file system of `where`
+    is asked directly: nearly nothing free (FULL_DISK_BYTES, or 1/16 of a smaller file system) means
+    the full disk is the reason. Call it before the
+    partial files are removed."""
     seen: list[BaseException] = [e]
     failures = getattr(e, "failures", None)  # torch.distributed.checkpoint's CheckpointException
     if isinstance(failures, dict):
@@ -157,10 +170,24 @@ def _disk_reason(e: BaseException) -> str:
     for x in seen:  # (DCP's failures are (exception, stack) pairs)
         while isinstance(x, BaseException):
             if isinstance(x, OSError):
-                where = f" ({x.filename})" if x.filename else ""
-                return (os.strerror(x.errno) if x.errno else str(x)) + where
+                where_ = f" ({x.filename})" if x.filename else ""
+                return (os.strerror(x.errno) if x.errno else str(x)) + where_
             x = x.__cause__ or x.__context__
-    return str(e).splitlines()[0] if str(e) else type(e).__name__
+    if where is not None and _nearly_full(where):
+        return os.strerror(errno.ENOSPC)
+    return describe_failure(e)
+
+
+def _nearly_full(path: Path) -> bool:
+    """Whether the file system holding `path` (or its nearest existing parent) has (nearly) no room
+    left for this process."""
+    for p in (path, *path.parents):
+        try:
+            st = os.statvfs(p)
+        except OSError:
+            continue
+        return st.f_bavail * st.f_frsize < min(FULL_DISK_BYTES, st.f_blocks * st.f_frsize // 16)
+    return False
 
 
 def _fsync_dir(path: Path) -> None:
@@ -279,10 +306,11 @@ class Checkpointer:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if not flag.item():
             return
+        reason = _disk_reason(err, tmp) if err is not None else "another rank failed to write its part"
+        dist.barrier()  # every rank has looked at the disk before rank 0 frees it
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         dist.barrier()
-        reason = _disk_reason(err) if err is not None else "another rank failed to write its part"
         kept = self.latest()
         raise CheckpointError(
             f"checkpoint {final} not written: {reason}; " + (f"the last complete one is {kept}" if kept else "no earlier checkpoint")
