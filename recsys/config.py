@@ -110,6 +110,10 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda
     seed: int = 0
     threads_per_rank: int = 0  # 0: cores / local ranks
+    # The dense part of a training step (everything after the embedding lookups, and the loss) runs
+    # in chunks of this many rows when a rank's batch is larger: same gradients, one embedding
+    # update per batch, activations that stay in cache (recsys/models/micro_batch.py). 0: whole batches.
+    micro_batch_rows: int = 8192
     # Hierarchical (k-step merge) training, docs/kstep.md. hosts: how many hosts the world is
     # split into (host-major ranks; 1 = plain synchronous training). Under torchrun a value of
     # 1 with merge_every > 0 takes the host count from NNODES / GROUP_WORLD_SIZE.
@@ -449,6 +453,8 @@ def validate(cfg: ExperimentConfig, source: str = "config") -> None:
         bad("train.eval_every", "must be >= 0 (0: only at the end)")
     if t.threads_per_rank < 0:
         bad("train.threads_per_rank", "must be >= 0 (0: cores / local ranks)")
+    if t.micro_batch_rows < 0:
+        bad("train.micro_batch_rows", "must be >= 0 (0: whole batches)")
     if t.device not in ("auto", "cpu", "cuda"):
         bad("train.device", f"unknown device '{t.device}' (auto, cpu or cuda)")
     if t.log_every <= 0:

@@ -66,8 +66,8 @@ def test_missing_field_contributes_nothing():
         for t in m.wide.embedding_bags.values():
             t.weight.fill_(1.0)
     dense = torch.zeros(1, 4)
-    full = m._wide_logit(dense, _kjt(torch.tensor([[1, 2, 3]])))
-    missing = m._wide_logit(dense, _kjt(torch.tensor([[1, -1, 3]])))
+    full = m._wide_logit(dense, m.sparse(dense, _kjt(torch.tensor([[1, 2, 3]])))[1])
+    missing = m._wide_logit(dense, m.sparse(dense, _kjt(torch.tensor([[1, -1, 3]])))[1])
     assert float(full) == pytest.approx(3.0) and float(missing) == pytest.approx(2.0)
 
 

@@ -322,11 +322,13 @@ def recsys_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "recsys.cli"]
 
 
-def bench_ours(setting: str, batch: int, nproc: int, plan: StepPlan, workdir: Path, timeout_s: float) -> RunResult:
+def bench_ours(setting: str, batch: int, nproc: int, plan: StepPlan, workdir: Path, timeout_s: float,
+               micro_batch_rows: int | None = None, system: str = "ours") -> RunResult:
     """One `recsys train` run; throughput is the median samples/s of its train records after the
-    warm-up ones (the loop measures each window excluding eval and checkpoint time)."""
-    res = RunResult("ours", setting, batch, nproc)
-    name = f"bench_{SHORT[setting]}_b{batch}_p{nproc}"
+    warm-up ones (the loop measures each window excluding eval and checkpoint time).
+    `micro_batch_rows`: train.micro_batch_rows (None: the config's default; 0: whole batches)."""
+    res = RunResult(system, setting, batch, nproc)
+    name = f"bench_{system}_{SHORT[setting]}_b{batch}_p{nproc}"
     run_dir = workdir / name
     eval_rows = max(8192, 2 * nproc)
     overrides = [
@@ -338,7 +340,7 @@ def bench_ours(setting: str, batch: int, nproc: int, plan: StepPlan, workdir: Pa
         f"train.batch_size={batch}", f"train.nproc_per_node={nproc}", f"train.max_steps={plan.max_steps}",
         f"train.log_every={plan.log_every}", "train.eval_every=0", f"train.eval_batch_size={eval_rows}",
         "train.device=cpu", "train.threads_per_rank=0", "checkpoint.every_steps=0", "resume=false",
-    ]
+    ] + ([f"train.micro_batch_rows={micro_batch_rows}"] if micro_batch_rows is not None else [])
     cmd = [*recsys_command(), "train", "--config", str(CONFIG), *overrides]
     metrics = run_dir / "metrics.jsonl"
     try:
@@ -759,6 +761,7 @@ def report(
             print(f"  {SHORT[s]:<8} batch {b:>6}: " + ", ".join(parts) + f"; DeepCTR {_fmt_mb(refm)}"
                   + (f"; lowest ours / DeepCTR = {frac:.2f}" if frac is not None else ""))
 
+    headline["micro_batching"] = report_micro_batching(results, settings, batches, procs)
     targets = evaluate_targets(results, settings, batches)
     print(f"\n=== Targets (batch {TARGET_BATCH}; ours = best of the process counts) ===")
 
@@ -792,6 +795,39 @@ def report(
     return headline
 
 
+def report_micro_batching(results: list[RunResult], settings: Sequence[str], batches: Sequence[int],
+                          procs: Sequence[int]) -> dict[str, Any]:
+    """Large batches against the 8K batch (issue 14: samples/s at 64K and 128K at least the 8K
+    figure, best of the process counts), and, with --whole-batch-peer, each of ours' rows against
+    the same run with whole batches."""
+    out: dict[str, Any] = {}
+    print(f"\n=== Large batches vs batch {TARGET_BATCH} (ours, best of the process counts) ===")
+    for s in settings:
+        name = SHORT[s]
+        base = best_ours(results, s, TARGET_BATCH)
+        per: dict[str, Any] = {}
+        for b in batches:
+            cur = best_ours(results, s, b)
+            ratio = _ratio(cur.samples_per_s if cur else None, base.samples_per_s if base else None)
+            entry: dict[str, Any] = {"over_8k": ratio}
+            line = f"  {name:<8} batch {b:>6}: {_fmt_rate(cur.samples_per_s if cur else None).strip()}" + (
+                f" = {_fmt_ratio(ratio).strip()} of batch {TARGET_BATCH}" if ratio is not None else "")
+            for p in procs:
+                mb = next((x for x in results if x.system == "ours" and x.setting == s and x.batch == b and x.nproc == p), None)
+                wh = next((x for x in results if x.system == "ours_whole" and x.setting == s and x.batch == b and x.nproc == p), None)
+                if wh is None:
+                    continue
+                mv, wv = (mb.samples_per_s if mb and mb.ok else None), (wh.samples_per_s if wh.ok else None)
+                entry[f"p{p}"] = {"micro": mv, "whole": wv, "micro_over_whole": _ratio(mv, wv)}
+                line += f"; p{p} micro-batched {_fmt_rate(mv).strip()} vs whole {_fmt_rate(wv).strip()} ({_fmt_ratio(_ratio(mv, wv)).strip()})"
+            print(line)
+            per[str(b)] = entry
+        large = [per[str(b)]["over_8k"] for b in batches if b > TARGET_BATCH]
+        per["large_ge_8k"] = None if not large or any(v is None for v in large) else all(v >= 1.0 for v in large)
+        out[name] = per
+    return out
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny check: batch 1024, filtered tables, few steps (< 3 min)")
@@ -803,6 +839,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="comma-separated process counts for ours (default 1,2)")
     p.add_argument("--threads", type=int, default=2, help="torch threads of DeepCTR-Torch and the dense floor (default 2)")
     p.add_argument("--skip-deepctr", action="store_true", help="do not run DeepCTR-Torch")
+    p.add_argument("--micro-batch-rows", type=int, default=None,
+                   help="train.micro_batch_rows of ours (default: the config's; 0: whole batches)")
+    p.add_argument("--whole-batch-peer", action="store_true",
+                   help="also run ours with whole batches (train.micro_batch_rows=0) as a peer: the micro-batching gain")
     p.add_argument("--deepctr-budget-s", type=float, default=120.0,
                    help="at raw table sizes, skip a DeepCTR-Torch run predicted (from its smaller batches) "
                         "to take longer than this (default 120)")
@@ -853,6 +893,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for s in args.settings:
         for b in args.batch_sizes:
             jobs += [("ours", s, b, p) for p in args.procs]
+            if args.whole_batch_peer:
+                jobs += [("ours_whole", s, b, p) for p in args.procs]
             if not args.skip_deepctr:
                 jobs.append(("deepctr_torch", s, b, 1))
     workdir = Path(tempfile.mkdtemp(prefix="bench_train_"))
@@ -864,7 +906,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             raw = s == "criteo_kaggle_raw"
             timeout = args.timeout_s or (240.0 if args.quick else 900.0 if raw else 600.0)
             if system == "ours":
-                r = bench_ours(s, b, p, ours_plan(b, args.quick), workdir, timeout)
+                r = bench_ours(s, b, p, ours_plan(b, args.quick), workdir, timeout, args.micro_batch_rows)
+            elif system == "ours_whole":
+                r = bench_ours(s, b, p, ours_plan(b, args.quick), workdir, timeout, 0, system="ours_whole")
             elif system == "dense_floor":
                 r, _ = bench_child("dense", "-", b, floor_plan(args.quick), args.threads, workdir, timeout)
             else:
@@ -906,6 +950,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "ratios": headline["ratios"],
         "peak_rss_mb": headline["peak_rss_mb"],
         "targets": headline["targets"],
+        "micro_batching": headline["micro_batching"],
         "failed": [f"{r.system}/{SHORT.get(r.setting, '-')}/b{r.batch}/p{r.nproc}: {r.status}"
                    for r in results if r.status != "ok"],
         "wall_s": round(total_s, 1),

@@ -15,6 +15,7 @@ step does not depend on the gradient's scale, it moves exactly like a width-1 we
 from __future__ import annotations
 
 import math
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -25,6 +26,7 @@ from torchrec.modules.mlp import MLP
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys.config import ModelConfig
+from recsys.models.micro_batch import MicroBatchedLoss, SplitCTRModel
 
 WIDE_DIM = 4
 
@@ -78,10 +80,26 @@ class CTRModel(nn.Module):
         self.embeddings = embedding_bag_collection("t_", names, cards, cfg.embedding_dim, cfg.embedding_init_std, self.emb_device)
         self.in_features = num_dense + self.num_fields * self.dim
 
-    def embed(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns ([B, F*D] pooled embeddings, [B, num_dense + F*D] tower input)."""
-        emb = self.embeddings(sparse).values()
-        return emb, torch.cat([dense, emb], dim=1)
+    # Every model here is split in two (recsys/models/micro_batch.py): `sparse` runs the embedding
+    # lookups over the whole batch, `over` everything after them, per sample, so the dense part
+    # can run in micro-batches (train.micro_batch_rows) with one embedding update per batch.
+    _sparse_modules = ("embeddings",)
+
+    def sparse(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> tuple[torch.Tensor, ...]:
+        """The pooled embeddings [B, F*D] (and whatever else a subclass looks up)."""
+        return (self.embeddings(sparse).values(),)
+
+    def over(self, dense: torch.Tensor, *sparse_out: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
+        return self.over(dense, *self.sparse(dense, sparse))
+
+    def over_parameters(self) -> Iterator[nn.Parameter]:
+        """The parameters `over` uses: all but the embedding collections'."""
+        for name, child in self.named_children():
+            if name not in self._sparse_modules:
+                yield from child.parameters()
 
 
 class _WideMixin:
@@ -92,8 +110,9 @@ class _WideMixin:
             nn.init.zeros_(self.dense_linear.weight)
             nn.init.zeros_(self.dense_linear.bias)
 
-    def _wide_logit(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
-        out = self.wide(sparse).values().sum(dim=1) / WIDE_DIM
+    def _wide_logit(self, dense: torch.Tensor, wide_values: torch.Tensor) -> torch.Tensor:
+        """The linear part from the wide lookups [B, F*WIDE_DIM] and the dense features."""
+        out = wide_values.sum(dim=1) / WIDE_DIM
         if self.dense_linear is not None:
             out = out + self.dense_linear(dense).squeeze(1)
         return out
@@ -122,9 +141,15 @@ class DeepFM(CTRModel, _WideMixin):
         self.dnn = deep_tower(self.in_features, cfg, device)
         self.head = nn.Linear(cfg.dnn[-1], 1, device=device)
 
-    def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
-        emb, x = self.embed(dense, sparse)
-        out = self._wide_logit(dense, sparse) + self.head(self.dnn(x)).squeeze(1)
+    _sparse_modules = ("embeddings", "wide")
+
+    def sparse(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> tuple[torch.Tensor, ...]:
+        """(pooled embeddings [B, F*D], wide lookups [B, F*WIDE_DIM])."""
+        return self.embeddings(sparse).values(), self.wide(sparse).values()
+
+    def over(self, dense: torch.Tensor, emb: torch.Tensor, wide_values: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        x = torch.cat([dense, emb], dim=1)
+        out = self._wide_logit(dense, wide_values) + self.head(self.dnn(x)).squeeze(1)
         if self.use_fm:
             out = out + factorization_machine(emb.view(-1, self.num_fields, self.dim))
         return out
@@ -153,8 +178,8 @@ class DCN(CTRModel):
         self.dnn = deep_tower(n, cfg, device)
         self.head = nn.Linear(n + cfg.dnn[-1], 1, device=device)
 
-    def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
-        _, x = self.embed(dense, sparse)
+    def over(self, dense: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        x = torch.cat([dense, emb], dim=1)
         return self.head(torch.cat([self.cross(x), self.dnn(x)], dim=1)).squeeze(1)
 
 
@@ -174,13 +199,27 @@ def build_model(
 
 class TrainModule(nn.Module):
     """Wraps any CTR model (dense, KJT) -> logits into what TrainPipelineSparseDist expects:
-    batch -> (loss, (loss, logits, labels))."""
+    batch -> (loss, (loss, logits, labels)).
 
-    def __init__(self, model: nn.Module) -> None:
+    ``micro_batch_rows`` > 0: a model split into ``sparse``/``over`` (micro_batch.SplitCTRModel)
+    runs its dense part in chunks of that many rows whenever a training batch is larger (one
+    embedding lookup and update per batch, the same gradients; recsys/models/micro_batch.py).
+    A model without the split runs whole batches (``micro_batched`` says which)."""
+
+    def __init__(self, model: nn.Module, micro_batch_rows: int = 0) -> None:
         super().__init__()
+        if micro_batch_rows < 0:
+            raise ValueError(f"micro_batch_rows must be >= 0, got {micro_batch_rows}")
         self.model = model
+        self.micro_batch_rows = micro_batch_rows
+        self.micro_batched = micro_batch_rows > 0 and isinstance(model, SplitCTRModel)
+        self.loss_arch = MicroBatchedLoss(model, micro_batch_rows) if self.micro_batched else None
 
     def forward(self, batch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        if self.loss_arch is not None:
+            dense = batch.dense_features
+            loss, logits = self.loss_arch(dense, batch.labels, *self.model.sparse(dense, batch.sparse_features))
+            return loss, (loss.detach(), logits, batch.labels)
         logits = self.model(batch.dense_features, batch.sparse_features)
         loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
         return loss, (loss.detach(), logits.detach(), batch.labels)

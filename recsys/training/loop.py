@@ -113,9 +113,15 @@ def setup(cfg: ExperimentConfig, model_factory: ModelFactory | None = None) -> J
 
     model = model_factory(cfg, source) if model_factory else default_model(cfg, source, env.device)
     attach_embedding_optimizer(model, optim_cfg)
-    module = TrainModule(model)
+    module = TrainModule(model, cfg.train.micro_batch_rows)
     sharders = embedding_sharders(optim_cfg)
     local_batch = cfg.train.batch_size // env.world_size
+    if env.is_main and module.micro_batched and local_batch > cfg.train.micro_batch_rows:
+        log.info("dense part in micro-batches of %d rows (local batch %d: %d chunks); one embedding update per batch",
+                 cfg.train.micro_batch_rows, local_batch, -(-local_batch // cfg.train.micro_batch_rows))
+    elif env.is_main and cfg.train.micro_batch_rows and not module.micro_batched:
+        log.info("train.micro_batch_rows=%d: %s has no sparse()/over() split (recsys.models.micro_batch.SplitCTRModel); "
+                 "whole batches", cfg.train.micro_batch_rows, type(model).__name__)
     tables = plan_io.model_tables(module)
     # Hierarchical training: shard over the host's ranks; the same plan on every host.
     groups = build_host_groups(resolve_hosts(cfg.train.hosts), pg_timeout_from_env(cfg.train.pg_timeout_s)) if cfg.train.merge_every > 0 else None
