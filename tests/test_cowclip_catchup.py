@@ -113,10 +113,12 @@ def test_catch_up_growth_one_is_the_exact_iteration_and_current_rows_are_untouch
 
 # ---- the TBE ----------------------------------------------------------------------------------
 
-def _tbe(scope: str, growth: float = 2.0, lr: float = 0.01, l2: float = 0.05, eps_mode: str = "torch"):
+def _tbe(scope: str, growth: float = 2.0, lr: float = 0.01, l2: float = 0.05, eps_mode: str = "torch",
+         catchup_op: str = "auto"):
     hp = CowClipHyper(learning_rate=lr, l2=l2, cowclip_r=1.0, cowclip_zeta=0.05, update_scope=scope,
                       eps_mode=eps_mode)
-    tbe = CowClipAdamTBE([(30, 8), (200, 4)], [0, 1], hp, full_dims=[8, 4], mode="inline", catchup_growth=growth)
+    tbe = CowClipAdamTBE([(30, 8), (200, 4)], [0, 1], hp, full_dims=[8, 4], mode="inline", catchup_growth=growth,
+                         catchup_op=catchup_op)
     tbe.weights.copy_(torch.randn(tbe.weights.numel(), generator=torch.Generator().manual_seed(3)) * 0.05)
     return tbe
 
@@ -185,6 +187,58 @@ def test_tbe_catchup_default_blocks_stay_close_to_the_dense_pass(lr, l2):
     assert lazy_err > 20 * err, (lazy_err / lr, err / lr)
     worst_lookup = max(float((oc - od).abs().max()) for od, oc, _ in outs)
     assert worst_lookup <= 16 * lr, worst_lookup / lr
+
+
+@pytest.mark.parametrize("lr,l2,eps_mode,growth", [(1e-3, 1.28e-3, "torch", 2.0), (1e-4, 1e-5, "keras", 2.0),
+                                                   (1e-2, 0.0, "torch", 2.0), (1e-3, 1e-4, "keras", 1.0),
+                                                   (1e-3, 1e-4, "torch", 3.0)])
+def test_fused_catch_up_equals_the_torch_catch_up(lr, l2, eps_mode, growth):
+    """The C++ op (rows found, read and advanced once per lookup) against the torch version of the
+    same block scheme: 300 steps of training with long gaps, every lookup and, after
+    catch_up_all, every weight and moment to float32 rounding (the two round the same float64
+    factors; they differ in the order of a few float operations, which 300 steps accumulate to
+    at most 1.6e-5 relative, measured)."""
+    from recsys.optim.cowclip_kernel import fused_available
+
+    if not fused_available():
+        pytest.skip("the C++ op is not built here")
+    fused = _tbe("catchup", growth, lr, l2, eps_mode, catchup_op="fused")
+    ref = _tbe("catchup", growth, lr, l2, eps_mode, catchup_op="torch")
+    outs = _train([fused, ref], _sparse_batches(300))
+    for of, ot in outs:
+        torch.testing.assert_close(of, ot, rtol=1e-5, atol=1e-7)
+    assert fused.catchup_op == "fused" and ref.catchup_op == "torch"
+    assert torch.equal(fused.row_step, ref.row_step)
+    assert fused.catch_up_all() == ref.catch_up_all() > 50
+    for a, b in ((fused.weights, ref.weights), (fused.momentum1, ref.momentum1), (fused.momentum2, ref.momentum2)):
+        torch.testing.assert_close(a, b, rtol=5e-5, atol=1e-9)
+
+
+def test_fused_catch_up_advances_each_row_once_and_leaves_current_rows_alone():
+    """Gaps 1 .. 3000 in one call, a row repeated in the lookup, rows already current: the op equals
+    `catch_up` on the distinct rows behind, counts each once, and writes nothing else."""
+    from recsys.optim.cowclip_kernel import fused_available, fused_catch_up_tables
+
+    if not fused_available():
+        pytest.skip("the C++ op is not built here")
+    gaps = GAPS + [0, 0]
+    n, step = len(gaps), 3100
+    w, m, v = (x.float() for x in _start_state(1e-3, 1e-4, 100, 100.0, n, seed=5))
+    rs = torch.tensor([step - g for g in gaps])
+    kw = dict(lr=1e-3, betas=(B1, B2), eps=1e-8, eps_mode="torch", l2=1e-4)
+    want = catch_up(w, m, v, rs, step, **kw)
+    bufs = [x.clone().reshape(-1) for x in (w, m, v)] + [rs.clone()]
+    meta = torch.tensor([[0, n, D, 0, 0, 1]])
+    ids = torch.tensor([3, 0, 3, 9, 1, 2, 4, 5, 6, 7, 8, 10, 3])  # row 3 three times; rows 9, 10 current
+    got = fused_catch_up_tables(*bufs, meta, ids, torch.tensor([0, ids.numel()]), step, **kw)
+    assert got.tolist() == [9]
+    assert bufs[3].eq(step).all()
+    for a, b in zip(bufs[:3], want):
+        torch.testing.assert_close(a.view(n, D), b, rtol=1e-5, atol=1e-9)
+    for a, b in zip(bufs[:3], (w, m, v)):  # current rows: bit-identical
+        assert torch.equal(a.view(n, D)[9:], b[9:])
+    with pytest.raises(RuntimeError, match="index 11 outside a table of 11 rows"):
+        fused_catch_up_tables(*bufs, meta, torch.tensor([11]), torch.tensor([0, 1]), step + 1, **kw)
 
 
 def test_tbe_catchup_resume_from_state_is_bit_identical():

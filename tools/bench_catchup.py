@@ -14,14 +14,17 @@ global step S and, per row, ``row_step = S - gap`` with gap ~ Geometric(p_touch)
 1 - (1 - p_row)^batch, p_row the row's Zipf probability (0 if that is before step 0: never
 touched). Moments are random, of a plausible size.
 
-Memory: three methods x (weights + 2 moments) x 4 bytes x 16 x rows. Full size needs about 21 GB,
-more than a shared 24 GB machine has; ``--fraction f`` keeps f of every table's rows (at least
+Memory: per method, (weights + 2 moments) x 4 bytes x 16 x rows. Three methods at full size need
+about 21 GB, more than a shared 24 GB machine has; ``--fraction f`` keeps f of every table's rows (at least
 one) and says so in the JSON. The lazy and catch-up costs depend on the batch and on the gaps,
 hardly on the table size; the dense pass is O(rows) and its figure is also reported scaled by
 1/f (``dense_ms_full_estimate``).
 
     python tools/bench_catchup.py                      # fraction 0.25, batch 8K, 1 thread
     python tools/bench_catchup.py --fraction 1.0 --methods batch catchup   # full size, no dense
+
+Methods: ``batch`` (lazy), ``catchup`` (the fused C++ catch-up op, what CPU runs use),
+``catchup_torch`` (the same scheme as torch ops: the peer the op replaced), ``all`` (dense pass).
 
 The last line of stdout is one JSON object.
 """
@@ -42,7 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 DIM = 16
 ZIPF = 1.05
 HP = dict(learning_rate=1e-4, l2=1e-5 * 8, cowclip_r=1.0, cowclip_zeta=1e-5, eps=1e-8)  # paper's 1K values, l2 x 8
-METHODS = ("batch", "catchup", "all")
+# catchup: the fused C++ op (rows found, read and advanced once); catchup_torch: the same block
+# scheme as torch ops (recsys/optim/cowclip_catchup.py), the peer the C++ op replaces on CPU
+METHODS = ("batch", "catchup", "catchup_torch", "all")
 
 
 def _zipf_pmf(n: int):
@@ -115,13 +120,15 @@ def run(args) -> dict:
 
     tbes = {}
     for m in args.methods:
-        hp = CowClipHyper(update_scope=m, **HP)
-        tbe = CowClipAdamTBE([(n, DIM) for n in cards], list(range(T)), hp, [DIM] * T, mode="inline")
+        scope = "catchup" if m.startswith("catchup") else m
+        hp = CowClipHyper(update_scope=scope, **HP)
+        tbe = CowClipAdamTBE([(n, DIM) for n in cards], list(range(T)), hp, [DIM] * T, mode="inline",
+                             catchup_op="torch" if m == "catchup_torch" else "auto")
         with torch.no_grad():
             tbe.weights.normal_(0, 1e-2)
             tbe.momentum1.normal_(0, 1e-5)
             tbe.momentum2.uniform_(1e-12, 1e-10)
-            if m == "catchup":
+            if scope == "catchup":
                 tbe.row_step.copy_(rs0)
                 tbe.set_optimizer_step(args.trained_steps)
             else:  # the dense pass reads its global step from row_step; the lazy op its own counts
@@ -137,8 +144,9 @@ def run(args) -> dict:
     behind, gaps = [], []
     times = {m: [] for m in args.methods}
     for i in range(args.warmup + args.iters):
-        if "catchup" in tbes and i >= args.warmup:  # the catch-up's work this step (not timed)
-            tb = tbes["catchup"]
+        cu = next((m for m in ("catchup", "catchup_torch") if m in tbes), None)
+        if cu and i >= args.warmup:  # the catch-up's work this step (not timed)
+            tb = tbes[cu]
             idx, _ = batches[i]
             starts = torch.tensor(tb.row_starts[:-1]).repeat_interleave(args.batch)
             u = torch.unique(idx + starts)
@@ -156,7 +164,8 @@ def run(args) -> dict:
         "iters": args.iters, "step_ms": med,
         "step_ms_min": {m: 1e3 * min(v) for m, v in times.items()},
     }
-    if "catchup" in tbes:
+    if cu:
+        res["catchup_op"] = tbes[cu].catchup_op
         res["catchup_rows_behind_per_step"] = statistics.median(behind)
         res["catchup_mean_log2_gap"] = statistics.median(gaps)
         res["unique_rows_per_step"] = int(sum(torch.unique(batches[-1][0][t * args.batch:(t + 1) * args.batch]).numel()
@@ -164,6 +173,10 @@ def run(args) -> dict:
     if "batch" in med and "catchup" in med:
         res["catchup_over_lazy"] = med["catchup"] / med["batch"]
         res["target_catchup_over_lazy_le_1.3"] = res["catchup_over_lazy"] <= 1.3
+    if "batch" in med and "catchup_torch" in med:
+        res["catchup_torch_over_lazy"] = med["catchup_torch"] / med["batch"]
+    if "catchup" in med and "catchup_torch" in med:
+        res["catchup_torch_over_fused"] = med["catchup_torch"] / med["catchup"]
     if "all" in med:
         res["dense_ms_full_estimate"] = med["all"] / args.fraction
         if "catchup" in med:

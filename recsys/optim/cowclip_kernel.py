@@ -133,6 +133,7 @@ def _op_registered() -> bool:
     try:
         torch.ops.recsys.cowclip_adam_step_  # noqa: B018
         torch.ops.recsys.cowclip_adam_tables_  # noqa: B018
+        torch.ops.recsys.cowclip_catch_up_tables_  # noqa: B018
         return True
     except (AttributeError, RuntimeError):
         return False
@@ -338,6 +339,42 @@ def fused_cowclip_adam_tables(
         weights, momentum1, momentum2, row_step, feature_meta, zeta,
         indices.contiguous(), offsets.contiguous(), grad_output, psw,
         float(lr), float(betas[0]), float(betas[1]), float(eps), float(r), float(l2), eps_mode == "keras",
+    )
+
+
+def fused_catch_up_tables(
+    weights: Tensor,
+    momentum1: Tensor,
+    momentum2: Tensor,
+    row_step: Tensor,
+    feature_meta: Tensor,
+    indices: Tensor,
+    offsets: Tensor,
+    step: int,
+    *,
+    lr: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    l2: float = 0.0,
+    eps_mode: str = "torch",
+    growth: float = 2.0,
+) -> Tensor:
+    """The catch-up of ``recsys.optim.cowclip_catchup.catch_up`` for every row a lookup reads, in
+    place, in one C++ call: rows whose ``row_step`` is behind ``step`` get the block scheme's
+    dense L2-only steps up to ``step`` and ``row_step = step``. Buffers and ``feature_meta`` as in
+    ``fused_cowclip_adam_tables`` (its clip and grad-column fields are not used). Rows are found,
+    read and written once (no unique/sort/gather passes); each distinct gap's schedule is computed
+    once per call. Returns int64 [F]: rows advanced per feature. CPU tensors and the extension only."""
+    if eps_mode not in ("torch", "keras"):
+        raise ValueError(f"eps_mode must be torch|keras, got {eps_mode!r}")
+    load_extension(require=True)
+    if offsets.dtype != indices.dtype:
+        offsets = offsets.to(indices.dtype)
+    if indices.dtype not in (torch.int32, torch.int64):
+        indices, offsets = indices.long(), offsets.long()
+    return torch.ops.recsys.cowclip_catch_up_tables_(
+        weights, momentum1, momentum2, row_step, feature_meta, indices.contiguous(), offsets.contiguous(), int(step),
+        float(lr), float(betas[0]), float(betas[1]), float(eps), float(l2), eps_mode == "keras", float(growth),
     )
 
 

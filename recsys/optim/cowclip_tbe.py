@@ -51,7 +51,7 @@ from torch import Tensor
 
 from recsys.optim.cowclip import CowClipAdamState, _adam_rows, _clip_scale, batch_row_gradients
 from recsys.optim.cowclip_catchup import catch_up, check_catchup_hyper
-from recsys.optim.cowclip_kernel import advise_huge_pages
+from recsys.optim.cowclip_kernel import advise_huge_pages, fused_available, fused_catch_up_tables
 from recsys.optim.cowclip_triton import cowclip_table_update_for, cowclip_update_for
 
 HUGE_PAGE_MIN_BYTES = 64 << 20  # tables smaller than this stay on whatever pages they got
@@ -200,11 +200,14 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
         tables_op: Callable[..., Tensor] | None | str = "auto",
         location: str = "device",
         catchup_growth: float = 2.0,
+        catchup_op: str = "auto",
     ) -> None:
         """``tables_op``: the multi-table update op for inline mode; ``"auto"`` picks it by device
         on first use (the C++ op on CPU, the Triton kernel on CUDA: ``cowclip_update_for``),
         ``None`` forces the per-table path. ``catchup_growth``: block growth of the catch-up
-        (``update_scope="catchup"``; 2: O(log gap) blocks, 1: the exact step-by-step iteration)."""
+        (``update_scope="catchup"``; 2: O(log gap) blocks, 1: the exact step-by-step iteration).
+        ``catchup_op``: how a lookup catches its rows up: ``fused`` (the C++ op, CPU), ``torch``
+        (recsys/optim/cowclip_catchup.py, any device), ``auto`` (fused where it can run)."""
         device = torch.device(device or "cpu")
         if location not in STATE_LOCATIONS:
             raise ValueError(f"CowClip-Adam kernel: location must be {'|'.join(STATE_LOCATIONS)}, got {location!r}")
@@ -269,6 +272,9 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
         # max(row_step) (a checkpoint taken after catch_up_all has every row at it)
         self._dense_step: int | None = None
         self.catchup_growth = float(catchup_growth)
+        if catchup_op not in ("auto", "fused", "torch"):
+            raise ValueError(f"catchup_op must be auto|fused|torch, got {catchup_op!r}")
+        self.catchup_op = catchup_op
         if hyper.update_scope == "catchup":
             if mode != "inline":
                 raise NotImplementedError(
@@ -366,6 +372,21 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
             go = grad_out[:, D_offsets[f] : D_offsets[f + 1]]
             yield t, idx, offs, go, (psw[lo:hi] if psw is not None else None)
 
+    def _fused_feature_meta(self) -> tuple[Tensor, Tensor]:
+        """The fused ops' per-feature table description (``FEATURE_META_COLUMNS``) and zeta,
+        rebuilt only when what it depends on changes."""
+        key = (self.hyper.cowclip_zeta, tuple(self.clip), tuple(self.full_dims))
+        cached = getattr(self, "_fused_meta", None)
+        if cached is None or cached[0] != key:
+            D_offsets = self.D_offsets.tolist()
+            meta = torch.tensor(
+                [[self.weights_physical_offsets[t], self.embedding_specs[t][0], self.embedding_specs[t][1],
+                  D_offsets[f], self.row_starts[t], int(bool(self.clip[t]))]
+                 for f, t in enumerate(self.feature_table_map)], dtype=torch.long)
+            zeta = torch.tensor([self._zeta_for_full_dim(t) for t in self.feature_table_map], dtype=torch.float64)
+            cached = self._fused_meta = (key, meta, zeta)
+        return cached[1], cached[2]
+
     @torch.no_grad()
     def backward_update(self, grad_out: Tensor, indices: Tensor, offsets: Tensor, psw: Tensor | None) -> None:
         """Inline mode: one call of the multi-table op for all tables (``tables_op``: C++ on CPU, Triton on CUDA),
@@ -382,19 +403,9 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
                 raise RuntimeError(
                     f"CowClip backward: {offsets.numel()} offsets for {F} features and {grad_out.shape[0]} bags")
             hp = self.hyper
-            # per-feature table description, rebuilt only when what it depends on changes
-            key = (hp.cowclip_zeta, tuple(self.clip), tuple(self.full_dims))
-            cached = getattr(self, "_fused_meta", None)
-            if cached is None or cached[0] != key:
-                D_offsets = self.D_offsets.tolist()
-                meta = torch.tensor(
-                    [[self.weights_physical_offsets[t], self.embedding_specs[t][0], self.embedding_specs[t][1],
-                      D_offsets[f], self.row_starts[t], int(bool(self.clip[t]))]
-                     for f, t in enumerate(self.feature_table_map)], dtype=torch.long)
-                zeta = torch.tensor([self._zeta_for_full_dim(t) for t in self.feature_table_map], dtype=torch.float64)
-                cached = self._fused_meta = (key, meta, zeta)
+            meta, zeta = self._fused_feature_meta()
             stats = update(
-                self.weights, self.momentum1, self.momentum2, self.row_step, cached[1], cached[2],
+                self.weights, self.momentum1, self.momentum2, self.row_step, meta, zeta,
                 indices, offsets, grad_out, psw,
                 lr=self.lr, betas=(hp.beta1, hp.beta2), eps=hp.eps, r=hp.cowclip_r, l2=hp.l2,
                 eps_mode=hp.eps_mode,
@@ -468,6 +479,15 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
         """Bring the rows a lookup reads to the current global step (before the forward reads them)."""
         if indices.numel() == 0:
             return
+        step = self.dense_step()
+        if self.catchup_op == "auto":  # resolved on first use: loading the op may build it
+            self.catchup_op = "fused" if self.weights.device.type == "cpu" and fused_available() else "torch"
+        if self.catchup_op == "fused":  # find, read and advance each row once, in C++
+            hp = self.hyper
+            fused_catch_up_tables(self.weights, self.momentum1, self.momentum2, self.row_step, self._fused_feature_meta()[0],
+                                  indices, offsets, step, lr=self.lr, betas=(hp.beta1, hp.beta2), eps=hp.eps,
+                                  l2=hp.l2, eps_mode=hp.eps_mode, growth=self.catchup_growth)
+            return
         F = len(self.feature_table_map)
         B = (offsets.numel() - 1) // F
         bounds = offsets[:: B] if B > 0 else offsets.new_zeros(F + 1)
@@ -475,7 +495,6 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
                               device=indices.device)
         per_feature = (bounds[1:] - bounds[:-1]).long()
         grows = indices.long() + torch.repeat_interleave(starts, per_feature, output_size=indices.numel())
-        step = self.dense_step()
         behind = grows[self.row_step.index_select(0, grows) < step]
         if behind.numel():
             self._catch_up_rows(torch.unique(behind), step)
