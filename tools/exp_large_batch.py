@@ -1,21 +1,37 @@
 """Experiment: does CowClip keep AUC when the batch grows, where sqrt / linear scaling do not?
 
-DeepFM on generated Criteo-like data, the same number of epochs at every batch size, arms:
+DeepFM on generated Criteo-like data, the same number of epochs at every batch size. The default
+is the paper-scale grid of issue 14 (configs/experiments/large_batch_paper.yaml: the raw
+Criteo-Kaggle table sizes, 12M rows x 5 epochs, the paper's Criteo hyperparameters at batch 1K),
+batches 1K, 8K, 64K and 128K, an eval after every epoch. Arms (`ARMS`):
 
-  a      CowClip-Adam + the CowClip scaling rule (embedding lr x1, L2 x s, dense lr x sqrt(s), dense
-         warmup over the first epoch), L2 on the batch's rows (lazy, the default)
-  a_all  as a, L2 (and Adam) on every row every step: the reference's dense semantics
-  b      no clipping (lazy Adam) + sqrt scaling (every lr x sqrt(s))
-  c      no clipping (lazy Adam) + linear scaling (every lr x s)
+  cowclip         CowClip-Adam + the CowClip rule (embedding lr x1, L2 x s, dense lr x sqrt(s), dense
+                  warm-up over the first epoch), the reference's semantics: L2 (and Adam) on every
+                  row every step, by catch-up (optim.embedding_l2_scope=catchup)
+  cowclip_lazy    the same, L2 and Adam on the batch's rows only (lazy)
+  noclip_rule     no clip (Adam, same kernel and semantics) + the CowClip rule: what the clip gives
+  sqrt            no clip + sqrt scaling (every lr x sqrt(s))
+  linear          no clip + linear scaling (every lr x s)
+  cowclip_lr1e-3  cowclip with embedding lr 1e-3 instead of the paper's 1e-4 (the deviation used
+                  before: an arm of its own, not a silent change)
+  (legacy, the 2026-11-22 run on configs/experiments/large_batch.yaml: a, a_all, b, c)
 
 Every run is a real training job (`python -m recsys.cli train`, torchrun, gloo, DMP, our fused
-kernel). At the base batch the rules coincide, so b and c share one run there. Writes
-the table into `docs/large_batch.md` (between its results markers) and `docs/large_batch.png`
-(AUC vs batch) unless --no-docs; the
-last stdout line is one JSON object with the headline figures.
+kernel). At the base batch the rules coincide, so sqrt and linear share one run there. Runs
+checkpoint at every epoch end; an interrupted grid continues with --reuse (finished runs are
+kept, an interrupted run resumes from its last epoch); a finished run's checkpoints are deleted
+(the raw tables' state is ~7 GB). Per run the tool reports final and best AUC against the base
+batch, logloss, the share of rows clipped per epoch, steps, samples/s, wall time and the training
+time to reach the base batch's final AUC; it writes `docs/results/large_batch.json`, the table
+into `docs/large_batch.md` between `<!-- <marker>:start -->` / `<!-- <marker>:end -->` and a plot
+(AUC against batch, and AUC against epoch per batch) unless --no-docs. The last stdout line is
+one JSON object with the headline figures.
 
-    .venv/bin/python tools/exp_large_batch.py                 # configs/experiments/large_batch.yaml
-    .venv/bin/python tools/exp_large_batch.py --quick         # tiny, for a smoke test
+    .venv/bin/python tools/exp_large_batch.py --reuse      # the paper grid: many hours, one run at a time
+    .venv/bin/python tools/exp_large_batch.py --seeds 1 --batches 1024 65536 131072 --arms cowclip sqrt --reuse
+    .venv/bin/python tools/exp_large_batch.py --quick --no-docs   # tiny, for a smoke test
+    .venv/bin/python tools/exp_large_batch.py --config configs/experiments/large_batch.yaml \\
+        --arms a a_all b c --batches 1024 8192 65536 --marker results --out runs/exp_large_batch   # the 2026-11-22 grid
 """
 
 from __future__ import annotations
@@ -23,40 +39,106 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIG = REPO / "configs" / "experiments" / "large_batch.yaml"
+CONFIG = REPO / "configs" / "experiments" / "large_batch_paper.yaml"
 
-ARMS = {
+_REF = ["optim.embedding_l2_scope=catchup"]
+ARMS: dict[str, list[str]] = {
+    "cowclip": ["optim.embedding=cowclip_adam", "optim.scale_rule=cowclip", *_REF],
+    "cowclip_lazy": ["optim.embedding=cowclip_adam", "optim.scale_rule=cowclip", "optim.embedding_l2_scope=batch"],
+    "noclip_rule": ["optim.embedding=adam", "optim.scale_rule=cowclip", *_REF],
+    "sqrt": ["optim.embedding=adam", "optim.scale_rule=sqrt", *_REF],
+    "linear": ["optim.embedding=adam", "optim.scale_rule=linear", *_REF],
+    "cowclip_lr1e-3": ["optim.embedding=cowclip_adam", "optim.scale_rule=cowclip", *_REF, "optim.embedding_lr=0.001"],
+    # legacy arms of the 2026-11-22 grid (configs/experiments/large_batch.yaml)
     "a": ["optim.embedding=cowclip_adam", "optim.scale_rule=cowclip"],
     "a_all": ["optim.embedding=cowclip_adam", "optim.scale_rule=cowclip", "optim.embedding_l2_scope=all"],
     "b": ["optim.embedding=adam", "optim.scale_rule=sqrt"],
     "c": ["optim.embedding=adam", "optim.scale_rule=linear"],
 }
 LABELS = {
+    "cowclip": "CowClip + rule, reference semantics",
+    "cowclip_lazy": "CowClip + rule, lazy",
+    "noclip_rule": "no clip + CowClip rule",
+    "sqrt": "no clip + sqrt rule",
+    "linear": "no clip + linear rule",
+    "cowclip_lr1e-3": "CowClip, embedding lr 1e-3",
     "a": "CowClip + CowClip rule",
     "a_all": "CowClip + rule, L2 on all rows",
     "b": "no clip + sqrt rule",
     "c": "no clip + linear rule",
 }
+DEFAULT_ARMS = ["cowclip", "cowclip_lazy", "noclip_rule", "sqrt", "linear", "cowclip_lr1e-3"]
+# at the base batch these pairs are the same run (the rules coincide; same kernel and semantics)
+SAME_AT_BASE = {"linear": "sqrt", "c": "b"}
 
 
-def _run(config: Path, overrides: list[str], run_dir: Path, log_path: Path) -> dict:
+def _config_value(config: Path, dotted: str, default: Any = None) -> Any:
+    import yaml
+
+    node: Any = yaml.safe_load(config.read_text()) or {}
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return default
+        node = node[part]
+    return node
+
+
+def _metrics(run_dir: Path) -> dict[str, Any]:
+    """Per-epoch evals (step, epoch, auc, logloss, training seconds so far) and the clipped share
+    of updated rows per epoch, from the run's metrics.jsonl."""
+    train, evals = [], []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        (train if rec.get("kind") == "train" else evals if rec.get("kind") == "eval" else []).append(rec)
+    elapsed = {r["step"]: r.get("elapsed_s") for r in train}
+    out_evals = []
+    for e in evals:
+        before = [s for s in elapsed if s <= e["step"]]
+        t = elapsed[max(before)] if before else None
+        out_evals.append({"step": e["step"], "epoch": round(e["epoch"], 4), "auc": e["auc"], "logloss": e["logloss"],
+                          "train_s": t})
+    clip: dict[int, list[float]] = {}
+    for r in train:
+        if "clipped_row_fraction" in r:
+            clip.setdefault(max(0, int(-(-r["epoch"] // 1)) - 1), []).append(r["clipped_row_fraction"])
+    return {"evals": out_evals,
+            "clipped_share_per_epoch": [sum(v) / len(v) for _, v in sorted(clip.items())] if clip else None}
+
+
+def _run(config: Path, overrides: list[str], run_dir: Path, log_path: Path, resume: bool) -> dict:
     cmd = [sys.executable, "-m", "recsys.cli", "train", "--config", str(config), f"run_dir={run_dir}", *overrides]
+    if resume:
+        cmd.append("resume=true")
     t0 = time.perf_counter()
-    with open(log_path, "w") as log:
+    with open(log_path, "a") as log:
         r = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True)
     wall = time.perf_counter() - t0
     if r.returncode != 0:
         tail = log_path.read_text()[-2000:]
         raise SystemExit(f"run failed ({' '.join(overrides)}), log {log_path}:\n{tail}")
+    wall_file = run_dir / "exp_wall_s.txt"  # accumulated over resumed pieces
+    prior = float(wall_file.read_text()) if resume and wall_file.is_file() else 0.0
+    wall_file.write_text(f"{prior + wall}\n")
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # the raw tables' state is ~7 GB per checkpoint
+    return _load(run_dir)
+
+
+def _load(run_dir: Path) -> dict:
     s = json.loads((run_dir / "summary.json").read_text())
-    s["wall_s"] = wall
-    (run_dir / "exp_wall_s.txt").write_text(f"{wall}\n")
+    wall_file = run_dir / "exp_wall_s.txt"
+    s["wall_s"] = float(wall_file.read_text()) if wall_file.is_file() else s["train_wall_s_this_run"]
+    s.update(_metrics(run_dir))
     return s
 
 
@@ -66,9 +148,12 @@ def _plot(results: list[dict], base: int, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for arm in ARMS:
-        pts = sorted((r["batch"], r["auc"]) for r in results if r["arm"] == arm)
+    arms = [a for a in ARMS if any(r["arm"] == a for r in results)]
+    batches = sorted({r["batch"] for r in results})
+    fig, axes = plt.subplots(1, 1 + len(batches), figsize=(4.6 * (1 + len(batches)), 4.0), squeeze=False)
+    ax = axes[0][0]
+    for arm in arms:
+        pts = sorted((r["batch"], r["auc"]) for r in results if r["arm"] == arm and r["seed"] == 0)
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=LABELS[arm])
     oracle = [r["oracle_auc"] for r in results]
@@ -76,107 +161,179 @@ def _plot(results: list[dict], base: int, out: Path) -> None:
         ax.axhline(sum(oracle) / len(oracle), color="grey", ls=":", label="oracle (teacher) AUC")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("global batch size")
-    ax.set_ylabel("eval AUC")
-    ax.set_title(f"DeepFM, generated Criteo-like data, same epochs (base batch {base})")
+    ax.set_ylabel("final eval AUC")
+    ax.set_title(f"same epochs, base batch {base}")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
+    for ax, b in zip(axes[0][1:], batches):
+        for arm in arms:
+            r = next((x for x in results if x["arm"] == arm and x["batch"] == b and x["seed"] == 0), None)
+            if r and r.get("evals"):
+                ax.plot([e["epoch"] for e in r["evals"]], [e["auc"] for e in r["evals"]], marker=".", label=LABELS[arm])
+        ax.set_xlabel("epoch")
+        ax.set_title(f"batch {b}: AUC after each epoch")
+        ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    fig.savefig(out, dpi=110)
 
 
-def _table(results: list[dict], base: int) -> str:
-    base_auc = {r["arm"]: r["auc"] for r in results if r["batch"] == base}
+def _base_of(results: list[dict], r: dict, base: int) -> dict | None:
+    """The base-batch run an arm is compared with (same arm and seed; sqrt's for linear)."""
+    for arm in (r["arm"], SAME_AT_BASE.get(r["arm"])):
+        hit = next((x for x in results if x["batch"] == base and x["arm"] == arm and x["seed"] == r["seed"]), None)
+        if hit:
+            return hit
+    return None
+
+
+def _annotate(results: list[dict], base: int) -> None:
+    """Adds, per run: AUC and best AUC against its base run, and the training seconds to reach the
+    base run's final AUC (None: not reached at any eval)."""
+    for r in results:
+        ref = _base_of(results, r, base)
+        evals = r.get("evals") or []
+        r["best_auc"] = max([e["auc"] for e in evals] + [r["auc"]])
+        r["auc_vs_base"] = None if ref is None else r["auc"] - ref["auc"]
+        r["best_auc_vs_base"] = None if ref is None else r["best_auc"] - ref["auc"]
+        reach = next((e for e in evals if ref is not None and e["auc"] >= ref["auc"]), None)
+        r["train_s_to_base_auc"] = None if reach is None else reach["train_s"]
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _table(results: list[dict]) -> str:
     lines = [
-        "| batch | arm | AUC | vs batch-" + str(base) + " | oracle AUC | logloss | steps | train s | wall s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| batch | arm | seed | AUC | vs base | best AUC vs base | logloss | clipped rows per epoch | steps | samples/s | "
+        "train s | to base AUC (s) | wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in sorted(results, key=lambda r: (r["batch"], list(ARMS).index(r["arm"]))):
-        ref = base_auc.get(r["arm"], base_auc.get("b" if r["arm"] == "c" else r["arm"]))
-        delta = f"{r['auc'] - ref:+.4f}" if ref is not None else "-"
+    for r in sorted(results, key=lambda r: (r["batch"], list(ARMS).index(r["arm"]), r["seed"])):
+        clip = r.get("clipped_share_per_epoch")
+        clip_s = "-" if not clip else " / ".join(f"{100 * c:.2f}%" for c in clip)
         lines.append(
-            f"| {r['batch']} | {r['arm']} ({LABELS[r['arm']]}) | {r['auc']:.4f} | {delta} | {r['oracle_auc']:.4f} | "
-            f"{r['logloss']:.4f} | {r['steps']} | {r['train_wall_s_this_run']:.0f} | {r['wall_s']:.0f} |"
+            f"| {r['batch']} | {r['arm']} ({LABELS[r['arm']]}) | {r['seed']} | {r['auc']:.4f} | {_fmt(r['auc_vs_base'], '+.4f')} | "
+            f"{_fmt(r['best_auc_vs_base'], '+.4f')} | {r['logloss']:.4f} | {clip_s} | {r['steps']} | "
+            f"{r['samples_per_s_this_run']:,.0f} | {r['train_wall_s_this_run']:.0f} | {_fmt(r['train_s_to_base_auc'], '.0f')} | "
+            f"{r['wall_s']:.0f} |"
         )
     return "\n".join(lines)
+
+
+def _headline(results: list[dict], base: int, batches: list[int]) -> dict[str, Any]:
+    def delta(arm: str, b: int) -> float | None:
+        vals = [r["auc_vs_base"] for r in results if r["arm"] == arm and r["batch"] == b and r["auc_vs_base"] is not None]
+        return sum(vals) / len(vals) if vals else None
+
+    large = [b for b in batches if b >= 65536]
+    out: dict[str, Any] = {"base_batch": base, "batches": batches,
+                           "auc_vs_base": {f"{a}@{b}": delta(a, b) for a in ARMS for b in batches if delta(a, b) is not None}}
+    targets: dict[str, Any] = {}
+    for b in large:
+        best = max((x for x in (delta("cowclip", b), delta("cowclip_lazy", b)) if x is not None), default=None)
+        sq, li = delta("sqrt", b), delta("linear", b)
+        targets[f"cowclip_within_0.001@{b}"] = None if best is None else best >= -0.001
+        targets[f"sqrt_linear_lose_2x_cowclip@{b}"] = (
+            None if best is None or sq is None or li is None else min(-sq, -li) > 2 * max(-best, 0.0))
+        nc, cc = delta("noclip_rule", b), delta("cowclip", b)
+        targets[f"clip_contribution@{b}"] = None if nc is None or cc is None else cc - nc
+    out["targets"] = targets
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", type=Path, default=CONFIG, help="base experiment YAML (hyperparameters for --base-batch)")
-    ap.add_argument("--batches", type=int, nargs="+", default=[1024, 8192, 65536])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1024, 8192, 65536, 131072])
     ap.add_argument("--base-batch", type=int, default=1024)
-    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    ap.add_argument("--arms", nargs="+", default=DEFAULT_ARMS, choices=list(ARMS))
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0],
+                    help="train.seed and data.shuffle_seed per repeat (the data and its teacher stay the same)")
     ap.add_argument("--set", nargs="*", default=[], help="extra key=value overrides for every run")
-    ap.add_argument("--out", type=Path, default=REPO / "runs" / "exp_large_batch")
-    ap.add_argument("--docs", type=Path, default=REPO / "docs", help="where large_batch.md/.png go")
+    ap.add_argument("--out", type=Path, default=REPO / "runs" / "exp_large_batch_paper")
+    ap.add_argument("--docs", type=Path, default=REPO / "docs", help="where large_batch.md/.png and results/ go")
+    ap.add_argument("--marker", default="paper", help="docs/large_batch.md section the table goes into")
     ap.add_argument("--no-docs", action="store_true")
-    ap.add_argument("--reuse", action="store_true", help="keep runs that already finished in --out")
+    ap.add_argument("--reuse", action="store_true",
+                    help="keep runs that already finished in --out, resume interrupted ones from their last epoch")
     ap.add_argument("--quick", action="store_true", help="tiny data and batches: a smoke test of the tool")
     a = ap.parse_args(argv)
     extra = list(a.set)
     batches = sorted(a.batches)
     if a.quick:
-        extra = ["data.train_rows=40000", "data.eval_rows=8192", "model.dnn=[32]", "train.eval_batch_size=4096", *extra]
+        extra = ["data.cardinalities=criteo_kaggle_filtered", "data.train_rows=20000", "data.eval_rows=4096",
+                 "model.dnn=[32]", "train.eval_batch_size=4096", "train.epochs=2", *extra]
         batches, a.base_batch = [256, 2048], 256
     if a.base_batch not in batches:
         raise SystemExit(f"--base-batch {a.base_batch} must be one of --batches {batches}")
+    rows = int(next((o.split("=", 1)[1] for o in reversed(extra) if o.startswith("data.train_rows=")),
+                    _config_value(a.config, "data.train_rows", 1_000_000)))
     a.out.mkdir(parents=True, exist_ok=True)
 
     plan = []
-    for b in batches:
-        for arm in a.arms:
-            if b == a.base_batch and arm == "c" and "b" in a.arms:
-                continue  # at the base batch the sqrt and linear rules are the same run
-            plan.append((b, arm))
+    for seed in a.seeds:
+        for b in batches:
+            for arm in a.arms:
+                if b == a.base_batch and SAME_AT_BASE.get(arm) in a.arms:
+                    continue  # the same run as its partner's at the base batch
+                plan.append((seed, b, arm))
     results: list[dict] = []
     t_start = time.perf_counter()
-    for i, (b, arm) in enumerate(plan):
-        overrides = [f"train.batch_size={b}", f"optim.scale_from_batch={a.base_batch}", *ARMS[arm], *extra]
-        name = f"b{b}_{arm}"
+    ran = 0
+    for i, (seed, b, arm) in enumerate(plan):
+        per_epoch = max(1, rows // b)
+        overrides = [f"train.batch_size={b}", f"optim.scale_from_batch={a.base_batch}", *ARMS[arm],
+                     f"train.eval_every={per_epoch}", f"checkpoint.every_steps={per_epoch}", "checkpoint.keep=1"]
+        if seed:
+            overrides += [f"train.seed={seed}", f"data.shuffle_seed={seed}"]
+        overrides += extra
+        name = f"b{b}_{arm}" + (f"_s{seed}" if seed else "")
+        run_dir = a.out / name
         done = time.perf_counter() - t_start
-        eta = f", ETA {done / i * (len(plan) - i) / 60:.1f} min" if i else ""
-        print(f"[{i + 1}/{len(plan)}] batch {b} arm {arm} ({LABELS[arm]}){eta}", flush=True)
-        done_summary = a.out / name / "summary.json"
-        if a.reuse and done_summary.is_file():  # a finished run of an interrupted experiment
-            s = json.loads(done_summary.read_text())
-            wall_file = a.out / name / "exp_wall_s.txt"
-            s["wall_s"] = float(wall_file.read_text()) if wall_file.is_file() else s["train_wall_s_this_run"]
+        eta = f", ETA {done / ran * (len(plan) - i) / 60:.0f} min" if ran else ""
+        print(f"[{i + 1}/{len(plan)}] batch {b} arm {arm} seed {seed} ({LABELS[arm]}){eta}", flush=True)
+        if a.reuse and (run_dir / "summary.json").is_file():
+            s = _load(run_dir)
             print("    (reused)", flush=True)
         else:
-            s = _run(a.config, overrides, a.out / name, a.out / f"{name}.log")
-        s.update(batch=b, arm=arm)
+            partial = a.reuse and any((run_dir / "checkpoints").glob("step_*/COMMITTED"))
+            if run_dir.exists() and not partial:
+                overrides.append("overwrite=true")
+            if partial:
+                print(f"    resuming the interrupted run in {run_dir}", flush=True)
+            s = _run(a.config, overrides, run_dir, a.out / f"{name}.log", resume=partial)
+            ran += 1
+        s.update(batch=b, arm=arm, seed=seed)
         results.append(s)
         print(f"    auc {s['auc']:.4f} (oracle {s['oracle_auc']:.4f}) logloss {s['logloss']:.4f} "
               f"{s['samples_per_s_this_run']:,.0f} samples/s, {s['wall_s']:.0f} s", flush=True)
-        if b == a.base_batch and arm == "b" and "c" in a.arms:
-            results.append(dict(s, arm="c"))
+        partner = next((p for p, q in SAME_AT_BASE.items() if q == arm), None)
+        if b == a.base_batch and partner in a.arms:
+            results.append(dict(s, arm=partner))
+    _annotate(results, a.base_batch)
     (a.out / "results.json").write_text(json.dumps(results, indent=1))
 
-    table = _table(results, a.base_batch)
+    table = _table(results)
     print(table)
+    headline = _headline(results, a.base_batch, batches)
     if not a.no_docs:
-        a.docs.mkdir(parents=True, exist_ok=True)
-        _plot(results, a.base_batch, a.docs / "large_batch.png")
-        doc = a.docs / "large_batch.md"  # the table between the results markers
-        start, end = "<!-- results:start -->\n", "\n<!-- results:end -->"
-        text = doc.read_text() if doc.is_file() else f"# Large-batch experiment\n\n{start}{end}\n"
-        if start in text and end in text:
-            head, rest = text.split(start, 1)
-            doc.write_text(head + start + table + end + rest.split(end, 1)[1])
-    auc = {f"{r['arm']}@{r['batch']}": round(r["auc"], 5) for r in results}
-    base = {r["arm"]: r["auc"] for r in results if r["batch"] == a.base_batch}
-    top = max(batches)
-    drop = {arm: round(r["auc"] - base[arm], 5) for r in results for arm in [r["arm"]]
-            if r["batch"] == top and arm in base}
-    headline = {
-        "base_batch": a.base_batch,
-        "max_batch": top,
-        "auc": auc,
-        "auc_change_at_max_batch": drop,
-        "cowclip_within_0.001": (abs(drop["a"]) <= 0.001 or drop["a"] > 0) if "a" in drop else None,
-        "load_average": os.getloadavg()[0],
-        "total_wall_s": round(time.perf_counter() - t_start, 1),
-    }
+        (a.docs / "results").mkdir(parents=True, exist_ok=True)
+        keep = ("batch", "arm", "seed", "auc", "best_auc", "auc_vs_base", "best_auc_vs_base", "logloss", "oracle_auc",
+                "steps", "samples_per_s_this_run", "train_wall_s_this_run", "wall_s", "train_s_to_base_auc",
+                "clipped_share_per_epoch", "evals")
+        (a.docs / "results" / "large_batch.json").write_text(json.dumps(
+            {"config": str(a.config.relative_to(REPO)) if a.config.is_relative_to(REPO) else str(a.config),
+             "overrides": extra, **headline, "runs": [{k: r.get(k) for k in keep} for r in results]}, indent=1) + "\n")
+        _plot(results, a.base_batch, a.docs / "large_batch.png" if a.marker == "results" else a.docs / f"large_batch_{a.marker}.png")
+        doc = a.docs / "large_batch.md"
+        start, end = f"<!-- {a.marker}:start -->\n", f"\n<!-- {a.marker}:end -->"
+        text = doc.read_text() if doc.is_file() else "# Large-batch experiment\n"
+        if start not in text or end not in text:
+            text = text.rstrip("\n") + f"\n\n{start}{end}\n"
+        head, rest = text.split(start, 1)
+        doc.write_text(head + start + table + end + rest.split(end, 1)[1])
+    headline.update(load_average=os.getloadavg()[0], total_wall_s=round(time.perf_counter() - t_start, 1))
     print(json.dumps(headline))
 
 
