@@ -486,9 +486,6 @@ def validate(cfg: ExperimentConfig, source: str = "config") -> None:
         if others:
             bad("sharding.sharding_types", f"{', '.join(others)} cannot run optim.embedding_l2_scope=catchup (use "
                 f"{', '.join(CATCHUP_SHARDING_TYPES)}, or leave it empty)")
-        if t.merge_every > 0:
-            bad("optim.embedding_l2_scope", "catchup is not applied across k-step merges (train.merge_every > 0): "
-                "use batch or all")
     if cfg.sharding.planner not in ("torchrec", "topology"):
         bad("sharding.planner", f"unknown planner '{cfg.sharding.planner}' (torchrec, topology)")
     if cfg.plan and not Path(cfg.plan).is_file():

@@ -241,6 +241,62 @@ def test_fused_catch_up_advances_each_row_once_and_leaves_current_rows_alone():
         fused_catch_up_tables(*bufs, meta, torch.tensor([11]), torch.tensor([0, 1]), step + 1, **kw)
 
 
+def _merge_worker(rank: int, port: int, out: str) -> None:
+    """Two 'hosts' (one rank each) train the same catch-up TBE on different batches for 7 steps,
+    then KStepMerger merges at step 7. Expected, computed here independently: the average over
+    hosts of each host's state caught up to step 7 (a copy caught up with catch_up_all)."""
+    import os
+
+    import torch.distributed as dist
+
+    from recsys.training.merge import KStepMerger
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        tbe = _tbe("catchup", lr=1e-3, l2=1e-3)
+        _train([tbe], _sparse_batches(7, seed=20 + rank))
+        assert int((tbe.row_step < 7).sum()) > 100  # most rows behind, by different gaps per host
+        copy = _tbe("catchup", lr=1e-3, l2=1e-3)
+        for name in ("weights", "momentum1", "momentum2", "row_step"):
+            getattr(copy, name).copy_(getattr(tbe, name))
+        copy.set_optimizer_step(7)
+        copy.catch_up_all()
+        mine = torch.cat([copy.weights, copy.momentum1, copy.momentum2])
+        both = [torch.empty_like(mine) for _ in range(2)]
+        dist.all_gather(both, mine)
+        expected = (both[0] + both[1]) / 2
+
+        class _Opt:  # what KStepMerger reads of a torchrec optimizer: params, state
+            params = {"w": tbe.weights, "m1": tbe.momentum1, "m2": tbe.momentum2}
+            state: dict = {}
+
+        merger = KStepMerger(torch.nn.ModuleDict({"tbe": tbe}), _Opt(), dist.group.WORLD, every_k=7)
+        assert merger.step(7)
+        got = torch.cat([tbe.weights, tbe.momentum1, tbe.momentum2])
+        torch.save({"got": got, "expected": expected, "row_step": tbe.row_step.clone()}, f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_merge_averages_caught_up_replicas(tmp_path):
+    """A k-step merge of catch-up tables averages the replicas as the dense reference holds them
+    (every row brought to the merge step first), not rows left at different steps per host."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_merge_worker, args=(port, str(tmp_path)), nprocs=2, start_method="spawn")
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    for r in (r0, r1):
+        assert r["row_step"].eq(7).all()
+        torch.testing.assert_close(r["got"], r["expected"], rtol=1e-6, atol=1e-9)
+    assert torch.equal(r0["got"], r1["got"])
+
+
 def test_tbe_catchup_resume_from_state_is_bit_identical():
     """A checkpoint taken without catch_up_all (rows behind) and restored into a fresh TBE with the
     step set (what the training loop's set_optimizer_step does) continues bit-identically; one
@@ -293,8 +349,9 @@ def test_config_accepts_catchup_for_the_adam_kernels_only(tmp_path):
 
 
 def test_catchup_runs_plan_only_the_sharding_types_whose_kernels_catch_up(tmp_path):
-    """Column-wise and data-parallel kernels do not catch rows up, and merges do not either: the
-    config refuses them in one line, and an unconstrained run plans TW/RW/TWRW only."""
+    """Column-wise and data-parallel kernels do not catch rows up: the config refuses them in one
+    line, and an unconstrained run plans TW/RW/TWRW only. k-step merges are accepted (they catch
+    every row up before averaging: test_merge_averages_caught_up_replicas)."""
     from recsys.config import CATCHUP_SHARDING_TYPES, ConfigError, load_config
     from recsys.training.loop import catchup_sharding
 
@@ -304,10 +361,7 @@ def test_catchup_runs_plan_only_the_sharding_types_whose_kernels_catch_up(tmp_pa
         load_config(base, ["sharding.sharding_types=[row_wise,column_wise,data_parallel]"])
     assert str(e.value) == (f"{base}: key 'sharding.sharding_types': column_wise, data_parallel cannot run "
                             "optim.embedding_l2_scope=catchup (use table_wise, row_wise, table_row_wise, or leave it empty)")
-    with pytest.raises(ConfigError) as e:
-        load_config(base, ["train.merge_every=4"])
-    assert str(e.value) == (f"{base}: key 'optim.embedding_l2_scope': catchup is not applied across k-step merges "
-                            "(train.merge_every > 0): use batch or all")
+    assert load_config(base, ["train.merge_every=4"]).train.merge_every == 4  # merges catch up first
     assert catchup_sharding(load_config(base, [])).sharding_types == list(CATCHUP_SHARDING_TYPES)
     assert catchup_sharding(load_config(base, ["sharding.sharding_types=[row_wise]"])).sharding_types == ["row_wise"]
     assert catchup_sharding(load_config(None, [])).sharding_types == []  # other scopes: the planner's own choice

@@ -47,6 +47,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from recsys.optim.cowclip_catchup import catch_up_all_tables
+
 log = logging.getLogger(__name__)
 
 _SKIP_STATE_KEYS = ("step",)
@@ -216,6 +218,10 @@ class KStepMerger:
         """Averages now (collective over replica_pg: every replica must call it at the same step)."""
         if self.hosts == 1:
             return
+        # CowClip tables with the reference's semantics by catch-up (embedding_l2_scope=catchup):
+        # rows are current at different steps on different hosts; bring every row to this step
+        # first, so the average is of the dense reference's replicas (O(table), once per merge)
+        catch_up_all_tables(self.dmp)
         hierarchical = self.route == "hierarchical"
         by_kind: dict[tuple[bool, torch.dtype, torch.device], list[torch.Tensor]] = defaultdict(list)
         for t, rep in self.classified():
