@@ -22,7 +22,9 @@ The rules, in order (``a``, ``b`` ranks; ``ga``, ``gb`` their devices):
 4. same host, different switches: both ports and the uplinks of each side's switches up to the
    first switch they share (a leaf switch inside a parent switch), else up to the root complex;
    on different sockets also the inter-socket link.
-5. different hosts: each side's path to its nearest NIC (rules 3-4 with the NIC as endpoint), both
+5a. different hosts of one NVLink domain (``network.nvlink_domain_hosts`` > 1, e.g. GB200 NVL72):
+   NVLink, each GPU's links x per-link bandwidth (the smaller side's), no NIC.
+5. other different hosts: each side's path to its nearest NIC (rules 3-4 with the NIC as endpoint), both
    NICs, and the network's per-NIC bandwidth.
 
 CPU ranks (``compute_device: cpu``) talk through shared memory: the DDR of each side's NUMA node,
@@ -106,6 +108,10 @@ def pair_path(topo: ClusterTopology, rank_a: int, rank_b: int) -> list[Link]:
             return [Link(f"{host_a.name}/nvlink({ia},{ib})", nv)]
         # rules 3-4: PCIe between the two GPUs
         return _pcie_path(host_a, _gpu_end(host_a, ia), _gpu_end(host_a, ib))
+    if topo.same_nvlink_domain(rank_a, rank_b):
+        # rule 5a: one NVLink domain across hosts (NVL72-style): each GPU's NVLink ports
+        bw = min(host_a.nvlink.links_per_gpu * host_a.nvlink.link_bw, host_b.nvlink.links_per_gpu * host_b.nvlink.link_bw)
+        return [Link(f"nvlink-domain({ha}:{ia},{hb}:{ib})", bw)]
     # rule 5: across hosts through each side's nearest NIC and the network
     nic_a, nic_b = nearest_nic(host_a, ia), nearest_nic(host_b, ib)
     if nic_a is None or nic_b is None:

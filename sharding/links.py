@@ -14,6 +14,8 @@ The path of a transfer ``a -> b`` (the rules of ``sharding/bandwidth.py``, with 
 - same host, PCIe: ``a``'s switch port up; if the switches differ, ``a``'s switch uplink up, the
   inter-socket link in the direction ``numa(a) > numa(b)`` if the sockets differ, ``b``'s switch
   uplink down; ``b``'s port down;
+- other host in the same NVLink domain (``network.nvlink_domain_hosts``, e.g. an NVL72 rack):
+  ``a``'s NVLink egress, ``b``'s NVLink ingress, as inside an NVSwitch host;
 - other host: to ``a``'s NIC the same way (PCIe, the NIC is the far endpoint), the NIC's send side,
   the fabric's port of that NIC (``network.bw_per_nic``) out, the far NIC's fabric port in, the
   far NIC's receive side, down to ``b``;
@@ -190,6 +192,10 @@ def build_links(topo: ClusterTopology) -> LinkSet:
                         p = [b.link(f"{hn}/gpu{ia}.nvlink>out", nv), b.link(f"{hn}/gpu{ic}.nvlink>in", nv)]
                 else:
                     p = _pcie(b, hn, host, (f"gpu{ia}", ga.pcie_switch, ga.numa), (f"gpu{ic}", gc.pcie_switch, gc.numa))
+            elif topo.same_nvlink_domain(a, c):  # one NVLink domain across hosts: GPU ports, no NIC
+                hostc = topo.hosts[hc]
+                p = [b.link(f"{hn}/gpu{ia}.nvlink>out", host.nvlink.links_per_gpu * host.nvlink.link_bw),
+                     b.link(f"{hname[hc]}/gpu{ic}.nvlink>in", hostc.nvlink.links_per_gpu * hostc.nvlink.link_bw)]
             else:
                 p = nic_path(a, True) + nic_path(c, False)
             path[a][c] = np.asarray(list(dict.fromkeys(p)), dtype=np.int64)

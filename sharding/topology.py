@@ -181,10 +181,16 @@ class Host:
 @dataclass(frozen=True)
 class Network:
     """The fabric between hosts. ``bw_per_nic`` caps what each NIC port gets through the fabric
-    (inf: non-blocking, the NIC line rate rules); ``latency`` in seconds."""
+    (inf: non-blocking, the NIC line rate rules); ``latency`` in seconds.
+
+    ``nvlink_domain_hosts``: consecutive groups of this many hosts share one NVLink domain (an
+    NVLink switch fabric between hosts, as in a GB200 NVL72 rack: 18 trays of 4 GPUs); GPUs of
+    one domain reach each other over their NVLink ports, not the NICs. 1: NVLink ends at the host.
+    torchrec's planner calls the same thing ``pod_size`` (hosts per pod)."""
 
     bw_per_nic: float = math.inf
     latency: float = 0.0
+    nvlink_domain_hosts: int = 1
 
 
 @dataclass(frozen=True)
@@ -229,6 +235,15 @@ class ClusterTopology:
     def gpu(self, rank: int) -> Gpu:
         h, i = self.locate(rank)
         return self.hosts[h].gpus[i]
+
+    def nvlink_domain(self, host: int) -> int:
+        """Index of the NVLink domain (pod) host ``host`` belongs to (hosts are grouped in order)."""
+        return host // self.network.nvlink_domain_hosts
+
+    def same_nvlink_domain(self, rank_a: int, rank_b: int) -> bool:
+        """Whether two ranks on *different* hosts reach each other over NVLink (one domain)."""
+        ha, hb = self.locate(rank_a)[0], self.locate(rank_b)[0]
+        return ha != hb and self.nvlink_domain(ha) == self.nvlink_domain(hb)
 
     def ranks_on_numa(self, host: int, numa: int) -> tuple[int, ...]:
         """The ranks whose device sits on NUMA node ``numa`` of host ``host`` (they share its DDR)."""
@@ -380,12 +395,23 @@ def _load(p: Path, stack: tuple[Path, ...]) -> ClusterTopology:
             raise ctx.fail("hosts", f"host '{h.name}' has no NICs but the cluster has {len(hosts)} hosts")
     network = Network()
     if "network" in top:
-        net = _mapping(ctx, "network", top["network"], [], ["bw_per_nic_gbit_s", "latency_us"])
+        net = _mapping(ctx, "network", top["network"], [], ["bw_per_nic_gbit_s", "latency_us", "nvlink_domain_hosts"])
+        domain = _int(ctx, "network.nvlink_domain_hosts", net.get("nvlink_domain_hosts", 1), minimum=1)
+        if len(hosts) % domain:
+            raise ctx.fail("network.nvlink_domain_hosts",
+                           f"{domain} does not divide the {len(hosts)} hosts into whole NVLink domains")
+        if domain > 1:
+            for h in hosts:
+                if h.nvlink.kind != "nvswitch":
+                    raise ctx.fail("network.nvlink_domain_hosts",
+                                   f"an NVLink domain across hosts needs NVSwitch hosts, but host '{h.name}' has "
+                                   f"nvlink kind '{h.nvlink.kind}'")
         network = Network(
             bw_per_nic=_number(ctx, "network.bw_per_nic_gbit_s", net["bw_per_nic_gbit_s"]) * GBIT_S
             if "bw_per_nic_gbit_s" in net
             else math.inf,
             latency=_number(ctx, "network.latency_us", net.get("latency_us", 0), positive=False) * 1e-6,
+            nvlink_domain_hosts=domain,
         )
     return ClusterTopology(hosts=tuple(hosts), network=network, compute_device=device, name=name, source=source)
 
@@ -720,6 +746,8 @@ def topology_to_dict(topo: ClusterTopology) -> dict[str, Any]:
         net["bw_per_nic_gbit_s"] = _num(topo.network.bw_per_nic / GBIT_S)
     if topo.network.latency:
         net["latency_us"] = _num(topo.network.latency * 1e6)
+    if topo.network.nvlink_domain_hosts > 1:
+        net["nvlink_domain_hosts"] = topo.network.nvlink_domain_hosts
     if net:
         out["network"] = net
     return out

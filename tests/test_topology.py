@@ -27,6 +27,7 @@ SHIPPED = {
     "dgx-h100": (8, 8, "cuda", 3350),
     "dgx-h100-2host": (16, 8, "cuda", 3350),
     "dgx-h100-16host": (128, 8, "cuda", 3350),
+    "gb200-nvl72": (72, 4, "cuda", 8000),
     "pcie-8gpu-2socket": (8, 8, "cuda", 864),
     "workstation-4gpu-nvlink-pairs": (4, 4, "cuda", 768),
 }
@@ -59,6 +60,51 @@ def load_topology_text(text: str, name: str):
         p = Path(d) / f"{name}.yaml"
         p.write_text(text)
         return load_topology(p)
+
+
+def test_nvlink_domain_across_hosts_gb200_nvl72():
+    """GB200 NVL72: 18 trays in one NVLink domain. Every pair, across trays too, is NVLink at
+    900 GB/s per direction and crosses no NIC; the same trays as two racks (two domains of 9)
+    go through the NICs between racks; torchrec's Topology gets pod_size = 18."""
+    from sharding.links import build_links
+    from sharding.topology_planner import torchrec_topology
+
+    t = load_topology("gb200-nvl72")
+    assert t.network.nvlink_domain_hosts == 18 and t.same_nvlink_domain(0, 71) and not t.same_nvlink_domain(0, 3)
+    m = bandwidth_matrix(t)
+    assert np.allclose(m[~np.eye(72, dtype=bool)], 900 * GBs)
+    links = build_links(t)
+    cross = [links.names[i] for i in links.path[0][70]]  # tray 0 GPU 0 -> tray 17 GPU 2
+    assert cross == ["gb200-tray-0#0/gpu0.nvlink>out", "gb200-tray-17#17/gpu2.nvlink>in"]
+    assert torchrec_topology(t)._pod_size == 18
+    two_racks = load_topology_text(dump_topology(t).replace("nvlink_domain_hosts: 18", "nvlink_domain_hosts: 9"), "x")
+    assert two_racks.same_nvlink_domain(0, 35) and not two_racks.same_nvlink_domain(0, 36)
+    between = build_links(two_racks)
+    names = [between.names[i] for i in between.path[0][36]]  # tray 0 -> tray 9: other rack
+    assert any(">out" in n and "cx7_0" in n for n in names) and not any("nvlink" in n for n in names)
+    assert bandwidth_matrix(two_racks)[0, 36] == pytest.approx(50 * GBs)  # 400 Gb/s NICs
+
+
+@pytest.mark.parametrize("network,message", [
+    ("{nvlink_domain_hosts: 4}", "key 'network.nvlink_domain_hosts': 4 does not divide the 18 hosts into whole NVLink domains"),
+    ("{nvlink_domain_hosts: 0}", "key 'network.nvlink_domain_hosts'"),
+])
+def test_nvlink_domain_errors_name_the_key(network, message):
+    text = (Path(__file__).resolve().parents[1] / "sharding/topologies/gb200-nvl72.yaml").read_text()
+    text = text.split("network:")[0] + f"network: {network}\n"
+    with pytest.raises(TopologyError, match=message):
+        load_topology_text(text, "bad")
+
+
+def test_nvlink_domain_needs_nvswitch_hosts():
+    text = dump_topology(load_topology("dgx-a100-2host"))
+    ok = load_topology_text(text.replace("latency_us: 2}", "latency_us: 2, nvlink_domain_hosts: 2}"), "ok")
+    assert ok.same_nvlink_domain(0, 8)
+    pcie = (Path(__file__).resolve().parents[1] / "sharding/topologies/pcie-8gpu-2socket.yaml").read_text()
+    bad = pcie.replace("hosts:\n  - name: ", "hosts:\n  - repeat: 2\n    name: ", 1) + \
+        "network: {nvlink_domain_hosts: 2}\n"
+    with pytest.raises(TopologyError, match="an NVLink domain across hosts needs NVSwitch hosts, but host"):
+        load_topology_text(bad, "bad")
 
 
 def test_dgx_a100():

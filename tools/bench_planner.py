@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="3 topologies x 2 models")
     ap.add_argument("--batch-size", type=int, default=4096, help="per rank")
     ap.add_argument("--topologies", nargs="*", default=None)
-    ap.add_argument("--models", nargs="*", default=None)
+    ap.add_argument("--models", nargs="*", default=None, choices=sorted(MODELS))
     ap.add_argument("--default-timeout", type=int, default=60,
                     help="search time limit (s) for torchrec's default planner (0: none, as torchrec's default)")
     ap.add_argument("--out", default="", help="also append each finished row to this file, one JSON object a line")
