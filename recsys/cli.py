@@ -43,14 +43,6 @@ def _check_saved_plan(cfg) -> None:
 
     plan, header = plan_io.read_plan_file(cfg.plan)
     validate_plan(plan, header, cfg.plan)
-    if cfg.optim.embedding_l2_scope == "catchup":  # the kernels of other types do not catch rows up
-        from recsys.config import CATCHUP_SHARDING_TYPES
-
-        for mplan in plan.plan.values():
-            for name, ps in mplan.items():
-                if ps.sharding_type not in CATCHUP_SHARDING_TYPES:
-                    raise ConfigError(f"plan {cfg.plan}: table {name} is {ps.sharding_type}; optim.embedding_l2_scope=catchup "
-                                      f"needs {', '.join(CATCHUP_SHARDING_TYPES)}")
     model = TrainModule(default_model(cfg, build_source(cfg), torch.device("meta")))
     plan_io.check_plan_fits(header, plan, plan_io.model_tables(model), cfg.train.nproc_per_node, cfg.plan)
 

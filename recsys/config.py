@@ -124,10 +124,6 @@ class TrainConfig:
     pg_timeout_s: float = 600.0  # collective timeout of hierarchical runs: a lost host stops the job
 
 
-# optim.embedding_l2_scope=catchup advances absent rows inside the lookup's own kernel, which
-# table-wise, row-wise and table-row-wise shards have (recsys/optim/cowclip_tbe.py): the
-# planner is kept to these for such runs (column-wise and data-parallel: not implemented).
-CATCHUP_SHARDING_TYPES = ("table_wise", "row_wise", "table_row_wise")
 
 
 @dataclass
@@ -481,11 +477,6 @@ def validate(cfg: ExperimentConfig, source: str = "config") -> None:
     for st in cfg.sharding.sharding_types:
         if st not in known_types:
             bad("sharding.sharding_types", f"unknown sharding type '{st}' (choose from {', '.join(known_types)})")
-    if o.embedding_l2_scope == "catchup":
-        others = [st for st in cfg.sharding.sharding_types if st not in CATCHUP_SHARDING_TYPES]
-        if others:
-            bad("sharding.sharding_types", f"{', '.join(others)} cannot run optim.embedding_l2_scope=catchup (use "
-                f"{', '.join(CATCHUP_SHARDING_TYPES)}, or leave it empty)")
     if cfg.sharding.planner not in ("torchrec", "topology"):
         bad("sharding.planner", f"unknown planner '{cfg.sharding.planner}' (torchrec, topology)")
     if cfg.plan and not Path(cfg.plan).is_file():

@@ -327,8 +327,6 @@ def test_catchup_rejections():
     with pytest.raises(ValueError, match=r"CowClip catch-up assumes 2\*l2 < cowclip_r \(l2=0.6, r=1.0\)"):
         _tbe("catchup", l2=0.6)
     hp = CowClipHyper(l2=1e-5, update_scope="catchup")
-    with pytest.raises(NotImplementedError, match="update_scope='catchup' needs table-wise, row-wise or table-row-wise"):
-        CowClipAdamTBE([(10, 4)], [0], hp, full_dims=[8], mode="deferred")
     with pytest.raises(ValueError, match="update_scope must be batch\\|all\\|catchup, got 'dense'"):
         CowClipHyper.from_fused_params({"optimizer": "recsys.cowclip_adam", "update_scope": "dense"})
     with pytest.raises(ValueError, match="growth must be >= 1"):
@@ -348,27 +346,25 @@ def test_config_accepts_catchup_for_the_adam_kernels_only(tmp_path):
         load_config(bad, [])
 
 
-def test_catchup_runs_plan_only_the_sharding_types_whose_kernels_catch_up(tmp_path):
-    """Column-wise and data-parallel kernels do not catch rows up: the config refuses them in one
-    line, and an unconstrained run plans TW/RW/TWRW only. k-step merges are accepted (they catch
-    every row up before averaging: test_merge_averages_caught_up_replicas)."""
-    from recsys.config import CATCHUP_SHARDING_TYPES, ConfigError, load_config
-    from recsys.training.loop import catchup_sharding
+def test_catchup_is_accepted_with_every_sharding_type_and_with_merges(tmp_path):
+    """Every sharding type's kernel catches rows up (column-wise and data-parallel in deferred
+    mode: test_sharded_catchup_..., below), and k-step merges catch every row up before
+    averaging (test_merge_averages_caught_up_replicas): the config refuses neither."""
+    from recsys.config import load_config
 
     base = tmp_path / "c.yaml"
     base.write_text("optim:\n  embedding: cowclip_adam\n  embedding_l2_scope: catchup\n")
-    with pytest.raises(ConfigError) as e:
-        load_config(base, ["sharding.sharding_types=[row_wise,column_wise,data_parallel]"])
-    assert str(e.value) == (f"{base}: key 'sharding.sharding_types': column_wise, data_parallel cannot run "
-                            "optim.embedding_l2_scope=catchup (use table_wise, row_wise, table_row_wise, or leave it empty)")
-    assert load_config(base, ["train.merge_every=4"]).train.merge_every == 4  # merges catch up first
-    assert catchup_sharding(load_config(base, [])).sharding_types == list(CATCHUP_SHARDING_TYPES)
-    assert catchup_sharding(load_config(base, ["sharding.sharding_types=[row_wise]"])).sharding_types == ["row_wise"]
-    assert catchup_sharding(load_config(None, [])).sharding_types == []  # other scopes: the planner's own choice
+    every = "[table_wise,row_wise,column_wise,table_row_wise,table_column_wise,data_parallel]"
+    assert load_config(base, [f"sharding.sharding_types={every}"]).sharding.sharding_types[2] == "column_wise"
+    assert load_config(base, ["train.merge_every=4"]).train.merge_every == 4
+    hp = CowClipHyper(learning_rate=0.01, l2=0.05, cowclip_r=1.0, cowclip_zeta=0.05, update_scope="catchup")
+    assert CowClipAdamTBE([(10, 4)], [0], hp, full_dims=[8], mode="deferred").hyper.update_scope == "catchup"
 
 
 @pytest.mark.slow
-def test_a_saved_column_wise_plan_is_refused_before_launch_for_catchup(tmp_path):
+def test_a_column_wise_plan_trains_with_catchup(tmp_path):
+    """The real job with embedding_l2_scope=catchup on column-wise tables (a saved plan): it
+    trains, and its checkpoint holds every row at the final step."""
     import subprocess
     import sys
     from pathlib import Path
@@ -381,17 +377,28 @@ def test_a_saved_column_wise_plan_is_refused_before_launch_for_catchup(tmp_path)
             "sharding.sharding_types=[column_wise]")
     assert r.returncode == 0, r.stderr[-2000:]
     plan = tmp_path / "cw" / "plan.json"
-    r = run(f"run_dir={tmp_path / 'cu'}", "train.max_steps=2", "train.nproc_per_node=1", f"plan={plan}",
-            "optim.embedding=cowclip_adam", "optim.embedding_l2_scope=catchup")
-    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(
-        f"error: plan {plan}: table ") and r.stderr.strip().endswith(
-        "is column_wise; optim.embedding_l2_scope=catchup needs table_wise, row_wise, table_row_wise"), r.stderr[-2000:]
-    assert not (tmp_path / "cu").exists()  # refused before anything was written
+    r = run(f"run_dir={tmp_path / 'cu'}", "train.max_steps=12", "train.nproc_per_node=1", f"plan={plan}",
+            "optim.embedding=cowclip_adam", "optim.embedding_l2=1e-4", "optim.embedding_l2_scope=catchup")
+    assert r.returncode == 0, r.stderr[-2000:]
+    import json
+
+    assert json.loads((tmp_path / "cu" / "summary.json").read_text())["auc"] > 0.55
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(str(tmp_path / "cu" / "checkpoints" / "step_000000012")).read_metadata()
+    steps = [k for k in md.state_dict_metadata if k.endswith("row_step")]
+    assert steps  # the CowClip row counters are in the checkpoint
+    import torch.distributed.checkpoint as dcp
+
+    state = {k: torch.zeros(md.state_dict_metadata[k].size, dtype=torch.long) for k in steps}
+    dcp.load(state, checkpoint_id=str(tmp_path / "cu" / "checkpoints" / "step_000000012"), no_dist=True)
+    assert all(bool(v.eq(12).all()) for v in state.values())
 
 
 # ---- real TorchRec sharding (gloo) ------------------------------------------------------------
 
-SH_TABLES = {"c_tw": (50, ("table_wise", 0)), "c_rw": (61, ("row_wise", None)), "c_twrw": (47, ("table_row_wise", 0))}
+SH_TABLES = {"c_tw": (50, ("table_wise", 0)), "c_rw": (61, ("row_wise", None)), "c_twrw": (47, ("table_row_wise", 0)),
+             "c_cw": (53, ("column_wise", None)), "c_dp": (29, ("data_parallel", None))}
 SH_LR, SH_L2, SH_B, SH_STEPS, SH_CKPT = 0.01, 1e-3, 8, 14, 6
 
 
@@ -417,7 +424,9 @@ def _sh_build(world: int):
     import torch.distributed as dist
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
     from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_row_wise, table_wise
+    from torchrec.distributed.sharding_plan import (
+        column_wise, construct_module_sharding_plan, data_parallel, row_wise, table_row_wise, table_wise,
+    )
     from torchrec.distributed.types import ShardingEnv, ShardingPlan
 
     from recsys.optim.cowclip_sharder import CowClipEmbeddingBagCollectionSharder, tag_cowclip_adam
@@ -430,17 +439,26 @@ def _sh_build(world: int):
                      cowclip_zeta=0.05, update_scope="catchup")
     sharder = CowClipEmbeddingBagCollectionSharder()
     gen = {"table_wise": lambda a: table_wise(rank=a), "row_wise": lambda a: row_wise(),
-           "table_row_wise": lambda a: table_row_wise(host_index=a)}
+           "table_row_wise": lambda a: table_row_wise(host_index=a),
+           "column_wise": lambda a: column_wise(ranks=list(range(world)) if world > 1 else [0, 0]),
+           "data_parallel": lambda a: data_parallel()}
     per_param = {n: gen[SH_TABLES[n][1][0]](SH_TABLES[n][1][1]) for n in names}
     plan = construct_module_sharding_plan(ebc, per_param, local_size=world, world_size=world, device_type="cpu",
                                           sharder=sharder)
     dmp = DistributedModelParallel(ebc, env=ShardingEnv.from_process_group(dist.GroupMember.WORLD),
                                    plan=ShardingPlan({"": plan}), sharders=[sharder], device=torch.device("cpu"))
     for k, v in dmp.state_dict().items():
-        for s in v.local_shards():
-            r0, c0 = s.metadata.shard_offsets
-            s.tensor.copy_(_sh_init(k.split(".")[-2])[r0 : r0 + s.tensor.shape[0], c0 : c0 + s.tensor.shape[1]])
+        for (r0, c0), t in _sh_local(v):
+            t.copy_(_sh_init(k.split(".")[-2])[r0 : r0 + t.shape[0], c0 : c0 + t.shape[1]])
     return dmp
+
+
+def _sh_local(v) -> list:
+    """((row, col) offset, tensor) of each local piece: ShardedTensor shards, or a replicated
+    (data-parallel) table whole."""
+    if hasattr(v, "local_shards"):
+        return [(tuple(s.metadata.shard_offsets), s.tensor) for s in v.local_shards()]
+    return [((0, 0), v)]
 
 
 def _sh_worker(rank: int, world: int, port: int, out: str) -> None:
@@ -473,8 +491,7 @@ def _sh_worker(rank: int, world: int, port: int, out: str) -> None:
             (sum((pooled[n] * t[:, D * j : D * (j + 1)]).sum() for j, n in enumerate(names)) / b).backward()
 
         def pieces(dmp):
-            return {k.split(".")[-2]: [(tuple(s.metadata.shard_offsets), s.tensor.clone()) for s in v.local_shards()]
-                    for k, v in dmp.state_dict().items()}
+            return {k.split(".")[-2]: [(off, t.clone()) for off, t in _sh_local(v)] for k, v in dmp.state_dict().items()}
 
         dmp = _sh_build(world)
         ck = str(Path(out) / "ckpt")
@@ -527,10 +544,12 @@ def _sh_dense_reference() -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 def test_sharded_catchup_two_ranks_equals_one_rank_the_dense_reference_and_resumes(tmp_path):
-    """Table-wise, row-wise and table-row-wise CowClip tables with embedding_l2_scope=catchup under
-    real TorchRec sharding over gloo: 2 ranks == 1 rank, both within 2 lr of the dense reference
-    formula (every row moved every step), and a DCP checkpoint (taken after catch_up_all_tables)
-    restored into a fresh model replays bit-identically."""
+    """Table-wise, row-wise, table-row-wise, column-wise and data-parallel CowClip tables with
+    embedding_l2_scope=catchup under real TorchRec sharding over gloo: 2 ranks == 1 rank, both
+    within 2 lr of the dense reference formula (every row moved every step; measured 0.54-0.71
+    lr), and a DCP checkpoint (taken after catch_up_all_tables) restored into a fresh model replays
+    bit-identically. (Table-column-wise runs the column-wise kernel and exchange; torchrec 1.8
+    has no plan generator for it, so it is not built here.)"""
     import socket
 
     import torch.multiprocessing as mp

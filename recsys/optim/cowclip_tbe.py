@@ -276,10 +276,8 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
             raise ValueError(f"catchup_op must be auto|fused|torch, got {catchup_op!r}")
         self.catchup_op = catchup_op
         if hyper.update_scope == "catchup":
-            if mode != "inline":
-                raise NotImplementedError(
-                    "CowClip update_scope='catchup' needs table-wise, row-wise or table-row-wise sharding "
-                    "(column-wise and data-parallel: not implemented)")
+            # deferred mode (column-wise, data-parallel) too: an absent row's catch-up is per
+            # coordinate (no norm, no clip), so each column shard or replica advances its own part
             check_catchup_hyper(hyper.l2, hyper.cowclip_r, hyper.cowclip)
 
     # ---- views -------------------------------------------------------------------------------
@@ -576,6 +574,14 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
             return
         hp = self.hyper
         st = self._states[t]
+        if hp.update_scope == "catchup":
+            # a data-parallel replica updates rows other ranks' samples touched, which its own
+            # lookup did not catch up: bring them to the step before this update first (column
+            # shards saw the global ids, so for them this finds nothing behind)
+            prev = self.dense_step() - 1
+            behind = rows[st.row_step.index_select(0, rows) < prev]
+            if behind.numel():
+                self._catch_up_rows(torch.unique(behind) + self.row_starts[t], prev)
         weight = self._view(self.weights, t)
         w = weight.index_select(0, rows)
         g = g.to(w.dtype)

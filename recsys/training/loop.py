@@ -19,7 +19,7 @@ from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.distributed.types import ShardingEnv
 
 from recsys import config as config_mod
-from recsys.config import CATCHUP_SHARDING_TYPES, ExperimentConfig, ShardingConfig
+from recsys.config import ExperimentConfig, ShardingConfig
 from recsys.data.batching import steps_per_epoch, train_batches
 from recsys.data.source import TRAIN, DataSource, build_source, epoch_order, prepare_data
 from recsys.models.ctr import TrainModule, build_model
@@ -138,7 +138,7 @@ def setup(cfg: ExperimentConfig, model_factory: ModelFactory | None = None) -> J
         plan = planner.collective_plan(module, sharders, dist.GroupMember.WORLD)
         meta = {"planner": cfg.sharding.planner, "batch_size_per_rank": local_batch, "hosts": groups.hosts}
     else:
-        plan = make_plan(catchup_sharding(cfg), module, sharders, env.device, env.local_world_size, local_batch,
+        plan = make_plan(cfg.sharding, module, sharders, env.device, env.local_world_size, local_batch,
                          cache_stats=_cache_stats(cfg, module))
         meta = {"planner": cfg.sharding.planner, "batch_size_per_rank": local_batch}
     # the plan this run used, as a reusable file and as torchrec's table
@@ -189,14 +189,6 @@ def host_local_sharding(cfg: ShardingConfig) -> ShardingConfig:
     so its all-to-alls would not match (the stock CPU sharder never offers it; ours does)."""
     types = [t for t in allowed_sharding_types(cfg) if t != "table_row_wise"]
     return dataclasses.replace(cfg, sharding_types=types)
-
-
-def catchup_sharding(cfg: ExperimentConfig) -> ShardingConfig:
-    """The sharding settings to plan with: with optim.embedding_l2_scope=catchup and no types
-    given, only the types whose kernels catch rows up (config.CATCHUP_SHARDING_TYPES)."""
-    if cfg.optim.embedding_l2_scope == "catchup" and not cfg.sharding.sharding_types:
-        return dataclasses.replace(cfg.sharding, sharding_types=list(CATCHUP_SHARDING_TYPES))
-    return cfg.sharding
 
 
 def _cache_stats(cfg: ExperimentConfig, module: nn.Module) -> dict | None:
