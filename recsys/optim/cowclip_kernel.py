@@ -220,8 +220,9 @@ def _build_and_load(verbose: bool) -> Path:
             cpp_extension.load(
                 name=_NAME,
                 sources=[str(src)],
-                extra_cflags=CXX_FLAGS,
-                extra_ldflags=LD_FLAGS,
+                # copies: cpp_extension appends its own flags (-ltorch_python ...) to these lists
+                extra_cflags=list(CXX_FLAGS),
+                extra_ldflags=list(LD_FLAGS),
                 build_directory=str(d),
                 is_python_module=False,
                 verbose=verbose,
