@@ -70,9 +70,8 @@ def option_contribution(model: TopologyCostModel, so: ShardingOption) -> np.ndar
             total += per_rank.min(axis=0)
         return total
     # uniform (RW, DP) and table-row-wise: the options' own placements (each host for TWRW)
-    if so.sharding_type == "table_row_wise":
-        lw = m.topo.local_world_size
-        placements = [[h * lw + i for i in range(len(protos))] for h in range(len(m.host_ranks))]
+    if so.sharding_type == "table_row_wise":  # one NVLink domain's ranks (a host's, usually)
+        placements = [list(g[: len(protos)]) for g in m.twrw_groups]
     else:
         placements = [list(range(len(protos)))]
     out = np.full(W.shape[1], np.inf)

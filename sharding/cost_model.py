@@ -149,6 +149,9 @@ class TopologyCostModel:
         self.mem_bw = np.diag(bw).copy()  # the pair bandwidths (bandwidth.py, shared view) are for reading only
         self.host_ranks = [tuple(topo.rank(h, i) for i in range(topo.local_world_size)) for h in range(len(topo.hosts))]
         self.host_of = np.array([topo.locate(r)[0] for r in range(w)])
+        # table-row-wise groups: the ranks of one NVLink domain (one host unless hosts share one)
+        g = topo.ranks_per_nvlink_domain
+        self.twrw_groups = [tuple(range(d * g, (d + 1) * g)) for d in range(w // g)]
         base = CPU_COLLECTIVE_LATENCY_S if self.cpu else COLLECTIVE_LATENCY_S
         self.collective_latency = base + (CROSS_HOST_LATENCY_S + topo.network.latency if len(topo.hosts) > 1 else 0.0)
         self._placed_cache: dict[tuple, tuple] = {}
@@ -171,6 +174,7 @@ class TopologyCostModel:
                                                    links.last_hop[:, r][links.last_hop[:, r] >= 0]])) for r in range(w)]
         self._ring_cache: dict[tuple[int, ...], np.ndarray] = {}
         self._group_cache: dict[tuple[int, ...], tuple] = {}
+        self._off_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         self._norm2 = {"in": (links.in_inv ** 2).sum(axis=1), "out": (links.out_inv ** 2).sum(axis=1)}
         # host-memory resources: per GPU port, per switch uplink, per NUMA DDR, per socket link
         self.res_bw: list[float] = []
@@ -235,6 +239,27 @@ class TopologyCostModel:
                 if len(group) > 1:
                     hit += self.links.pair_inv(r, group[(i + 1) % len(group)])
             self._ring_cache[group] = hit
+        return hit
+
+    def off_group_inv(self, group: tuple[int, ...], rank: int) -> tuple[np.ndarray, np.ndarray]:
+        """(out, in) seconds per byte per link of ``rank``'s transfers to / from every rank outside
+        ``group``: the precomputed ``out_off_inv`` / ``in_off_inv`` when the group is a whole NVLink
+        domain (the planner's table-row-wise groups), else summed for this group (a saved or
+        torchrec-made plan whose groups are hosts inside a larger domain)."""
+        L = self.links
+        gs = len(self.twrw_groups[0])
+        if len(group) == gs and group[0] % gs == 0 and group == self.twrw_groups[group[0] // gs]:
+            return L.out_off_inv[rank], L.in_off_inv[rank]
+        key = (group, rank)
+        hit = self._off_cache.get(key)
+        if hit is None:
+            members = set(group)
+            out, inn = np.zeros(L.count), np.zeros(L.count)
+            for c in range(self.world):
+                if c not in members:
+                    out += L.pair_inv(rank, c)
+                    inn += L.pair_inv(c, rank)
+            hit = self._off_cache[key] = (out, inn)
         return hit
 
     def group_sums(self, group: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -413,14 +438,15 @@ class CostState:
             ring = L.pair_inv(r, m.ring_next(g, r)) * ((n - 1) / n * d) if n > 1 else np.zeros(L.count)
             return [("row_wise:ids", ids * L.in_inv[r]), ("row_wise:fwd", ring), ("row_wise:bwd", ring)]
         if st == "table_row_wise":
-            g = s.group or m.host_ranks[m.host_of[r]]
+            g = s.group or m.twrw_groups[r // len(m.twrw_groups[0])]
             n = len(g)
             d = m.batch * w * s.cols * BYTES
             part = m.batch * s.cols * BYTES / n  # this rank's slice of the host-reduced output
             ring = L.pair_inv(r, m.ring_next(g, r)) * ((n - 1) / n * d) if n > 1 else np.zeros(L.count)
+            out_off, in_off = m.off_group_inv(g, r)
             return [("table_row_wise:ids", (idb / n) * L.in_inv[r]),
-                    ("table_row_wise:fwd_rs", ring), ("table_row_wise:fwd_a2a", part * L.out_off_inv[r]),
-                    ("table_row_wise:bwd_a2a", part * L.in_off_inv[r]), ("table_row_wise:bwd_ag", ring)]
+                    ("table_row_wise:fwd_rs", ring), ("table_row_wise:fwd_a2a", part * out_off),
+                    ("table_row_wise:bwd_a2a", part * in_off), ("table_row_wise:bwd_ag", ring)]
         if st == "data_parallel":
             g = s.group or tuple(range(w))
             n = len(g)

@@ -54,7 +54,7 @@ class LinkSet:
     in_inv: np.ndarray  # [world, links]
     first_hop: np.ndarray  # [world, world] link index of a -> b's first hop (-1 on the diagonal)
     last_hop: np.ndarray  # [world, world]
-    out_off_inv: np.ndarray  # [world, links]: out_inv over the peers on other hosts only
+    out_off_inv: np.ndarray  # [world, links]: out_inv over the peers outside its NVLink domain (host) only
     in_off_inv: np.ndarray  # [world, links]
     inv_bw: np.ndarray = field(init=False)
 
@@ -217,7 +217,7 @@ def build_links(topo: ClusterTopology) -> LinkSet:
                 continue
             out_inv[a, idx] += inv[idx]
             in_inv[c, idx] += inv[idx]
-            if loc[a][0] != loc[c][0]:
+            if topo.nvlink_domain(loc[a][0]) != topo.nvlink_domain(loc[c][0]):
                 out_off[a, idx] += inv[idx]
                 in_off[c, idx] += inv[idx]
             first[a, c], last[a, c] = idx[0], idx[-1]

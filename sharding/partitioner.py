@@ -89,6 +89,9 @@ class TopologyPartitioner(Partitioner):
         nh = w // lw
         host_free = np.array([sum(float(d.storage.ddr) for d in sc.devices[h * lw:(h + 1) * lw]) for h in range(nh)])
         host_of = np.arange(w) // lw
+        # table-row-wise: a group is one NVLink domain (one host unless hosts share one)
+        gw = m.topo.ranks_per_nvlink_domain
+        groups = w // gw
         st = m.new_state()
         _reset(proposal)
 
@@ -119,22 +122,24 @@ class TopologyPartitioner(Partitioner):
         rest = [so for so in proposal if so.sharding_type not in UNIFORM]
         rest.sort(key=lambda so: (-sum(sh.perf.total for sh in so.shards), -sum(sh.storage.hbm + sh.storage.ddr for sh in so.shards), so.name))
 
-        # 2. table-row-wise: one host (its NVLink domain), shard i on its rank i
+        # 2. table-row-wise: one NVLink domain (a host, unless hosts share one), shard i on its rank i
         for so in rest:
             if so.sharding_type != "table_row_wise":
                 continue
-            if len(so.shards) != lw:
-                raise fail(so, f"{len(so.shards)} shards for {lw} ranks per host")
+            if len(so.shards) != gw:
+                raise fail(so, f"{len(so.shards)} shards for {gw} ranks per NVLink domain (host)")
             best = None
-            fast = nh > 1 and not m.cpu and so.compute_kernel not in UVM_KERNELS
+            fast = groups > 1 and not m.cpu and so.compute_kernel not in UVM_KERNELS
             if fast:  # device-resident: the step time on each host in closed form, no trial states
                 protos = placed_from_option(_with_all_ranks(so, 0))
                 base = st.base_scores()
-            for h in range(nh):
-                ranks = list(range(h * lw, (h + 1) * lw))
+            for h in range(groups):
+                ranks = list(range(h * gw, (h + 1) * gw))
                 if not all(sh.storage.hbm <= hbm_free[r] for r, sh in zip(ranks, so.shards)):
                     continue
-                if sum(sh.storage.ddr for sh in so.shards) > host_free[h]:
+                ddr = np.zeros(nh)
+                np.add.at(ddr, host_of[ranks], [sh.storage.ddr for sh in so.shards])
+                if (ddr > host_free).any():
                     continue
                 if fast:
                     step, spread = st.step_time_with(*st.twrw_loads(protos, ranks), "table_row_wise", base=base)
@@ -142,7 +147,7 @@ class TopologyPartitioner(Partitioner):
                     if best is None or key < best[0]:
                         best = (key, h, None)
                     continue
-                if nh == 1:
+                if groups == 1:
                     for r, sh in zip(ranks, so.shards):
                         sh.rank = r
                     for p in placed_from_option(so):
@@ -158,9 +163,9 @@ class TopologyPartitioner(Partitioner):
                 if best is None or key < best[0]:
                     best = (key, h, trial)
             if best is None:
-                raise fail(so, "no host has room for it")
+                raise fail(so, "no NVLink domain (host) has room for it")
             _, h, trial = best
-            for r, sh in zip(range(h * lw, (h + 1) * lw), so.shards):
+            for r, sh in zip(range(h * gw, (h + 1) * gw), so.shards):
                 sh.rank = r
                 take(r, sh.storage)
             if trial is None:

@@ -236,6 +236,12 @@ class ClusterTopology:
         h, i = self.locate(rank)
         return self.hosts[h].gpus[i]
 
+    @property
+    def ranks_per_nvlink_domain(self) -> int:
+        """Ranks of one NVLink domain: a host's, or ``nvlink_domain_hosts`` hosts' (table-row-wise
+        groups follow it, as torchrec's do with ``pod_size``)."""
+        return self.local_world_size * self.network.nvlink_domain_hosts
+
     def nvlink_domain(self, host: int) -> int:
         """Index of the NVLink domain (pod) host ``host`` belongs to (hosts are grouped in order)."""
         return host // self.network.nvlink_domain_hosts

@@ -128,10 +128,10 @@ def torchrec_topology(
         hbm_to_ddr_mem_bw=None if cpu else min(host_to_gpu_bandwidth(topo, r) for r in range(w)) / 1e3,
     )
     return TopologyFactory.create_topology(
-        # no pod_size (topo.network.nvlink_domain_hosts), on purpose: torchrec would then cut
-        # table-row-wise tables over the whole NVLink domain, while our partitioner and cost
-        # model still place them per host (docs/topology.md, "Not modelled")
-        trainer_config=TrainerConfig(world_size=w, local_world_size=lw),
+        # pod_size: torchrec then cuts table-row-wise tables over an NVLink domain's ranks, as our
+        # partitioner and cost model place them (cost_model.twrw_groups)
+        trainer_config=TrainerConfig(world_size=w, local_world_size=lw,
+                                     pod_size=topo.network.nvlink_domain_hosts if topo.network.nvlink_domain_hosts > 1 else None),
         hardware_config=hardware,
         kernel_config=KernelConfig(compute_device=topo.compute_device, use_hardware_based_bandwidth=True),
     )

@@ -65,7 +65,7 @@ def load_topology_text(text: str, name: str):
 def test_nvlink_domain_across_hosts_gb200_nvl72():
     """GB200 NVL72: 18 trays in one NVLink domain. Every pair, across trays too, is NVLink at
     900 GB/s per direction and crosses no NIC; the same trays as two racks (two domains of 9)
-    go through the NICs between racks."""
+    go through the NICs between racks; torchrec's Topology gets pod_size = 18."""
     from sharding.links import build_links
     from sharding.topology_planner import torchrec_topology
 
@@ -76,9 +76,7 @@ def test_nvlink_domain_across_hosts_gb200_nvl72():
     links = build_links(t)
     cross = [links.names[i] for i in links.path[0][70]]  # tray 0 GPU 0 -> tray 17 GPU 2
     assert cross == ["gb200-tray-0#0/gpu0.nvlink>out", "gb200-tray-17#17/gpu2.nvlink>in"]
-    # not passed on as torchrec's pod_size: torchrec would cut table-row-wise tables over the
-    # domain while our partitioner places them per host (docs/topology.md)
-    assert torchrec_topology(t)._pod_size is None
+    assert torchrec_topology(t)._pod_size == 18  # torchrec's name for it
     two_racks = load_topology_text(dump_topology(t).replace("nvlink_domain_hosts: 18", "nvlink_domain_hosts: 9"), "x")
     assert two_racks.same_nvlink_domain(0, 35) and not two_racks.same_nvlink_domain(0, 36)
     between = build_links(two_racks)
@@ -244,3 +242,52 @@ def test_binary_topology_file_is_one_line_naming_it(tmp_path):
         load_topology(f)
     msg = str(e.value)
     assert msg == "topo.yaml: not a UTF-8 text file (byte 0xff at offset 11); is it a topology YAML?"
+
+
+@pytest.mark.parametrize("domain_hosts", [18, 9])
+def test_table_row_wise_groups_follow_the_nvlink_domain(domain_hosts):
+    """On an NVL72 (one domain of 18 trays, or two of 9) a table-row-wise table is cut over one
+    domain's ranks (72 or 36 shards, as torchrec's pod_size makes it) and placed on them; its
+    cross-group all-to-all is charged only between domains."""
+    import torch
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    from torchrec.distributed.planner import ParameterConstraints
+
+    from sharding.topology_planner import TopologyAwarePlanner
+
+    text = dump_topology(load_topology("gb200-nvl72")).replace("nvlink_domain_hosts: 18", f"nvlink_domain_hosts: {domain_hosts}")
+    t = load_topology_text(text, "nvl")
+    ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name=f"t{i}", embedding_dim=64, num_embeddings=2_000_000,
+                                                            feature_names=[f"f{i}"]) for i in range(3)],
+                                 device=torch.device("meta"))
+    cons = {f"t{i}": ParameterConstraints(sharding_types=["table_row_wise"]) for i in range(3)}
+    planner = TopologyAwarePlanner(t, batch_size=512, constraints=cons)
+    plan = planner.plan(ebc, [planner_sharder()])
+    group = 4 * domain_hosts
+    for name, ps in plan.plan[""].items():
+        ranks = sorted(int(p.placement.rank()) for p in ps.sharding_spec.shards)
+        assert ps.sharding_type == "table_row_wise" and len(ranks) == group, (name, len(ranks))
+        assert ranks == list(range(ranks[0], ranks[0] + group)) and ranks[0] % group == 0
+    off = planner.cost_model.links.out_off_inv  # peers "off" a rank's group: other domains' only
+    assert (float(off.sum()) == 0.0) == (domain_hosts == 18)
+    assert planner.cost_model.twrw_groups[0] == tuple(range(group))
+
+
+def planner_sharder():
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+
+    return EmbeddingBagCollectionSharder()
+
+
+def test_a_host_group_inside_a_larger_domain_still_pays_its_all_to_all():
+    """A table-row-wise group smaller than the NVLink domain (one tray, as a plan made without
+    pod_size has it) sends its slices to the other 68 GPUs: charged on their NVLink ports; the
+    whole-domain group has no peer outside and pays no all-to-all."""
+    from sharding.cost_model import TopologyCostModel
+
+    m = TopologyCostModel(load_topology("gb200-nvl72"), 512)
+    out, inn = m.off_group_inv((0, 1, 2, 3), 0)
+    port = m.links.names.index("gb200-tray-0#0/gpu0.nvlink>out")
+    assert out[port] == pytest.approx(68 / (900 * GBs)) and inn.sum() > 0
+    whole, _ = m.off_group_inv(tuple(range(72)), 0)
+    assert float(whole.sum()) == 0.0
