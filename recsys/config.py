@@ -124,8 +124,6 @@ class TrainConfig:
     pg_timeout_s: float = 600.0  # collective timeout of hierarchical runs: a lost host stops the job
 
 
-
-
 @dataclass
 class ShardingConfig:
     planner: str = "torchrec"  # torchrec: torchrec's EmbeddingShardingPlanner; topology: sharding/topology_planner.py
