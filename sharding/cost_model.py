@@ -147,7 +147,6 @@ class TopologyCostModel:
         self.cpu = topo.compute_device == "cpu"
         self.bw = bw = bandwidth_matrix(topo, shared=True)
         self.mem_bw = np.diag(bw).copy()  # the pair bandwidths (bandwidth.py, shared view) are for reading only
-        self.host_ranks = [tuple(topo.rank(h, i) for i in range(topo.local_world_size)) for h in range(len(topo.hosts))]
         self.host_of = np.array([topo.locate(r)[0] for r in range(w)])
         # table-row-wise groups: the ranks of one NVLink domain (one host unless hosts share one)
         g = topo.ranks_per_nvlink_domain
