@@ -5,6 +5,7 @@ need no processes."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -262,14 +263,22 @@ def test_killing_the_launcher_stops_every_worker(tmp_path, sig):
         assert _summary(run_dir)["resumed_from"] == str(latest)
 
 
+@contextlib.contextmanager
+def _tmpfs(where: Path, size: str):
+    """A tmpfs of ``size`` mounted at ``where`` (made here) for the block; skips without root."""
+    where.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=False)
+
+
 @pytest.mark.slow
 def test_full_disk_during_a_checkpoint(tmp_path):
     """A tmpfs too small for the first checkpoint: one line, no `.tmp` directory or plan temp file."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=700k", "tmpfs", str(mnt)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    try:
+    with _tmpfs(tmp_path / "small", "700k") as mnt:
         run_dir = mnt / "run"
         r = _recsys([f"run_dir={run_dir}", "train.max_steps=20", "checkpoint.every_steps=10"])
         assert r.returncode == 2
@@ -277,8 +286,6 @@ def test_full_disk_during_a_checkpoint(tmp_path):
                                  "on device; no earlier checkpoint")
         assert not list(run_dir.rglob("*tmp*"))
         assert (run_dir / "plan.json").is_file() and not list((run_dir / "checkpoints").iterdir())
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
 
 
 def test_full_disk_is_named_when_torch_save_lost_the_oserror(tmp_path):
@@ -289,11 +296,7 @@ def test_full_disk_is_named_when_torch_save_lost_the_oserror(tmp_path):
 
     lost = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
     wrapped = CheckpointException("ranks:dict_keys([0, 1])", {0: (lost, None), 1: (lost, None)})
-    mnt = tmp_path / "full"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    try:
+    with _tmpfs(tmp_path / "full", "64k") as mnt:
         step_tmp = mnt / "step_000000010.tmp"
         step_tmp.mkdir()
         assert _disk_reason(wrapped, step_tmp) == "RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"
@@ -304,8 +307,6 @@ def test_full_disk_is_named_when_torch_save_lost_the_oserror(tmp_path):
         with_context = RuntimeError("unexpected pos")
         with_context.__context__ = OSError(28, "No space left on device")
         assert _disk_reason(CheckpointException("x", {1: (with_context, None)})) == "No space left on device"
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
 
 
 @pytest.mark.slow

@@ -47,6 +47,10 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from recsys.config import load_config  # noqa: E402
+
 CONFIG = REPO / "configs" / "experiments" / "large_batch_paper.yaml"
 
 _REF = ["optim.embedding_l2_scope=catchup"]
@@ -78,17 +82,6 @@ LABELS = {
 DEFAULT_ARMS = ["cowclip", "cowclip_lazy", "noclip_rule", "sqrt", "linear", "cowclip_lr1e-3"]
 # at the base batch these pairs are the same run (the rules coincide; same kernel and semantics)
 SAME_AT_BASE = {"linear": "sqrt", "c": "b"}
-
-
-def _config_value(config: Path, dotted: str, default: Any = None) -> Any:
-    import yaml
-
-    node: Any = yaml.safe_load(config.read_text()) or {}
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return default
-        node = node[part]
-    return node
 
 
 def _metrics(run_dir: Path) -> dict[str, Any]:
@@ -267,8 +260,7 @@ def main(argv: list[str] | None = None) -> None:
         batches, a.base_batch = [256, 2048], 256
     if a.base_batch not in batches:
         raise SystemExit(f"--base-batch {a.base_batch} must be one of --batches {batches}")
-    rows = int(next((o.split("=", 1)[1] for o in reversed(extra) if o.startswith("data.train_rows=")),
-                    _config_value(a.config, "data.train_rows", 1_000_000)))
+    rows = load_config(a.config, extra).data.train_rows  # the trainer's own reading: defaults, overrides
     a.out.mkdir(parents=True, exist_ok=True)
 
     plan = []
