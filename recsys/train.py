@@ -6,7 +6,9 @@
 
 Expected failures (a locked or foreign run directory, an incompatible checkpoint, a full disk
 during a checkpoint, ...) end every rank with exit code 2; rank 0 prints one `error: ...` line,
-the others nothing. A resume of a finished run prints one line and exits 0. Interrupted
+the others nothing. A host lost during training (killed, frozen, its link cut) ends every
+surviving rank with exit code 2 and one `error: ...` line per surviving host that names the lost
+host (recsys/training/comm_failure.py). A resume of a finished run prints one line and exits 0. Interrupted
 (SIGINT) workers exit 130 without a traceback; SIGTERM ends them at once (Python's default).
 """
 
@@ -44,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
         return 2
     from recsys.training.checkpoint import CheckpointError
+    from recsys.training.comm_failure import HostLostError, end_stuck_launcher
     from recsys.training.loop import run
     from recsys.training.run_dir import RunDirError, RunFinished
 
@@ -57,6 +60,11 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         os._exit(2)  # peers may be blocked in a collective on a dead group: no teardown
+    except HostLostError as e:  # another host is gone or silent: one line per surviving host
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        end_stuck_launcher(float(os.environ.get("RECSYS_LAUNCHER_GRACE_S", "10")))
+        os._exit(2)  # no teardown: the groups are broken, and the store may be on the lost host
     except KeyboardInterrupt:  # a direct run's Ctrl-C (under `recsys train` the launcher says it)
         if rank == 0 and "RECSYS_RUN_LOCK_PID" not in os.environ:
             print("interrupted: the last complete checkpoint is kept (resume=true continues from it)",

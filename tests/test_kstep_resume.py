@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -29,13 +30,19 @@ COMMON = ["train.max_steps=48", "train.log_every=12", "train.merge_every=4", "ch
 
 def _start(
     run_dir: Path, overrides: list[str], env_extra: dict[str, str] | None = None, port: int | None = None,
-    torchrun_extra: tuple[str, ...] = (),
+    torchrun_extra: tuple[str, ...] = (), net=None, store_on_node0: bool = False,
 ) -> list[subprocess.Popen]:
+    """Two torchrun nodes of 2 ranks. `net` (a tools/simnet.py SimNet, up): node i in host
+    namespace i, gloo over the shaped link. `store_on_node0`: node 0's agent hosts the c10d
+    rendezvous store (torchrun's default; started first so it binds the endpoint)."""
     port = port or _free_port()
+    addr = net.bridge_addr if net is not None else "127.0.0.1"
+    if store_on_node0 and net is not None:
+        addr = net.host_addr(0)
     store = None
-    if "is_host=false" not in torchrun_extra:
+    if "is_host=false" not in torchrun_extra and not store_on_node0:
         # the rendezvous store in this process, not in an agent that may exit first (docs/kstep.md)
-        store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True, wait_for_workers=False)
+        store = torch.distributed.TCPStore(addr, port, is_master=True, multi_tenant=True, wait_for_workers=False)
         torchrun_extra = (*torchrun_extra, "--rdzv_conf", "is_host=false")
     env = dict(os.environ, OMP_NUM_THREADS="1", RECSYS_PG_TIMEOUT_S="60")
     env.update(env_extra or {})
@@ -43,17 +50,56 @@ def _start(
     for node in range(2):
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2",
-            "--node_rank", str(node), "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}",
-            "--rdzv_id", f"{run_dir.name}{port}", *torchrun_extra, "-m", "recsys.train", "--config", str(SMOKE),
-            f"run_dir={run_dir}", "train.threads_per_rank=1", *overrides,
+            "--node_rank", str(node), "--rdzv_backend", "c10d", "--rdzv_endpoint", f"{addr}:{port}",
+            "--rdzv_id", f"{run_dir.name}{port}", *torchrun_extra,
         ]
+        node_env = env
+        if net is not None:
+            cmd = [*net.exec_prefix(node), *cmd, "--local_addr", net.host_addr(node)]
+            node_env = dict(env, **net.host_env(node))
+        cmd += ["-m", "recsys.train", "--config", str(SMOKE), f"run_dir={run_dir}", "train.threads_per_rank=1", *overrides]
         log = run_dir.parent / f"{run_dir.name}.node{node}.{port}.log"
         with open(log, "w") as out:
-            p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            p = subprocess.Popen(cmd, cwd=REPO, env=node_env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        if store_on_node0 and node == 0:
+            _wait_listening(port, p)
         p.log_path = log  # type: ignore[attr-defined]
         p.rdzv_store = store  # type: ignore[attr-defined]  # alive as long as the processes
         procs.append(p)
     return procs
+
+
+def _wait_listening(port: int, proc: subprocess.Popen, timeout: float = 60) -> None:
+    """Until something listens on TCP `port` (in any namespace the test can see: /proc/net/tcp of
+    the process), so node 0's agent has bound the rendezvous endpoint before node 1 starts."""
+    t0 = time.monotonic()
+    hexport = f":{port:04X}"
+    while time.monotonic() - t0 < timeout:
+        table = ""
+        for name in ("tcp", "tcp6"):  # TCPStore listens on a dual-stack socket where it can
+            try:
+                table += Path(f"/proc/{proc.pid}/net/{name}").read_text()
+            except OSError:
+                pass
+        rows = [line.split() for line in table.splitlines()]
+        if any(len(f) > 3 and f[1].endswith(hexport) and f[3] == "0A" for f in rows):  # 0A: LISTEN
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"node 0 exited before it bound port {port}")
+        time.sleep(0.1)
+    raise AssertionError(f"nothing listened on port {port} after {timeout} s")
+
+
+LOST_LINE = re.compile(
+    r"^error: (lost host (\d) \(global ranks \d-\d[^)]*\): its connection to host (\d) closed|"
+    r"host (\d) \(global ranks \d-\d[^)]*\) did not answer host (\d)).*; the job stops \(resume=true continues "
+    r"from the last checkpoint\)$", re.M,
+)
+
+
+def lost_lines(log: Path) -> list[tuple[int, int]]:
+    """(lost host, reporting host) of every one-line host-loss error in a node's log."""
+    return [(int(m.group(2) or m.group(4)), int(m.group(3) or m.group(5))) for m in LOST_LINE.finditer(log.read_text())]
 
 
 def _finish(procs: list[subprocess.Popen], timeout: int = 400) -> None:
@@ -127,6 +173,8 @@ def test_host_killed_between_merges_then_resume_matches(tmp_path, moments):
     assert survivor.returncode != 0
     assert stopped_after < 120
     assert not (killed / "summary.json").exists()
+    # one line, from the surviving host (host 0), naming the killed one (host 1)
+    assert lost_lines(survivor.log_path) == [(1, 0)], survivor.log_path.read_text()[-3000:]
     time.sleep(1)
 
     # resume both hosts from the last merge checkpoint (RECSYS_RESUME=1 is resume=true, which
@@ -199,4 +247,40 @@ def test_frozen_host_stops_the_job_after_the_pg_timeout(tmp_path):
         del store
     assert survivor.returncode != 0
     assert 10 <= stopped_after < 90, stopped_after
-    assert "timeout" in survivor.log_path.read_text().lower()
+    assert lost_lines(survivor.log_path) == [(0, 1)], survivor.log_path.read_text()[-3000:]
+    assert "did not answer host 1 within train.pg_timeout_s=15 s" in survivor.log_path.read_text()
+
+
+def test_frozen_host_holding_the_rendezvous_store_still_stops_the_job(tmp_path):
+    """The case torchrun alone cannot end: node 0's agent hosts the c10d store (torchrun's
+    default) and node 0 is frozen. The surviving agent blocks in a store read that never returns;
+    the survivors' workers fail after the process-group timeout, print the one line and leave a
+    watchdog that ends their agent RECSYS_LAUNCHER_GRACE_S later (recsys/training/comm_failure.py)."""
+    import signal
+
+    run_dir = tmp_path / "frozen_store"
+    procs = _start(
+        run_dir, [*COMMON[:-1], "train.max_steps=2000", "checkpoint.every_steps=12"],
+        {"RECSYS_PG_TIMEOUT_S": "15", "RECSYS_LAUNCHER_GRACE_S": "5"}, store_on_node0=True,
+    )
+    try:
+        _wait_for(run_dir / "checkpoints" / "step_000000012" / "COMMITTED", procs[0], timeout=300)
+        victim, survivor = procs  # node 0: the store's agent
+        victim_host = min(_ranks_of(victim)) // 2  # the host its global ranks make it
+        t0 = time.monotonic()
+        for pid in _descendants(victim.pid):
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                pass
+        survivor.wait(timeout=150)
+        stopped_after = time.monotonic() - t0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                _kill_tree(p.pid)
+    log = survivor.log_path.read_text()
+    assert survivor.returncode != 0
+    assert stopped_after < 15 + 5 + 45, stopped_after  # timeout + grace + the step in flight, start-up
+    assert lost_lines(survivor.log_path) == [(victim_host, 1 - victim_host)], log[-3000:]
+    assert "had not exited 5 s after its workers lost a host" in log

@@ -29,6 +29,7 @@ from recsys.optim.cowclip_catchup import catch_up_all_tables
 from recsys.optim.cowclip_sharder import take_update_stats
 from recsys.optim.embedding import attach_embedding_optimizer, embedding_sharders
 from recsys.training.checkpoint import Checkpointer, CheckpointError, describe_failure
+from recsys.training.comm_failure import HostLostError, host_lost, register_peers
 from recsys.training.distributed import DistEnv, init_distributed
 from recsys.training.hierarchy import HostGroups, build_host_groups, pg_timeout_from_env, remap_plan_to_host, resolve_hosts
 from recsys.training.merge import KStepMerger
@@ -125,6 +126,9 @@ def setup(cfg: ExperimentConfig, model_factory: ModelFactory | None = None) -> J
     tables = plan_io.model_tables(module)
     # Hierarchical training: shard over the host's ranks; the same plan on every host.
     groups = build_host_groups(resolve_hosts(cfg.train.hosts), pg_timeout_from_env(cfg.train.pg_timeout_s)) if cfg.train.merge_every > 0 else None
+    if env.world_size > 1:  # a collective failure caused by another host is then told in one line naming it
+        register_peers(groups.hosts if groups else resolve_hosts(1), pg_timeout_from_env(cfg.train.pg_timeout_s).total_seconds()
+                       if groups else None)
     shard_world = groups.ranks_per_host if groups else env.world_size
     if cfg.plan:  # a saved plan: it must be for this model and world size (the host's, if hierarchical)
         plan, header = plan_io.read_plan_file(cfg.plan)
@@ -200,6 +204,20 @@ def _cache_stats(cfg: ExperimentConfig, module: nn.Module) -> dict | None:
     return load_sample(cfg.sharding.data_sample, module, cfg, cfg.train.batch_size)
 
 
+def _dense_parameter_bytes(dmp: nn.Module) -> int:
+    """Bytes of the trainable parameters outside the sharded embedding modules: what DDP
+    all-reduces every step. tools/exp_kstep.py models a synchronous run's dense traffic from it."""
+    from torchrec.distributed.types import ShardedModule
+
+    sharded = {id(p) for m in dmp.modules() if isinstance(m, ShardedModule) for p in m.parameters()}
+    seen, total = set(), 0
+    for p in dmp.parameters():
+        if p.requires_grad and id(p) not in sharded and id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return total
+
+
 def _mean_across_ranks(value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t)
@@ -207,7 +225,20 @@ def _mean_across_ranks(value: float) -> float:
 
 
 def run(cfg: ExperimentConfig, model_factory: ModelFactory | None = None) -> dict[str, Any] | None:
-    """Trains and evaluates; returns the summary on rank 0 (None elsewhere)."""
+    """Trains and evaluates; returns the summary on rank 0 (None elsewhere). A collective that
+    fails because another host is gone or silent raises HostLostError (one line naming the host)."""
+    try:
+        return _run(cfg, model_factory)
+    except HostLostError:
+        raise
+    except Exception as e:
+        lost = host_lost(e)
+        if lost is not None:
+            raise lost from e
+        raise
+
+
+def _run(cfg: ExperimentConfig, model_factory: ModelFactory | None) -> dict[str, Any] | None:
     job = setup(cfg, model_factory)
     env, t = job.env, cfg.train
     per_epoch = steps_per_epoch(job.source, TRAIN, t.batch_size)
@@ -260,10 +291,11 @@ def run(cfg: ExperimentConfig, model_factory: ModelFactory | None = None) -> dic
     last_eval: dict[str, Any] = {}
 
     def eval_now(step: int) -> dict[str, Any]:
+        train_s = progress.train_s()
         with progress.pause():
             pipeline.detach()
             result = evaluate(job.dmp, job.source, t.eval_batch_size, env.rank, env.world_size, env.device)
-            record = {"kind": "eval", "step": step, "epoch": step / per_epoch, **result}
+            record = {"kind": "eval", "step": step, "epoch": step / per_epoch, "train_s": train_s, **result}
             writer.log(record)
             if env.is_main:
                 oracle = f" (oracle {result['oracle_auc']:.4f})" if "oracle_auc" in result else ""
@@ -309,6 +341,7 @@ def run(cfg: ExperimentConfig, model_factory: ModelFactory | None = None) -> dic
             checkpoint_now(step)
 
     train_wall = time.perf_counter() - wall0
+    train_s_no_eval = progress.train_s()
     last_eval = eval_now(total)
     checkpoint_now(total)
     summary = {
@@ -322,7 +355,10 @@ def run(cfg: ExperimentConfig, model_factory: ModelFactory | None = None) -> dic
         "resumed_from": resumed_from,
         "train_wall_s_this_run": train_wall,
         "samples_per_s_this_run": (total - start_step) * t.batch_size / max(train_wall, 1e-9),
-        **{k: v for k, v in last_eval.items() if k not in ("kind", "step", "epoch")},
+        # without mid-run evals and checkpoints (train_wall_s_this_run includes them)
+        "train_s_no_eval_this_run": train_s_no_eval,
+        "dense_parameter_bytes": _dense_parameter_bytes(job.dmp),
+        **{k: v for k, v in last_eval.items() if k not in ("kind", "step", "epoch", "train_s")},
     }
     if job.merger is not None:
         m = job.merger

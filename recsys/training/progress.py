@@ -18,11 +18,17 @@ class Progress:
         self.batch = global_batch
         self.t0 = self.t_last = time.perf_counter()
         self.step0 = self.step_last = start_step
-        self.pause_total = 0.0
+        self.pause_total = 0.0  # paused since the last update (this window)
+        self.paused_s = 0.0  # paused since the start (evals, checkpoints)
 
     def pause(self) -> "_Pause":
         """Time spent inside (evaluation, checkpoints) is not counted as training time."""
         return _Pause(self)
+
+    def train_s(self) -> float:
+        """Seconds of training since the start, pauses (evals, checkpoints) not counted: the time
+        axis of a metric curve that should not depend on how often one evaluates."""
+        return time.perf_counter() - self.t0 - self.paused_s
 
     def update(self, step: int) -> dict[str, float]:
         now = time.perf_counter()
@@ -51,4 +57,6 @@ class _Pause:
         self.t = time.perf_counter()
 
     def __exit__(self, *exc) -> None:
-        self.p.pause_total += time.perf_counter() - self.t
+        dt = time.perf_counter() - self.t
+        self.p.pause_total += dt
+        self.p.paused_s += dt
