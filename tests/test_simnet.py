@@ -37,7 +37,8 @@ needs_netns = pytest.mark.skipif(_REASON is not None, reason=f"SIMNET NOT TESTED
 
 def _mine(name: str) -> list[str]:
     found = list_all()
-    return [x for x in found["namespaces"] + found["links"] if f"snet-{name}-" in x or x.startswith(f"snet{name}")]
+    return [x for x in found["namespaces"] + found["links"] + found["nft_tables"]
+            if f"snet-{name}-" in x or x.startswith(f"snet{name}")]
 
 
 # -- no privileges needed ---------------------------------------------------------------------
@@ -175,6 +176,31 @@ def test_bytes_between_hosts_cross_the_shaped_link_and_stay_on_loopback_inside_a
     assert _mine("t1") == []  # torn down on exit
 
 
+_LOSS_REASON = _REASON or probe(LinkSpec(loss_pct=1.0))
+if _LOSS_REASON is not None and _REASON is None:
+    warnings.warn(f"SIMNET NOT TESTED: {_LOSS_REASON}", pytest.PytestWarning, stacklevel=1)
+
+
+@pytest.mark.skipif(_LOSS_REASON is not None, reason=f"SIMNET NOT TESTED: {_LOSS_REASON}")
+def test_loss_drops_that_share_of_wire_sized_packets():
+    """loss=5%: TCP still delivers every byte; the nftables rules dropped 5% (+-1.5%) of the
+    packets the hosts sent into the link, and those packets are wire-sized (MTU), not GSO
+    super-packets, so one loss is one 1500-byte frame as on a real NIC."""
+    n = 4 * 2**20
+    with SimNet("t6", 2, LinkSpec.parse("rate=1gbit,loss=5%")) as net:
+        def packets() -> int:
+            return sum(int(Path(f"/sys/class/net/{net.root_veth(i)}/statistics/rx_packets").read_text()) for i in range(2))
+
+        p0, b0 = packets(), net.counters()["h0_sent"]
+        assert _transfer(net, 0, 1, n) == n
+        sent_packets, sent_bytes = packets() - p0, net.counters()["h0_sent"] - b0
+        dropped = net.dropped()
+        assert 0.035 <= dropped / sent_packets <= 0.065, (dropped, sent_packets)
+        assert sent_bytes / sent_packets < 1600  # wire-sized frames (the ACKs make it smaller still)
+        assert any(x.startswith("snett6") for x in list_all()["nft_tables"])
+    assert _mine("t6") == []  # the nftables table went with the network
+
+
 @needs_netns
 def test_up_fails_cleanly_when_the_name_exists():
     with SimNet("t2", 1):
@@ -198,8 +224,8 @@ def test_delay_uses_netem_or_refuses_in_one_line():
         with pytest.raises(SimNetError) as e:
             SimNet("t3", 2, LinkSpec.parse("rate=1gbit,delay=1ms")).__enter__()
         assert str(e.value) == (
-            "simnet: this kernel has no netem qdisc (CONFIG_NET_SCH_NETEM), so delay=1ms loss=0% cannot be "
-            "emulated; use rate only (e.g. --net rate=100mbit)"
+            "simnet: this kernel has no netem qdisc (CONFIG_NET_SCH_NETEM), so delay=1ms cannot be "
+            "emulated; use rate (and loss) only (e.g. --net rate=100mbit,loss=1%)"
         )
     assert _mine("t3") == []
 

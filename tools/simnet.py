@@ -3,7 +3,8 @@
 Why: two torchrun launches joined on loopback have effectively unlimited bandwidth, so k-step
 merges could only be measured in bytes. Here every simulated host is a network namespace with
 its own loopback and one veth into a bridge in the root namespace; `tc` shapes both directions
-of each host's veth (tbf for the rate, netem for delay/loss where the kernel has it). Processes
+of each host's veth (tbf for the rate, netem for delay where the kernel has it); nftables drops
+packets at random where `loss=` is set. Processes
 started with `ip netns exec` in a host talk to the other hosts over the shaped link and to
 themselves over the host's own loopback (the kernel routes traffic to a local address through
 `lo`, also when it is the veth's address), so gloo with GLOO_SOCKET_IFNAME=simnet0 sends
@@ -18,7 +19,7 @@ simnet bridge):
 
 Only these addresses are used; nothing is routed anywhere else (no forwarding or NAT is set up).
 
-    python tools/simnet.py check                          # root? ip? tc? netns? tbf? netem?
+    python tools/simnet.py check                          # root? ip? tc? netns? tbf? netem? nft?
     python tools/simnet.py up --name demo --hosts 2 --net rate=100mbit,delay=1ms
                                                           # holds until Ctrl-C / SIGTERM, then deletes
     python tools/simnet.py up --name demo --detach ...    # leaves it up (then: down --name demo)
@@ -65,7 +66,8 @@ class SimNetError(RuntimeError):
 class LinkSpec:
     """Shaping of every host's link, both directions: rate (tc syntax, e.g. 100mbit), delay added
     by each shaped veth (e.g. 1ms; host to host passes two, so one way adds 2x and a round trip
-    4x), packet loss in percent per veth. None: not limited. `str()` parses back."""
+    4x), packet loss in percent of the packets a host sends into the link (nftables, `_drop_rules`).
+    None: not limited. `str()` parses back."""
 
     rate: str | None = None
     delay: str | None = None
@@ -160,38 +162,67 @@ def probe(spec: LinkSpec | None = None) -> str | None:
         _run(["ip", "link", "add", a, "type", "veth", "peer", "name", b])
         _run(["ip", "link", "set", b, "netns", ns])
         _shape(["tc"], a, spec or LinkSpec(rate="100mbit"))
+        if spec is not None and spec.loss_pct:
+            _drop_rules(f"{PREFIX}{tag}", [a], spec.loss_pct)
         return None
     except SimNetError as e:
         return str(e)
     finally:
+        if shutil.which("nft"):
+            _run(["nft", "delete", "table", "netdev", f"{PREFIX}{tag}"], check=False)
         _run(["ip", "link", "del", a], check=False)
         _run(["ip", "netns", "del", ns], check=False)
 
 
 def _shape(tc: list[str], dev: str, spec: LinkSpec) -> None:
     """tbf for the rate (burst: 5 ms of traffic, at least 128 KiB so GSO super-packets pass), netem
-    as its child (or alone) for delay/loss. One line when the kernel lacks netem."""
+    as its child (or alone) for the delay. One line when the kernel lacks netem. Loss is not
+    shaped here but dropped by nftables as packets enter the bridge (`_drop_rules`)."""
     parent = ["root"]
     if spec.rate is not None:
         burst = max(128 * 1024, int(spec.rate_bps / 8 * 0.005))
         _run([*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf", "rate", spec.rate,
               "burst", str(burst), "latency", "100ms"])
         parent = ["parent", "1:1"]
-    if spec.delay is not None or spec.loss_pct:
-        netem = ["netem", "limit", "100000"]
-        if spec.delay is not None:
-            netem += ["delay", spec.delay]
-        if spec.loss_pct:
-            netem += ["loss", f"{spec.loss_pct:g}%"]
-        r = _run([*tc, "qdisc", "add", "dev", dev, *parent, "handle", "10:", *netem], check=False)
+    if spec.delay is not None:
+        r = _run([*tc, "qdisc", "add", "dev", dev, *parent, "handle", "10:", "netem", "limit", "100000",
+                  "delay", spec.delay], check=False)
         if r.returncode != 0:
             err = (r.stderr or r.stdout).strip()
             if "unknown" in err.lower():
                 raise SimNetError(
-                    f"simnet: this kernel has no netem qdisc (CONFIG_NET_SCH_NETEM), so delay={spec.delay or 0} "
-                    f"loss={spec.loss_pct or 0}% cannot be emulated; use rate only (e.g. --net rate=100mbit)"
+                    f"simnet: this kernel has no netem qdisc (CONFIG_NET_SCH_NETEM), so delay={spec.delay} "
+                    f"cannot be emulated; use rate (and loss) only (e.g. --net rate=100mbit,loss=1%)"
                 )
             raise SimNetError(f"simnet: tc netem on {dev} failed: {err.splitlines()[-1] if err else r.returncode}")
+
+
+def _drop_rules(table: str, devs: list[str], loss_pct: float) -> None:
+    """Random loss with nftables instead of netem (which many kernels lack, this machine's too):
+    a netdev table with one ingress chain per root-side veth, `numgen random mod 10000 < N drop`.
+    Each packet a host sends into the link passes exactly one such chain, so `loss` is the
+    probability that a packet from one host to another (or to the bridge address) is lost."""
+    if shutil.which("nft") is None:
+        raise SimNetError("simnet: loss needs `nft` (nftables) on PATH (apt-get install nftables)")
+    n = max(1, round(loss_pct * 100))
+    script = [f"add table netdev {table}"]
+    for i, dev in enumerate(devs):
+        script += [
+            f"add chain netdev {table} h{i} {{ type filter hook ingress device {dev} priority 0 ; policy accept ; }}",
+            f"add rule netdev {table} h{i} numgen random mod 10000 < {n} counter drop",
+        ]
+    r = subprocess.run(["nft", "-f", "-"], input="\n".join(script) + "\n", capture_output=True, text=True)
+    if r.returncode != 0:
+        err = (r.stderr or r.stdout).strip().splitlines()
+        raise SimNetError(f"simnet: nftables loss rule failed: {err[0] if err else r.returncode}")
+
+
+def dropped_packets(table: str) -> int:
+    """Packets the loss rules of `table` dropped so far (0 when there is no such table)."""
+    r = _run(["nft", "list", "table", "netdev", table], check=False) if shutil.which("nft") else None
+    if r is None or r.returncode != 0:
+        return 0
+    return sum(int(m.group(1)) for m in re.finditer(r"counter packets (\d+)", r.stdout))
 
 
 def _no_ipv6(prefix: list[str], dev: str) -> None:
@@ -228,6 +259,11 @@ class SimNet:
 
     @property
     def bridge(self) -> str:
+        return f"{PREFIX}{self.name}"
+
+    @property
+    def nft_table(self) -> str:
+        """The nftables table of the loss rules (`loss=`)."""
         return f"{PREFIX}{self.name}"
 
     def host_addr(self, i: int) -> str:
@@ -280,6 +316,13 @@ class SimNet:
                 _run(["ip", "-n", ns, "link", "set", IFNAME, "up"])
                 _shape(["tc"], rv, self.link)  # toward the host
                 _shape(["tc", "-n", ns], IFNAME, self.link)  # from the host
+            if self.link.loss_pct:
+                # a loss is one wire-sized packet, as on a real NIC, not a 64 KiB GSO super-packet:
+                # TCP sends segments of at most one MTU through these links (costs CPU per packet)
+                for i in range(self.hosts):
+                    _run(["ip", "-n", self.ns(i), "link", "set", "dev", IFNAME, "gso_max_segs", "1"])
+                    _run(["ip", "link", "set", "dev", self.root_veth(i), "gso_max_segs", "1"])
+                _drop_rules(self.nft_table, [self.root_veth(i) for i in range(self.hosts)], self.link.loss_pct)
         except BaseException:
             self.down()
             raise
@@ -291,12 +334,24 @@ class SimNet:
         the namespace too."""
         if not self._is_up:
             return
+        if self.link.loss_pct and shutil.which("nft"):
+            _run(["nft", "delete", "table", "netdev", self.nft_table], check=False)
         for i in range(self.hosts):
             _run(["ip", "link", "del", self.root_veth(i)], check=False)
         _run(["ip", "link", "del", self.bridge], check=False)
         for i in range(self.hosts):
             _run(["ip", "netns", "del", self.ns(i)], check=False)
         self._is_up = False
+
+    def set_link(self, i: int, up: bool) -> None:
+        """Cuts (or restores) host i's link: its root-side veth goes down, which takes the carrier
+        of its peer in the host down too. Nothing passes either way; sockets stay open, so TCP
+        retransmits (backing off) until the link is back, as with a pulled cable."""
+        _run(["ip", "link", "set", self.root_veth(i), "up" if up else "down"])
+
+    def dropped(self) -> int:
+        """Packets dropped by the loss rules so far."""
+        return dropped_packets(self.nft_table) if self.link.loss_pct else 0
 
     def counters(self) -> dict[str, int]:
         """Bytes through the link now, per host: `h<i>_sent` (into the link, = the root-side
@@ -341,13 +396,21 @@ def list_all() -> dict[str, list[str]]:
     ns = [ln.split()[0] for ln in _run(["ip", "netns", "list"], check=False).stdout.splitlines()
           if ln.startswith(f"{PREFIX}-")]
     links = sorted(p.name for p in Path("/sys/class/net").iterdir() if p.name.startswith(PREFIX))
-    return {"namespaces": sorted(ns), "links": links}
+    tables = []
+    if shutil.which("nft"):
+        r = _run(["nft", "list", "tables", "netdev"], check=False)
+        tables = sorted(m.group(1) for m in re.finditer(rf"^table netdev ({PREFIX}\w*)$", r.stdout, re.M))
+    return {"namespaces": sorted(ns), "links": links, "nft_tables": tables}
 
 
 def down_all(name: str | None = None) -> list[str]:
     """Deletes the simnet objects of one network (`name`) or all of them; returns what it deleted."""
     found = list_all()
     gone: list[str] = []
+    for table in found["nft_tables"]:  # loss rules (before their devices go)
+        if name is None or table == f"{PREFIX}{name}":
+            if _run(["nft", "delete", "table", "netdev", table], check=False).returncode == 0:
+                gone.append(f"nft table {table}")
     for link in found["links"]:
         if name is None or re.fullmatch(rf"{PREFIX}{re.escape(name)}([rp]\d+)?", link):
             if _run(["ip", "link", "del", link], check=False).returncode == 0:
@@ -379,8 +442,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(reason)
                 return 2
             no_netem = probe(LinkSpec(delay="1ms"))
-            print("simnet: ok (root, ip, tc, netns, veth, tbf rate limits); delay/loss: "
-                  + ("ok (netem)" if no_netem is None else "unavailable: " + no_netem))
+            no_loss = probe(LinkSpec(loss_pct=1.0))
+            print("simnet: ok (root, ip, tc, netns, veth, tbf rate limits); delay: "
+                  + ("ok (netem)" if no_netem is None else "unavailable: " + no_netem)
+                  + "; loss: " + ("ok (nftables)" if no_loss is None else "unavailable: " + no_loss))
             return 0
         require_support()
         if a.cmd == "list":
@@ -392,6 +457,8 @@ def main(argv: list[str] | None = None) -> int:
             for link in found["links"]:
                 st = Path(f"/sys/class/net/{link}/statistics")
                 print(f"link {link}  rx {int((st / 'rx_bytes').read_text()):,} B  tx {int((st / 'tx_bytes').read_text()):,} B")
+            for table in found["nft_tables"]:
+                print(f"nft table netdev {table}  dropped {dropped_packets(table):,} packets")
             if not found["namespaces"] and not found["links"]:
                 print("simnet: nothing")
             return 0
