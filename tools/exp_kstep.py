@@ -18,6 +18,19 @@ hosts goes over the link, inside a host over that host's loopback, and each row 
 bytes the hosts sent into the link (veth counters, launch to exit) next to the modelled bytes,
 plus training time and samples/s. Without --net both hosts share loopback (the default).
 
+The network experiment (issue 17; docs/kstep.md, "Measured: time vs k on a shaped link") adds
+`--sync`, a synchronous baseline arm (one torchrec DMP sharded over all 4 ranks, `train.hosts=1`,
+no merges; its cross-host bytes are modelled from its plan, `sync_cross_host_bytes`), and
+`--eval-every N` for AUC-vs-training-time curves (time to reach the synchronous run's AUC). One
+invocation per rate, all merged into one file with a per-link summary (epoch time per k,
+speed-ups vs k=1 and vs sync, crossovers) and a time-vs-k plot:
+
+    .venv/bin/python tools/exp_kstep.py --ks 1,4,16,64 --moments off --sync --eval-every 64 \
+        --net rate=1gbit --results docs/results/kstep_network.json --network-plot docs/kstep_network.png \
+        --dmpcollection
+
+`--dmpcollection` tries torchrec's own 2D parallelism (DMPCollection) here and records the outcome.
+
 Progress lines go to stderr; results to <out>/results.json, a plot to --plot (PNG) and a markdown
 table to stdout. The last line of stdout is one JSON object with the headline figures: AUC per k,
 the AUC gap k=16 vs k=1, the cross-host bytes ratio k=1 / k=16 and whether the issue's target
@@ -30,6 +43,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import signal
 import socket
 import subprocess
@@ -45,6 +59,9 @@ QUICK_CONFIG = REPO / "configs" / "experiments" / "kstep_quick.yaml"
 TARGET_AUC_GAP = 0.001  # k=16 vs k=1 (the issue's target; do not weaken)
 TARGET_BYTES_RATIO = 16.0
 HOSTS, RANKS_PER_HOST = 2, 2
+SYNC = 0  # k of the synchronous baseline arm (no merges: one DMP over every rank of every host)
+TIME_AUC_TOL = 0.001  # "reached the synchronous AUC": within this of its final AUC (also reported exact)
+STOPS_PAYING = 0.10  # merges stop paying at the smallest k within 10% of the fastest k's epoch time
 
 
 def _free_port() -> int:
@@ -104,11 +121,15 @@ def run_one(
 
     store = torch.distributed.TCPStore(addr, port, is_master=True, multi_tenant=True, wait_for_workers=False)
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    args = [
-        f"run_dir={run_dir}", "train.threads_per_rank=1", f"train.merge_every={k}",
-        f"train.merge_moments={str(moments).lower()}", *overrides,
-    ]
-    prefix = f"  [k={k} moments={'on' if moments else 'off'}]"
+    if k == SYNC:  # the synchronous baseline: one DMP over all 4 ranks, sharded across both hosts
+        arm_args = ["train.hosts=1", "train.merge_every=0", "train.merge_moments=false"]
+        prefix = "  [sync]"
+    else:
+        arm_args = [f"train.merge_every={k}", f"train.merge_moments={str(moments).lower()}"]
+        prefix = f"  [k={k} moments={'on' if moments else 'off'}]"
+    if run_dir.exists():  # this tool's own output from an earlier invocation: the run starts afresh
+        shutil.rmtree(run_dir)
+    args = [f"run_dir={run_dir}", "train.threads_per_rank=1", *arm_args, *overrides]
     procs, outs, threads = [], [], []
     before = net.counters() if net is not None else None
     t0 = time.perf_counter()
@@ -150,24 +171,118 @@ def run_one(
         if p.returncode != 0:
             raise RuntimeError(f"run k={k} moments={moments} failed (exit {p.returncode}):\n{''.join(sink)[-3000:]}")
     s = json.loads((run_dir / "summary.json").read_text())
+    curve = eval_curve(run_dir / "metrics.jsonl")
+    per_epoch = steps_per_epoch_of(run_dir / "metrics.jsonl") or s["steps"]
+    train_s = s.get("train_s_no_eval_this_run", s["train_wall_s_this_run"])
     row = {
-        "k": k, "moments": moments, "auc": s["auc"], "logloss": s["logloss"], "oracle_auc": s.get("oracle_auc"),
-        "steps": s["steps"], "samples": s["samples"], "merges": s["merges"], "merge_route": s.get("merge_route"),
-        "cross_host_bytes_total": s["cross_host_bytes_total"],
-        "cross_host_bytes_per_sample": s["cross_host_bytes_total"] / s["samples"],
-        "merge_payload_bytes_per_rank": s["merge_payload_bytes_per_rank"],
-        "replica_divergence": s["replica_divergence"], "wall_s": wall,
-        "train_wall_s": s["train_wall_s_this_run"], "samples_per_s": s["samples_per_s_this_run"],
+        "arm": "sync" if k == SYNC else "kstep", "k": k, "moments": moments, "overrides": list(overrides),
+        "auc": s["auc"], "logloss": s["logloss"], "oracle_auc": s.get("oracle_auc"),
+        "steps": s["steps"], "samples": s["samples"], "steps_per_epoch": per_epoch, "wall_s": wall,
+        "train_wall_s": s["train_wall_s_this_run"], "train_s": train_s,
+        "epoch_s": train_s * per_epoch / s["steps"], "samples_per_s": s["samples"] / train_s,
+        "eval_curve": curve,
     }
+    if k == SYNC:
+        row.update(merges=0, merge_route=None, **sync_cross_host_bytes(run_dir / "plan.json", s))
+    else:
+        row.update(
+            merges=s["merges"], merge_route=s.get("merge_route"), cross_host_bytes_total=s["cross_host_bytes_total"],
+            merge_payload_bytes_per_rank=s["merge_payload_bytes_per_rank"], replica_divergence=s["replica_divergence"],
+        )
+    row["cross_host_bytes_per_sample"] = row["cross_host_bytes_total"] / s["samples"]
+    row["net"] = str(net.link) if net is not None else "loopback"
     if net is not None:
         sent = {h: after[h] - before[h] for h in after}
         row.update(
-            net=str(net.link),
             veth_cross_host_bytes=sent["sent_total"],  # launch to exit: rendezvous, planning, eval included
             veth_bytes={h: v for h, v in sent.items() if h != "sent_total"},
-            veth_vs_model=sent["sent_total"] / s["cross_host_bytes_total"] if s["cross_host_bytes_total"] else None,
+            veth_vs_model=sent["sent_total"] / row["cross_host_bytes_total"] if row["cross_host_bytes_total"] else None,
         )
     return row
+
+
+def eval_curve(metrics: Path) -> list[dict[str, float]]:
+    """(step, training seconds without evals, AUC) of every eval of a run: its AUC-vs-time curve."""
+    out = []
+    for line in metrics.read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("kind") == "eval" and "train_s" in rec:
+            out.append({"step": rec["step"], "train_s": rec["train_s"], "auc": rec["auc"]})
+    return out
+
+
+def steps_per_epoch_of(metrics: Path) -> int | None:
+    for line in metrics.read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("epoch"):
+            return round(rec["step"] / rec["epoch"])
+    return None
+
+
+def time_to_auc(curve: list[dict[str, float]], target: float) -> float | None:
+    """Training seconds (evals not counted) until the first eval at or above `target`; None: never."""
+    return next((p["train_s"] for p in curve if p["auc"] >= target), None)
+
+
+def sync_cross_host_bytes(plan_json: Path, summary: dict[str, Any]) -> dict[str, Any]:
+    """Modelled cross-host bytes of the synchronous run (it has no merger to count them): the
+    plan's embedding traffic per step (sharding/plan_traffic.py: ids, pooled outputs and their
+    gradients between ranks, batch per rank = global batch / world) between ranks of different
+    hosts (host-major ranks), plus DDP's all-reduce of the dense parameters modelled as a ring in
+    rank order (each rank sends 2(W-1)/W x P to its successor; the H edges between hosts carry it
+    across), times the steps."""
+    sys.path.insert(0, str(REPO))
+    from sharding.plan_io import read_plan_file
+    from sharding.plan_report import table_infos
+    from sharding.plan_traffic import traffic
+
+    plan, header = read_plan_file(plan_json)
+    world = summary["world_size"]
+    tr = traffic(table_infos(plan, header), world, summary["global_batch"] // world)
+    host = [r // RANKS_PER_HOST for r in range(world)]
+    emb = sum(float(tr.total[a, b]) for a in range(world) for b in range(world) if host[a] != host[b])
+    dense = HOSTS * 2 * (world - 1) / world * summary.get("dense_parameter_bytes", 0)
+    return {
+        "cross_host_bytes_total": (emb + dense) * summary["steps"],
+        "cross_host_bytes_per_step_embeddings": emb, "cross_host_bytes_per_step_dense": dense,
+    }
+
+
+def probe_dmpcollection() -> dict[str, Any]:
+    """torchrec's 2D parallelism (DMPCollection: shards inside a group, replicas across groups,
+    `sync()` every k steps) as an arm: built the documented way on this machine's device (CPU,
+    gloo). Returns whether it constructs, and the error if not (subprocess, so this launcher keeps
+    no process group)."""
+    code = r"""
+import os, tempfile, json, torch, torch.distributed as dist
+import torchrec
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+from torchrec.distributed.model_parallel import DMPCollection
+from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+f = tempfile.NamedTemporaryFile(delete=False)
+dist.init_process_group("gloo", init_method=f"file://{f.name}", rank=0, world_size=1)
+ebc = EmbeddingBagCollection([EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=100, feature_names=["f0"])], device=torch.device("meta"))
+plan = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cpu")).collective_plan(ebc, pg=dist.GroupMember.WORLD)
+try:
+    DMPCollection(module=ebc, device=torch.device("cpu"), plan=plan, world_size=1, sharding_group_size=1, global_pg=dist.GroupMember.WORLD)
+    out = {"constructs": True, "error": None}
+except Exception as e:
+    out = {"constructs": False, "error": f"{type(e).__name__}: {e}"}
+out["torchrec"] = torchrec.__version__
+print(json.dumps(out))
+"""
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    last = (p.stdout.strip().splitlines() or [""])[-1]
+    try:
+        out = json.loads(last)
+    except json.JSONDecodeError:
+        out = {"constructs": False, "error": f"probe failed (exit {p.returncode}): {p.stderr.strip()[-300:]}"}
+    out["arm"] = "dmpcollection"
+    return out
+
+
+def _k_label(r: dict[str, Any]) -> str:
+    return "sync" if r.get("arm") == "sync" else str(r["k"])
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -175,17 +290,17 @@ def table(rows: list[dict[str, Any]]) -> str:
     net = any("veth_cross_host_bytes" in r for r in rows)
     head = "| k | moments merged | eval AUC | oracle AUC | logloss | merges | cross-host bytes/sample | wall s |"
     if net:
-        head += " train s | samples/s | veth bytes/sample | veth / model |"
+        head += " train s | epoch s | samples/s | veth bytes/sample | veth / model |"
     out = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for r in rows:
         line = (
-            f"| {r['k']} | {'yes' if r['moments'] else 'no'} | {r['auc']:.4f} | {r['oracle_auc']:.4f} | "
+            f"| {_k_label(r)} | {'yes' if r['moments'] else 'no'} | {r['auc']:.4f} | {r['oracle_auc']:.4f} | "
             f"{r['logloss']:.4f} | {r['merges']} | {r['cross_host_bytes_per_sample']:,.0f} | {r['wall_s']:.0f} |"
         )
         if net:
             ratio = r.get("veth_vs_model")
             line += (
-                f" {r['train_wall_s']:.1f} | {r['samples_per_s']:,.0f} | "
+                f" {r['train_s']:.1f} | {r['epoch_s']:.1f} | {r['samples_per_s']:,.0f} | "
                 f"{r['veth_cross_host_bytes'] / r['samples']:,.0f} | {f'{ratio:.3f}' if ratio else '-'} |"
             )
         out.append(line)
@@ -198,7 +313,14 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    sync = [r for r in rows if r.get("arm") == "sync"]
+    rows = [r for r in rows if r.get("arm") != "sync"]
+    if not rows:
+        return
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for r in sync:
+        ax1.axhline(r["auc"], color="black", ls=":", lw=1, label="synchronous DMP (4 ranks)")
+        ax2.axhline(r["cross_host_bytes_per_sample"], color="black", ls=":", lw=1, label="synchronous DMP (model)")
     for moments, style in ((False, "o-"), (True, "s--")):
         rs = sorted((r for r in rows if r["moments"] == moments), key=lambda r: r["k"])
         if not rs:
@@ -231,6 +353,11 @@ def headline(rows: list[dict[str, Any]]) -> dict[str, Any]:
     def key(r):
         return "moments" if r["moments"] else "no_moments"
 
+    sync = [r for r in rows if r.get("arm") == "sync"]
+    rows = [r for r in rows if r.get("arm") != "sync"]
+    if not rows:
+        return {"sync": _sync_head(sync)}
+
     auc: dict[str, dict[str, float]] = {}
     for r in rows:
         auc.setdefault(f"k{r['k']}", {})[key(r)] = round(r["auc"], 6)
@@ -257,7 +384,129 @@ def headline(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 speed[name] = round(by[(1, m)]["train_wall_s"] / by[(16, m)]["train_wall_s"], 3)
         if speed:
             out["train_time_ratio_k1_k16"] = speed
+    if sync:
+        out["sync"] = _sync_head(sync)
     return out
+
+
+def _sync_head(sync: list[dict[str, Any]]) -> dict[str, Any] | None:
+    if not sync:
+        return None
+    r = sync[-1]
+    return {"auc": round(r["auc"], 6), "epoch_s": round(r["epoch_s"], 2), "bytes_per_sample": round(r["cross_host_bytes_per_sample"], 1)}
+
+
+# -- the network experiment across invocations (one per rate): docs/results/kstep_network.json ------
+def _row_key(r: dict[str, Any]) -> tuple:
+    return (r.get("net", "loopback"), r.get("arm", "kstep"), r["k"], r["moments"], r.get("merge_route"))
+
+
+def merge_results(path: Path, rows: list[dict[str, Any]], meta: dict[str, Any], probe: dict[str, Any] | None) -> dict[str, Any]:
+    """Adds this invocation's rows to `path` (a row with the same link, arm, k and moments is
+    replaced), recomputes the per-link summary, writes atomically and returns the document."""
+    doc: dict[str, Any] = {"rows": [], "runs": []}
+    if path.exists():
+        doc = json.loads(path.read_text())
+    new = {_row_key(r) for r in rows}
+    doc["rows"] = [r for r in doc.get("rows", []) if _row_key(r) not in new] + rows
+    doc["rows"].sort(key=lambda r: (_rate_of(r.get("net", "loopback")), r.get("arm") != "sync", r["moments"], r["k"]))
+    doc.setdefault("runs", []).append(meta)
+    if probe is not None:
+        doc["dmpcollection"] = probe
+    doc["summary"] = network_summary(doc["rows"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    tmp.replace(path)
+    return doc
+
+
+def _rate_of(net: str) -> float:
+    """Bits/s of a link label ("rate=1gbit"; loopback: infinite), for sorting and plotting."""
+    for part in net.split(","):
+        key, _, val = part.partition("=")
+        if key.strip() == "rate":
+            for unit, mult in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3), ("bit", 1.0)):
+                if val.endswith(unit):
+                    return float(val[: -len(unit)]) * mult
+    return float("inf")
+
+
+def network_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per link: the synchronous run, then per k (moments not merged where both exist) the epoch
+    time, its speed-up over k=1 and over sync, the AUC gap to k=1 and to sync, the training time
+    to reach sync's final AUC (exact, and within TIME_AUC_TOL), and the crossovers: the smallest k
+    that beats sync per epoch, and the smallest k within STOPS_PAYING of the fastest k's epoch
+    time (larger k buys less than that: where merges stop paying)."""
+    out: dict[str, Any] = {}
+    for net in sorted({r.get("net", "loopback") for r in rows}, key=_rate_of):
+        rs = [r for r in rows if r.get("net", "loopback") == net]
+        sync = next((r for r in rs if r.get("arm") == "sync"), None)
+        ks: dict[int, dict[str, Any]] = {}
+        for r in sorted((r for r in rs if r.get("arm") != "sync"), key=lambda r: r["moments"], reverse=True):
+            ks[r["k"]] = r  # moments not merged wins when both exist (sorted last)
+        entry: dict[str, Any] = {"rate_bps": None if _rate_of(net) == float("inf") else _rate_of(net)}
+        if sync is not None:
+            entry["sync"] = {"auc": sync["auc"], "epoch_s": sync["epoch_s"], "steps": sync["steps"],
+                             "cross_host_bytes_per_sample": sync["cross_host_bytes_per_sample"],
+                             "veth_bytes_per_sample": sync.get("veth_cross_host_bytes", 0) / sync["samples"] or None}
+        per_k = {}
+        for k in sorted(ks):
+            r = ks[k]
+            e: dict[str, Any] = {"moments": r["moments"], "auc": r["auc"], "epoch_s": r["epoch_s"], "steps": r["steps"],
+                                 "cross_host_bytes_per_sample": r["cross_host_bytes_per_sample"]}
+            if 1 in ks:
+                e["speedup_vs_k1"] = ks[1]["epoch_s"] / r["epoch_s"]
+                e["auc_gap_to_k1"] = ks[1]["auc"] - r["auc"]
+            if sync is not None:
+                e["speedup_vs_sync"] = sync["epoch_s"] / r["epoch_s"]
+                e["auc_gap_to_sync"] = sync["auc"] - r["auc"]
+                e["time_to_sync_auc_s"] = time_to_auc(r.get("eval_curve", []), sync["auc"])
+                e["time_to_sync_auc_tol_s"] = time_to_auc(r.get("eval_curve", []), sync["auc"] - TIME_AUC_TOL)
+            per_k[str(k)] = e
+        entry["k"] = per_k
+        if ks:
+            best = min(r["epoch_s"] for r in ks.values())
+            entry["k_stops_paying"] = min(k for k, r in ks.items() if r["epoch_s"] <= best * (1 + STOPS_PAYING))
+            if sync is not None:
+                entry["sync_time_to_own_auc_s"] = time_to_auc(sync.get("eval_curve", []), sync["auc"])
+                entry["k_beats_sync"] = min((k for k, r in ks.items() if r["epoch_s"] < sync["epoch_s"]), default=None)
+        out[net] = entry
+    return out
+
+
+def plot_network(doc: dict[str, Any], path: Path) -> None:
+    """Time per epoch vs k, one line per link (synchronous DMP dotted, same colour), and final AUC vs k."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for i, (net, e) in enumerate(doc["summary"].items()):
+        color = f"C{i}"
+        ks = sorted(int(k) for k in e["k"])
+        if ks:
+            ax1.plot(ks, [e["k"][str(k)]["epoch_s"] for k in ks], "o-", color=color, label=f"k-step, {net}")
+            ax2.plot(ks, [e["k"][str(k)]["auc"] for k in ks], "o-", color=color, label=f"k-step, {net}")
+        if "sync" in e:
+            ax1.axhline(e["sync"]["epoch_s"], color=color, ls=":", label=f"sync DMP, {net}")
+            ax2.axhline(e["sync"]["auc"], color=color, ls=":", label=f"sync DMP, {net}")
+    for ax in (ax1, ax2):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("k (steps between merges)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    ax1.set_yscale("log")
+    ax1.set_ylabel("training seconds per epoch (evals excluded)")
+    ax1.set_title("time per epoch vs k, per cross-host rate")
+    ax2.set_ylabel("final eval AUC")
+    ax2.set_title("AUC vs k (dotted: synchronous DMP)")
+    fig.suptitle("2 simulated hosts x 2 ranks behind a tc-shaped veth link (tools/simnet.py)", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -275,6 +524,16 @@ def main(argv: list[str] | None = None) -> int:
         help="run each host in a network namespace behind a shaped link (tools/simnet.py; root, ip, tc); "
         "default: both hosts on loopback",
     )
+    ap.add_argument("--sync", action="store_true",
+                    help="add the synchronous baseline: one DMP sharded over all 4 ranks (train.hosts=1, no merges)")
+    ap.add_argument("--eval-every", type=int, default=0,
+                    help="mid-run evals every N steps (a multiple of every k), for the time to reach sync's AUC")
+    ap.add_argument("--results", type=Path, default=None,
+                    help="also merge the rows into this JSON (e.g. docs/results/kstep_network.json: one file "
+                    "over several invocations, one per rate) and recompute the per-link summary")
+    ap.add_argument("--network-plot", type=Path, default=None, help="with --results: time-vs-k plot of every link in it")
+    ap.add_argument("--dmpcollection", action="store_true",
+                    help="try torchrec's DMPCollection (2D parallelism) here and record whether it runs")
     a = ap.parse_args(argv)
 
     config = a.config or (QUICK_CONFIG if a.quick else CONFIG)
@@ -282,6 +541,13 @@ def main(argv: list[str] | None = None) -> int:
     ks = [int(x) for x in a.ks.split(",") if x.strip()]
     moments = {"both": [False, True], "on": [True], "off": [False]}[a.moments]
     grid = [(k, m) for m in moments for k in ks]
+    if a.sync:
+        grid.insert(0, (SYNC, False))
+    if a.eval_every:
+        bad = [k for k in ks if a.eval_every % k]
+        if bad:
+            ap.error(f"--eval-every {a.eval_every} is not a multiple of k={bad[0]} (mid-run evals must see merged replicas)")
+        a.overrides = [*a.overrides, f"train.eval_every={a.eval_every}"]
     net = None
     if a.net is not None:
         try:
@@ -301,12 +567,14 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         for i, (k, m) in enumerate(grid, 1):
-            _log(f"run {i}/{len(grid)}: k={k} moments={'merged' if m else 'not merged'}")
-            r = run_one(config, out / f"k{k}_{'mom' if m else 'nomom'}", k, m, a.overrides, a.timeout, net)
+            what = "synchronous DMP over all ranks" if k == SYNC else f"k={k} moments={'merged' if m else 'not merged'}"
+            _log(f"run {i}/{len(grid)}: {what}")
+            run_dir = out / ("sync" if k == SYNC else f"k{k}_{'mom' if m else 'nomom'}")
+            r = run_one(config, run_dir, k, m, a.overrides, a.timeout, net)
             rows.append(r)
             elapsed = time.perf_counter() - t0
             _log(
-                f"run {i}/{len(grid)} done in {r['wall_s']:.0f} s: auc {r['auc']:.4f} (oracle {r['oracle_auc']:.4f}) "
+                f"run {i}/{len(grid)} done in {r['wall_s']:.0f} s ({r['epoch_s']:.1f} s per epoch): auc {r['auc']:.4f} (oracle {r['oracle_auc']:.4f}) "
                 f"{r['cross_host_bytes_per_sample']:,.0f} cross-host B/sample"
                 + (f" (veth {r['veth_cross_host_bytes'] / r['samples']:,.0f})" if net is not None else "")
                 + f"; ETA {elapsed / i * (len(grid) - i):.0f} s"
@@ -335,6 +603,19 @@ def main(argv: list[str] | None = None) -> int:
         head["plot"] = str(png)
     except ImportError:
         _log("matplotlib not installed: no plot")
+    if a.results is not None:
+        probe = probe_dmpcollection() if a.dmpcollection else None
+        doc = merge_results(a.results, rows, meta, probe)
+        head["network_summary"] = {
+            net: {"k_beats_sync": e.get("k_beats_sync"), "k_stops_paying": e.get("k_stops_paying"),
+                  "speedup_k16_vs_k1": (e["k"].get("16") or {}).get("speedup_vs_k1")}
+            for net, e in doc["summary"].items()
+        }
+        if probe is not None:
+            head["dmpcollection"] = probe
+        if a.network_plot is not None:
+            plot_network(doc, a.network_plot)
+            head["network_plot"] = str(a.network_plot)
     print(table(rows))
     print(json.dumps(head))
     return 0
