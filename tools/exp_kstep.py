@@ -183,7 +183,7 @@ def run_one(
         "eval_curve": curve,
     }
     if k == SYNC:
-        row.update(merges=0, merge_route=None, **sync_cross_host_bytes(run_dir / "plan.json", s))
+        row.update(merges=0, merge_route=None, **sync_cross_host_bytes(run_dir / "plan.json", dict(s, evals=len(curve))))
     else:
         row.update(
             merges=s["merges"], merge_route=s.get("merge_route"), cross_host_bytes_total=s["cross_host_bytes_total"],
@@ -196,7 +196,8 @@ def run_one(
         row.update(
             veth_cross_host_bytes=sent["sent_total"],  # launch to exit: rendezvous, planning, eval included
             veth_bytes={h: v for h, v in sent.items() if h != "sent_total"},
-            veth_vs_model=sent["sent_total"] / row["cross_host_bytes_total"] if row["cross_host_bytes_total"] else None,
+            veth_vs_model=sent["sent_total"] / (row["cross_host_bytes_total"] + row.get("cross_host_bytes_evals", 0))
+            if row["cross_host_bytes_total"] else None,
         )
     return row
 
@@ -242,9 +243,14 @@ def sync_cross_host_bytes(plan_json: Path, summary: dict[str, Any]) -> dict[str,
     host = [r // RANKS_PER_HOST for r in range(world)]
     emb = sum(float(tr.total[a, b]) for a in range(world) for b in range(world) if host[a] != host[b])
     dense = HOSTS * 2 * (world - 1) / world * summary.get("dense_parameter_bytes", 0)
+    # evals run on the same 4-rank DMP, so their forward all-to-all crosses hosts too (k-step runs
+    # evaluate inside each host); counted apart, to compare with the veth counters (launch to exit)
+    ev = traffic(table_infos(plan, header), world, summary.get("eval_rows", 0) // world)
+    per_eval = sum(float(ev.fwd[a, b]) for a in range(world) for b in range(world) if host[a] != host[b])
     return {
         "cross_host_bytes_total": (emb + dense) * summary["steps"],
         "cross_host_bytes_per_step_embeddings": emb, "cross_host_bytes_per_step_dense": dense,
+        "cross_host_bytes_evals": per_eval * summary.get("evals", 1),
     }
 
 
@@ -475,6 +481,42 @@ def network_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def network_table(doc: dict[str, Any]) -> str:
+    """Markdown, one row per (link, arm): what docs/kstep.md shows from the results file."""
+    head = ("| link | arm | steps | epoch s | samples/s | vs k=1 | vs sync | eval AUC | AUC gap to sync | "
+            "time to sync AUC s (exact / -0.001) | modelled cross-host B/sample | veth B/sample |")
+    out = [head, "|" + "---|" * head.count(" | ") + "---|"]
+    by_net: dict[str, list[dict[str, Any]]] = {}
+    for r in doc["rows"]:
+        by_net.setdefault(r.get("net", "loopback"), []).append(r)
+    for net in sorted(by_net, key=_rate_of):
+        e = doc["summary"][net]
+        rows = sorted(by_net[net], key=lambda r: (r.get("arm") != "sync", r["moments"], r["k"]))
+        for r in rows:
+            sync = r.get("arm") == "sync"
+            arm = "sync DMP" if sync else f"k={r['k']}" + (", moments" if r["moments"] else "")
+
+            def f(x, fmt):
+                return "-" if x is None else format(x, fmt)
+
+            t_exact = t_tol = None
+            if not sync and "sync" in e:
+                t_exact = time_to_auc(r.get("eval_curve", []), e["sync"]["auc"])
+                t_tol = time_to_auc(r.get("eval_curve", []), e["sync"]["auc"] - TIME_AUC_TOL)
+            k1 = e["k"].get("1")
+            vs_k1 = None if sync or k1 is None else k1["epoch_s"] / r["epoch_s"]
+            vs_sync = None if sync or "sync" not in e else e["sync"]["epoch_s"] / r["epoch_s"]
+            gap = None if sync or "sync" not in e else e["sync"]["auc"] - r["auc"]
+            veth = r.get("veth_cross_host_bytes")
+            model = r["cross_host_bytes_total"] + r.get("cross_host_bytes_evals", 0)
+            out.append(
+                f"| {net} | {arm} | {r['steps']} | {r['epoch_s']:.1f} | {r['samples_per_s']:,.0f} | {f(vs_k1, '.2f')} | "
+                f"{f(vs_sync, '.2f')} | {r['auc']:.4f} | {f(gap, '+.4f')} | {f(t_exact, '.0f')} / {f(t_tol, '.0f')} | "
+                f"{model / r['samples']:,.0f} | {'-' if veth is None else format(veth / r['samples'], ',.0f')} |"
+            )
+    return "\n".join(out)
+
+
 def plot_network(doc: dict[str, Any], path: Path) -> None:
     """Time per epoch vs k, one line per link (synchronous DMP dotted, same colour), and final AUC vs k."""
     import matplotlib
@@ -613,6 +655,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         if probe is not None:
             head["dmpcollection"] = probe
+        print(network_table(doc))
         if a.network_plot is not None:
             plot_network(doc, a.network_plot)
             head["network_plot"] = str(a.network_plot)
