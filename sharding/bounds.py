@@ -18,7 +18,9 @@ transfer's first or last hop (every transfer loads both; exact when those links 
 loads, e.g. one NVSwitch host), and per bandwidth class the links of that class some path
 crosses (across DGX hosts: the 25 GB/s PCIe ports, NICs and fabric ports that every cross-host
 transfer must pass). A shard's host traffic (UVM) is a max over shared resources, not a sum;
-its share is bounded below by its bytes over the fastest resource of the model. No plan reaches the bound unless the tables split into
+its share is bounded below by its bytes over the fastest resource of the model. A key_value
+shard's SSD time lands on at least one rank of its host: its share is its SSD seconds on the
+fastest host's drives (over ``world``, like every rank term). No plan reaches the bound unless the tables split into
 equal loads per rank and per link; it says how far below a given plan any plan of the same
 search space could possibly go, by the model (the benchmark prints ``lower_bound / default``).
 """
@@ -31,7 +33,7 @@ from dataclasses import replace
 import numpy as np
 from torchrec.distributed.planner.types import ShardingOption
 
-from sharding.constants import A2A_TYPES as _A2A, UVM_KERNELS
+from sharding.constants import A2A_TYPES as _A2A, SSD_KERNELS, UVM_KERNELS
 from sharding.cost_model import TopologyCostModel, placed_from_option, with_all_ranks
 
 
@@ -58,6 +60,11 @@ def option_contribution(model: TopologyCostModel, so: ShardingOption) -> np.ndar
         return np.zeros(W.shape[1])
     fastest_res = max(m.res_bw, default=float("inf"))
     L = m.links
+
+    def ssd_share(st, p) -> float:  # the shard's SSD seconds on the fastest host (0 for other kernels)
+        io = st.ssd_traffic(p)
+        return min(st.ssd_seconds(h, io, io) for h in range(len(m.topo.hosts))) if io else 0.0
+
     if so.sharding_type in _A2A:
         st = m.new_state()
         in_w, out_w = L.in_inv @ W, L.out_inv @ W  # [world, weightings]: weighted load per byte per peer
@@ -65,7 +72,8 @@ def option_contribution(model: TopologyCostModel, so: ShardingOption) -> np.ndar
         for p in protos:
             lb = st._lookup_bytes(p)
             hf = st._host_fraction(p)
-            local = (lb * (1 - hf) / m.mem_bw + lb * hf / fastest_res) / m.world
+            miss = st._ssd_fraction(p)
+            local = (lb * (1 - hf - miss) / m.mem_bw + lb * hf / fastest_res + ssd_share(st, p)) / m.world
             per_rank = local[:, None] + m.ids_bytes(p.pooling) * in_w + m.batch * p.cols * 4.0 * (in_w + out_w)
             total += per_rank.min(axis=0)
         return total
@@ -80,9 +88,9 @@ def option_contribution(model: TopologyCostModel, so: ShardingOption) -> np.ndar
         host = 0.0
         for p, r in zip(protos, ranks):
             p = replace(p, rank=r, group=tuple(ranks))
-            hf = st._host_fraction(p)
-            host += st._lookup_bytes(p) * hf / fastest_res
-            st.add(replace(p, kernel="fused") if p.kernel in UVM_KERNELS else p)
+            hf = st._host_fraction(p) + st._ssd_fraction(p)
+            host += st._lookup_bytes(p) * st._host_fraction(p) / fastest_res + ssd_share(st, p)
+            st.add(replace(p, kernel="fused") if p.kernel in UVM_KERNELS + SSD_KERNELS else p)
             if hf:  # the device-resident add charged all lookups to device memory
                 st.lookup[r] -= st._lookup_bytes(p) * hf / m.mem_bw[r]
         links = sum((v @ W for v in st.loads.values()), np.zeros(W.shape[1]))

@@ -5,12 +5,12 @@ per-table merge with a user's constraints.
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from typing import Collection, Mapping
 
 from torch import nn
 from torchrec.distributed.planner import ParameterConstraints
 
-from sharding.constants import MODEL_PARALLEL_TYPES
+from sharding.constants import MODEL_PARALLEL_TYPES, SSD_KERNELS
 from sharding.tables import table_configs
 
 
@@ -29,13 +29,18 @@ def merge_constraints(
     return out
 
 
-def default_constraints(module: nn.Module, compute_device: str, sharding_types: list[str] | None = None) -> dict[str, ParameterConstraints]:
-    """Model-parallel sharding types; fused kernels, plus UVM and UVM caching on GPUs."""
+def default_constraints(module: nn.Module, compute_device: str, sharding_types: list[str] | None = None,
+                        key_value_tables: Collection[str] = ()) -> dict[str, ParameterConstraints]:
+    """Model-parallel sharding types; fused kernels, plus UVM and UVM caching on GPUs, plus the
+    SSD kernel (``key_value``, torchrec guards it: only where asked) for ``key_value_tables``,
+    the tables nothing else can hold (``sharding/ssd_tier.py``: ``key_value_tables``)."""
     types = list(sharding_types or MODEL_PARALLEL_TYPES)
     kernels = ["fused"] if compute_device == "cpu" else ["fused", "fused_uvm", "fused_uvm_caching"]
     if "data_parallel" in types:
         kernels.append("dense")
-    return {name: ParameterConstraints(sharding_types=types, compute_kernels=kernels) for name in table_bytes(module)}
+    ssd = set(key_value_tables) if compute_device == "cuda" else set()
+    return {name: ParameterConstraints(sharding_types=types, compute_kernels=kernels + list(SSD_KERNELS) if name in ssd else kernels)
+            for name in table_bytes(module)}
 
 
 def table_bytes(module: nn.Module) -> dict[str, int]:

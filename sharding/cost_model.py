@@ -4,7 +4,7 @@ TorchRec's shard estimators do not know ranks; this model does. The embedding co
 synchronous (every rank waits for the slowest), so a step is the slowest rank's local work plus
 the collectives, each phase as long as its busiest directed link:
 
-    step = max_r (lookup[r] + host_io[r]) + sum_phases max_links load[phase, link] + latency
+    step = max_r (lookup[r] + host_io[r] + ssd_io[r]) + sum_phases max_links load[phase, link] + latency
 
 - ``lookup``: bytes a rank's HBM-resident shards read and write (forward lookups, backward
   gradient + fused optimizer update: ``LOOKUP_PASSES`` x rows looked up x the row's bytes in
@@ -18,6 +18,22 @@ the collectives, each phase as long as its busiest directed link:
   its switch uplink (shared by the GPUs below the switch), the NUMA node's DDR and, when the
   memory lives on the other socket (its own node is full), the inter-socket link. A rank's
   ``host_io`` is the busiest resource on its paths (bytes on it / its bandwidth).
+- ``ssd_io``: ``key_value`` shards (FBGEMM's SSD kernels, ``sharding/ssd_tier.py``) keep their
+  rows on the host's SSD behind an HBM cache. Hits are lookups as above (the hit fraction of
+  the lookup bytes, over the device's memory bandwidth); every miss reads its row from SSD and,
+  the cache being write-back and every looked-up row updated, evicts one updated row to SSD.
+  With the miss rate ``m`` (``stats.expected_miss_rate(load_factor)`` when measured, else
+  ``1 - load_factor``, as for ``fused_uvm_caching``), ``n`` rows looked up per step by the shard
+  (``B x world x pooling x rows / table_rows``; ``B`` the batch per rank) and a row's bytes on
+  SSD ``rb = cols x 4 + 4`` (fp32 weights + row-wise Adagrad's float, as memory is counted
+  here), a host's SSD time is
+
+      ssd[h] = sum_{key_value shards on h} m n rb / read_bw[h]  +  sum_{...} m n rb / write_bw[h]
+
+  (the host's drives serve all its ranks: reads and writes of every shard on the host add up,
+  like a NUMA node's DDR). ``ssd_io[r] = ssd[host(r)]`` for ranks holding a key_value shard, 0
+  for the others. The missed rows' trip over PCIe and host memory is not charged (the SSD is
+  the slower link), nor the SSD's page granularity (a row read costs a whole 4 KiB page).
 - the collectives, on **directed, full-duplex links** (``sharding/links.py``: a GPU's NVLink
   egress and ingress, each PCIe port and switch uplink up and down, each NIC's send and receive
   side and its fabric port, the socket link per direction; DDR is one resource). Every transfer
@@ -57,7 +73,15 @@ from torchrec.distributed.types import ShardingPlan
 
 from sharding.bandwidth import bandwidth_matrix
 from sharding.links import build_links
-from sharding.constants import A2A_TYPES, BYTES_PER_WEIGHT, DEFAULT_LOAD_FACTOR, ID_BYTES, LENGTH_BYTES, UVM_KERNELS
+from sharding.constants import (
+    A2A_TYPES,
+    BYTES_PER_WEIGHT,
+    DEFAULT_LOAD_FACTOR,
+    ID_BYTES,
+    LENGTH_BYTES,
+    SSD_KERNELS,
+    UVM_KERNELS,
+)
 from sharding.topology import ClusterTopology
 
 BYTES = BYTES_PER_WEIGHT
@@ -101,7 +125,7 @@ class PlacedShard:
     pooling: float = 1.0  # sum of the table's features' pooling factors
     load_factor: float | None = None
     group: tuple[int, ...] = ()  # the ranks holding the table's shards (RW / TWRW / DP group)
-    miss_rate: float | None = None  # fused_uvm_caching: measured miss rate at load_factor (None: 1 - load_factor)
+    miss_rate: float | None = None  # fused_uvm_caching, key_value: measured miss rate at load_factor (None: 1 - load_factor)
 
 
 @dataclass
@@ -112,7 +136,9 @@ class PlanCost:
     ``comm`` per rank is an attribution for reading a plan: each phase's busiest link among the
     rank's own first and last hops (its NVLink/PCIe/NIC send and receive sides), plus latency;
     ``rank_time = lookup + host_io + comm`` and ``step_time >= rank_time.max()``.
-    ``phases``: phase -> (busiest directed link, seconds on it)."""
+    ``phases``: phase -> (busiest directed link, seconds on it). ``ssd_io`` / ``ssd_bytes``: the
+    SSD tier's seconds and bytes per rank (``rank_time`` includes ``ssd_io``; zeros without
+    key_value shards)."""
 
     step_time: float  # seconds
     rank_time: np.ndarray  # seconds per rank (comm attributed to the rank's own links)
@@ -123,13 +149,22 @@ class PlanCost:
     host_bytes: np.ndarray
     comm_time: float = 0.0
     phases: dict = field(default_factory=dict)
+    ssd_io: np.ndarray | None = None
+    ssd_bytes: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        w = len(self.rank_time)
+        if self.ssd_io is None:
+            self.ssd_io = np.zeros(w)
+        if self.ssd_bytes is None:
+            self.ssd_bytes = np.zeros(w)
 
     @property
     def bottleneck_rank(self) -> int:
         return int(np.argmax(self.rank_time)) if len(self.rank_time) else 0
 
     def as_dict(self) -> dict:
-        return {
+        out = {
             "step_time_ms": self.step_time * 1e3,
             "comm_time_ms": self.comm_time * 1e3,
             "rank_time_ms": [round(float(x) * 1e3, 4) for x in self.rank_time],
@@ -137,6 +172,10 @@ class PlanCost:
             "max_hbm_bytes": int(self.hbm_bytes.max(initial=0)),
             "max_host_bytes_per_rank": int(self.host_bytes.max(initial=0)),
         }
+        if self.ssd_bytes.any():  # only plans with key_value shards (others' reports stay as they were)
+            out["ssd_io_ms"] = [round(float(x) * 1e3, 4) for x in self.ssd_io]
+            out["max_ssd_bytes_per_rank"] = int(self.ssd_bytes.max(initial=0))
+        return out
 
 
 class TopologyCostModel:
@@ -194,6 +233,9 @@ class TopologyCostModel:
         self.numa_cap = {
             (h, n.index): n.ddr_bytes for h, host in enumerate(topo.hosts) for n in host.numa_nodes
         }
+        # the SSD tier per host (0: none; a key_value shard there costs infinite time)
+        self.ssd_read_bw = np.array([h.ssd.read_bw if h.ssd else 0.0 for h in topo.hosts])
+        self.ssd_write_bw = np.array([h.ssd.write_bw if h.ssd else 0.0 for h in topo.hosts])
 
     def _res(self, name: str, bw: float) -> int:
         if name not in self._res_index:
@@ -209,6 +251,12 @@ class TopologyCostModel:
         path.append(self._res(f"{h}/inter_socket", host.inter_socket_bw))
         path.append(self._res(f"{h}/numa{numa}", host.numa(numa).ddr_bw))
         return path
+
+    @staticmethod
+    def ssd_row_bytes(cols: int) -> int:
+        """Bytes one row of a ``cols``-wide key_value shard moves to or from SSD: fp32 weights and
+        row-wise Adagrad's one float of state (what ``CostState._memory`` counts per row)."""
+        return cols * BYTES + BYTES
 
     def row_bytes(self, cols: int) -> int:
         """Bytes one lookup of a ``cols``-wide fp32 row moves: whole access granules."""
@@ -294,7 +342,7 @@ class TopologyCostModel:
         lookup_bytes = np.zeros(self.world)
         pending: list[PlacedShard] = []  # consecutive shards of one non-A2A table, added together
         for s in shards:
-            if s.sharding_type in _A2A and (self.cpu or s.kernel not in UVM_KERNELS):
+            if s.sharding_type in _A2A and s.kernel not in SSD_KERNELS and (self.cpu or s.kernel not in UVM_KERNELS):
                 st.mark_type(s.sharding_type)
                 ids_bytes[s.sharding_type][s.rank] += self.ids_bytes(s.pooling)
                 pooled_bytes[s.sharding_type][s.rank] += self.batch * s.cols * BYTES
@@ -358,6 +406,10 @@ class CostState:
     host_bytes: np.ndarray = field(init=False)
     numa_used: dict[tuple[int, int], int] = field(init=False)
     types: set[str] = field(init=False)  # sharding types present (their collectives' latency is in comm)
+    ssd_read: np.ndarray = field(init=False)  # bytes per step read from each host's SSD
+    ssd_write: np.ndarray = field(init=False)  # bytes per step written back to each host's SSD
+    ssd_ranks: np.ndarray = field(init=False)  # ranks holding a key_value shard (they wait for their host's SSD)
+    ssd_bytes: np.ndarray = field(init=False)  # SSD storage per rank
 
     def __post_init__(self) -> None:
         w = self.model.world
@@ -370,6 +422,10 @@ class CostState:
         self.host_bytes = np.zeros(w)
         self.numa_used = {k: 0 for k in self.model.numa_cap}
         self.types = set()
+        nh = len(self.model.topo.hosts)
+        self.ssd_read, self.ssd_write = np.zeros(nh), np.zeros(nh)
+        self.ssd_ranks = np.zeros(w, dtype=bool)
+        self.ssd_bytes = np.zeros(w)
 
     def mark_type(self, sharding_type: str) -> None:
         """The first shard of a sharding type brings its collectives' latency to every rank."""
@@ -408,6 +464,52 @@ class CostState:
             return LOOKUP_PASSES * m.batch * s.pooling * m.row_bytes(s.cols)
         frac = s.rows / max(1, s.table_rows)  # row-wise shards see their share of the lookups
         return LOOKUP_PASSES * m.batch * m.world * s.pooling * m.row_bytes(s.cols) * frac
+
+    def _lookups(self, s: PlacedShard) -> float:
+        """Rows the shard looks up per step (its share of every rank's ids)."""
+        m = self.model
+        if s.sharding_type == "data_parallel":
+            return m.batch * s.pooling
+        return m.batch * m.world * s.pooling * s.rows / max(1, s.table_rows)
+
+    def _ssd_fraction(self, s: PlacedShard) -> float:
+        """Share of a key_value shard's lookups that miss its HBM cache (0 for other kernels)."""
+        if s.kernel not in SSD_KERNELS:
+            return 0.0
+        if s.miss_rate is not None:
+            return min(1.0, max(0.0, s.miss_rate))
+        lf = DEFAULT_LOAD_FACTOR if s.load_factor is None else s.load_factor
+        return max(0.0, 1.0 - lf)
+
+    def ssd_traffic(self, s: PlacedShard) -> float:
+        """Bytes per step a key_value shard reads from SSD (its misses' rows), and as many it
+        writes back (the updated rows they evict); 0 for other kernels."""
+        miss = self._ssd_fraction(s)
+        return miss * self._lookups(s) * self.model.ssd_row_bytes(s.cols) if miss else 0.0
+
+    def ssd_seconds(self, host: int, read: float, write: float) -> float:
+        """Seconds host ``host``'s drives take to read and write these bytes (inf without drives)."""
+        m = self.model
+        if not read and not write:
+            return 0.0
+        r = read / m.ssd_read_bw[host] if m.ssd_read_bw[host] else np.inf
+        w = write / m.ssd_write_bw[host] if m.ssd_write_bw[host] else np.inf
+        return float(r + w)
+
+    def ssd_io(self) -> np.ndarray:
+        """Per rank: its host's SSD time if it holds a key_value shard, else 0."""
+        w = self.model.world
+        if not self.ssd_ranks.any():
+            return np.zeros(w)
+        per_host = np.array([self.ssd_seconds(h, self.ssd_read[h], self.ssd_write[h]) for h in range(len(self.ssd_read))])
+        return np.where(self.ssd_ranks, per_host[self.model.host_of], 0.0)
+
+    def local_time(self) -> np.ndarray:
+        """Each rank's own work: lookups, host traffic and SSD traffic (no collectives)."""
+        lk = self.lookup + self.host_io()
+        if self.ssd_ranks.any():
+            lk = lk + self.ssd_io()
+        return lk
 
     def _host_fraction(self, s: PlacedShard) -> float:
         if self.model.cpu or s.kernel not in UVM_KERNELS:
@@ -455,8 +557,12 @@ class CostState:
         return []
 
     def _memory(self, s: PlacedShard) -> tuple[float, float]:
-        """(device bytes, host bytes): weights + row-wise optimizer state."""
+        """(device bytes, host bytes): weights + row-wise optimizer state (a key_value shard: its
+        HBM cache, load_factor x weights; its SSD bytes are ``_ssd_bytes``)."""
         total = s.rows * s.cols * BYTES + s.rows * BYTES
+        if s.kernel in SSD_KERNELS:
+            lf = DEFAULT_LOAD_FACTOR if s.load_factor is None else s.load_factor
+            return s.rows * s.cols * BYTES * lf, 0.0
         if self.model.cpu:
             return 0.0, float(total)
         if s.kernel == "fused_uvm":
@@ -465,6 +571,11 @@ class CostState:
             lf = DEFAULT_LOAD_FACTOR if s.load_factor is None else s.load_factor
             return s.rows * s.cols * BYTES * lf, float(total)
         return float(total), 0.0
+
+    @staticmethod
+    def _ssd_bytes(s: PlacedShard) -> float:
+        """SSD storage of a key_value shard: weights + row-wise optimizer state (0 otherwise)."""
+        return float(s.rows * s.cols * BYTES + s.rows * BYTES) if s.kernel in SSD_KERNELS else 0.0
 
     def host_path(self, s: PlacedShard, host_bytes: float) -> tuple[list[int], int]:
         """Resources the shard's host traffic crosses: its local NUMA node's memory, or another
@@ -485,12 +596,20 @@ class CostState:
         self.mark_type(s.sharding_type)
         lb = self._lookup_bytes(s)
         hf = self._host_fraction(s)
-        self.lookup[s.rank] += lb * (1 - hf) / m.mem_bw[s.rank]
+        miss = self._ssd_fraction(s)
+        self.lookup[s.rank] += lb * (1 - hf - miss) / m.mem_bw[s.rank]
         for phase, v in self.shard_loads(s):
             self.add_load(phase, v)
         dev, host = self._memory(s)
         self.hbm_bytes[s.rank] += dev
         self.host_bytes[s.rank] += host
+        if s.kernel in SSD_KERNELS:
+            h = m.host_of[s.rank]
+            io = self.ssd_traffic(s)
+            self.ssd_read[h] += io
+            self.ssd_write[h] += io
+            self.ssd_ranks[s.rank] = True
+            self.ssd_bytes[s.rank] += self._ssd_bytes(s)
         if host:
             path, n = self.host_path(s, host)
             self.numa_used[(m.numa_of[s.rank][0], n)] += host
@@ -525,7 +644,7 @@ class CostState:
 
     def base_scores(self) -> tuple:
         """What ``step_time_with`` reads of the state, computed once for many trials."""
-        lk = self.lookup + self.host_io()
+        lk = self.local_time()
         maxes = {p: float(v.max(initial=0.0)) for p, v in self.loads.items()}
         squares = {p: float((v * v).sum()) for p, v in self.loads.items()}
         return lk, self.comm_time(), sum(squares.values()), maxes, squares
@@ -556,7 +675,7 @@ class CostState:
         if not shards:
             return
         s0 = shards[0]
-        if (len(shards) < 4 or m.cpu or s0.kernel in UVM_KERNELS or s0.sharding_type not in ("row_wise", "data_parallel")
+        if (len(shards) < 4 or m.cpu or s0.kernel in UVM_KERNELS + SSD_KERNELS or s0.sharding_type not in ("row_wise", "data_parallel")
                 or any(s.table != s0.table or s.cols != s0.cols or s.group != s0.group for s in shards)
                 or (s0.group and len(shards) != len(s0.group))):
             for s in shards:
@@ -600,18 +719,19 @@ class CostState:
     def rank_time(self) -> np.ndarray:
         """Each rank's lookups and host traffic, plus the collectives' time (the same for all):
         its max is the step time."""
-        return self.lookup + self.host_io() + self.comm_time()
+        return self.local_time() + self.comm_time()
 
     def step_time(self) -> float:
         return float(self.rank_time().max(initial=0.0))
 
     def spread(self) -> float:
-        lk = self.lookup + self.host_io()
+        lk = self.local_time()
         return float((lk * lk).sum()) + sum(float((v * v).sum()) for v in self.loads.values())
 
     def cost(self) -> PlanCost:
         m = self.model
         io = self.host_io()
+        ssd = self.ssd_io()
         comm_time = self.comm_time()
         attributed = np.full(m.world, self.latency)
         phases = {}
@@ -621,10 +741,10 @@ class CostState:
             for r in range(m.world):
                 a = m.attached[r]
                 attributed[r] += float(v[a].max(initial=0.0)) if len(a) else 0.0
-        base = self.lookup + io
+        base = self.lookup + io + ssd
         rt = base + attributed
         return PlanCost(float(base.max(initial=0.0)) + comm_time, rt, self.lookup.copy(), io, attributed,
-                        self.hbm_bytes.copy(), self.host_bytes.copy(), comm_time, phases)
+                        self.hbm_bytes.copy(), self.host_bytes.copy(), comm_time, phases, ssd, self.ssd_bytes.copy())
 
     # greedy support ------------------------------------------------------------------------------
 
@@ -638,9 +758,9 @@ class CostState:
         m = self.model
         cand = np.asarray(candidates)
         hf = self._host_fraction(proto)
-        if hf == 0.0 and proto.sharding_type in _A2A:
+        if hf == 0.0 and proto.sharding_type in _A2A and proto.kernel not in SSD_KERNELS:
             L = m.links
-            base = self.lookup + self.host_io()
+            base = self.local_time()
             lb = self._lookup_bytes(proto)
             own = base[cand] + lb / m.mem_bw[cand]
             lk_max = np.maximum(base.max(initial=0.0), own)
@@ -681,6 +801,8 @@ class CostState:
         c.host_bytes = self.host_bytes.copy()
         c.numa_used = dict(self.numa_used)
         c.types = set(self.types)
+        c.ssd_read, c.ssd_write = self.ssd_read.copy(), self.ssd_write.copy()
+        c.ssd_ranks, c.ssd_bytes = self.ssd_ranks.copy(), self.ssd_bytes.copy()
         return c
 
 
@@ -698,8 +820,8 @@ def _lf(cache_params) -> float | None:
 
 
 def _miss(kernel: str, cache_params) -> float | None:
-    """The measured miss rate of a caching table (its CacheParams' stats at its load factor)."""
-    if kernel != "fused_uvm_caching" or cache_params is None or getattr(cache_params, "stats", None) is None:
+    """The measured miss rate of a caching or key_value table (its CacheParams' stats at its load factor)."""
+    if kernel not in ("fused_uvm_caching",) + SSD_KERNELS or cache_params is None or getattr(cache_params, "stats", None) is None:
         return None
     lf = DEFAULT_LOAD_FACTOR if cache_params.load_factor is None else cache_params.load_factor
     return float(cache_params.stats.expected_miss_rate(lf))

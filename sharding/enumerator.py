@@ -1,5 +1,6 @@
 """The enumerator given to torchrec's planner as ``enumerator=``: torchrec's, with a model's
-constraints, column-wise variants cut finer (``finer_column_splits``) and a fixed order.
+constraints, column-wise variants cut finer (``finer_column_splits``), key_value (SSD) options
+sized by ``sharding/ssd_tier.py`` and a fixed order.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.planner.types import ShardingOption, Topology
 from torchrec.distributed.types import ModuleSharder
 
+from sharding.ssd_tier import apply_key_value_storage
 
 # column-wise variants the planner adds: each device-resident table cut into 2 and 4 column shards
 DEFAULT_COLUMN_SPLITS = (2, 4)
@@ -93,9 +95,12 @@ class TopologyEnumerator(EmbeddingEnumerator):
     """torchrec's enumerator with the planner's additions, given through the planner's
     ``enumerator=`` argument: the constraints of the model being planned (a new enumerator per
     ``TopologyAwarePlanner.plan``, because the defaults depend on the model's tables), column-wise
-    variants cut into ``column_splits`` shards (``finer_column_splits``), and a fixed order of the
-    search space (``_sorted_enumeration``); the last search space is kept (``last_search_space``)
-    for bounds (``sharding/bounds.py``), with the seconds its enumeration took (``last_enumerate_s``)."""
+    variants cut into ``column_splits`` shards (``finer_column_splits``), the storage of key_value
+    options (the SSD tier, ``apply_key_value_storage``: torchrec's estimate counts no HBM cache),
+    and a fixed order of the search space (``_sorted_enumeration``); the last search space is kept
+    (``last_search_space``) for bounds (``sharding/bounds.py``), with the seconds its enumeration
+    took (``last_enumerate_s``). key_value options exist only where the constraints ask for them
+    (torchrec guards the kernel) and torchrec's ``Topology`` has SSD capacity."""
 
     def __init__(self, topology: Topology, batch_size: int, column_splits: tuple[int, ...] = DEFAULT_COLUMN_SPLITS,
                  constraints: dict[str, ParameterConstraints] | None = None) -> None:
@@ -113,7 +118,14 @@ class TopologyEnumerator(EmbeddingEnumerator):
                 return []
             return finer_column_splits(self, space, self.column_splits, self.world_size, self.local_world_size)
 
+        parent = super().enumerate
+
+        def base(module: nn.Module, sharders: list[ModuleSharder[nn.Module]]) -> list[ShardingOption]:
+            space = parent(module=module, sharders=sharders)
+            apply_key_value_storage(space, sharders)
+            return space
+
         t0 = time.perf_counter()
-        self.last_search_space = _sorted_enumeration(super().enumerate, extra=extra)(module=module, sharders=sharders)
+        self.last_search_space = _sorted_enumeration(base, extra=extra)(module=module, sharders=sharders)
         self.last_enumerate_s += time.perf_counter() - t0
         return self.last_search_space

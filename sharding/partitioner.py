@@ -1,5 +1,6 @@
 """The topology-aware partitioner: shards placed greedily by the modelled step time of
-``sharding/cost_model.py`` under HBM per rank and host memory per host, then a local search
+``sharding/cost_model.py`` under HBM per rank, host memory per host and SSD per host (the
+key_value kernel's rows, ``sharding/ssd_tier.py``), then a local search
 (``refine_placement``); torchrec's ``GreedyPerfPartitioner`` placement is kept when the model
 prefers it (``compare_with_default``). Given to torchrec's planner as ``partitioner=``.
 """
@@ -20,7 +21,7 @@ from torchrec.distributed.planner.types import (
     Topology,
 )
 
-from sharding.constants import A2A_TYPES, UNIFORM_TYPES, UVM_KERNELS
+from sharding.constants import A2A_TYPES, SSD_KERNELS, UNIFORM_TYPES, UVM_KERNELS
 from sharding.cost_model import CostState, PlacedShard, TopologyCostModel, placed_from_option
 from sharding.cost_model import with_all_ranks as _with_all_ranks
 
@@ -68,15 +69,19 @@ class TopologyPartitioner(Partitioner):
         _set_ranks(plan, ours)
         return plan
 
-    # host memory is a per-host budget: torchrec's per-rank DDR split can be exceeded per rank
+    # host memory and SSD are per-host budgets: torchrec's per-rank splits can be exceeded per rank
     def _fits_hosts(self, plan: list[ShardingOption], sc: Topology) -> bool:
         lw = sc.local_world_size
-        used: dict[int, float] = {}
-        for so in plan:
-            for sh in so.shards:
-                used[sh.rank // lw] = used.get(sh.rank // lw, 0) + sh.storage.ddr
-        cap = {h: sum(d.storage.ddr for d in sc.devices[h * lw:(h + 1) * lw]) for h in range(sc.world_size // lw)}
-        return all(u <= cap[h] for h, u in used.items())
+        hosts = range(sc.world_size // lw)
+        for tier in ("ddr", "ssd"):
+            used: dict[int, float] = {}
+            for so in plan:
+                for sh in so.shards:
+                    used[sh.rank // lw] = used.get(sh.rank // lw, 0) + getattr(sh.storage, tier)
+            cap = {h: sum(getattr(d.storage, tier) for d in sc.devices[h * lw:(h + 1) * lw]) for h in hosts}
+            if not all(u <= cap[h] for h, u in used.items()):
+                return False
+        return True
 
     def _partition(
         self, proposal: list[ShardingOption], sc: Topology, hbm_per_device: Optional[int]
@@ -88,6 +93,7 @@ class TopologyPartitioner(Partitioner):
         hbm_free = np.array([float(hbm_per_device or d.storage.hbm) for d in sc.devices])
         nh = w // lw
         host_free = np.array([sum(float(d.storage.ddr) for d in sc.devices[h * lw:(h + 1) * lw]) for h in range(nh)])
+        ssd_free = np.array([sum(float(d.storage.ssd) for d in sc.devices[h * lw:(h + 1) * lw]) for h in range(nh)])
         host_of = np.arange(w) // lw
         # table-row-wise: a group is one NVLink domain (one host unless hosts share one)
         gw = m.topo.ranks_per_nvlink_domain
@@ -96,11 +102,13 @@ class TopologyPartitioner(Partitioner):
         _reset(proposal)
 
         def fits(rank: int, s: Storage) -> bool:
-            return s.hbm <= hbm_free[rank] and s.ddr <= host_free[host_of[rank]]
+            h = host_of[rank]
+            return s.hbm <= hbm_free[rank] and s.ddr <= host_free[h] and s.ssd <= ssd_free[h]
 
         def take(rank: int, s: Storage) -> None:
             hbm_free[rank] -= s.hbm
             host_free[host_of[rank]] -= s.ddr
+            ssd_free[host_of[rank]] -= s.ssd
 
         def fail(so: ShardingOption, what: str) -> PlannerError:
             return PlannerError(
@@ -129,7 +137,7 @@ class TopologyPartitioner(Partitioner):
             if len(so.shards) != gw:
                 raise fail(so, f"{len(so.shards)} shards for {gw} ranks per NVLink domain (host)")
             best = None
-            fast = groups > 1 and not m.cpu and so.compute_kernel not in UVM_KERNELS
+            fast = groups > 1 and not m.cpu and so.compute_kernel not in UVM_KERNELS + SSD_KERNELS
             if fast:  # device-resident: the step time on each host in closed form, no trial states
                 protos = placed_from_option(_with_all_ranks(so, 0))
                 base = st.base_scores()
@@ -137,9 +145,10 @@ class TopologyPartitioner(Partitioner):
                 ranks = list(range(h * gw, (h + 1) * gw))
                 if not all(sh.storage.hbm <= hbm_free[r] for r, sh in zip(ranks, so.shards)):
                     continue
-                ddr = np.zeros(nh)
+                ddr, ssd = np.zeros(nh), np.zeros(nh)
                 np.add.at(ddr, host_of[ranks], [sh.storage.ddr for sh in so.shards])
-                if (ddr > host_free).any():
+                np.add.at(ssd, host_of[ranks], [sh.storage.ssd for sh in so.shards])
+                if (ddr > host_free).any() or (ssd > ssd_free).any():
                     continue
                 if fast:
                     step, spread = st.step_time_with(*st.twrw_loads(protos, ranks), "table_row_wise", base=base)
@@ -239,7 +248,7 @@ def refine_placement(st: CostState, options: list[ShardingOption], hbm_free: np.
             phases.append((ti, f"{t}:{stage}", coef, mat))
     loads = [st.load(name).copy() for _, name, _, _ in phases]
     comm_other = st.comm_time() - sum(float(v.max(initial=0.0)) for v in loads)
-    lk = st.lookup + st.host_io()
+    lk = st.local_time()
     chunk_trials = max(1, int(2e6 // max(1, L.count)))
 
     def evaluate(moves: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:

@@ -49,12 +49,15 @@ def step_line(cost: PlanCost) -> str:
 def format_step(cost: PlanCost, topology: str, batch_size_per_rank: int) -> str:
     """The step, per rank (lookups, host traffic, collectives attributed to the rank's own links)
     and the busiest directed link of every collective phase."""
+    ssd = bool(cost.ssd_bytes.any())  # an SSD column only for plans with key_value tables
     lines = [f"{step_line(cost)} on {topology}, batch {batch_size_per_rank} per rank "
              "(the planner's model: sharding/cost_model.py)",
-             f"{'rank':<6} {'lookup ms':>10} {'host io ms':>11} {'comm ms':>9} {'total ms':>9}"]
+             f"{'rank':<6} {'lookup ms':>10} {'host io ms':>11} " + (f"{'ssd io ms':>10} {'SSD':>12} " if ssd else "")
+             + f"{'comm ms':>9} {'total ms':>9}"]
     for r in range(len(cost.rank_time)):
-        lines.append(f"{r:<6} {cost.lookup[r] * 1e3:>10.4f} {cost.host_io[r] * 1e3:>11.4f} {cost.comm[r] * 1e3:>9.4f} "
-                     f"{cost.rank_time[r] * 1e3:>9.4f}")
+        lines.append(f"{r:<6} {cost.lookup[r] * 1e3:>10.4f} {cost.host_io[r] * 1e3:>11.4f} "
+                     + (f"{cost.ssd_io[r] * 1e3:>10.4f} {cost.ssd_bytes[r] / 2**30:>8,.1f} GiB " if ssd else "")
+                     + f"{cost.comm[r] * 1e3:>9.4f} {cost.rank_time[r] * 1e3:>9.4f}")
     for phase, (link, secs) in sorted(cost.phases.items()):
         lines.append(f"busiest link, {phase}: {link} ({secs * 1e3:.4f} ms)")
     return "\n".join(lines)

@@ -7,7 +7,9 @@ records it per table (sharding/optimizer_state.py: CowClip-Adam 8 + 8, Adam 8 + 
 Adagrad 0 + 4, SGD 0 + 0). Version-1 plan files record no optimizer: row-wise Adagrad is assumed
 (``optimizer_assumed`` in the report). Kernels decide where it lives: `fused`/`dense` on the
 device (HBM on GPUs, host memory on CPU ranks), `fused_uvm` in host memory, `fused_uvm_caching`
-in host memory plus an HBM cache of load_factor x the shard's weights.
+in host memory plus an HBM cache of load_factor x the shard's weights, `key_value` (FBGEMM's SSD
+kernels, CUDA only) on the host's SSD plus the same HBM cache. The text report shows an SSD
+column only for plans with key_value tables.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ class ShardInfo:
     cols: int
     hbm_bytes: int
     host_bytes: int
+    ssd_bytes: int = 0
 
 
 @dataclass
@@ -51,20 +54,27 @@ class TableInfo:
     def host_bytes(self) -> int:
         return sum(s.host_bytes for s in self.shards)
 
+    @property
+    def ssd_bytes(self) -> int:
+        return sum(s.ssd_bytes for s in self.shards)
 
-def _shard_bytes(rows: int, cols: int, kernel: str, load_factor: float | None, table: dict[str, Any], device: str) -> tuple[int, int]:
-    """(HBM, host) bytes of a rows x cols shard of ``table`` (a plan header's table entry)."""
+
+def _shard_bytes(rows: int, cols: int, kernel: str, load_factor: float | None, table: dict[str, Any],
+                 device: str) -> tuple[int, int, int]:
+    """(HBM, host, SSD) bytes of a rows x cols shard of ``table`` (a plan header's table entry)."""
     weights = weight_bytes(table.get("data_type") or "FP32", rows, cols)
     st = table.get("optimizer_state") or state_of(ASSUMED_OPTIMIZER).to_dict()
     total = weights + rows * cols * st["bytes_per_weight"] + rows * st["bytes_per_row"]
     if device != "cuda":  # CPU ranks: everything is host memory
-        return 0, total
+        return 0, total, 0
+    lf = DEFAULT_CACHE_LOAD_FACTOR if load_factor is None else load_factor
     if kernel == "fused_uvm":
-        return 0, total
+        return 0, total, 0
     if kernel == "fused_uvm_caching":
-        lf = DEFAULT_CACHE_LOAD_FACTOR if load_factor is None else load_factor
-        return int(weights * lf), total
-    return total, 0
+        return int(weights * lf), total, 0
+    if kernel == "key_value":  # rows and optimizer state on SSD, hot rows cached in HBM
+        return int(weights * lf), 0, total
+    return total, 0, 0
 
 
 def table_infos(plan: ShardingPlan, header: dict[str, Any]) -> list[TableInfo]:
@@ -82,24 +92,25 @@ def table_infos(plan: ShardingPlan, header: dict[str, Any]) -> list[TableInfo]:
             if ps.sharding_spec is not None:
                 for s in ps.sharding_spec.shards:
                     rows, cols = s.shard_sizes
-                    hbm, host = _shard_bytes(rows, cols, ps.compute_kernel, lf, t, device)
-                    info.shards.append(ShardInfo(s.placement.rank(), rows, cols, hbm, host))
+                    hbm, host, ssd = _shard_bytes(rows, cols, ps.compute_kernel, lf, t, device)
+                    info.shards.append(ShardInfo(s.placement.rank(), rows, cols, hbm, host, ssd))
             else:  # data-parallel: a full replica on every rank
                 rows, cols = t.get("num_embeddings", 0), t.get("embedding_dim", 0)
                 for r in info.ranks:
-                    hbm, host = _shard_bytes(rows, cols, ps.compute_kernel, lf, t, device)
-                    info.shards.append(ShardInfo(r, rows, cols, hbm, host))
+                    hbm, host, ssd = _shard_bytes(rows, cols, ps.compute_kernel, lf, t, device)
+                    info.shards.append(ShardInfo(r, rows, cols, hbm, host, ssd))
             out.append(info)
     return out
 
 
 def rank_memory(infos: list[TableInfo], world_size: int) -> list[dict[str, int]]:
-    ranks = [{"rank": r, "hbm_bytes": 0, "host_bytes": 0, "tables": 0} for r in range(world_size)]
+    ranks = [{"rank": r, "hbm_bytes": 0, "host_bytes": 0, "ssd_bytes": 0, "tables": 0} for r in range(world_size)]
     for t in infos:
         for s in t.shards:
             if 0 <= s.rank < world_size:
                 ranks[s.rank]["hbm_bytes"] += s.hbm_bytes
                 ranks[s.rank]["host_bytes"] += s.host_bytes
+                ranks[s.rank]["ssd_bytes"] += s.ssd_bytes
                 ranks[s.rank]["tables"] += 1
     return ranks
 
@@ -112,7 +123,7 @@ def report(plan: ShardingPlan, header: dict[str, Any]) -> dict[str, Any]:
         "compute_device": header["compute_device"],
         "optimizer_assumed": any(not (tables.get(t.table) or {}).get("optimizer_state") for t in infos),
         "meta": header.get("meta", {}),
-        "tables": [dict(asdict(t), hbm_bytes=t.hbm_bytes, host_bytes=t.host_bytes) for t in infos],
+        "tables": [dict(asdict(t), hbm_bytes=t.hbm_bytes, host_bytes=t.host_bytes, ssd_bytes=t.ssd_bytes) for t in infos],
         "ranks": rank_memory(infos, header["world_size"]),
     }
 
@@ -128,21 +139,27 @@ def format_text(rep: dict[str, Any]) -> str:
     lines.append("")
     tw = max([12] + [len(t["table"]) + 1 for t in rep["tables"]])
     mw = max([18] + [len(t["module"]) + 1 for t in rep["tables"]])
+    ssd = any(t.get("ssd_bytes") for t in rep["tables"])  # an SSD column only for plans with key_value tables
     lines.append(f"{'table':<{tw}} {'module':<{mw}} {'sharding':<18} {'kernel':<18} {'optimizer':<16} {'ranks':<14} {'cache lf':>8} "
-                 f"{'HBM':>12} {'host':>12}")
+                 f"{'HBM':>12} {'host':>12}" + (f" {'SSD':>15}" if ssd else ""))
     for t in rep["tables"]:
         ranks = ",".join(map(str, t["ranks"])) if len(t["ranks"]) <= 4 else f"{t['ranks'][0]}..{t['ranks'][-1]} ({len(t['ranks'])})"
         lf = "" if t["cache_load_factor"] is None else f"{t['cache_load_factor']:.2f}"
         lines.append(
             f"{t['table']:<{tw}} {t['module']:<{mw}} {t['sharding_type']:<18} {t['compute_kernel']:<18} {t['optimizer']:<16} "
             f"{ranks:<14} {lf:>8} {_mb(t['hbm_bytes']):>12} {_mb(t['host_bytes']):>12}"
+            + (f" {_mb(t['ssd_bytes']):>15}" if ssd else "")
         )
-    lines += ["", f"{'rank':<6} {'tables':>6} {'HBM':>12} {'host':>12}"]
+    lines += ["", f"{'rank':<6} {'tables':>6} {'HBM':>12} {'host':>12}" + (f" {'SSD':>15}" if ssd else "")]
     for r in rep["ranks"]:
-        lines.append(f"{r['rank']:<6} {r['tables']:>6} {_mb(r['hbm_bytes']):>12} {_mb(r['host_bytes']):>12}")
+        lines.append(f"{r['rank']:<6} {r['tables']:>6} {_mb(r['hbm_bytes']):>12} {_mb(r['host_bytes']):>12}"
+                     + (f" {_mb(r.get('ssd_bytes', 0)):>15}" if ssd else ""))
     key = "hbm_bytes" if rep["compute_device"] == "cuda" else "host_bytes"
     top = max(rep["ranks"], key=lambda r: r[key])
     lines.append(f"largest: rank {top['rank']} with {_mb(top[key])} of {'HBM' if key == 'hbm_bytes' else 'host memory'}")
+    if ssd:
+        top = max(rep["ranks"], key=lambda r: r.get("ssd_bytes", 0))
+        lines.append(f"largest SSD: rank {top['rank']} with {_mb(top['ssd_bytes'])} (key_value tables: FBGEMM's SSD kernels, CUDA only)")
     return "\n".join(lines)
 
 
@@ -168,7 +185,8 @@ def diff(a_plan: ShardingPlan, a_header: dict, b_plan: ShardingPlan, b_header: d
     ma = rank_memory(list(a.values()), world)
     mb = rank_memory(list(b.values()), world)
     ranks = [
-        {"rank": r, "hbm_bytes_delta": mb[r]["hbm_bytes"] - ma[r]["hbm_bytes"], "host_bytes_delta": mb[r]["host_bytes"] - ma[r]["host_bytes"]}
+        {"rank": r, "hbm_bytes_delta": mb[r]["hbm_bytes"] - ma[r]["hbm_bytes"], "host_bytes_delta": mb[r]["host_bytes"] - ma[r]["host_bytes"],
+         "ssd_bytes_delta": mb[r]["ssd_bytes"] - ma[r]["ssd_bytes"]}
         for r in range(world)
     ]
     return {"changes": changes, "ranks": ranks}
@@ -184,6 +202,8 @@ def format_diff(d: dict[str, Any]) -> str:
                                for k, v in c.items() if k not in ("table", "module"))
             lines.append(f"  {c['table']} ({c['module']}): {detail}")
     lines.append("memory per rank (b - a):")
+    ssd = any(r.get("ssd_bytes_delta") for r in d["ranks"])
     for r in d["ranks"]:
-        lines.append(f"  rank {r['rank']}: HBM {r['hbm_bytes_delta'] / 2**20:+,.1f} MB, host {r['host_bytes_delta'] / 2**20:+,.1f} MB")
+        lines.append(f"  rank {r['rank']}: HBM {r['hbm_bytes_delta'] / 2**20:+,.1f} MB, host {r['host_bytes_delta'] / 2**20:+,.1f} MB"
+                     + (f", SSD {r['ssd_bytes_delta'] / 2**20:+,.1f} MB" if ssd else ""))
     return "\n".join(lines)

@@ -30,7 +30,9 @@ gradient (``rows * cols * 4`` bytes) in a ring over their ranks: each rank sends
 Compute: a shard owner looks up every id routed to it, ``lookups * c * 4`` bytes read forward
 and the same written backward (``2 * lookups * c * 4``), at its HBM bandwidth (``fused`` /
 ``dense``), or at its host-to-GPU bandwidth for ``fused_uvm`` (rows in host memory), or the HBM
-bandwidth for ``fused_uvm_caching`` (all hits assumed). Lookups per step: ``W * B`` for a column
+bandwidth for ``fused_uvm_caching`` and ``key_value`` (all hits assumed: the SSD traffic of a
+key_value table's misses is the planner's model, ``sharding/cost_model.py``, printed above this
+view; here each host lists its SSD bytes against its SSD tier). Lookups per step: ``W * B`` for a column
 shard, ``W * B * rows_s / rows`` for a row shard, ``B`` for a DP replica.
 
 Time per rank (with a topology): ``comm = sum over peers p of (fwd[r, p] + bwd[r, p]) /
@@ -263,15 +265,17 @@ def apply_topology(tr: Traffic, topo, infos: list[TableInfo] | None = None, rank
     tr.hosts = []
     for h, host in enumerate(topo.hosts):
         rs = [topo.rank(h, i) for i in range(len(host.gpus))]
-        mem = {"hbm_bytes": 0, "host_bytes": 0}
+        mem = {"hbm_bytes": 0, "host_bytes": 0, "ssd_bytes": 0}
         if rank_memory is not None:
             for r in rs:
                 mem["hbm_bytes"] += rank_memory[r]["hbm_bytes"]
                 mem["host_bytes"] += rank_memory[r]["host_bytes"]
+                mem["ssd_bytes"] += rank_memory[r].get("ssd_bytes", 0)
         tr.hosts.append({
             "host": h, "name": host.name, "ranks": rs,
             "hbm_bytes": mem["hbm_bytes"], "hbm_capacity": sum(g.hbm_bytes for g in host.gpus),
             "host_bytes": mem["host_bytes"], "host_capacity": host.ddr_bytes,
+            "ssd_bytes": mem["ssd_bytes"], "ssd_capacity": host.ssd_bytes,
             "pcie_switches": [
                 {"switch": s.name, "numa": s.numa, "gpus": [topo.rank(h, i) for i in s.gpus],
                  "bytes_per_step": int(switch_bytes.get((h, s.name), 0.0)),
@@ -292,8 +296,10 @@ def format_text(tr: Traffic) -> str:
                      + " ".join(f"{tr.comm_s[k][r] * 1e3:>11.4f}" for k in LINK_KINDS) + f" {tr.total_s[r] * 1e3:>10.4f}")
     for h in tr.hosts:
         loads = ", ".join(f"{s['switch']} {s['bytes_per_step'] / 2**20:,.1f} MB" for s in h["pcie_switches"])
+        ssd = (f", SSD {h['ssd_bytes'] / 2**30:,.2f} / {h['ssd_capacity'] / 2**30:,.0f} GB"
+               if h.get("ssd_bytes") or h.get("ssd_capacity") else "")  # hosts with an SSD tier or key_value shards
         lines.append(f"host {h['host']} ({h['name']}): HBM {h['hbm_bytes'] / 2**30:,.2f} / {h['hbm_capacity'] / 2**30:,.0f} GB, "
-                     f"host {h['host_bytes'] / 2**30:,.2f} / {h['host_capacity'] / 2**30:,.0f} GB"
+                     f"host {h['host_bytes'] / 2**30:,.2f} / {h['host_capacity'] / 2**30:,.0f} GB{ssd}"
                      + (f"; PCIe switch load per step: {loads}" if loads else ""))
     lines.append(f"critical: {tr.critical['why']}")
     return "\n".join(lines)

@@ -8,7 +8,8 @@ worker, with a traceback; here each is one line naming the file and the key, bef
 
 Checked, per table: ``sharding_type`` is a torchrec ``ShardingType``; ``compute_kernel`` is an
 ``EmbeddingComputeKernel`` that torchrec's embedding-bag sharder offers for that sharding type on
-the plan's compute device; ``ranks`` are in [0, world); shards (every type but data-parallel) are
+the plan's compute device (``key_value``, the SSD tier, on a CPU plan gets its own line: FBGEMM's
+SSD kernels run on CUDA only); ``ranks`` are in [0, world); shards (every type but data-parallel) are
 placed on those ranks and tile the table exactly (no gap, no overlap, in bounds): table-wise is one
 shard of the whole table, column-wise / table-column-wise split dim 1 only, row-wise /
 table-row-wise split dim 0 only. Per plan: each table is planned once, and the tables are the ones
@@ -24,6 +25,7 @@ from typing import Any
 
 from torchrec.distributed.types import ParameterSharding, ShardingPlan, ShardingType
 
+from sharding.constants import SSD_KERNELS
 from sharding.plan_errors import PlanFileError
 
 _ROWS = (ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value)
@@ -57,6 +59,9 @@ def _param_problems(ps: ParameterSharding, key: str, shape: tuple[int, int] | No
     if kernel not in _kernels():
         return [f"key '{key}.compute_kernel': '{kernel}' is not a torchrec compute kernel (one of {', '.join(_kernels())})"]
     allowed = _kernels_for(st, device)
+    if kernel in SSD_KERNELS and device != "cuda":
+        return [f"key '{key}.compute_kernel': '{kernel}' keeps the table on SSD with FBGEMM's SSD kernels, which run on "
+                f"CUDA only; this plan is for {device} (use fused there, or plan for a cuda topology with an SSD tier)"]
     if kernel not in allowed:
         return [f"key '{key}.compute_kernel': torchrec does not run a {st} table with kernel '{kernel}' on {device} "
                 f"(allowed: {', '.join(allowed)})"]

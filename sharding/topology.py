@@ -13,6 +13,7 @@ key, e.g. ``dgx.yaml: key 'hosts[0].gpus[3].hbm_gb': expected a positive number,
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 from dataclasses import dataclass, field
@@ -129,6 +130,18 @@ class NvlinkSpec:
 
 
 @dataclass(frozen=True)
+class SsdSpec:
+    """A host's SSD tier (NVMe drives holding embedding rows for FBGEMM's SSD kernels, torchrec's
+    ``key_value`` kernel). One per host, shared by the host's ranks like its DDR: ``capacity``
+    bytes in all, ``read_bw`` / ``write_bw`` bytes/s of the host's drives together. Reads and
+    writes are separate figures because NVMe writes are typically half as fast as reads."""
+
+    capacity: int  # bytes
+    read_bw: float  # bytes/s
+    write_bw: float  # bytes/s
+
+
+@dataclass(frozen=True)
 class Host:
     name: str
     gpus: tuple[Gpu, ...]
@@ -137,6 +150,12 @@ class Host:
     numa_nodes: tuple[NumaNode, ...]
     inter_socket_bw: float  # the socket-to-socket link (UPI / xGMI), one direction; inf if one socket
     nics: tuple[Nic, ...] = ()
+    ssd: SsdSpec | None = None  # None: no SSD tier
+
+    @property
+    def ssd_bytes(self) -> int:
+        """SSD capacity of the whole host (0 without an SSD tier): a per-host budget, like DDR."""
+        return 0 if self.ssd is None else self.ssd.capacity
 
     def switch(self, name: str) -> PcieSwitch:
         for s in self.pcie_switches:
@@ -265,6 +284,9 @@ class ClusterTopology:
             f"{len(h.numa_nodes)} NUMA node(s), {h.ddr_bytes / GB:g} GB DDR per host",
             f"{len(h.nics)} NIC(s) per host",
         ]
+        if h.ssd is not None:
+            parts.append(f"{h.ssd.capacity / GB:g} GB SSD per host (read {h.ssd.read_bw / GB_S:g} GB/s, "
+                         f"write {h.ssd.write_bw / GB_S:g} GB/s)")
         return ", ".join(parts)
 
 
@@ -422,14 +444,14 @@ def _load(p: Path, stack: tuple[Path, ...]) -> ClusterTopology:
     return ClusterTopology(hosts=tuple(hosts), network=network, compute_device=device, name=name, source=source)
 
 
-_HOST_KEYS = ["gpus", "numa_nodes", "nvlink", "pcie", "inter_socket_gb_s", "nics"]
+_HOST_KEYS = ["gpus", "numa_nodes", "nvlink", "pcie", "inter_socket_gb_s", "nics", "ssd"]
 
 
 def _parse_host_entry(
     ctx: _Ctx, key: str, value: Any, device: str, path: Path, stack: tuple[Path, ...]
 ) -> list[Host]:
     if isinstance(value, dict) and "from" in value:
-        d = _mapping(ctx, key, value, ["from"], ["name", "repeat"])
+        d = _mapping(ctx, key, value, ["from"], ["name", "repeat", "ssd"])
         ref = path.parent / _str(ctx, f"{key}.from", d["from"])
         if not ref.exists():
             raise ctx.fail(f"{key}.from", f"no such file '{d['from']}' (relative to {path.parent.name}/)")
@@ -439,6 +461,9 @@ def _parse_host_entry(
         templates = list(sub.hosts)
         if len(templates) != 1 and "name" in d:
             raise ctx.fail(f"{key}.name", f"'{d['from']}' has {len(templates)} hosts; 'name' needs exactly one")
+        if "ssd" in d:  # the same hosts with an SSD tier (replacing theirs, if any)
+            ssd = _parse_ssd(ctx, f"{key}.ssd", d["ssd"])
+            templates = [dataclasses.replace(t, ssd=ssd) for t in templates]
     else:
         d = _mapping(ctx, key, value, ["gpus", "numa_nodes"], ["name", "repeat"] + _HOST_KEYS[2:])
         templates = [_parse_host(ctx, key, d, device, d.get("name", "host"))]
@@ -453,7 +478,7 @@ def _parse_host_entry(
 
 
 def _renamed(h: Host, name: str) -> Host:
-    return Host(name, h.gpus, h.nvlink, h.pcie_switches, h.numa_nodes, h.inter_socket_bw, h.nics)
+    return dataclasses.replace(h, name=name)
 
 
 def _parse_host(ctx: _Ctx, key: str, d: dict, device: str, name: str) -> Host:
@@ -569,7 +594,18 @@ def _parse_host(ctx: _Ctx, key: str, d: dict, device: str, name: str) -> Host:
         gpus.append(Gpu(i, hbm, hbm_bw, gpu_switch.get(i), numa, model))
 
     nvlink = _parse_nvlink(ctx, f"{key}.nvlink", d.get("nvlink", {"kind": "none"}), n, device)
-    return Host(name, tuple(gpus), nvlink, tuple(switches), tuple(numa_nodes), inter, tuple(nics))
+    ssd = _parse_ssd(ctx, f"{key}.ssd", d["ssd"]) if "ssd" in d else None
+    return Host(name, tuple(gpus), nvlink, tuple(switches), tuple(numa_nodes), inter, tuple(nics), ssd)
+
+
+def _parse_ssd(ctx: _Ctx, key: str, value: Any) -> SsdSpec:
+    """``{capacity_gb, read_gb_s, write_gb_s}``: the host's SSD tier, all three required."""
+    d = _mapping(ctx, key, value, ["capacity_gb", "read_gb_s", "write_gb_s"], [])
+    return SsdSpec(
+        capacity=round(_number(ctx, f"{key}.capacity_gb", d["capacity_gb"]) * GB),
+        read_bw=_number(ctx, f"{key}.read_gb_s", d["read_gb_s"]) * GB_S,
+        write_bw=_number(ctx, f"{key}.write_gb_s", d["write_gb_s"]) * GB_S,
+    )
 
 
 def _count_or_list(ctx: _Ctx, key: str, value: Any, fields: list[str], required: list[str]) -> list[tuple[str, dict]]:
@@ -745,6 +781,9 @@ def topology_to_dict(topo: ClusterTopology) -> dict[str, Any]:
                 {"name": x.name, "speed_gbit_s": _num(x.bw / GBIT_S), **({} if x.pcie_switch else {"numa": x.numa})}
                 for x in h.nics
             ]
+        if h.ssd is not None:
+            hd["ssd"] = {"capacity_gb": _num(h.ssd.capacity / GB), "read_gb_s": _num(h.ssd.read_bw / GB_S),
+                         "write_gb_s": _num(h.ssd.write_bw / GB_S)}
         hosts.append(hd)
     out: dict[str, Any] = {"name": topo.name, "compute_device": topo.compute_device, "hosts": hosts}
     net: dict[str, Any] = {}

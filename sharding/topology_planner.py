@@ -6,7 +6,8 @@ arguments of an ``EmbeddingShardingPlanner`` that ``plan()`` builds for each mod
 constraints depend on the model's tables; no private attribute is set from outside):
 
 - the ``Topology`` is built from a :class:`ClusterTopology` (HBM per GPU, host memory per rank =
-  host memory / ranks per host, bandwidths from the path model in ``sharding/bandwidth.py``);
+  host memory / ranks per host, SSD per rank = a host's SSD tier / ranks per host, bandwidths
+  from the path model in ``sharding/bandwidth.py``);
 - :class:`TopologyPartitioner` places shards greedily by the modeled step time of
   ``sharding/cost_model.py`` (rank-pair bandwidths, shared PCIe uplinks, NUMA placement) subject to
   HBM per rank and host memory per host; row-wise-in-host groups stay inside one host (its NVLink
@@ -25,8 +26,13 @@ constraints depend on the model's tables; no private attribute is set from outsi
   has no split of its own), and a last proposer (``sharding/balance_proposer.py``) starts from
   the best plan found and cuts the tables of its slowest rank finer while the model says it helps.
 
-After the search, a callback raises the cache load factor of ``fused_uvm_caching`` tables into
-the HBM left free on their ranks. With ``cache_stats`` (per-table id frequencies measured from
+On a topology with an SSD tier, tables that fit neither HBM nor host memory are also offered
+torchrec's ``key_value`` kernel (FBGEMM's SSD kernels, CUDA only; ``sharding/ssd_tier.py``): their
+rows live on the host's SSD behind an HBM cache, the partitioner checks SSD capacity per host and
+the cost model charges the cache misses' SSD reads and write-backs.
+
+After the search, a callback raises the cache load factor of ``fused_uvm_caching`` and
+``key_value`` tables into the HBM left free on their ranks. With ``cache_stats`` (per-table id frequencies measured from
 data, ``sharding/cache_sizing.py``) each such table starts at the smallest load factor reaching
 ``target_hit_rate``, the cost model charges its measured miss rate, and the callback stops where
 its hit-rate curve stops rising. A model that cannot fit raises :class:`ModelDoesNotFitError`
@@ -71,7 +77,7 @@ from torchrec.distributed.types import CacheStatistics, ModuleSharder, ShardingP
 from sharding.balance_proposer import BalanceProposer
 from sharding.bandwidth import host_to_gpu_bandwidth
 from sharding.cache_sizing import DEFAULT_TARGET_HIT_RATE, apply_cache_stats, saturation_load_factor
-from sharding.constants import DEFAULT_LOAD_FACTOR, MAX_CACHE_LOAD_FACTOR, MODEL_PARALLEL_TYPES
+from sharding.constants import DEFAULT_LOAD_FACTOR, MAX_CACHE_LOAD_FACTOR, MODEL_PARALLEL_TYPES, SSD_KERNELS
 from sharding.cost_model import TopologyCostModel
 from sharding.constraints import default_constraints, merge_constraints, table_bytes
 from sharding.enumerator import DEFAULT_COLUMN_SPLITS, TopologyEnumerator, finer_column_splits
@@ -79,6 +85,7 @@ from sharding.partitioner import TopologyPartitioner, refine_placement
 from sharding.perf_model import CachedPerfModel
 from sharding.plan_cost import modeled_step, step_line
 from sharding.proposers import PatientGreedyProposer, PerTableUniformProposer, default_proposers, greedy_patience_for
+from sharding.ssd_tier import key_value_tables
 from sharding.tables import table_configs
 from sharding.topology import ClusterTopology, load_topology
 from sharding.torchrec_speedups import fast_planner_internals
@@ -105,8 +112,11 @@ class ModelDoesNotFitError(PlannerError):
 def torchrec_topology(
     topo: ClusterTopology, hbm_bytes: int | None = None, ddr_bytes: int | None = None
 ) -> Topology:
-    """A torchrec ``Topology`` for the cluster: capacities per rank (host memory is the host's
-    divided by its ranks), bandwidths (bytes/ms, as torchrec wants) from the path model."""
+    """A torchrec ``Topology`` for the cluster: capacities per rank (host memory and SSD are the
+    host's divided by its ranks, the smallest host's), bandwidths (bytes/ms, as torchrec wants)
+    from the path model; ``ssd_mem_bw`` is a host's SSD read bandwidth per rank. Without an SSD
+    tier on every host ``ssd_cap`` is 0 (torchrec's default would be 2 TB per rank), so torchrec
+    offers no key_value option either."""
     from sharding.bandwidth import bandwidth_matrix
 
     cpu = topo.compute_device == "cpu"
@@ -118,9 +128,13 @@ def torchrec_topology(
     inter = float(bw[~same].min()) if (~same).any() else None
     ddr = min(h.ddr_bytes for h in topo.hosts) // lw
     hbm = None if cpu else min(g.hbm_bytes for h in topo.hosts for g in h.gpus)
+    ssd = min(h.ssd_bytes for h in topo.hosts) // lw
+    ssd_bw = min(h.ssd.read_bw for h in topo.hosts) / lw if ssd else None
     hardware = HardwareConfig(
         hbm_cap_bytes=hbm_bytes if hbm_bytes is not None else hbm,
         ddr_cap_bytes=ddr_bytes if ddr_bytes is not None else ddr,
+        ssd_cap_bytes=ssd,
+        ssd_mem_bw=None if ssd_bw is None else ssd_bw / 1e3,
         intra_host_bw=None if intra is None else intra / 1e3,
         inter_host_bw=None if inter is None else inter / 1e3,
         hbm_mem_bw=None if cpu else min(g.hbm_bw for h in topo.hosts for g in h.gpus) / 1e3,
@@ -242,7 +256,8 @@ class TopologyAwarePlanner(EmbeddingShardingPlanner):
         """The constraints a plan of ``module`` uses: the planner's defaults for every table,
         merged per table with the user's (``merge_constraints``), plus measured cache statistics."""
         types = [t for t in MODEL_PARALLEL_TYPES if self.hosts == 1 or t != "table_row_wise"]
-        merged = merge_constraints(default_constraints(module, self.cluster.compute_device, types), self.user_constraints)
+        ssd = key_value_tables(table_bytes(module), self.torchrec_topology)
+        merged = merge_constraints(default_constraints(module, self.cluster.compute_device, types, ssd), self.user_constraints)
         if self.cache_stats:
             apply_cache_stats(merged, self.cache_stats, self.target_hit_rate)
         return merged
@@ -298,7 +313,7 @@ class TopologyAwarePlanner(EmbeddingShardingPlanner):
         return remap_plan_to_host(plan, dist.get_rank() // per_host, per_host, self.cluster.compute_device)
 
     def _tune_load_factors(self, plan: list[ShardingOption]) -> list[ShardingOption]:
-        """Raise each UVM-caching table's load factor into the HBM still free on its ranks
+        """Raise each UVM-caching and key_value (SSD) table's load factor into the HBM still free on its ranks
         (largest tables first), up to ``MAX_CACHE_LOAD_FACTOR``. Tables with measured cache
         statistics go first, by modeled miss traffic (lookups x dim x miss rate), and never past
         the load factor where their hit-rate curve stops rising (``saturation_load_factor``)."""
@@ -309,7 +324,7 @@ class TopologyAwarePlanner(EmbeddingShardingPlanner):
         for so in plan:
             for sh in so.shards:
                 free[sh.rank] -= sh.storage.hbm
-        caching = [so for so in plan if so.compute_kernel == "fused_uvm_caching"]
+        caching = [so for so in plan if so.compute_kernel in ("fused_uvm_caching",) + SSD_KERNELS]
 
         def stats_of(so):
             return None if so.cache_params is None else so.cache_params.stats
@@ -393,7 +408,8 @@ def _gib(n: float) -> str:
 
 
 def fit_message(cluster: ClusterTopology, module: nn.Module, topo: Topology, err: Exception) -> str:
-    """One line: what the model needs, what the cluster has, the largest tables, what would fit."""
+    """One line: what the model needs, what the cluster has (its SSD tier too), the largest
+    tables, what would fit."""
     tables = table_bytes(module)
     need = sum(tables.values())
     top = sorted(tables.items(), key=lambda kv: (-kv[1], kv[0]))[:3]
@@ -401,20 +417,27 @@ def fit_message(cluster: ClusterTopology, module: nn.Module, topo: Topology, err
     cpu = cluster.compute_device == "cpu"
     hbm_dev = 0 if cpu else min(g.hbm_bytes for h in cluster.hosts for g in h.gpus)
     host = min(h.ddr_bytes for h in cluster.hosts)
-    avail_hbm, avail_host = hbm_dev * w, host * len(cluster.hosts)
+    ssd = 0 if cpu else min(h.ssd_bytes for h in cluster.hosts)
+    avail_hbm, avail_host, avail_ssd = hbm_dev * w, host * len(cluster.hosts), ssd * len(cluster.hosts)
     per_rank = hbm_dev + host / cluster.local_world_size
-    ranks_needed = math.ceil(need / (0.85 * per_rank)) if per_rank else 0
-    if need > 0.85 * (avail_hbm + avail_host):
+    if need > 0.85 * (avail_hbm + avail_host) + avail_ssd:
+        per = 0.85 * per_rank + ssd / cluster.local_world_size  # what a rank brings, its share of SSD too
+        ranks_needed = math.ceil(need / per) if per else 0
         fix = (f"about {ranks_needed} ranks ({math.ceil(ranks_needed / cluster.local_world_size)} hosts like these), "
-               f"or smaller embedding_dim / fewer rows for the largest tables")
+               + ("or more SSD per host, " if ssd else "")
+               + "or smaller embedding_dim / fewer rows for the largest tables")
+    elif ssd and key_value_tables(tables, topo):  # key_value was offered to them: the SSD tier is too small
+        fix = (f"more SSD per host or more hosts (a key_value table lives on its hosts' SSD; the largest needs "
+               f"{_gib(top[0][1])}), or smaller embedding_dim / fewer rows for the largest tables")
     else:
         fix = ("allow fused_uvm_caching / fused_uvm and row_wise sharding for the largest tables, "
                "or smaller embedding_dim for them")
+    ssd_part = (f" and {_gib(ssd)} SSD per host ({_gib(avail_ssd)} in all)" if ssd else "")
     first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     return (
         f"model does not fit {cluster.name or 'topology'} ({w} ranks, {len(cluster.hosts)} hosts): "
         f"embeddings need {_gib(need)} (weights + optimizer state), available {_gib(hbm_dev)} HBM per device "
-        f"({_gib(avail_hbm)} in all) and {_gib(host)} host memory per host ({_gib(avail_host)} in all); "
+        f"({_gib(avail_hbm)} in all) and {_gib(host)} host memory per host ({_gib(avail_host)} in all){ssd_part}; "
         f"largest tables: " + ", ".join(f"{n} {_gib(b)}" for n, b in top)
         + f"; to fit: {fix}; planner said: {first[:200]}"
     )

@@ -24,6 +24,7 @@ SHIPPED = {
     "dgx-a100": (8, 8, "cuda", 2039),
     "dgx-a100-2host": (16, 8, "cuda", 2039),
     "dgx-a100-16host": (128, 8, "cuda", 2039),
+    "dgx-a100-ssd": (8, 8, "cuda", 2039),  # dgx-a100 with an SSD tier (tests/test_ssd_tier.py)
     "dgx-h100": (8, 8, "cuda", 3350),
     "dgx-h100-2host": (16, 8, "cuda", 3350),
     "dgx-h100-16host": (128, 8, "cuda", 3350),
