@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
         return 2
     from recsys.training.checkpoint import CheckpointError
-    from recsys.training.comm_failure import HostLostError, end_stuck_launcher
+    from recsys.training.comm_failure import HostLostError, end_stuck_launcher, first_to_report
     from recsys.training.loop import run
     from recsys.training.run_dir import RunDirError, RunFinished
 
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr, flush=True)
         os._exit(2)  # peers may be blocked in a collective on a dead group: no teardown
     except HostLostError as e:  # another host is gone or silent: one line per surviving host
-        if os.environ.get("LOCAL_RANK", "0") == "0":
+        if first_to_report():
             print(f"error: {e}", file=sys.stderr, flush=True)
         end_stuck_launcher(float(os.environ.get("RECSYS_LAUNCHER_GRACE_S", "10")))
         os._exit(2)  # no teardown: the groups are broken, and the store may be on the lost host

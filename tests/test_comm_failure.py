@@ -11,9 +11,8 @@ import subprocess
 import sys
 import time
 
-import pytest
 
-from recsys.training.comm_failure import HostLostError, Peers, end_stuck_launcher, host_lost
+from recsys.training.comm_failure import HostLostError, Peers, end_stuck_launcher, first_to_report, host_lost
 
 CLOSED = "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.213.1.3]:41234"
 TIMEOUT = "[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 15000ms for recv operation to complete"
@@ -85,3 +84,11 @@ def test_watchdog_kills_a_stuck_torchrun_agent_and_spares_one_that_exits(tmp_pat
     assert fine.returncode == 0 and fine.stdout.strip() == "True"
     # not under torchrun: no watchdog
     assert end_stuck_launcher(0.1) is False
+
+
+def test_exactly_one_rank_per_agent_reports(tmp_path, monkeypatch):
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    monkeypatch.setenv("GROUP_RANK", "1")
+    assert [first_to_report() for _ in range(3)] == [True, False, False]
+    monkeypatch.setenv("GROUP_RANK", "0")  # another host (agent) of the same job on this machine
+    assert first_to_report() is True

@@ -9,7 +9,7 @@ either way the metrics equal an uninterrupted run's (to 1e-6):
   across the cut and the job finishes.
 - the same cut with a 10 s timeout: every surviving host stops with one line naming the other
   host (both hosts survive a cut: each names the other), within the timeout plus the launcher's
-  grace; a resume of both hosts from the last merge checkpoint then finishes the run.
+  grace; `resume=true` on both hosts, from the last merge checkpoint, then finishes the run.
 
 Needs root, ip, tc and netns, the loss case also nft (skipped loudly otherwise, as
 tests/test_simnet.py). Slow (about 4 minutes in all).
@@ -125,7 +125,7 @@ def test_link_cut_longer_than_the_timeout_stops_both_hosts_then_resume_finishes(
         assert not (run_dir / "summary.json").exists()
         time.sleep(1)
         # resume both hosts on the restored link from the last merge checkpoint
-        _finish(_start(run_dir, COMMON, {"RECSYS_RESUME": "1"}, net=net))
+        _finish(_start(run_dir, [*COMMON, "resume=true"], net=net))
     s = json.loads((run_dir / "summary.json").read_text())
     assert s["resumed_from"] and s["resumed_from"].endswith("step_000000012")
     _same_metrics(straight, run_dir)

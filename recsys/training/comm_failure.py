@@ -24,6 +24,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -166,6 +167,21 @@ if same():
           "(a rendezvous store on a frozen host blocks it): killing it", file=sys.stderr, flush=True)
     os.kill(pid, signal.SIGKILL)
 """
+
+
+def first_to_report() -> bool:
+    """True for the first rank of this host (this torchrun agent) that asks: the one that prints
+    the line. Ranks of a host fail at nearly the same moment, and the agent stops the others as
+    soon as one exits, so "local rank 0 prints" could print nothing; an O_EXCL file per agent
+    (in the temp dir, named after the agent's pid) picks exactly one."""
+    path = os.path.join(tempfile.gettempdir(), f"recsys-host-lost-{os.getppid()}-{os.environ.get('GROUP_RANK', '0')}")
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        return True
+    except FileExistsError:
+        return False
+    except OSError:
+        return os.environ.get("LOCAL_RANK", "0") == "0"
 
 
 def _start_time(pid: int) -> str | None:
