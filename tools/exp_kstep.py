@@ -528,9 +528,11 @@ def plot_network(doc: dict[str, Any], path: Path) -> None:
     for i, (net, e) in enumerate(doc["summary"].items()):
         color = f"C{i}"
         ks = sorted(int(k) for k in e["k"])
+        steps = {x["steps"] for x in e["k"].values()}
+        tag = f" ({steps.pop()} steps)" if len(steps) == 1 and len({r["steps"] for r in doc["rows"]}) > 1 else ""
         if ks:
             ax1.plot(ks, [e["k"][str(k)]["epoch_s"] for k in ks], "o-", color=color, label=f"k-step, {net}")
-            ax2.plot(ks, [e["k"][str(k)]["auc"] for k in ks], "o-", color=color, label=f"k-step, {net}")
+            ax2.plot(ks, [e["k"][str(k)]["auc"] for k in ks], "o-", color=color, label=f"k-step, {net}{tag}")
         if "sync" in e:
             ax1.axhline(e["sync"]["epoch_s"], color=color, ls=":", label=f"sync DMP, {net}")
             ax2.axhline(e["sync"]["auc"], color=color, ls=":", label=f"sync DMP, {net}")
