@@ -31,7 +31,7 @@ def test_exp_kstep_quick(tmp_path):
     # every merge moves the same payload: k=1 sends exactly 16x the bytes of k=16
     assert head["bytes_ratio_k1_k16"]["no_moments"] == pytest.approx(16.0)
     assert isinstance(head["target_met"]["no_moments"], bool)
-    assert "run 2/2" in r.stderr and " step " in r.stderr  # progress lines
+    assert "run 3/3" in r.stderr and " step " in r.stderr  # progress lines (sync, k=1, k=16)
     rows = json.loads((out / "results.json").read_text())["rows"]
     assert [x["k"] for x in rows] == [0, 1, 16]
     sync, k1, k16 = rows
