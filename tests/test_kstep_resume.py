@@ -126,6 +126,21 @@ def _ranks_of(proc: subprocess.Popen) -> set[int]:
     return out
 
 
+def _freeze_and_wait(victim: subprocess.Popen, survivor: subprocess.Popen, timeout: float) -> float:
+    """SIGSTOPs the victim's whole launcher tree (sockets stay open: a frozen host) and returns the
+    seconds until the survivor's launcher exits."""
+    import signal
+
+    t0 = time.monotonic()
+    for pid in _descendants(victim.pid):
+        try:
+            os.kill(pid, signal.SIGSTOP)
+        except ProcessLookupError:
+            pass
+    survivor.wait(timeout=timeout)
+    return time.monotonic() - t0
+
+
 def _records(run_dir: Path) -> list[dict]:
     return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -218,9 +233,7 @@ def test_frozen_host_stops_the_job_after_the_pg_timeout(tmp_path):
     partition). The survivors' collectives fail after RECSYS_PG_TIMEOUT_S and the surviving
     torchrun exits. The c10d rendezvous store runs outside both hosts (here: in this process;
     `is_host=false` on the agents): when the frozen host holds the store, torchrun's agent blocks
-    in a store read that does not time out (docs/kstep.md), which no setting of ours can fix."""
-    import signal
-
+    in a store read that does not time out (docs/kstep.md); the next test covers that case."""
     port = _free_port()
     store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True, wait_for_workers=False)
     run_dir = tmp_path / "frozen"
@@ -232,14 +245,7 @@ def test_frozen_host_stops_the_job_after_the_pg_timeout(tmp_path):
         _wait_for(run_dir / "checkpoints" / "step_000000012" / "COMMITTED", procs[0], timeout=300)
         victim = next(p for p in procs if 0 in _ranks_of(p))  # global rank 0: the workers' store too
         survivor = next(p for p in procs if p is not victim)
-        t0 = time.monotonic()
-        for pid in _descendants(victim.pid):
-            try:
-                os.kill(pid, signal.SIGSTOP)
-            except ProcessLookupError:
-                pass
-        survivor.wait(timeout=120)
-        stopped_after = time.monotonic() - t0
+        stopped_after = _freeze_and_wait(victim, survivor, timeout=120)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -256,7 +262,6 @@ def test_frozen_host_holding_the_rendezvous_store_still_stops_the_job(tmp_path):
     default) and node 0 is frozen. The surviving agent blocks in a store read that never returns;
     the survivors' workers fail after the process-group timeout, print the one line and leave a
     watchdog that ends their agent RECSYS_LAUNCHER_GRACE_S later (recsys/training/comm_failure.py)."""
-    import signal
 
     run_dir = tmp_path / "frozen_store"
     procs = _start(
@@ -267,14 +272,7 @@ def test_frozen_host_holding_the_rendezvous_store_still_stops_the_job(tmp_path):
         _wait_for(run_dir / "checkpoints" / "step_000000012" / "COMMITTED", procs[0], timeout=300)
         victim, survivor = procs  # node 0: the store's agent
         victim_host = min(_ranks_of(victim)) // 2  # the host its global ranks make it
-        t0 = time.monotonic()
-        for pid in _descendants(victim.pid):
-            try:
-                os.kill(pid, signal.SIGSTOP)
-            except ProcessLookupError:
-                pass
-        survivor.wait(timeout=150)
-        stopped_after = time.monotonic() - t0
+        stopped_after = _freeze_and_wait(victim, survivor, timeout=150)
     finally:
         for p in procs:
             if p.poll() is None:
