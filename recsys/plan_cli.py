@@ -28,7 +28,6 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 from recsys.config import ConfigError, load_config
 
@@ -267,7 +266,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     if args.format == "html":
         from sharding import plan_html
 
-        _emit(plan_html.render_html(rep, tr, topo), args.out)
+        _emit(plan_html.render_html(rep, tr, topo, cost), args.out)  # times: the planner's model, as the text report
     elif args.format == "json":
         if topo is not None:
             rep["modeled_step"] = {**cost.as_dict(), "batch_size_per_rank": batch, "model": "sharding/cost_model.py"}

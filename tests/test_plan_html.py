@@ -52,6 +52,9 @@ def test_html_is_self_contained_and_complete(report16):
         assert re.search(rf'<svg[^>]*id="{chart}"', text), chart
     assert text.count('class="hm-cell"') == 16 * 16
     assert "critical rank: rank " in text
+    # times are the planner's model (tests/test_plan_html_cost.py checks them to the digit)
+    assert re.search(r"modeled step [0-9.]+ ms \(slowest rank \d+: ", text) and "Busiest directed link per collective phase" in text
+    assert "<th class=\"\">total ms</th>" in text and "<th class=\"\">compute ms</th>" not in text
     # every rank's GPU box, the wide-model tables too
     for r in range(16):
         assert f"rank {r} · gpu{r % 8}" in text
