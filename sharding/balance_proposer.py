@@ -14,10 +14,19 @@ those that even out the columns per rank first (26 tables on 8 ranks: 2 tables i
 each table with a shard on the slowest rank (by the cost model), that table's option replaced by
 one of the same kernel cut into more shards. It keeps a proposal the partitioner + cost model
 rate better and stops after ``patience`` proposals in a row that are not.
+
+Where the search space has data-parallel options (the user allowed ``data_parallel``), the first
+neighbours make the ``j`` smallest all-to-all tables data-parallel (``_data_parallel_cuts``): a
+tiny table's ring all-reduce of its gradient (rows x columns) is cheaper than its share of every
+all-to-all (its ids in, its pooled output out, batch x world x columns), and taking its columns
+out of the all-to-all lets the rest balance. One such table alone rarely pays (the first adds the
+all-reduce's latency and whole tables move the busiest link in table-sized steps), so these
+candidates do not count against ``patience``: every prefix ``j`` is tried.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import defaultdict
 from typing import Optional
 
@@ -66,8 +75,9 @@ class BalanceProposer(Proposer):
         self.by_table: dict[str, list[ShardingOption]] = {}
         self.current: list[ShardingOption] | None = None
         self.rating = float("inf")
-        self.queue: list[list[ShardingOption]] = []
+        self.queue: list[tuple[list[ShardingOption], bool]] = []
         self.last: list[ShardingOption] | None = None
+        self.last_free = False
         self.misses = 0
         self.tried: set[tuple] = set()
 
@@ -84,12 +94,12 @@ class BalanceProposer(Proposer):
             self.current, self.rating = list(self.tracker.options), self.tracker.rating
             self.queue = self._neighbours(self.current, self.tracker.bottleneck_tables)
         while self.queue and self.misses < self.patience:
-            cand = self.queue.pop(0)
+            cand, free = self.queue.pop(0)
             key = tuple(id(so) for so in cand)
             if key in self.tried:
                 continue
             self.tried.add(key)
-            self.last = cand
+            self.last, self.last_free = cand, free
             return cand
         return None
 
@@ -100,12 +110,14 @@ class BalanceProposer(Proposer):
         if partitionable and plan is not None and perf_rating is not None and perf_rating < self.rating * (1 - 1e-9):
             self.current, self.rating, self.misses = self.last, perf_rating, 0
             self.queue = self._neighbours(self.current, bottleneck_tables(self.tracker.cost_model, plan))
-        else:
+        elif not self.last_free:
             self.misses += 1
 
-    def _neighbours(self, plan: list[ShardingOption], tables: list[str]) -> list[list[ShardingOption]]:
+    def _neighbours(self, plan: list[ShardingOption], tables: list[str]) -> list[tuple[list[ShardingOption], bool]]:
         """Group cuts (``_group_cuts``), then the plan with one bottleneck table's option cut finer
-        (same kernel), coarsest cut first.
+        (same kernel), coarsest cut first; before them, where the search space has data-parallel
+        options, the data-parallel prefixes (``_data_parallel_cuts``, free of ``patience``).
+        Returns (plan, free) pairs.
 
         Each sharding type is its own group of collectives (the cost model charges their
         latency), so a table going column-wise takes the plan's other table-wise options with it
@@ -127,6 +139,29 @@ class BalanceProposer(Proposer):
                     same = [self._twin(so, alt.sharding_type) if so.sharding_type == "table_wise" else so for so in cand]
                     if any(a is not b for a, b in zip(same, cand)):
                         out.append(same)
+        return [(c, True) for c in self._data_parallel_cuts(plan)] + [(c, False) for c in out]
+
+    def _data_parallel_cuts(self, plan: list[ShardingOption]) -> list[list[ShardingOption]]:
+        """The plan with its ``j`` smallest all-to-all tables (by gradient bytes, rows x columns)
+        data-parallel, for ``j`` = 1, 2, ... (at most ``MAX_DATA_PARALLEL_CUTS`` values of ``j``,
+        spread geometrically beyond that), among the tables that have a data-parallel option and
+        whose ring all-reduce (2 (n-1)/n x rows x columns on every link of the ring) is smaller
+        than the pooled output the table sends in one all-to-all (batch x (world-1) x columns):
+        a larger one loads every link more than its all-to-all loads its owner's."""
+        world, batch = self.tracker.cost_model.world, self.tracker.cost_model.batch
+        cands = []
+        for i, so in enumerate(plan):
+            dp = self._option(so, "data_parallel", None) if so.sharding_type in _A2A else None
+            rows, cols = int(so.tensor.shape[0]), int(so.tensor.shape[1])
+            if dp is not None and 2 * (world - 1) / world * rows < batch * (world - 1):
+                cands.append((rows * cols, so.name, i, dp))
+        cands.sort(key=lambda c: c[:2])
+        out = []
+        for j in _spread(len(cands), MAX_DATA_PARALLEL_CUTS):
+            cand = list(plan)
+            for _, _, i, dp in cands[:j]:
+                cand[i] = dp
+            out.append(cand)
         return out
 
     def _group_cuts(self, plan: list[ShardingOption], tables: list[str]) -> list[list[ShardingOption]]:
@@ -169,8 +204,14 @@ class BalanceProposer(Proposer):
                 out.append(cand)
         return out
 
-    def _option(self, so: ShardingOption, sharding_type: str, shards: int) -> ShardingOption | None:
+    def _option(self, so: ShardingOption, sharding_type: str, shards: int | None) -> ShardingOption | None:
+        """``so``'s table's option of ``sharding_type`` cut into ``shards`` with ``so``'s kernel and
+        cache; ``shards=None``: data-parallel (any shard count, its own kernel, ``dense``)."""
         for alt in self.by_table.get(so.name, ()):
+            if shards is None:
+                if alt.sharding_type == sharding_type:
+                    return alt
+                continue
             if (alt.sharding_type == sharding_type and len(alt.shards) == shards and alt.compute_kernel == so.compute_kernel
                     and alt.cache_load_factor == so.cache_load_factor):
                 return alt
@@ -185,12 +226,24 @@ class BalanceProposer(Proposer):
         return so
 
 
+MAX_DATA_PARALLEL_CUTS = 24
+
+
+def _spread(n: int, most: int) -> list[int]:
+    """1..n when n <= most, else ``most`` values from 1 to n spaced geometrically."""
+    if n <= most:
+        return list(range(1, n + 1))
+    return sorted({int(round(v)) for v in np.geomspace(1, n, most)})
+
+
 def _makespan(widths: list[int], world: int) -> int:
     """The most columns any rank gets when shards of these widths go, widest first, each to the
     least loaded rank (LPT). Each rank sends its columns' pooled output to every peer and
-    receives its peers' share back, so the busiest directed link of an all-to-all follows it."""
-    load = [0] * world
+    receives its peers' share back, so the busiest directed link of an all-to-all follows it.
+    A heap of the loads: which of several equally loaded ranks takes a shard does not change the
+    loads' multiset, so the result is LPT's whatever the tie-break (500 tables x 128 ranks: 28 s
+    of a search with a linear scan per shard)."""
+    load = [0] * max(1, world)
     for w in sorted(widths, reverse=True):
-        i = min(range(world), key=load.__getitem__)
-        load[i] += w
+        heapq.heapreplace(load, load[0] + w)
     return max(load)

@@ -10,6 +10,12 @@ default`` is the lowest ratio any planner could reach on that row, by our model.
 
     .venv/bin/python tools/bench_planner.py --quick      # 3 topologies x 2 models
     .venv/bin/python tools/bench_planner.py              # everything
+    .venv/bin/python tools/bench_planner.py --data-parallel --topologies dgx-a100-2host
+
+``--data-parallel`` allows ``data_parallel`` next to the model-parallel types, for both planners
+(the trainer's ``sharding.sharding_types`` opt-in): the same constraints for both, so a row
+compares the two planners on one search space; run it with and without to compare each planner
+with itself.
 
 torchrec's default planner has no search time limit of its own; on the 500-table model it walks
 thousands of proposals (a full run did not finish in 20 minutes), so here its search (after the
@@ -46,6 +52,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection  # noqa: E
 
 from recsys.config import CARDINALITY_PRESETS  # noqa: E402
 from sharding.bounds import step_time_lower_bound  # noqa: E402
+from sharding.constants import MODEL_PARALLEL_TYPES  # noqa: E402
 from sharding.cost_model import TopologyCostModel  # noqa: E402
 from sharding.topology import load_topology, shipped_topologies  # noqa: E402
 from sharding.topology_planner import TopologyAwarePlanner, default_constraints  # noqa: E402
@@ -112,15 +119,18 @@ def _time_enumeration(planner) -> list[float]:
     return spent
 
 
-def run_one(topo_name: str, model_name: str, batch: int, default_timeout: int | None = 60) -> dict:
+def run_one(topo_name: str, model_name: str, batch: int, default_timeout: int | None = 60,
+            sharding_types: list[str] | None = None) -> dict:
     cluster = load_topology(topo_name)
     module = ebc(MODELS[model_name]())
     sharders = [EmbeddingBagCollectionSharder()]
     cm = TopologyCostModel(cluster, batch)
     row: dict = {"topology": topo_name, "model": model_name, "world": cluster.world_size}
+    if sharding_types:
+        row["sharding_types"] = list(sharding_types)
     results = {}
     for who in ("default", "ours"):
-        cons = default_constraints(module, cluster.compute_device)
+        cons = default_constraints(module, cluster.compute_device, sharding_types)
         planner = default_planner(cluster, batch, cons, default_timeout) if who == "default" else TopologyAwarePlanner(cluster, batch, cons)
         enum_s = _time_enumeration(planner)
         t0, c0 = time.perf_counter(), time.process_time()
@@ -196,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", nargs="*", default=None, choices=sorted(MODELS))
     ap.add_argument("--default-timeout", type=int, default=60,
                     help="search time limit (s) for torchrec's default planner (0: none, as torchrec's default)")
+    ap.add_argument("--data-parallel", action="store_true",
+                    help="allow data_parallel next to the model-parallel types, for both planners")
     ap.add_argument("--out", default="", help="also append each finished row to this file, one JSON object a line")
     ap.add_argument("--plot", default="", help="also draw ours/default and bound/default per row into this PNG")
     ap.add_argument("--replot", default="", help="only draw --plot from the rows of an earlier --out file")
@@ -215,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     for t in topos:
         for m in models:
             print(f"[bench] {t} x {m} ...", flush=True)
-            row = run_one(t, m, args.batch_size, args.default_timeout or None)
+            types = list(MODEL_PARALLEL_TYPES) + ["data_parallel"] if args.data_parallel else None
+            row = run_one(t, m, args.batch_size, args.default_timeout or None, types)
             rows.append(row)
             if args.out:
                 with open(args.out, "a") as f:
@@ -236,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
               + (" default search cut" if r.get("default_search_cut") else "") + (" ours search cut" if r.get("ours_search_cut") else ""))
     if args.plot:
         plot_rows(rows, args.plot)
-    print(json.dumps({"quick": args.quick, "batch_size_per_rank": args.batch_size, "default_timeout_s": args.default_timeout, "total_s": round(time.perf_counter() - t_all, 1), "rows": rows}))
+    print(json.dumps({"quick": args.quick, "data_parallel": args.data_parallel, "batch_size_per_rank": args.batch_size, "default_timeout_s": args.default_timeout, "total_s": round(time.perf_counter() - t_all, 1), "rows": rows}))
     return 0
 
 
