@@ -22,7 +22,10 @@ all-to-all (its ids in, its pooled output out, batch x world x columns), and tak
 out of the all-to-all lets the rest balance. One such table alone rarely pays (the first adds the
 all-reduce's latency and whole tables move the busiest link in table-sized steps), so the step
 is not monotone in ``j``: every prefix is tried (a round, free of ``patience``) and the plan moves
-to the round's best, for at most ``MAX_DATA_PARALLEL_ROUNDS`` neighbourhoods of a search.
+to the round's best, for at most ``MAX_DATA_PARALLEL_ROUNDS`` neighbourhoods of a search. When
+the start plan has data-parallel tables (torchrec's greedy proposers pick them by their own
+estimate), a second walk starts from it with those tables whole: the model-parallel optimum
+(tables cut into column shards) is not one move away from a plan with data-parallel tables.
 """
 
 from __future__ import annotations
@@ -81,6 +84,7 @@ class BalanceProposer(Proposer):
         self.last_was_dp = False
         self.dp_best: tuple[list[ShardingOption], float, list[str]] | None = None
         self.dp_rounds = 0
+        self.restarts: list[list[ShardingOption]] = []
         self.misses = 0
         self.tried: set[tuple] = set()
 
@@ -89,7 +93,7 @@ class BalanceProposer(Proposer):
         for so in search_space:
             self.by_table[so.name].append(so)
         self.current, self.queue, self.last, self.misses, self.tried = None, [], None, 0, set()
-        self.last_was_dp, self.dp_best, self.dp_rounds = False, None, 0
+        self.last_was_dp, self.dp_best, self.dp_rounds, self.restarts = False, None, 0, []
 
     def propose(self) -> Optional[list[ShardingOption]]:
         if self.current is None:
@@ -97,6 +101,9 @@ class BalanceProposer(Proposer):
                 return None
             self.current, self.rating = list(self.tracker.options), self.tracker.rating
             self.queue = self._neighbours(self.current, self.tracker.bottleneck_tables)
+            whole = [self._whole(so) or so if so.sharding_type == "data_parallel" else so for so in self.current]
+            if any(a is not b for a, b in zip(whole, self.current)):
+                self.restarts = [whole]
         while True:
             if self.queue and self.queue[0][1]:  # a data-parallel round: every candidate, no patience
                 cand, _ = self.queue.pop(0)
@@ -110,7 +117,16 @@ class BalanceProposer(Proposer):
                         self.queue = self._neighbours(self.current, best[2])
                         continue
                 if not self.queue or self.misses >= self.patience:
-                    return None
+                    if not self.restarts:
+                        return None
+                    # a second walk, from the start plan without data-parallel tables: the
+                    # model-parallel optimum needs column cuts no single move reaches from there
+                    cand = self.restarts.pop(0)
+                    self.current, self.rating, self.misses, self.queue = cand, float("inf"), 0, []
+                    self.dp_rounds = MAX_DATA_PARALLEL_ROUNDS
+                    self.tried.add(tuple(id(so) for so in cand))
+                    self.last, self.last_was_dp = cand, False
+                    return cand
                 cand, _ = self.queue.pop(0)
             key = tuple(id(so) for so in cand)
             if key in self.tried:
@@ -167,27 +183,46 @@ class BalanceProposer(Proposer):
         return [(c, True) for c in dp] + [(c, False) for c in out]
 
     def _data_parallel_cuts(self, plan: list[ShardingOption]) -> list[list[ShardingOption]]:
-        """The plan with its ``j`` smallest all-to-all tables (by gradient bytes, rows x columns)
-        data-parallel, for ``j`` = 1, 2, ... (at most ``MAX_DATA_PARALLEL_CUTS`` values of ``j``,
-        spread geometrically beyond that), among the tables that have a data-parallel option and
-        whose ring all-reduce (2 (n-1)/n x rows x columns on every link of the ring) is smaller
-        than the pooled output the table sends in one all-to-all (batch x (world-1) x columns):
-        a larger one loads every link more than its all-to-all loads its owner's."""
+        """The plan with its ``j`` smallest candidate tables (by gradient bytes, rows x columns)
+        data-parallel and its other candidates in the all-to-all, for ``j`` = 0, 1, 2, ... (at most
+        ``MAX_DATA_PARALLEL_CUTS`` values of ``j``, spread geometrically beyond that). Candidates:
+        the tables data-parallel now (so a round can also take them back: torchrec's greedy
+        proposers make small tables data-parallel by their own estimate, and the best plan of the
+        search may start with too many), and the all-to-all tables with a data-parallel option whose
+        ring all-reduce (2 (n-1)/n x rows x columns on every link of the ring) is smaller than the
+        pooled output the table sends in one all-to-all (batch x (world-1) x columns): a larger one
+        loads every link more than its all-to-all loads its owner's. A table taken back gets its
+        table-wise option (fused kernel)."""
         world, batch = self.tracker.cost_model.world, self.tracker.cost_model.batch
         cands = []
         for i, so in enumerate(plan):
-            dp = self._option(so, "data_parallel", None) if so.sharding_type in _A2A else None
             rows, cols = int(so.tensor.shape[0]), int(so.tensor.shape[1])
-            if dp is not None and 2 * (world - 1) / world * rows < batch * (world - 1):
-                cands.append((rows * cols, so.name, i, dp))
+            if so.sharding_type == "data_parallel":
+                back = self._whole(so)
+                if back is not None:
+                    cands.append((rows * cols, so.name, i, so, back))
+            elif so.sharding_type in _A2A and 2 * (world - 1) / world * rows < batch * (world - 1):
+                dp = self._option(so, "data_parallel", None)
+                if dp is not None:
+                    cands.append((rows * cols, so.name, i, dp, so))
+        if not cands:
+            return []
         cands.sort(key=lambda c: c[:2])
         out = []
-        for j in _spread(len(cands), MAX_DATA_PARALLEL_CUTS):
+        for j in [0] + _spread(len(cands), MAX_DATA_PARALLEL_CUTS - 1):
             cand = list(plan)
-            for _, _, i, dp in cands[:j]:
-                cand[i] = dp
-            out.append(cand)
+            for k, (_, _, i, dp, a2a) in enumerate(cands):
+                cand[i] = dp if k < j else a2a
+            if any(a is not b for a, b in zip(cand, plan)):
+                out.append(cand)
         return out
+
+    def _whole(self, so: ShardingOption) -> ShardingOption | None:
+        """The table-wise option of ``so``'s table on the fused kernel (None if it has none)."""
+        for alt in self.by_table.get(so.name, ()):
+            if alt.sharding_type == "table_wise" and alt.compute_kernel == "fused":
+                return alt
+        return None
 
     def _group_cuts(self, plan: list[ShardingOption], tables: list[str]) -> list[list[ShardingOption]]:
         """Plans with every table-/column-wise table whole but ``j`` of them (the bottleneck's
