@@ -35,9 +35,13 @@ def plan_pooling(header: Mapping[str, Any]) -> dict[str, float]:
 
 
 def modeled_step(plan: ShardingPlan, tables: Mapping[str, dict], topo: ClusterTopology, batch_size_per_rank: int,
-                 pooling: Mapping[str, float] | None = None) -> PlanCost:
-    """The planner's cost model scored on a finished ``ShardingPlan``."""
-    return TopologyCostModel(topo, batch_size_per_rank).score_sharding_plan(plan, dict(tables), dict(pooling or {}))
+                 pooling: Mapping[str, float] | None = None, model: TopologyCostModel | None = None) -> PlanCost:
+    """The planner's cost model scored on a finished ``ShardingPlan``. ``model``: a cost model of
+    this topology and batch already built (the planner's own: building one for 128 ranks takes
+    about 1.5 s, the link matrices); otherwise one is built."""
+    if model is None or model.topo is not topo or model.batch != batch_size_per_rank:
+        model = TopologyCostModel(topo, batch_size_per_rank)
+    return model.score_sharding_plan(plan, dict(tables), dict(pooling or {}))
 
 
 def step_line(cost: PlanCost) -> str:

@@ -286,7 +286,7 @@ class TopologyAwarePlanner(EmbeddingShardingPlanner):
                              if c.name in self.constraints and self.constraints[c.name].pooling_factors
                              else POOLING_FACTOR for c in table_configs(module)}
         tables = {c.name: {"num_embeddings": c.num_embeddings, "embedding_dim": c.embedding_dim} for c in table_configs(module)}
-        self.last_cost = modeled_step(plan, tables, self.cluster, self.cost_model.batch, self.last_pooling)
+        self.last_cost = modeled_step(plan, tables, self.cluster, self.cost_model.batch, self.last_pooling, self.cost_model)
         logger.info("topology-aware plan: %s on %s", step_line(self.last_cost), self.cluster.name or "the topology")
         return plan
 
