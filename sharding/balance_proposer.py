@@ -101,7 +101,8 @@ class BalanceProposer(Proposer):
                 return None
             self.current, self.rating = list(self.tracker.options), self.tracker.rating
             self.queue = self._neighbours(self.current, self.tracker.bottleneck_tables)
-            whole = [self._whole(so) or so if so.sharding_type == "data_parallel" else so for so in self.current]
+            whole = [self._first(so.name, "table_wise", "fused") or so if so.sharding_type == "data_parallel" else so
+                     for so in self.current]
             if any(a is not b for a, b in zip(whole, self.current)):
                 self.restarts = [whole]
         while True:
@@ -198,11 +199,11 @@ class BalanceProposer(Proposer):
         for i, so in enumerate(plan):
             rows, cols = int(so.tensor.shape[0]), int(so.tensor.shape[1])
             if so.sharding_type == "data_parallel":
-                back = self._whole(so)
+                back = self._first(so.name, "table_wise", "fused")
                 if back is not None:
                     cands.append((rows * cols, so.name, i, so, back))
             elif so.sharding_type in _A2A and 2 * (world - 1) / world * rows < batch * (world - 1):
-                dp = self._option(so, "data_parallel", None)
+                dp = self._first(so.name, "data_parallel")
                 if dp is not None:
                     cands.append((rows * cols, so.name, i, dp, so))
         if not cands:
@@ -217,10 +218,12 @@ class BalanceProposer(Proposer):
                 out.append(cand)
         return out
 
-    def _whole(self, so: ShardingOption) -> ShardingOption | None:
-        """The table-wise option of ``so``'s table on the fused kernel (None if it has none)."""
-        for alt in self.by_table.get(so.name, ()):
-            if alt.sharding_type == "table_wise" and alt.compute_kernel == "fused":
+    def _first(self, name: str, sharding_type: str, kernel: str | None = None) -> ShardingOption | None:
+        """The table's first option of ``sharding_type`` (and ``kernel``, if given) in the search
+        space: a data-parallel option (its kernel is ``dense``), or a table's whole (table-wise,
+        fused) option to take it back from data-parallel."""
+        for alt in self.by_table.get(name, ()):
+            if alt.sharding_type == sharding_type and (kernel is None or alt.compute_kernel == kernel):
                 return alt
         return None
 
@@ -264,14 +267,8 @@ class BalanceProposer(Proposer):
                 out.append(cand)
         return out
 
-    def _option(self, so: ShardingOption, sharding_type: str, shards: int | None) -> ShardingOption | None:
-        """``so``'s table's option of ``sharding_type`` cut into ``shards`` with ``so``'s kernel and
-        cache; ``shards=None``: data-parallel (any shard count, its own kernel, ``dense``)."""
+    def _option(self, so: ShardingOption, sharding_type: str, shards: int) -> ShardingOption | None:
         for alt in self.by_table.get(so.name, ()):
-            if shards is None:
-                if alt.sharding_type == sharding_type:
-                    return alt
-                continue
             if (alt.sharding_type == sharding_type and len(alt.shards) == shards and alt.compute_kernel == so.compute_kernel
                     and alt.cache_load_factor == so.cache_load_factor):
                 return alt

@@ -768,10 +768,7 @@ class CostState:
             comm = np.full(len(cand), self.comm_time() + self.new_type_latency(proto.sharding_type))
             b = m.batch * proto.cols * BYTES
             t = proto.sharding_type
-            if len(cand) == m.world and bool((cand == np.arange(m.world)).all()):
-                rows = {"in": L.in_inv, "out": L.out_inv}  # every rank a candidate: no copies
-            else:
-                rows = {"in": L.in_inv[cand], "out": L.out_inv[cand]}
+            rows = {"in": L.in_inv[cand], "out": L.out_inv[cand]}
             for phase, coef, which in ((f"{t}:ids", m.ids_bytes(proto.pooling), "in"), (f"{t}:fwd", b, "out"),
                                        (f"{t}:bwd", b, "in")):
                 cur = self.load(phase)

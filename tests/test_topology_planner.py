@@ -351,17 +351,11 @@ def test_planner_for_kstep_hosts_plans_one_host_and_remaps():
 
 
 def _torchrec_default_step(topo, specs, batch: int, constraints) -> float:
-    """torchrec's EmbeddingShardingPlanner as the trainer's `torchrec` choice builds it (per-rank
-    host memory, its own bandwidths), its plan scored by our cost model."""
-    from torchrec.distributed.planner import EmbeddingShardingPlanner
-    from torchrec.distributed.planner.types import HardwareConfig, KernelConfig, TopologyFactory, TrainerConfig
+    """torchrec's planner as the benchmark builds it (tools/bench_planner.py: the trainer's
+    `torchrec` choice, per-rank host memory, its own bandwidths), its plan scored by our model."""
+    from tools.bench_planner import default_planner
 
-    tr = TopologyFactory.create_topology(
-        trainer_config=TrainerConfig(world_size=topo.world_size, local_world_size=topo.local_world_size),
-        hardware_config=HardwareConfig(hbm_cap_bytes=min(g.hbm_bytes for h in topo.hosts for g in h.gpus),
-                                       ddr_cap_bytes=min(h.ddr_bytes for h in topo.hosts) // topo.local_world_size),
-        kernel_config=KernelConfig(compute_device=topo.compute_device))
-    p = EmbeddingShardingPlanner(topology=tr, batch_size=batch, constraints=constraints)
+    p = default_planner(topo, batch, constraints)
     p.plan(ebc(specs), [EmbeddingBagCollectionSharder()])
     return TopologyCostModel(topo, batch).score(p._best_plan).step_time
 
