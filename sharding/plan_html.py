@@ -28,6 +28,7 @@ import numpy as np
 
 from sharding.cost_model import PlanCost
 from sharding.plan_cost import step_line
+from sharding.plan_report import has_ssd
 from sharding.plan_traffic import LINK_KINDS, LINK_LABELS, Traffic
 
 WIDTH = 1200  # drawing width inside a 1280 px window
@@ -270,12 +271,6 @@ def _ranks(rs: list[int]) -> str:
     return ",".join(map(str, rs)) if len(rs) <= 6 else f"{rs[0]}..{rs[-1]} ({len(rs)})"
 
 
-def _has_ssd(report: dict[str, Any]) -> bool:
-    """Some table keeps rows on SSD (key_value): only then do the tables show an SSD column, as
-    plan_report.format_text does, so plans without an SSD tier read as before."""
-    return any(t.get("ssd_bytes", 0) > 0 for t in report["tables"])
-
-
 def ssd_note(report: dict[str, Any]) -> str:
     """One line for the memory section: the rank with the most SSD bytes. Kept out of the
     HBM / host chart on purpose: TBs of SSD would flatten the GB-sized bars."""
@@ -330,7 +325,7 @@ def render_html(report: dict[str, Any], traffic: Traffic, topology=None, cost: P
     every time shown is the planner's, so the page agrees with the text report to the digit."""
     W = report["world_size"]
     meta = report.get("meta") or {}
-    ssd = _has_ssd(report)
+    ssd = has_ssd(report)
     ssd_time = ssd or (cost is not None and bool(cost.ssd_io.any()))  # an "ssd io ms" column
     tables_by_rank: dict[int, list[str]] = {}
     for t in report["tables"]:

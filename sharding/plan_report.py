@@ -132,6 +132,12 @@ def _mb(n: int) -> str:
     return f"{n / 2**20:,.1f} MB"
 
 
+def has_ssd(rep: dict) -> bool:
+    """Some table keeps rows on SSD (key_value): only then do reports show an SSD column, so plans
+    without an SSD tier read as before."""
+    return any(t.get("ssd_bytes") for t in rep["tables"])
+
+
 def format_text(rep: dict[str, Any]) -> str:
     lines = [f"plan for {rep['world_size']} ranks ({rep['compute_device']})"]
     if rep.get("optimizer_assumed"):
@@ -139,7 +145,7 @@ def format_text(rep: dict[str, Any]) -> str:
     lines.append("")
     tw = max([12] + [len(t["table"]) + 1 for t in rep["tables"]])
     mw = max([18] + [len(t["module"]) + 1 for t in rep["tables"]])
-    ssd = any(t.get("ssd_bytes") for t in rep["tables"])  # an SSD column only for plans with key_value tables
+    ssd = has_ssd(rep)
     lines.append(f"{'table':<{tw}} {'module':<{mw}} {'sharding':<18} {'kernel':<18} {'optimizer':<16} {'ranks':<14} {'cache lf':>8} "
                  f"{'HBM':>12} {'host':>12}" + (f" {'SSD':>15}" if ssd else ""))
     for t in rep["tables"]:
