@@ -241,6 +241,42 @@ def test_fused_catch_up_advances_each_row_once_and_leaves_current_rows_alone():
         fused_catch_up_tables(*bufs, meta, torch.tensor([11]), torch.tensor([0, 1]), step + 1, **kw)
 
 
+@pytest.mark.parametrize("lr,l2,eps_mode", [(1e-2, 0.0, "torch"), (1e-3, 1.28e-3, "keras"), (1e-4, 1e-5, "keras"),
+                                            (1e-3, 1e-4, "torch")])
+def test_fused_catch_up_equals_the_torch_catch_up_per_call_for_each_hyper(lr, l2, eps_mode):
+    """The op's schedules (per-piece constants kept across calls, bias corrections from b^t_start)
+    against ``catch_up`` on gaps 1 .. 3000, rows holding data momenta and rows at the L2
+    equilibrium, 16 columns, both eps modes; then the same rows again from a later start step
+    in a second call (the constants are reused, the bias corrections are not)."""
+    from recsys.optim.cowclip_kernel import fused_available, fused_catch_up_tables
+
+    if not fused_available():
+        pytest.skip("the C++ op is not built here")
+    dim = 16
+    g = torch.Generator().manual_seed(11)
+    parts = []
+    for data, seed in ((100.0, 1), (0.0, 2)):
+        w, m, v = _start_state(lr, l2, 100, data, len(GAPS), seed)
+        parts.append([torch.cat([x, torch.randn(len(GAPS), dim - D, generator=g, dtype=torch.float64) * x.std()], 1)
+                      for x in (w, m, v)])
+    w, m, v = (torch.cat([parts[0][i], parts[1][i]]).float() for i in range(3))
+    v = v.abs()
+    n = w.shape[0]
+    kw = dict(lr=lr, betas=(B1, B2), eps=1e-7 if eps_mode == "keras" else 1e-8, eps_mode=eps_mode, l2=l2)
+    meta = torch.tensor([[0, n, dim, 0, 0, 1]])
+    for step in (3100, 3357):
+        rs = torch.tensor([step - gap for gap in GAPS] * 2)
+        want = catch_up(w, m, v, rs, step, **kw)
+        bufs = [x.clone().reshape(-1) for x in (w, m, v)] + [rs.clone()]
+        assert fused_catch_up_tables(*bufs, meta, torch.arange(n), torch.tensor([0, n]), step, **kw).tolist() == [n]
+        # float32 rounding of results that may be near-cancellations of terms of the start's size (a
+        # row L2 pulls from 1e-2 to 6e-5): 1e-5 of the result plus 1e-6 (about 8 ulp) of the row's start
+        for name, a, b, start in zip("wmv", bufs[:3], want, (w, m, v)):
+            allowed = 1e-5 * b.abs() + 1e-6 * start.abs().amax(1, keepdim=True) + 1e-30  # rows of 0 stay 0
+            worst = float(((a.view(n, dim) - b).abs() / allowed).max())
+            assert worst <= 1.0, f"step {step} {name}: error {worst:.2f}x the allowed"
+
+
 def _merge_worker(rank: int, port: int, out: str) -> None:
     """Two 'hosts' (one rank each) train the same catch-up TBE on different batches for 7 steps,
     then KStepMerger merges at step 7. Expected, computed here independently: the average over
