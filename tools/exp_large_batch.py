@@ -28,6 +28,7 @@ into `docs/large_batch.md` between `<!-- <marker>:start -->` / `<!-- <marker>:en
 one JSON object with the headline figures.
 
     .venv/bin/python tools/exp_large_batch.py --reuse      # the paper grid: many hours, one run at a time
+    .venv/bin/python tools/exp_large_batch.py --report     # docs from the runs finished so far (no training)
     .venv/bin/python tools/exp_large_batch.py --seeds 1 --batches 1024 65536 131072 --arms cowclip sqrt --reuse
     .venv/bin/python tools/exp_large_batch.py --quick --no-docs   # tiny, for a smoke test
     .venv/bin/python tools/exp_large_batch.py --config configs/experiments/large_batch.yaml \\
@@ -251,6 +252,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reuse", action="store_true",
                     help="keep runs that already finished in --out, resume interrupted ones from their last epoch")
     ap.add_argument("--quick", action="store_true", help="tiny data and batches: a smoke test of the tool")
+    ap.add_argument("--report", action="store_true",
+                    help="train nothing: write the table, JSON and plot of the runs finished so far (a grid that "
+                         "is still running elsewhere, or was stopped), saying how many of the planned runs they are")
     a = ap.parse_args(argv)
     extra = list(a.set)
     batches = sorted(a.batches)
@@ -285,9 +289,12 @@ def main(argv: list[str] | None = None) -> None:
         done = time.perf_counter() - t_start
         eta = f", ETA {done / ran * (len(plan) - i) / 60:.0f} min" if ran else ""
         print(f"[{i + 1}/{len(plan)}] batch {b} arm {arm} seed {seed} ({LABELS[arm]}){eta}", flush=True)
-        if a.reuse and (run_dir / "summary.json").is_file():
+        if (a.reuse or a.report) and (run_dir / "summary.json").is_file():
             s = _load(run_dir)
             print("    (reused)", flush=True)
+        elif a.report:
+            print("    not finished: left out of the report", flush=True)
+            continue
         else:
             partial = a.reuse and any((run_dir / "checkpoints").glob("step_*/COMMITTED"))
             if run_dir.exists() and not partial:
@@ -302,13 +309,18 @@ def main(argv: list[str] | None = None) -> None:
               f"{s['samples_per_s_this_run']:,.0f} samples/s, {s['wall_s']:.0f} s", flush=True)
         partner = next((p for p, q in SAME_AT_BASE.items() if q == arm), None)
         if b == a.base_batch and partner in a.arms:
-            results.append(dict(s, arm=partner))
+            results.append(dict(s, arm=partner, shared_with=arm))
     _annotate(results, a.base_batch)
     (a.out / "results.json").write_text(json.dumps(results, indent=1))
 
+    finished = sum(1 for r in results if not r.get("shared_with"))
     table = _table(results)
+    if finished < len(plan):
+        table = (f"**Partial: {finished} of the {len(plan)} planned runs have finished** (the grid continues with "
+                 f"`tools/exp_large_batch.py --reuse`; this table was written by `--report`).\n\n" + table)
     print(table)
     headline = _headline(results, a.base_batch, batches)
+    headline.update(runs_finished=finished, runs_planned=len(plan))
     if not a.no_docs:
         (a.docs / "results").mkdir(parents=True, exist_ok=True)
         keep = ("batch", "arm", "seed", "auc", "best_auc", "auc_vs_base", "best_auc_vs_base", "logloss", "oracle_auc",

@@ -1,0 +1,66 @@
+"""`tools/exp_large_batch.py --report`: the docs of a grid that is still running (or was stopped),
+from the runs finished so far, without training anything."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tools import exp_large_batch as exp
+
+
+def _fake_run(out: Path, name: str, auc: float, evals: list[tuple[int, float, float]], clipped: float) -> None:
+    """A finished run's files as the trainer writes them: summary.json and metrics.jsonl (train
+    records with elapsed_s and the clipped share; an eval record per epoch)."""
+    d = out / name
+    d.mkdir(parents=True)
+    (d / "summary.json").write_text(json.dumps({
+        "steps": evals[-1][0], "auc": auc, "logloss": 0.45, "oracle_auc": 0.80, "samples_per_s_this_run": 1000.0,
+        "train_wall_s_this_run": 12.0}))
+    lines = []
+    for i, (step, epoch, eval_auc) in enumerate(evals):
+        lines.append({"kind": "train", "step": step, "epoch": epoch, "elapsed_s": 10.0 * (i + 1),
+                      "clipped_row_fraction": clipped})
+        lines.append({"kind": "eval", "step": step, "epoch": epoch, "auc": eval_auc, "logloss": 0.45})
+    (d / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    (d / "exp_wall_s.txt").write_text("30.5\n")
+
+
+def test_report_writes_the_finished_runs_and_says_how_many_are_missing(tmp_path, capsys):
+    out, docs = tmp_path / "runs", tmp_path / "docs"
+    # --quick plans batches 256 and 2048; with arms cowclip, sqrt, linear that is 5 runs (linear
+    # shares sqrt's run at the base batch). Three have finished:
+    _fake_run(out, "b256_cowclip", 0.7900, [(10, 1.0, 0.7850), (20, 2.0, 0.7900)], 0.01)
+    _fake_run(out, "b256_sqrt", 0.7800, [(10, 1.0, 0.7700), (20, 2.0, 0.7800)], 0.0)
+    _fake_run(out, "b2048_cowclip", 0.7880, [(1, 1.0, 0.7910), (2, 2.0, 0.7880)], 0.02)
+    exp.main(["--quick", "--report", "--out", str(out), "--docs", str(docs), "--arms", "cowclip", "sqrt", "linear"])
+    assert not (out / "b2048_sqrt").exists() and not (out / "b2048_linear").exists()  # nothing was trained
+
+    head = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (head["runs_finished"], head["runs_planned"]) == (3, 5)
+    res = json.loads((docs / "results" / "large_batch.json").read_text())
+    assert (res["runs_finished"], res["runs_planned"]) == (3, 5)
+    runs = {(r["batch"], r["arm"]): r for r in res["runs"]}
+    assert set(runs) == {(256, "cowclip"), (256, "sqrt"), (256, "linear"), (2048, "cowclip")}
+    big = runs[(2048, "cowclip")]
+    assert abs(big["auc_vs_base"] - (0.7880 - 0.7900)) < 1e-12
+    assert abs(big["best_auc_vs_base"] - (0.7910 - 0.7900)) < 1e-12  # the epoch-1 eval beat the base's final AUC
+    assert big["train_s_to_base_auc"] == 10.0  # elapsed at that eval
+    assert big["clipped_share_per_epoch"] == [0.02, 0.02]
+    assert runs[(256, "linear")]["auc"] == runs[(256, "sqrt")]["auc"]
+    assert res["targets"] == {}  # targets are for batches of 64K and more: none claimed from these
+
+    md = (docs / "large_batch.md").read_text()
+    assert "**Partial: 3 of the 5 planned runs have finished**" in md
+    assert md.count("| 2048 | cowclip") == 1 and "| 2048 | sqrt" not in md
+    assert (docs / "large_batch_paper.png").stat().st_size > 10_000
+
+
+def test_report_of_a_complete_grid_has_no_partial_note(tmp_path, capsys):
+    out, docs = tmp_path / "runs", tmp_path / "docs"
+    _fake_run(out, "b256_cowclip", 0.79, [(10, 1.0, 0.79)], 0.0)
+    _fake_run(out, "b2048_cowclip", 0.78, [(1, 1.0, 0.78)], 0.0)
+    exp.main(["--quick", "--report", "--out", str(out), "--docs", str(docs), "--arms", "cowclip"])
+    head = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (head["runs_finished"], head["runs_planned"]) == (2, 2)
+    assert "Partial" not in (docs / "large_batch.md").read_text()
