@@ -52,7 +52,7 @@ from torch import Tensor
 from recsys.optim.cowclip import CowClipAdamState, _adam_rows, _clip_scale, batch_row_gradients
 from recsys.optim.cowclip_catchup import catch_up, check_catchup_hyper
 from recsys.optim.cowclip_kernel import advise_huge_pages, fused_available, fused_catch_up_tables
-from recsys.optim.cowclip_triton import cowclip_table_update_for, cowclip_update_for
+from recsys.optim.cowclip_triton import cowclip_table_update_for, cowclip_update_for, triton_available
 
 HUGE_PAGE_MIN_BYTES = 64 << 20  # tables smaller than this stay on whatever pages they got
 # where weights + optimizer state live; the values the sharder maps the plan's kernels to
@@ -206,8 +206,10 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
         on first use (the C++ op on CPU, the Triton kernel on CUDA: ``cowclip_update_for``),
         ``None`` forces the per-table path. ``catchup_growth``: block growth of the catch-up
         (``update_scope="catchup"``; 2: O(log gap) blocks, 1: the exact step-by-step iteration).
-        ``catchup_op``: how a lookup catches its rows up: ``fused`` (the C++ op, CPU), ``torch``
-        (recsys/optim/cowclip_catchup.py, any device), ``auto`` (fused where it can run)."""
+        ``catchup_op``: how a lookup catches its rows up: ``fused`` (the C++ op, CPU), ``triton``
+        (recsys/optim/cowclip_catchup_triton.py: CUDA, or CPU under ``TRITON_INTERPRET=1``), ``torch``
+        (recsys/optim/cowclip_catchup.py, any device), ``auto`` (fused on CPU, triton on CUDA, where
+        they can run; else torch)."""
         device = torch.device(device or "cpu")
         if location not in STATE_LOCATIONS:
             raise ValueError(f"CowClip-Adam kernel: location must be {'|'.join(STATE_LOCATIONS)}, got {location!r}")
@@ -272,8 +274,8 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
         # max(row_step) (a checkpoint taken after catch_up_all has every row at it)
         self._dense_step: int | None = None
         self.catchup_growth = float(catchup_growth)
-        if catchup_op not in ("auto", "fused", "torch"):
-            raise ValueError(f"catchup_op must be auto|fused|torch, got {catchup_op!r}")
+        if catchup_op not in ("auto", "fused", "triton", "torch"):
+            raise ValueError(f"catchup_op must be auto|fused|triton|torch, got {catchup_op!r}")
         self.catchup_op = catchup_op
         if hyper.update_scope == "catchup":
             # deferred mode (column-wise, data-parallel) too: an absent row's catch-up is per
@@ -479,7 +481,9 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
             return
         step = self.dense_step()
         if self.catchup_op == "auto":  # resolved on first use: loading the op may build it
-            self.catchup_op = "fused" if self.weights.device.type == "cpu" and fused_available() else "torch"
+            dev = self.weights.device
+            self.catchup_op = ("fused" if dev.type == "cpu" and fused_available() else
+                               "triton" if dev.type == "cuda" and triton_available(dev) else "torch")
         if self.catchup_op == "fused":  # find, read and advance each row once, in C++
             hp = self.hyper
             fused_catch_up_tables(self.weights, self.momentum1, self.momentum2, self.row_step, self._fused_feature_meta()[0],
@@ -512,7 +516,8 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
         return done
 
     def _catch_up_rows(self, grows: Tensor, step: int) -> None:
-        """Advance unique global rows ``grows`` (all behind ``step``) to ``step``, grouped by dim."""
+        """Advance unique global rows ``grows`` (all behind ``step``) to ``step``: one launch of the
+        Triton kernel (``catchup_op="triton"``), else the torch version grouped by dim."""
         hp = self.hyper
         dev = grows.device
         starts = torch.tensor(self.row_starts, dtype=torch.long, device=dev)
@@ -520,6 +525,14 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
         dims = torch.tensor([d for _, d in self.embedding_specs], dtype=torch.long, device=dev)
         phys = torch.tensor(self.weights_physical_offsets[: len(self.embedding_specs)], dtype=torch.long, device=dev)
         row_dim = dims[table]
+        if self.catchup_op == "triton":
+            from recsys.optim.cowclip_catchup_triton import triton_catch_up_rows
+
+            triton_catch_up_rows(self.weights, self.momentum1, self.momentum2, self.row_step,
+                                 phys[table] + (grows - starts[table]) * row_dim, grows, row_dim, step, lr=self.lr,
+                                 betas=(hp.beta1, hp.beta2), eps=hp.eps, eps_mode=hp.eps_mode, l2=hp.l2,
+                                 growth=self.catchup_growth, max_dim=max(d for _, d in self.embedding_specs))
+            return
         dim_set = sorted({d for _, d in self.embedding_specs})
         for dim in dim_set:
             if len(dim_set) == 1:

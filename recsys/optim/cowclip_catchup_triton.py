@@ -1,0 +1,239 @@
+"""The catch-up of rows behind the global step as a Triton kernel: the CUDA twin of the C++ op
+``torch.ops.recsys.cowclip_catch_up_tables_`` (``update_scope="catchup"``, issue 14).
+
+``recsys/optim/cowclip_catchup.py`` has the math (the block scheme and its measured error bound)
+and the torch version, which CUDA runs used before this kernel: at raw Criteo sizes on an H200 it
+cost 22x the lazy Triton update per step (docs/benchmarks.md), a few hundred small torch ops per
+lookup. Here one program advances one row: it reads the row's w, m, v and ``row_step`` once, walks
+the row's schedule (blocks of 1, 2, 4, ... steps, ``growth``), computing each piece's scalar
+factors in float64 in registers (the C++ op caches them per gap; a GPU has float64 to spare and no
+cheap shared cache across programs), applies the piece to the row's columns in float32 (the same
+formulas as the C++ op's ``advance_piece``), and writes w, m, v and ``row_step = step`` back.
+
+The caller finds the rows behind (unique, as ``CowClipAdamTBE._catch_up_rows`` gets them) and
+passes each row's element offset in the flat buffers, its index in ``row_step`` and its dim (rows
+of several dims share a launch, masked to ``BLOCK_D``). Triton is imported on first use, as in
+``recsys.optim.cowclip_triton``; under ``TRITON_INTERPRET=1`` the kernel runs on CPU tensors, which
+is how CI checks it against the torch version.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from recsys.optim import cowclip_triton as _ct
+
+__all__ = ["triton_catch_up_rows"]
+
+tl = None  # triton.language, bound on first use (the kernel's global)
+_KERNEL: list[Callable] = []
+
+
+def _catch_up_rows_kernel(
+    W, M, V, RS,  # flat float32 weights / momentum1 / momentum2, int64 row_step
+    WOFF, RSI, DIMS,  # [R] int64 element offset of each row, [R] int64 index in RS, [R] int32 dim
+    HP,  # float64 [8]: lr, b1, b2, eps, c = 2*l2, growth, ln b1, ln b2 (a Python float argument would be float32)
+    step,
+    b1f, b2f, c_m, c_v, c2, epsf,  # float32 factors of the exact step (as the C++ op's CatchHyper)
+    KERAS: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One program per row behind: advance it from its ``row_step`` to ``step`` in place."""
+    lr = tl.load(HP + 0)
+    b1 = tl.load(HP + 1)
+    b2 = tl.load(HP + 2)
+    eps = tl.load(HP + 3)
+    c = tl.load(HP + 4)
+    growth = tl.load(HP + 5)
+    ln_b1 = tl.load(HP + 6)
+    ln_b2 = tl.load(HP + 7)
+    r = tl.program_id(0).to(tl.int64)
+    woff = tl.load(WOFF + r)
+    rsi = tl.load(RSI + r)
+    D = tl.load(DIMS + r)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    w = tl.load(W + woff + d, mask=dmask, other=0.0)
+    m = tl.load(M + woff + d, mask=dmask, other=0.0)
+    v = tl.load(V + woff + d, mask=dmask, other=0.0)
+    rs = tl.load(RS + rsi)
+    gap = step - rs
+    done = gap * 0
+    size = gap.to(tl.float64) * 0.0 + 1.0
+    while done < gap:
+        k_nom = size.to(tl.int64)
+        left = gap - done
+        exact = (k_nom == 1) | (left == 1)
+        t0 = (rs + done).to(tl.float64)
+        # the exact step at global step t0 + 1
+        bc1e = 1.0 - tl.exp((t0 + 1.0) * ln_b1)
+        bc2e = 1.0 - tl.exp((t0 + 1.0) * ln_b2)
+        if KERAS:
+            e0 = (lr * tl.sqrt(bc2e) / bc1e).to(tl.float32)
+            e1 = e0 * 0.0
+        else:
+            e0 = (lr / bc1e).to(tl.float32)
+            e1 = (1.0 / tl.sqrt(bc2e)).to(tl.float32)
+        # a block of k steps (make_piece): shape factors, then G at its three nodes
+        k = tl.minimum(left, k_nom).to(tl.float64)
+        b1k = tl.exp(k * ln_b1)
+        sum_b1 = b1 * (1.0 - b1k) / (1.0 - b1)
+        sum_jb1 = b1 * (1.0 - (k + 1.0) * b1k + k * b1k * b1) / ((1.0 - b1) * (1.0 - b1))
+        j_b = sum_jb1 / sum_b1
+        half = k / 2.0
+        mid = (k + 1.0) / 2.0
+        x0 = j_b
+        x1 = mid - half * 0.57735026918962576451  # 2-node Gauss-Legendre: 1/sqrt(3)
+        x2 = mid + half * 0.57735026918962576451
+        a0 = (1.0 - tl.exp(x0 * ln_b2)).to(tl.float32)
+        a1 = (1.0 - tl.exp(x1 * ln_b2)).to(tl.float32)
+        a2 = (1.0 - tl.exp(x2 * ln_b2)).to(tl.float32)
+        c10 = 1.0 - tl.exp((t0 + x0) * ln_b1)
+        c11 = 1.0 - tl.exp((t0 + x1) * ln_b1)
+        c12 = 1.0 - tl.exp((t0 + x2) * ln_b1)
+        c20 = tl.sqrt(1.0 - tl.exp((t0 + x0) * ln_b2))
+        c21 = tl.sqrt(1.0 - tl.exp((t0 + x1) * ln_b2))
+        c22 = tl.sqrt(1.0 - tl.exp((t0 + x2) * ln_b2))
+        if KERAS:  # G = f1 / (sqrt(vx) + eps)
+            p0 = (c20 / c10).to(tl.float32)
+            p1 = (c21 / c11).to(tl.float32)
+            p2 = (c22 / c12).to(tl.float32)
+            q0 = p0 * 0.0
+            q1 = q0
+            q2 = q0
+        else:  # G = 1 / (sqrt(vx) * f1 + f2)
+            p0 = (c10 / c20).to(tl.float32)
+            p1 = (c11 / c21).to(tl.float32)
+            p2 = (c12 / c22).to(tl.float32)
+            q0 = (c10 * eps).to(tl.float32)
+            q1 = (c11 * eps).to(tl.float32)
+            q2 = (c12 * eps).to(tl.float32)
+        f9 = (half * lr * c).to(tl.float32)
+        f10 = (-lr * c * sum_b1).to(tl.float32)
+        f11 = (lr * sum_b1).to(tl.float32)
+        f12 = (j_b / k - 1.0).to(tl.float32)
+        f13 = (1.0 / k).to(tl.float32)
+        one1 = 1.0 - b1k
+        y1 = (k - b1 * one1 / (1.0 - b1)) - one1
+        b2k = tl.exp(k * ln_b2)
+        one2 = 1.0 - b2k
+        a_2 = k - b2 * one2 / (1.0 - b2)
+        q_2 = k * k - 2.0 * b2 / (1.0 - b2) * k + b2 * (1.0 + b2) / ((1.0 - b2) * (1.0 - b2)) * one2
+        f14 = (c * one1).to(tl.float32)
+        f15 = (c * y1).to(tl.float32)
+        f16 = b1k.to(tl.float32)
+        f17 = (c * c * one2).to(tl.float32)
+        f18 = (2.0 * c * c * (a_2 - one2)).to(tl.float32)
+        f19 = (c * c * (q_2 - 2.0 * a_2 + one2)).to(tl.float32)
+        f20 = (1.0 - one2).to(tl.float32)
+
+        # the exact step on the columns
+        me = m * b1f + w * c_m
+        ve = v * b2f + (w * w) * c_v
+        if KERAS:
+            we = w - me / (tl.sqrt(ve) + epsf) * e0
+        else:
+            we = w - (me * e0) / (tl.sqrt(ve) * e1 + epsf)
+        # the block on the columns
+        ww = w * w
+        dv = ww * c2 - v
+        if KERAS:
+            gb = (1.0 / (tl.sqrt(v + dv * a0) + epsf)) * p0
+            g1 = (1.0 / (tl.sqrt(v + dv * a1) + epsf)) * p1
+            g2 = (1.0 / (tl.sqrt(v + dv * a2) + epsf)) * p2
+        else:
+            gb = 1.0 / (tl.sqrt(v + dv * a0) * p0 + q0)
+            g1 = 1.0 / (tl.sqrt(v + dv * a1) * p1 + q1)
+            g2 = 1.0 / (tl.sqrt(v + dv * a2) * p2 + q2)
+        lam = (g1 + g2) * f9 + gb * f10
+        fm = gb * m * f11
+        wb = tl.exp(-lam) * w - tl.exp(lam * f12) * fm
+        s = (wb - w) * f13
+        mb = w * f14 + s * f15 + m * f16
+        vb = tl.maximum(ww * f17 + (w * s) * f18 + (s * s) * f19 + v * f20, 0.0)
+
+        w = tl.where(exact, we, wb)
+        m = tl.where(exact, me, mb)
+        v = tl.where(exact, ve, vb)
+        done = done + k_nom
+        size = size * growth
+    tl.store(W + woff + d, w, mask=dmask)
+    tl.store(M + woff + d, m, mask=dmask)
+    tl.store(V + woff + d, v, mask=dmask)
+    tl.store(RS + rsi, tl.maximum(rs, step))
+
+
+def _kernel() -> Callable:
+    """The kernel jitted once, in the mode triton was imported in (compiled, or interpreted)."""
+    global tl
+    if not _KERNEL:
+        if not _ct._import_triton():
+            raise RuntimeError("CowClip Triton catch-up: triton not installed")
+        tl = _ct.tl
+        with _ct._triton_mode_env():
+            _KERNEL.append(_ct.triton.jit(_catch_up_rows_kernel))
+    return _KERNEL[0]
+
+
+def _f32(x: float) -> float:
+    """x rounded to float32, as the C++ op's float factors are."""
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
+def triton_catch_up_rows(weights: Tensor, momentum1: Tensor, momentum2: Tensor, row_step: Tensor,
+                         elem_offset: Tensor, row_index: Tensor, dims: Tensor, step: int, *, lr: float,
+                         betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, eps_mode: str = "torch",
+                         l2: float = 0.0, growth: float = 2.0, max_dim: int | None = None) -> None:
+    """Advance rows to global step ``step`` in place, by the block scheme of
+    ``recsys.optim.cowclip_catchup.catch_up``: row i starts at ``weights[elem_offset[i]:+dims[i]]``
+    (likewise in the moments) and is current at ``row_step[row_index[i]]``, which becomes ``step``
+    (a row already current is left as it is). Rows must be distinct. Everything on one device
+    (CUDA, or CPU under ``TRITON_INTERPRET=1``). ``max_dim``: the largest of ``dims`` when the caller
+    knows it (saves a device-to-host read)."""
+    if eps_mode not in ("torch", "keras"):
+        raise ValueError(f"eps_mode must be torch|keras, got {eps_mode!r}")
+    if growth < 1.0:
+        raise ValueError(f"growth must be >= 1, got {growth}")
+    b1, b2 = (float(b) for b in betas)
+    if not (0.0 < b1 < 1.0 and 0.0 < b2 < 1.0):
+        raise ValueError(f"betas must be in (0, 1), got {betas}")
+    if not _ct.triton_available(weights.device):
+        raise RuntimeError(f"CowClip Triton catch-up not available for {weights.device} tensors")
+    R = elem_offset.numel()
+    if R == 0:
+        return
+    for name, x, dt in (("weights", weights, torch.float32), ("momentum1", momentum1, torch.float32),
+                        ("momentum2", momentum2, torch.float32), ("row_step", row_step, torch.long)):
+        if x.dtype != dt or not x.is_contiguous() or x.device != weights.device:
+            raise RuntimeError(f"{name} must be a contiguous {dt} tensor on {weights.device}")
+    dev = weights.device
+    dims = dims.to(device=dev, dtype=torch.int32).contiguous()
+    block_d = max(16, _ct.triton.next_power_of_2(max_dim if max_dim is not None else int(dims.max())))
+    c = 2.0 * float(l2)
+    hp = _device_hyper((float(lr), b1, b2, float(eps), c, float(growth), math.log(b1), math.log(b2)), dev)
+    with _ct._triton_mode_env():
+        _kernel()[(R,)](
+            weights, momentum1, momentum2, row_step,
+            elem_offset.to(device=dev, dtype=torch.long).contiguous(),
+            row_index.to(device=dev, dtype=torch.long).contiguous(), dims, hp, int(step),
+            _f32(b1), _f32(b2), _f32((1.0 - b1) * c), _f32((1.0 - b2) * c * c), _f32(c * c), _f32(eps),
+            KERAS=eps_mode == "keras", BLOCK_D=block_d, num_warps=1,
+        )
+
+
+_DEVICE_HYPER: dict[tuple, Tensor] = {}
+
+
+def _device_hyper(values: tuple[float, ...], dev: torch.device) -> Tensor:
+    """The kernel's float64 hyper-parameters on the device, cached by value (one small copy per
+    setting, not per step)."""
+    key = (values, str(dev))
+    hit = _DEVICE_HYPER.get(key)
+    if hit is None:
+        if len(_DEVICE_HYPER) >= 16:
+            _DEVICE_HYPER.clear()
+        hit = _DEVICE_HYPER[key] = torch.tensor(values, dtype=torch.float64, device=dev)
+    return hit

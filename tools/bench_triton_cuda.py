@@ -1,0 +1,215 @@
+"""Step time of our Triton CowClip-Adam update on a CUDA device against the torch reference on the
+same device (issue 16): one kernel launch for all tables against ``cowclip_adam_step`` per table
+(the chain of torch ops CUDA runs used before the kernel). With ``--catchup`` also the reference
+semantics (issue 14): the rows behind caught up by the Triton catch-up kernel and by the torch
+version, each followed by the same update kernel, against the lazy update alone.
+
+Why this peer and not FBGEMM: the GPU machines lent to this project have torch and triton but no
+fbgemm_gpu, and its CUDA wheel is far larger than what can be carried there, so FBGEMM's CUDA
+row-wise Adagrad / Adam (the issue's named peers) cannot run beside it; the torch reference can.
+
+What is timed: the update alone (the backward's CowClip-Adam step of 26 tables, dim 16, batch 8K,
+one id per table and sample, Zipf 1.05 ranks hashed over each table as tools/bench_catchup.py
+does), with CUDA synchronisation around each step; both methods interleaved step by step on their
+own copies of the tables, medians of ``--iters`` rounds. Also checks, after the timed steps, that
+both methods' tables agree (the same batches, the same start).
+
+    python3 tools/bench_triton_cuda.py                     # 1M rows per table, batch 8K, on cuda
+    python3 tools/bench_triton_cuda.py --rows 1300000 --catchup   # raw-sized tables, + the catch-up
+    TRITON_INTERPRET=1 python tools/bench_triton_cuda.py --device cpu --rows 2000 --batch 64 --iters 2   # smoke test
+
+The last line of stdout is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+TABLES, DIM, ZIPF = 26, 16, 1.05
+HP = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, r=1.0, l2=1e-5 * 8)
+ZETA = 1e-5
+
+
+def _batches(rows: int, batch: int, steps: int, device, seed: int = 0):
+    """[steps] of (indices [TABLES*batch], offsets [TABLES*batch+1], grad [batch, TABLES*DIM])."""
+    import numpy as np
+    import torch
+
+    from recsys.data.synthetic import zipf_ranks
+    from tools.bench_catchup import _mult
+
+    rng = np.random.default_rng(seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    out = []
+    for _ in range(steps):
+        k = zipf_ranks(rng.random(TABLES * batch), np.full(TABLES * batch, rows, dtype=np.int64), ZIPF)
+        ids = torch.from_numpy((k * _mult(rows)) % rows)
+        grad = torch.randn(batch, TABLES * DIM, generator=g) * 1e-3
+        out.append((ids.to(device), torch.arange(TABLES * batch + 1, device=device), grad.to(device)))
+    return out
+
+
+def run(args) -> dict:
+    import torch
+
+    from recsys.optim import cowclip_triton as ctr
+    from recsys.optim.cowclip import CowClipAdamState, cowclip_adam_step
+
+    dev = torch.device(args.device)
+    if not ctr.triton_available(dev):
+        raise SystemExit(f"the Triton kernel is not available for {dev} (CPU needs TRITON_INTERPRET=1)")
+    n, B = args.rows, args.batch
+    meta = torch.tensor([[t * n * DIM, n, DIM, t * DIM, t * n, 1] for t in range(TABLES)], dtype=torch.long)
+    zeta = torch.full((TABLES,), ZETA, dtype=torch.float64)
+    g = torch.Generator(device=dev).manual_seed(0)
+    w0 = torch.randn(TABLES * n * DIM, generator=g, device=dev) * 1e-2
+    bufs = {m: [w0.clone(), torch.zeros_like(w0), torch.zeros_like(w0),
+                torch.zeros(TABLES * n, dtype=torch.long, device=dev)] for m in ("triton", "torch")}
+    del w0
+    batches = _batches(n, B, args.warmup + args.iters, dev)
+
+    def triton_step(i: int) -> None:
+        idx, off, grad = batches[i]
+        ctr.triton_cowclip_adam_tables(*bufs["triton"], meta, zeta, idx, off, grad, None, **HP)
+
+    def torch_step(i: int) -> None:
+        idx, off, grad = batches[i]
+        w, m1, m2, rs = bufs["torch"]
+        for t in range(TABLES):
+            sl = slice(t * n * DIM, (t + 1) * n * DIM)
+            st = CowClipAdamState(m1[sl].view(n, DIM), m2[sl].view(n, DIM), rs[t * n:(t + 1) * n],
+                                  torch.zeros((), dtype=torch.long, device=dev))
+            cowclip_adam_step(w[sl].view(n, DIM), st, idx[t * B:(t + 1) * B], off[: B + 1],
+                              grad[:, t * DIM:(t + 1) * DIM].contiguous(), None, zeta=ZETA, clip=True,
+                              update_scope="batch", l2_scope="batch", bias_correction="row", **HP)
+
+    steps = {"triton": triton_step, "torch": torch_step}
+    if args.catchup:  # the reference semantics on the GPU: rows behind caught up, then the same kernel
+        from recsys.optim.cowclip_catchup import catch_up
+        from recsys.optim.cowclip_catchup_triton import triton_catch_up_rows
+        from tools.bench_catchup import steady_state_row_step
+
+        rs0 = steady_state_row_step([n] * TABLES, B, args.trained_steps).to(dev)
+        starts = torch.arange(TABLES, device=dev) * n
+        behind_counts: list[int] = []
+
+        def make_catchup(method: str):
+            cu = bufs[method] = [b.clone() for b in bufs["triton"][:3]] + [rs0.clone()]
+            state = {"step": args.trained_steps}
+
+            def step_fn(i: int) -> None:
+                idx, off, grad = batches[i]
+                S = state["step"]
+                u = torch.unique(idx + starts.repeat_interleave(B))
+                u = u[cu[3].index_select(0, u) < S]  # the rows behind, as CowClipAdamTBE.catch_up_lookup
+                if method == "catchup_triton":
+                    triton_catch_up_rows(*cu, u * DIM, u, torch.full_like(u, DIM), S, lr=HP["lr"], betas=HP["betas"],
+                                         eps=HP["eps"], eps_mode="torch", l2=HP["l2"], max_dim=DIM)
+                else:  # the torch version, as CowClipAdamTBE._catch_up_rows: longest gaps first, whole rows
+                    rs, order = torch.sort(cu[3].index_select(0, u), stable=True)
+                    u = u[order]
+                    views = [x.view(-1, DIM) for x in cu[:3]]
+                    w, m, v = (x.index_select(0, u) for x in views)
+                    w, m, v = catch_up(w, m, v, rs, S, lr=HP["lr"], betas=HP["betas"], eps=HP["eps"], eps_mode="torch",
+                                       l2=HP["l2"], presorted=True)
+                    for x, new in zip(views, (w, m, v)):
+                        x.index_copy_(0, u, new)
+                    cu[3].index_fill_(0, u, S)
+                ctr.triton_cowclip_adam_tables(*cu, meta, zeta, idx, off, grad, None, **HP)
+                state["step"] = S + 1
+                if method == "catchup_triton":
+                    behind_counts.append(u.numel())
+
+            return step_fn
+
+        for method in ("catchup_triton", "catchup_torch"):
+            steps[method] = make_catchup(method)
+    times = {m: [] for m in steps}
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    for i in range(args.warmup + args.iters):
+        for m, fn in steps.items():
+            sync()
+            t0 = time.perf_counter()
+            fn(i)
+            sync()
+            if i >= args.warmup:
+                times[m].append(time.perf_counter() - t0)
+    med = {m: 1e3 * statistics.median(v) for m, v in times.items()}
+    diff = {name: float((a - b).abs().max()) for name, a, b in
+            zip(("weights", "momentum1", "momentum2"), bufs["triton"][:3], bufs["torch"][:3])}
+    if args.catchup:  # the two catch-ups, same batches, same start: the same tables to float rounding
+        diff.update({f"catchup_{name}": float((a - b).abs().max()) for name, a, b in
+                     zip(("weights", "momentum1", "momentum2"), bufs["catchup_triton"][:3], bufs["catchup_torch"][:3])})
+    res = {
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__, "rows_per_table": n, "tables": TABLES, "dim": DIM, "batch": B,
+        "iters": args.iters, "step_ms": med, "step_ms_min": {m: 1e3 * min(v) for m, v in times.items()},
+        "torch_over_triton": med["torch"] / med["triton"],
+        **({"catchup_triton_over_lazy": med["catchup_triton"] / med["triton"],
+            "catchup_torch_over_lazy": med["catchup_torch"] / med["triton"],
+            "trained_steps": args.trained_steps,
+            "catchup_rows_behind_per_step": statistics.median(behind_counts)} if args.catchup else {}),
+        "max_abs_diff_after": diff, "row_steps_equal": bool(torch.equal(bufs["triton"][3], bufs["torch"][3])),
+    }
+    if args.profile:  # where a method's step goes: the top ops of a few more steps (after the check above)
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            for i in range(args.warmup, args.warmup + min(5, args.iters)):
+                steps[args.profile](i)
+            sync()
+        key = "cuda_time_total" if dev.type == "cuda" else "cpu_time_total"
+        avg = prof.key_averages()
+        print(avg.table(sort_by=key, row_limit=15), file=sys.stderr)
+        steps_profiled = min(5, args.iters)
+        # device time per step against the step's wall time above: how much of the step is the host
+        # launching ops rather than the GPU running them
+        from torch.autograd import DeviceType
+
+        # kernels and copies only (as the table's "Self CUDA time total"): an op's row repeats its kernels' time
+        dev_us = sum(e.self_device_time_total for e in avg
+                     if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False))
+        res["profile_device_ms_per_step"] = dev_us / 1e3 / steps_profiled
+        res["profile_host_ms_per_step"] = sum(e.self_cpu_time_total for e in avg) / 1e3 / steps_profiled
+    try:
+        import triton
+
+        res["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--rows", type=int, default=1_000_000, help="rows per table")
+    ap.add_argument("--batch", type=int, default=8192)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--catchup", action="store_true", help="also time the reference semantics: the batch's rows "
+                    "behind (from the steady state of --trained-steps) caught up by the Triton kernel and, as its peer, "
+                    "by the torch version, then the same update kernel")
+    ap.add_argument("--trained-steps", type=int, default=5500)
+    ap.add_argument("--profile", nargs="?", const="triton", default=None,
+                    choices=("triton", "torch", "catchup_triton", "catchup_torch"),
+                    help="also print torch.profiler's top ops of 5 more steps of this method (default triton)")
+    args = ap.parse_args(argv)
+    res = run(args)
+    for k, v in res.items():
+        print(f"{k}: {v}", file=sys.stderr)
+    print(json.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
