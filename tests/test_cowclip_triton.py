@@ -478,7 +478,7 @@ for cap in (80, 90):
 from recsys.optim import cowclip_catchup_triton as cct
 fn = cct._kernel()
 sig = {"W": "*fp32", "M": "*fp32", "V": "*fp32", "RS": "*i64", "WOFF": "*i64", "RSI": "*i64", "DIMS": "*i32",
-       "HP": "*fp64", "step": "i64", **{k: "fp32" for k in "b1f b2f c_m c_v c2 epsf".split()},
+       "HP": "*fp64", "CONST": "*fp64", "n_const": "i32", "step": "i64", **{k: "fp32" for k in "b1f b2f c_m c_v c2 epsf".split()},
        "KERAS": "constexpr", "BLOCK_D": "constexpr"}
 for cap in (80, 90):
     for keras in (False, True):

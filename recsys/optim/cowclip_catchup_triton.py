@@ -4,12 +4,14 @@
 ``recsys/optim/cowclip_catchup.py`` has the math (the block scheme and its measured error bound)
 and the torch version, which CUDA runs used before this kernel: on an H200, 26 tables of 1.3M rows
 (the raw Criteo total), batch 8K, it cost 22x the lazy Triton update per step, a few hundred
-small torch ops per lookup; with this kernel catch-up plus update cost 2.07x (docs/benchmarks.md,
-"Triton kernels on a GPU"). Here one program advances one row: it reads the row's w, m, v and ``row_step`` once, walks
-the row's schedule (blocks of 1, 2, 4, ... steps, ``growth``), computing each piece's scalar
-factors in float64 in registers (the C++ op caches them per gap; a GPU has float64 to spare and no
-cheap shared cache across programs), applies the piece to the row's columns in float32 (the same
-formulas as the C++ op's ``advance_piece``), and writes w, m, v and ``row_step = step`` back.
+small torch ops per lookup; with this kernel catch-up plus update cost 1.8x (docs/benchmarks.md,
+"Triton kernels on a GPU"). Here one program advances one row: it reads the row's w, m, v and
+``row_step`` once, walks the row's schedule (blocks of 1, 2, 4, ... steps, ``growth``), gets each
+piece's scalar factors in float64 (those that depend on the block size alone from a table built
+once on the host, as the C++ op's per-piece constants; the bias corrections from ``b^t0``, carried
+from piece to piece; a row's last, cut piece computes all of them), applies the piece to the
+row's columns in float32 (the same formulas as the C++ op's ``advance_piece``), and writes w, m, v
+and ``row_step = step`` back.
 
 The caller finds the rows behind (unique, as ``CowClipAdamTBE._catch_up_rows`` gets them) and
 passes each row's element offset in the flat buffers, its index in ``row_step`` and its dim (rows
@@ -32,12 +34,14 @@ __all__ = ["triton_catch_up_rows"]
 
 tl = None  # triton.language, bound on first use (the kernel's global)
 _KERNEL: list[Callable] = []
+_GL = 1.0 / math.sqrt(3.0)  # 2-node Gauss-Legendre on [-1, 1]
 
 
 def _catch_up_rows_kernel(
     W, M, V, RS,  # flat float32 weights / momentum1 / momentum2, int64 row_step
     WOFF, RSI, DIMS,  # [R] int64 element offset of each row, [R] int64 index in RS, [R] int32 dim
     HP,  # float64 [8]: lr, b1, b2, eps, c = 2*l2, growth, ln b1, ln b2 (a Python float argument would be float32)
+    CONST, n_const,  # float64 [n_const, 21]: the k-only factors of full piece i (_piece_table)
     step,
     b1f, b2f, c_m, c_v, c2, epsf,  # float32 factors of the exact step (as the C++ op's CatchHyper)
     KERAS: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -63,41 +67,91 @@ def _catch_up_rows_kernel(
     rs = tl.load(RS + rsi)
     gap = step - rs
     done = gap * 0
+    i = gap * 0  # piece index
     size = gap.to(tl.float64) * 0.0 + 1.0
+    b1t = tl.exp(rs.to(tl.float64) * ln_b1)  # b^t0 at the piece's first step t0 = rs + done
+    b2t = tl.exp(rs.to(tl.float64) * ln_b2)
     while done < gap:
         k_nom = size.to(tl.int64)
         left = gap - done
         exact = (k_nom == 1) | (left == 1)
-        t0 = (rs + done).to(tl.float64)
         # the exact step at global step t0 + 1
-        bc1e = 1.0 - tl.exp((t0 + 1.0) * ln_b1)
-        bc2e = 1.0 - tl.exp((t0 + 1.0) * ln_b2)
+        bc1e = 1.0 - b1t * b1
+        bc2e = 1.0 - b2t * b2
         if KERAS:
             e0 = (lr * tl.sqrt(bc2e) / bc1e).to(tl.float32)
             e1 = e0 * 0.0
         else:
             e0 = (lr / bc1e).to(tl.float32)
             e1 = (1.0 / tl.sqrt(bc2e)).to(tl.float32)
-        # a block of k steps (make_piece): shape factors, then G at its three nodes
-        k = tl.minimum(left, k_nom).to(tl.float64)
-        b1k = tl.exp(k * ln_b1)
-        sum_b1 = b1 * (1.0 - b1k) / (1.0 - b1)
-        sum_jb1 = b1 * (1.0 - (k + 1.0) * b1k + k * b1k * b1) / ((1.0 - b1) * (1.0 - b1))
-        j_b = sum_jb1 / sum_b1
-        half = k / 2.0
-        mid = (k + 1.0) / 2.0
-        x0 = j_b
-        x1 = mid - half * 0.57735026918962576451  # 2-node Gauss-Legendre: 1/sqrt(3)
-        x2 = mid + half * 0.57735026918962576451
-        a0 = (1.0 - tl.exp(x0 * ln_b2)).to(tl.float32)
-        a1 = (1.0 - tl.exp(x1 * ln_b2)).to(tl.float32)
-        a2 = (1.0 - tl.exp(x2 * ln_b2)).to(tl.float32)
-        c10 = 1.0 - tl.exp((t0 + x0) * ln_b1)
-        c11 = 1.0 - tl.exp((t0 + x1) * ln_b1)
-        c12 = 1.0 - tl.exp((t0 + x2) * ln_b1)
-        c20 = tl.sqrt(1.0 - tl.exp((t0 + x0) * ln_b2))
-        c21 = tl.sqrt(1.0 - tl.exp((t0 + x1) * ln_b2))
-        c22 = tl.sqrt(1.0 - tl.exp((t0 + x2) * ln_b2))
+        # a block of k steps (make_piece): the factors that depend on k alone come from the host's
+        # table for a full piece (CONST row i), and are computed here for a row's last, cut one
+        if (left >= k_nom) & (i < n_const):
+            row = CONST + i * 21
+            b1x0 = tl.load(row + 1)
+            b1x1 = tl.load(row + 2)
+            b1x2 = tl.load(row + 3)
+            b2x0 = tl.load(row + 4)
+            b2x1 = tl.load(row + 5)
+            b2x2 = tl.load(row + 6)
+            b1k = tl.load(row + 7)
+            b2k = tl.load(row + 8)
+            f9 = tl.load(row + 9).to(tl.float32)
+            f10 = tl.load(row + 10).to(tl.float32)
+            f11 = tl.load(row + 11).to(tl.float32)
+            f12 = tl.load(row + 12).to(tl.float32)
+            f13 = tl.load(row + 13).to(tl.float32)
+            f14 = tl.load(row + 14).to(tl.float32)
+            f15 = tl.load(row + 15).to(tl.float32)
+            f16 = tl.load(row + 16).to(tl.float32)
+            f17 = tl.load(row + 17).to(tl.float32)
+            f18 = tl.load(row + 18).to(tl.float32)
+            f19 = tl.load(row + 19).to(tl.float32)
+            f20 = tl.load(row + 20).to(tl.float32)
+        else:
+            k = tl.minimum(left, k_nom).to(tl.float64)
+            b1k = tl.exp(k * ln_b1)
+            sum_b1 = b1 * (1.0 - b1k) / (1.0 - b1)
+            sum_jb1 = b1 * (1.0 - (k + 1.0) * b1k + k * b1k * b1) / ((1.0 - b1) * (1.0 - b1))
+            j_b = sum_jb1 / sum_b1
+            half = k / 2.0
+            mid = (k + 1.0) / 2.0
+            x1 = mid - half * 0.57735026918962576451  # 2-node Gauss-Legendre: 1/sqrt(3)
+            x2 = mid + half * 0.57735026918962576451
+            b1x0 = tl.exp(j_b * ln_b1)
+            b1x1 = tl.exp(x1 * ln_b1)
+            b1x2 = tl.exp(x2 * ln_b1)
+            b2x0 = tl.exp(j_b * ln_b2)
+            b2x1 = tl.exp(x1 * ln_b2)
+            b2x2 = tl.exp(x2 * ln_b2)
+            f9 = (half * lr * c).to(tl.float32)
+            f10 = (-lr * c * sum_b1).to(tl.float32)
+            f11 = (lr * sum_b1).to(tl.float32)
+            f12 = (j_b / k - 1.0).to(tl.float32)
+            f13 = (1.0 / k).to(tl.float32)
+            one1 = 1.0 - b1k
+            y1 = (k - b1 * one1 / (1.0 - b1)) - one1
+            b2k = tl.exp(k * ln_b2)
+            one2 = 1.0 - b2k
+            a_2 = k - b2 * one2 / (1.0 - b2)
+            q_2 = k * k - 2.0 * b2 / (1.0 - b2) * k + b2 * (1.0 + b2) / ((1.0 - b2) * (1.0 - b2)) * one2
+            f14 = (c * one1).to(tl.float32)
+            f15 = (c * y1).to(tl.float32)
+            f16 = b1k.to(tl.float32)
+            f17 = (c * c * one2).to(tl.float32)
+            f18 = (2.0 * c * c * (a_2 - one2)).to(tl.float32)
+            f19 = (c * c * (q_2 - 2.0 * a_2 + one2)).to(tl.float32)
+            f20 = (1.0 - one2).to(tl.float32)
+        a0 = (1.0 - b2x0).to(tl.float32)
+        a1 = (1.0 - b2x1).to(tl.float32)
+        a2 = (1.0 - b2x2).to(tl.float32)
+        # G's bias corrections at the nodes: 1 - b^(t0 + x) = 1 - b^t0 * b^x
+        c10 = 1.0 - b1t * b1x0
+        c11 = 1.0 - b1t * b1x1
+        c12 = 1.0 - b1t * b1x2
+        c20 = tl.sqrt(1.0 - b2t * b2x0)
+        c21 = tl.sqrt(1.0 - b2t * b2x1)
+        c22 = tl.sqrt(1.0 - b2t * b2x2)
         if KERAS:  # G = f1 / (sqrt(vx) + eps)
             p0 = (c20 / c10).to(tl.float32)
             p1 = (c21 / c11).to(tl.float32)
@@ -112,24 +166,6 @@ def _catch_up_rows_kernel(
             q0 = (c10 * eps).to(tl.float32)
             q1 = (c11 * eps).to(tl.float32)
             q2 = (c12 * eps).to(tl.float32)
-        f9 = (half * lr * c).to(tl.float32)
-        f10 = (-lr * c * sum_b1).to(tl.float32)
-        f11 = (lr * sum_b1).to(tl.float32)
-        f12 = (j_b / k - 1.0).to(tl.float32)
-        f13 = (1.0 / k).to(tl.float32)
-        one1 = 1.0 - b1k
-        y1 = (k - b1 * one1 / (1.0 - b1)) - one1
-        b2k = tl.exp(k * ln_b2)
-        one2 = 1.0 - b2k
-        a_2 = k - b2 * one2 / (1.0 - b2)
-        q_2 = k * k - 2.0 * b2 / (1.0 - b2) * k + b2 * (1.0 + b2) / ((1.0 - b2) * (1.0 - b2)) * one2
-        f14 = (c * one1).to(tl.float32)
-        f15 = (c * y1).to(tl.float32)
-        f16 = b1k.to(tl.float32)
-        f17 = (c * c * one2).to(tl.float32)
-        f18 = (2.0 * c * c * (a_2 - one2)).to(tl.float32)
-        f19 = (c * c * (q_2 - 2.0 * a_2 + one2)).to(tl.float32)
-        f20 = (1.0 - one2).to(tl.float32)
 
         # the exact step on the columns
         me = m * b1f + w * c_m
@@ -159,8 +195,12 @@ def _catch_up_rows_kernel(
         w = tl.where(exact, we, wb)
         m = tl.where(exact, me, mb)
         v = tl.where(exact, ve, vb)
+        # b^t0 of the next piece (only a full piece has one: the cut piece is the row's last)
+        b1t = b1t * tl.where(exact, b1, b1k)
+        b2t = b2t * tl.where(exact, b2, b2k)
         done = done + k_nom
         size = size * growth
+        i = i + 1
     tl.store(W + woff + d, w, mask=dmask)
     tl.store(M + woff + d, m, mask=dmask)
     tl.store(V + woff + d, v, mask=dmask)
@@ -214,18 +254,64 @@ def triton_catch_up_rows(weights: Tensor, momentum1: Tensor, momentum2: Tensor, 
     dims = dims.to(device=dev, dtype=torch.int32).contiguous()
     block_d = max(16, _ct.triton.next_power_of_2(max_dim if max_dim is not None else int(dims.max())))
     c = 2.0 * float(l2)
-    hp = _device_hyper((float(lr), b1, b2, float(eps), c, float(growth), math.log(b1), math.log(b2)), dev)
+    values = (float(lr), b1, b2, float(eps), c, float(growth), math.log(b1), math.log(b2))
+    hp = _device_hyper(values, dev)
+    table = _piece_table(values, int(step), dev)
     with _ct._triton_mode_env():
         _kernel()[(R,)](
             weights, momentum1, momentum2, row_step,
             elem_offset.to(device=dev, dtype=torch.long).contiguous(),
-            row_index.to(device=dev, dtype=torch.long).contiguous(), dims, hp, int(step),
+            row_index.to(device=dev, dtype=torch.long).contiguous(), dims, hp, table, table.shape[0], int(step),
             _f32(b1), _f32(b2), _f32((1.0 - b1) * c), _f32((1.0 - b2) * c * c), _f32(c * c), _f32(eps),
             KERAS=eps_mode == "keras", BLOCK_D=block_d, num_warps=1,
         )
 
 
 _DEVICE_HYPER: dict[tuple, Tensor] = {}
+_PIECE_TABLES: dict[tuple, Tensor] = {}
+MAX_TABLE_PIECES = 64  # pieces beyond (only with growth near 1) compute their factors in the kernel
+
+
+def _piece_table(values: tuple[float, ...], step: int, dev: torch.device) -> Tensor:
+    """float64 [P, 21]: per piece index i, the factors of a full block of k = k_nom(i) steps that
+    depend on k alone (k_nom, b1^x and b2^x at G's three nodes, b1^k, b2^k, make_piece's f[9..20]),
+    for the pieces a gap of up to ``step`` steps can use (at most MAX_TABLE_PIECES). Why: they are the
+    same for every row and step, and computing them per row and piece was most of the kernel's
+    float64 work (14 exps per piece). Cached on the device per setting, rebuilt when ``step``
+    needs more pieces."""
+    lr, b1, b2, _eps, c, growth, ln_b1, ln_b2 = values
+    ks, done, size = [], 0, 1.0
+    while done < max(step, 1) and len(ks) < MAX_TABLE_PIECES:
+        ks.append(int(size))
+        done += int(size)
+        size *= growth
+    key = (values, len(ks), str(dev))
+    hit = _PIECE_TABLES.get(key)
+    if hit is not None:
+        return hit
+    rows = []
+    for k_nom in ks:
+        k = float(k_nom)
+        b1k = math.exp(k * ln_b1)
+        sum_b1 = b1 * (1.0 - b1k) / (1.0 - b1)
+        sum_jb1 = b1 * (1.0 - (k + 1.0) * b1k + k * b1k * b1) / ((1.0 - b1) * (1.0 - b1))
+        j_b = sum_jb1 / sum_b1
+        half, mid = k / 2.0, (k + 1.0) / 2.0
+        xs = (j_b, mid - half * _GL, mid + half * _GL)
+        one1 = 1.0 - b1k
+        y1 = (k - b1 * one1 / (1.0 - b1)) - one1
+        b2k = math.exp(k * ln_b2)
+        one2 = 1.0 - b2k
+        a_2 = k - b2 * one2 / (1.0 - b2)
+        q_2 = k * k - 2.0 * b2 / (1.0 - b2) * k + b2 * (1.0 + b2) / ((1.0 - b2) * (1.0 - b2)) * one2
+        rows.append([k, *(math.exp(x * ln_b1) for x in xs), *(math.exp(x * ln_b2) for x in xs), b1k, b2k,
+                     half * lr * c, -lr * c * sum_b1, lr * sum_b1, j_b / k - 1.0, 1.0 / k,
+                     c * one1, c * y1, b1k, c * c * one2, 2.0 * c * c * (a_2 - one2), c * c * (q_2 - 2.0 * a_2 + one2),
+                     1.0 - one2])
+    if len(_PIECE_TABLES) >= 16:
+        _PIECE_TABLES.clear()
+    hit = _PIECE_TABLES[key] = torch.tensor(rows, dtype=torch.float64, device=dev)
+    return hit
 
 
 def _device_hyper(values: tuple[float, ...], dev: torch.device) -> Tensor:
