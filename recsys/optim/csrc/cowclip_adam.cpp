@@ -716,24 +716,28 @@ inline BlockShape block_shape(double b1, double k) {
   return s;
 }
 
+// The exact step at a global step whose bias corrections are bc1 = 1 - b1^t, bc2 = 1 - b2^t.
+inline Piece exact_piece(const CatchHyper& h, double bc1, double bc2) {
+  Piece p{};
+  p.k = 1;
+  if (h.keras) {
+    p.f[0] = static_cast<float>(h.lr * std::sqrt(bc2) / bc1);
+  } else {
+    p.f[0] = static_cast<float>(h.lr / bc1);
+    p.f[1] = static_cast<float>(1.0 / std::sqrt(bc2));
+  }
+  return p;
+}
+
 // Piece i of a row current at step t_start: block [t_start + done, + k) of nominal size k_nom
 // (left: steps the row still needs; a block cut to left < k_nom is the row's last piece).
 Piece make_piece(const CatchHyper& h, int64_t t_start, int64_t done, int64_t k_nom, int64_t left) {
   const double b1 = h.b1, lrc = h.lr * h.c;
-  Piece p{};
   if (k_nom == 1 || left == 1) {  // the exact step at global step t
     const double t = static_cast<double>(t_start + done + 1);
-    const double bc1 = -std::expm1(t * std::log(h.b1));
-    const double bc2 = -std::expm1(t * std::log(h.b2));
-    p.k = 1;
-    if (h.keras) {
-      p.f[0] = static_cast<float>(h.lr * std::sqrt(bc2) / bc1);
-    } else {
-      p.f[0] = static_cast<float>(h.lr / bc1);
-      p.f[1] = static_cast<float>(1.0 / std::sqrt(bc2));
-    }
-    return p;
+    return exact_piece(h, -std::expm1(t * std::log(h.b1)), -std::expm1(t * std::log(h.b2)));
   }
+  Piece p{};
   const double k = static_cast<double>(std::min(left, k_nom));
   const double t0 = static_cast<double>(t_start + done);
   const BlockShape bs = block_shape(b1, k);
@@ -821,18 +825,7 @@ const std::vector<PieceConst>& piece_consts(const CatchHyper& h, int64_t gap) {
 // make_piece for a full piece from its constants and b^t_start
 inline Piece full_piece(const CatchHyper& h, const PieceConst& c, double b1s, double b2s) {
   const double b1t = b1s * c.b1_done, b2t = b2s * c.b2_done;  // b^t0, t0 = t_start + done
-  if (c.k_nom == 1) {  // the exact step at t0 + 1
-    Piece p{};
-    const double bc1 = 1.0 - b1t * c.b1x[0], bc2 = 1.0 - b2t * c.b2x[0];
-    p.k = 1;
-    if (h.keras) {
-      p.f[0] = static_cast<float>(h.lr * std::sqrt(bc2) / bc1);
-    } else {
-      p.f[0] = static_cast<float>(h.lr / bc1);
-      p.f[1] = static_cast<float>(1.0 / std::sqrt(bc2));
-    }
-    return p;
-  }
+  if (c.k_nom == 1) return exact_piece(h, 1.0 - b1t * c.b1x[0], 1.0 - b2t * c.b2x[0]);  // at t0 + 1
   Piece p = c.base;
   for (int j = 0; j < 3; ++j) {  // g_factors' bias-correction part at node j
     const double bc1 = 1.0 - b1t * c.b1x[j], bc2 = 1.0 - b2t * c.b2x[j];
