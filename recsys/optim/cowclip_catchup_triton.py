@@ -4,7 +4,7 @@
 ``recsys/optim/cowclip_catchup.py`` has the math (the block scheme and its measured error bound)
 and the torch version, which CUDA runs used before this kernel: on an H200, 26 tables of 1.3M rows
 (the raw Criteo total), batch 8K, it cost 22x the lazy Triton update per step, a few hundred
-small torch ops per lookup; with this kernel catch-up plus update cost 1.8x (docs/benchmarks.md,
+small torch ops per lookup; with this kernel catch-up plus update cost 1.7x (docs/benchmarks.md,
 "Triton kernels on a GPU"). Here one program advances one row: it reads the row's w, m, v and
 ``row_step`` once, walks the row's schedule (blocks of 1, 2, 4, ... steps, ``growth``), gets each
 piece's scalar factors in float64 (those that depend on the block size alone from a table built

@@ -26,9 +26,9 @@ How (one sort, one kernel launch for all tables of the group):
   ``t = ++row_step`` (torch or keras eps placement) and writes w, m, v, row_step back, in place.
   Tables of different dims share the launch (``BLOCK_D`` = the largest dim, masked).
 
-Host synchronisations (3, all small): the offsets check, the id bounds check (ids out of range
-are an error naming the feature and the id, raised before anything is written), and the number of
-unique rows (the grid size).
+Host synchronisations (2, both small): the offsets and id bounds checks together (ids out of
+range are an error naming the feature and the id, raised before anything is written), and the
+number of unique rows (the grid size).
 
 Triton is optional and imported on first use: without it this module imports,
 ``triton_available()`` is False and ``cowclip_update_for`` never returns the Triton op. With ``TRITON_INTERPRET=1`` (set before triton
@@ -340,27 +340,31 @@ def triton_cowclip_adam_tables(
     with torch.no_grad():
         offsets = offsets.long()
         lengths = offsets[1:] - offsets[:-1]
-        first, last, min_len = torch.stack([offsets[0], offsets[-1], lengths.min()]).tolist()  # sync 1
+        meta_d, zeta_p = _device_meta(meta, zeta.tolist(), r, dev)
+        n_rows = meta_d[:, 1]
+        # the offsets and the ids are checked with one synchronisation: each id's feature comes
+        # from the feature boundaries (a searchsorted that malformed offsets cannot break; the
+        # offsets' errors are raised first), the bags after the check (repeat_interleave would
+        # fail on malformed offsets with a message of its own)
+        feat = torch.searchsorted(offsets[B::B].contiguous(), torch.arange(L, device=dev), right=True).clamp_(max=F - 1)
+        ids = indices.long()
+        bad = (ids < 0) | (ids >= n_rows.index_select(0, feat))
+        first, last, min_len, any_bad = torch.stack(
+            [offsets[0], offsets[-1], lengths.min(), bad.any().long()]).tolist()  # sync 1
         if first != 0 or last != L:
             raise RuntimeError("offsets must start at 0 and end at len(indices)")
         if min_len < 0:
             raise RuntimeError("offsets must be non-decreasing")
-
-        meta_d, zeta_p = _device_meta(meta, zeta.tolist(), r, dev)
-        n_rows = meta_d[:, 1]
-        bag = torch.repeat_interleave(torch.arange(FB, device=dev), lengths, output_size=L)
-        feat = bag // B
-        ids = indices.long()
-        bad = (ids < 0) | (ids >= n_rows.index_select(0, feat))
-        if bool(bad.any()):  # sync 2; the error path may take its time
+        if any_bad:  # the error path may take its time
             i = int(bad.nonzero()[0, 0])
             f = int(feat[i])
             raise RuntimeError(f"embedding ids out of range [0, {int(feature_meta[f, 1])}): {int(ids[i])} "
                                f"(feature {f})")
+        bag = torch.repeat_interleave(torch.arange(FB, device=dev), lengths, output_size=L)
         base = torch.cumsum(n_rows, 0) - n_rows  # first key of each feature's table
         key = base.index_select(0, feat) + ids
         sorted_key, perm = torch.sort(key, stable=True)  # stable: each row's occurrences stay in bag order
-        uniq, seg_len = torch.unique_consecutive(sorted_key, return_counts=True)  # sync 3 (U)
+        uniq, seg_len = torch.unique_consecutive(sorted_key, return_counts=True)  # sync 2 (U)
         U = uniq.numel()
         seg = torch.zeros(U + 1, dtype=torch.long, device=dev)
         torch.cumsum(seg_len, 0, out=seg[1:])
@@ -387,8 +391,13 @@ def triton_cowclip_adam_tables(
                 BLOCK_D=block_d, CHUNK=CHUNK, num_warps=1 if block_d * CHUNK <= 1024 else 4,
                 enable_fp_fusion=True,  # FMA, Triton's default up to 3.9 (said explicitly: 3.10 changes it)
             )
-        stats[:, 0].index_add_(0, seg_feat, torch.ones_like(seg_feat))
-        stats[:, 1].index_add_(0, seg_feat, clipped.long())
+        # per-feature counts without atomics: keys are table_base[f] + id with ascending bases, so
+        # the segments come sorted by feature (two index_add_ into F slots took 0.09 ms on an H200)
+        bounds = torch.searchsorted(seg_feat, torch.arange(F + 1, device=dev))
+        stats[:, 0] = bounds[1:] - bounds[:-1]
+        clipped_before = torch.zeros(U + 1, dtype=torch.long, device=dev)
+        torch.cumsum(clipped, 0, out=clipped_before[1:])
+        stats[:, 1] = clipped_before.index_select(0, bounds[1:]) - clipped_before.index_select(0, bounds[:-1])
     return stats
 
 
