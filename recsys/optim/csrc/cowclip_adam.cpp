@@ -782,6 +782,8 @@ struct PieceConst {
 struct PieceConsts {
   double hyper[7] = {-1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
   std::vector<PieceConst> at;  // by piece index
+  int64_t next_done = 0;       // where the piece after the last one starts, and its nominal size
+  double next_size = 1.0;
 };
 
 const std::vector<PieceConst>& piece_consts(const CatchHyper& h, int64_t gap) {
@@ -789,14 +791,12 @@ const std::vector<PieceConst>& piece_consts(const CatchHyper& h, int64_t gap) {
   const double key[7] = {h.lr, h.b1, h.b2, h.eps, h.c, h.growth, h.keras ? 1.0 : 0.0};
   if (std::memcmp(key, pc.hyper, sizeof(key)) != 0) {
     pc.at.clear();
+    pc.next_done = 0;
+    pc.next_size = 1.0;
     std::memcpy(pc.hyper, key, sizeof(key));
   }
-  int64_t done = 0;
-  double size = 1.0;
-  for (size_t i = 0; i < pc.at.size(); ++i) {
-    done = pc.at[i].done + pc.at[i].k_nom;
-    size *= h.growth;
-  }
+  int64_t done = pc.next_done;
+  double size = pc.next_size;
   while (done < gap) {  // extend to cover this gap's full pieces
     PieceConst c{};
     c.k_nom = static_cast<int64_t>(size);
@@ -819,6 +819,8 @@ const std::vector<PieceConst>& piece_consts(const CatchHyper& h, int64_t gap) {
     done += c.k_nom;
     size *= h.growth;
   }
+  pc.next_done = done;
+  pc.next_size = size;
   return pc.at;
 }
 
