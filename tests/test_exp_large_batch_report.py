@@ -64,3 +64,48 @@ def test_report_of_a_complete_grid_has_no_partial_note(tmp_path, capsys):
     head = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert (head["runs_finished"], head["runs_planned"]) == (2, 2)
     assert "Partial" not in (docs / "large_batch.md").read_text()
+
+
+def test_arms_that_share_the_base_run_train_the_same_job_there():
+    """No clip + rule, sqrt and linear differ only in their scaling rule; at the base batch each
+    rule's factors are 1 and the warm-up is the same, so their effective configs must be equal
+    (else sharing one run would report a wrong baseline for two arms)."""
+    import dataclasses
+
+    from recsys.config import load_config
+    from recsys.optim.scaling import effective_optim
+
+    def effective(arm: str, batch: int):
+        cfg = load_config(exp.CONFIG, [f"train.batch_size={batch}", "optim.scale_from_batch=1024", *exp.ARMS[arm]])
+        optim, warmup = effective_optim(cfg.optim, batch, 1000)
+        return dataclasses.replace(optim, scale_rule="-"), warmup
+
+    for group in exp.SAME_AT_BASE_GROUPS:
+        assert len({repr(effective(a, 1024)) for a in group}) == 1
+        assert len({repr(effective(a, 65536)) for a in group}) == len(group)  # and they do differ above it
+
+
+def test_the_paper_grid_plans_each_base_run_once_and_the_decisive_cells_first():
+    plan = exp.plan_runs([0], [1024, 8192, 65536, 131072], exp.DEFAULT_ARMS, 1024)
+    assert len(plan) == 4 * len(exp.DEFAULT_ARMS) - 2  # sqrt and linear share no clip + rule's 1K run
+    assert len(set(plan)) == len(plan)
+    assert (0, 1024, "sqrt") not in plan and (0, 1024, "noclip_rule") in plan
+    decisive = {(0, b, a) for b in (65536, 131072) for a in ("cowclip", "sqrt", "noclip_rule")}
+    first = plan[:2 + len(decisive)]
+    assert set(first) == decisive | {(0, 1024, "cowclip"), (0, 1024, "noclip_rule")}
+    assert first.index((0, 131072, "cowclip")) < first.index((0, 65536, "cowclip"))
+    # without no clip + rule in the grid, sqrt runs its own base run and linear shares it
+    assert exp.plan_runs([0], [1024, 65536], ["sqrt", "linear"], 1024) == [
+        (0, 1024, "sqrt"), (0, 65536, "sqrt"), (0, 65536, "linear")]
+
+
+def test_report_gives_sqrt_and_linear_the_no_clip_rule_base_run(tmp_path, capsys):
+    out, docs = tmp_path / "runs", tmp_path / "docs"
+    _fake_run(out, "b256_noclip_rule", 0.7900, [(10, 1.0, 0.7900)], 0.0)
+    _fake_run(out, "b2048_sqrt", 0.7850, [(1, 1.0, 0.7850)], 0.0)
+    exp.main(["--quick", "--report", "--out", str(out), "--docs", str(docs), "--arms", "noclip_rule", "sqrt", "linear"])
+    res = json.loads((docs / "results" / "large_batch.json").read_text())
+    runs = {(r["batch"], r["arm"]): r for r in res["runs"]}
+    assert runs[(256, "sqrt")]["auc"] == runs[(256, "linear")]["auc"] == 0.7900
+    assert abs(runs[(2048, "sqrt")]["auc_vs_base"] - (0.7850 - 0.7900)) < 1e-12
+    assert (res["runs_finished"], res["runs_planned"]) == (2, 4)  # noclip_rule@256, and the three arms at 2048

@@ -17,7 +17,8 @@ batches 1K, 8K, 64K and 128K, an eval after every epoch. Arms (`ARMS`):
   (legacy, the 2026-11-22 run on configs/experiments/large_batch.yaml: a, a_all, b, c)
 
 Every run is a real training job (`python -m recsys.cli train`, torchrun, gloo, DMP, our fused
-kernel). At the base batch the rules coincide, so sqrt and linear share one run there. Runs
+kernel). At the base batch the rules coincide, so no clip + rule, sqrt and linear share one run
+there. The decisive cells run first (`ARM_TIERS`: the largest batches of CowClip and sqrt). Runs
 checkpoint at every epoch end; an interrupted grid continues with --reuse (finished runs are
 kept, an interrupted run resumes from its last epoch); a finished run's checkpoints are deleted
 (the raw tables' state is ~7 GB). Per run the tool reports final and best AUC against the base
@@ -81,8 +82,38 @@ LABELS = {
     "c": "no clip + linear rule",
 }
 DEFAULT_ARMS = ["cowclip", "cowclip_lazy", "noclip_rule", "sqrt", "linear", "cowclip_lr1e-3"]
-# at the base batch these pairs are the same run (the rules coincide; same kernel and semantics)
-SAME_AT_BASE = {"linear": "sqrt", "c": "b"}
+# At the base batch the scaling rules coincide (every factor is 1, the warm-up is one epoch for all),
+# so arms that differ only in their rule are the same run there: one run per group, the first arm of
+# the group that the grid has, and the others share it.
+SAME_AT_BASE_GROUPS = (("noclip_rule", "sqrt", "linear"), ("b", "c"))
+# The order the grid runs in, so that a grid cut short has issue 14's decisive cells: a run's
+# priority is its arm's tier (a shared base run takes its best arm's), plus 2 for a batch between
+# the base and the targets' batches (>= TARGET_BATCH); within a priority, base runs first, then the
+# largest batch. The 4-batch paper grid thus starts with CowClip, sqrt and no clip + rule at 128K
+# and 64K, then linear there, then the 8K cells and the lazy semantics.
+ARM_TIERS = {"cowclip": 0, "sqrt": 0, "noclip_rule": 0, "linear": 1, "cowclip_lazy": 2}
+TARGET_BATCH = 65536
+
+
+def base_runner(arm: str, arms: list[str]) -> str:
+    """The arm whose base-batch run ``arm`` uses (itself unless an earlier arm of its group is in ``arms``)."""
+    group = next((g for g in SAME_AT_BASE_GROUPS if arm in g), (arm,))
+    return next(a for a in group if a in arms or a == arm)
+
+
+def plan_runs(seeds: list[int], batches: list[int], arms: list[str], base: int) -> list[tuple[int, int, str]]:
+    """(seed, batch, arm) of every run the grid trains, in the order it trains them (``ARM_TIERS``);
+    a base-batch run shared by several arms (``SAME_AT_BASE_GROUPS``) appears once."""
+    runs = [(seed, b, arm) for seed in seeds for b in batches for arm in arms
+            if b != base or base_runner(arm, arms) == arm]
+
+    def priority(run: tuple[int, int, str]) -> tuple:
+        seed, b, arm = run
+        served = [x for x in arms if base_runner(x, arms) == arm] if b == base else [arm]
+        tier = min(ARM_TIERS.get(x, 3) for x in served) + (2 if base < b < TARGET_BATCH else 0)
+        return seed, tier, b != base, -b, arms.index(arm)
+
+    return sorted(runs, key=priority)
 
 
 def _metrics(run_dir: Path) -> dict[str, Any]:
@@ -172,8 +203,9 @@ def _plot(results: list[dict], base: int, out: Path) -> None:
 
 
 def _base_of(results: list[dict], r: dict, base: int) -> dict | None:
-    """The base-batch run an arm is compared with (same arm and seed; sqrt's for linear)."""
-    for arm in (r["arm"], SAME_AT_BASE.get(r["arm"])):
+    """The base-batch run an arm is compared with (same seed; the same arm, or the run it shares there)."""
+    group = next((g for g in SAME_AT_BASE_GROUPS if r["arm"] in g), ())
+    for arm in (r["arm"], *group):
         hit = next((x for x in results if x["batch"] == base and x["arm"] == arm and x["seed"] == r["seed"]), None)
         if hit:
             return hit
@@ -220,7 +252,7 @@ def _headline(results: list[dict], base: int, batches: list[int]) -> dict[str, A
         vals = [r["auc_vs_base"] for r in results if r["arm"] == arm and r["batch"] == b and r["auc_vs_base"] is not None]
         return sum(vals) / len(vals) if vals else None
 
-    large = [b for b in batches if b >= 65536]
+    large = [b for b in batches if b >= TARGET_BATCH]
     out: dict[str, Any] = {"base_batch": base, "batches": batches,
                            "auc_vs_base": {f"{a}@{b}": delta(a, b) for a in ARMS for b in batches if delta(a, b) is not None}}
     targets: dict[str, Any] = {}
@@ -267,13 +299,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = load_config(a.config, extra).data.train_rows  # the trainer's own reading: defaults, overrides
     a.out.mkdir(parents=True, exist_ok=True)
 
-    plan = []
-    for seed in a.seeds:
-        for b in batches:
-            for arm in a.arms:
-                if b == a.base_batch and SAME_AT_BASE.get(arm) in a.arms:
-                    continue  # the same run as its partner's at the base batch
-                plan.append((seed, b, arm))
+    plan = plan_runs(a.seeds, batches, a.arms, a.base_batch)
     results: list[dict] = []
     t_start = time.perf_counter()
     ran = 0
@@ -307,9 +333,9 @@ def main(argv: list[str] | None = None) -> None:
         results.append(s)
         print(f"    auc {s['auc']:.4f} (oracle {s['oracle_auc']:.4f}) logloss {s['logloss']:.4f} "
               f"{s['samples_per_s_this_run']:,.0f} samples/s, {s['wall_s']:.0f} s", flush=True)
-        partner = next((p for p, q in SAME_AT_BASE.items() if q == arm), None)
-        if b == a.base_batch and partner in a.arms:
-            results.append(dict(s, arm=partner, shared_with=arm))
+        if b == a.base_batch:
+            results += [dict(s, arm=other, shared_with=arm) for other in a.arms
+                        if other != arm and base_runner(other, a.arms) == arm]
     _annotate(results, a.base_batch)
     (a.out / "results.json").write_text(json.dumps(results, indent=1))
 
