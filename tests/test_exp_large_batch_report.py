@@ -90,10 +90,12 @@ def test_the_paper_grid_plans_each_base_run_once_and_the_decisive_cells_first():
     assert len(plan) == 4 * len(exp.DEFAULT_ARMS) - 2  # sqrt and linear share no clip + rule's 1K run
     assert len(set(plan)) == len(plan)
     assert (0, 1024, "sqrt") not in plan and (0, 1024, "noclip_rule") in plan
-    decisive = {(0, b, a) for b in (65536, 131072) for a in ("cowclip", "sqrt", "noclip_rule")}
+    decisive = {(0, b, a) for b in (65536, 131072) for a in ("cowclip", "sqrt")}
     first = plan[:2 + len(decisive)]
-    assert set(first) == decisive | {(0, 1024, "cowclip"), (0, 1024, "noclip_rule")}
+    assert set(first) == decisive | {(0, 1024, "cowclip"), (0, 1024, "noclip_rule")}  # sqrt's base run
     assert first.index((0, 131072, "cowclip")) < first.index((0, 65536, "cowclip"))
+    then = {(0, b, a) for b in (65536, 131072) for a in ("noclip_rule", "linear")}
+    assert set(plan[len(first):len(first) + len(then)]) == then
     # without no clip + rule in the grid, sqrt runs its own base run and linear shares it
     assert exp.plan_runs([0], [1024, 65536], ["sqrt", "linear"], 1024) == [
         (0, 1024, "sqrt"), (0, 65536, "sqrt"), (0, 65536, "linear")]
