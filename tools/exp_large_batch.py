@@ -176,7 +176,7 @@ def _plot(results: list[dict], base: int, out: Path) -> None:
 
     arms = [a for a in ARMS if any(r["arm"] == a for r in results)]
     batches = sorted({r["batch"] for r in results})
-    fig, axes = plt.subplots(1, 1 + len(batches), figsize=(4.6 * (1 + len(batches)), 4.0), squeeze=False)
+    fig, axes = plt.subplots(1, 2 + len(batches), figsize=(4.6 * (2 + len(batches)), 4.0), squeeze=False)
     ax = axes[0][0]
     for arm in arms:
         pts = sorted((r["batch"], r["auc"]) for r in results if r["arm"] == arm and r["seed"] == 0)
@@ -191,7 +191,26 @@ def _plot(results: list[dict], base: int, out: Path) -> None:
     ax.set_title(f"same epochs, base batch {base}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    for ax, b in zip(axes[0][1:], batches):
+    # AUC against optimizer steps: a large batch has few of them (128K: 91 per epoch here), which
+    # is the first suspect when it falls short of the base batch at the same epochs
+    ax = axes[0][1]
+    styles = {"cowclip": "-", "sqrt": "--", "noclip_rule": ":", "cowclip_lazy": "-."}
+    for b, colour in zip(batches, plt.rcParams["axes.prop_cycle"].by_key()["color"]):
+        for arm, style in styles.items():
+            r = next((x for x in results if x["arm"] == arm and x["batch"] == b and x["seed"] == 0
+                      and not x.get("shared_with")), None)
+            if r and r.get("evals"):
+                ax.plot([e["step"] for e in r["evals"]], [e["auc"] for e in r["evals"]], style, color=colour,
+                        marker=".", label=f"{b}: {arm}")
+    if oracle:
+        ax.axhline(sum(oracle) / len(oracle), color="grey", ls=":")
+    ax.set_xscale("log")
+    ax.set_xlabel("optimizer steps (an eval per epoch)")
+    ax.set_ylabel("eval AUC")
+    ax.set_title("AUC against steps")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6)
+    for ax, b in zip(axes[0][2:], batches):
         for arm in arms:
             r = next((x for x in results if x["arm"] == arm and x["batch"] == b and x["seed"] == 0), None)
             if r and r.get("evals"):
