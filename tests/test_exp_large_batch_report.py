@@ -94,7 +94,8 @@ def test_the_paper_grid_plans_each_base_run_once_and_the_decisive_cells_first():
     first = plan[:2 + len(decisive)]
     assert set(first) == decisive | {(0, 1024, "cowclip"), (0, 1024, "noclip_rule")}  # sqrt's base run
     assert first.index((0, 131072, "cowclip")) < first.index((0, 65536, "cowclip"))
-    then = {(0, b, a) for b in (65536, 131072) for a in ("noclip_rule", "linear")}
+    then = {(0, b, a) for b in (65536, 131072) for a in ("cowclip_lazy", "noclip_rule", "linear")}
+    then.add((0, 1024, "cowclip_lazy"))  # the lazy semantics' own base run
     assert set(plan[len(first):len(first) + len(then)]) == then
     # without no clip + rule in the grid, sqrt runs its own base run and linear shares it
     assert exp.plan_runs([0], [1024, 65536], ["sqrt", "linear"], 1024) == [
