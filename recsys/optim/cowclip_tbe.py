@@ -83,8 +83,8 @@ class CowClipHyper:
     # "batch": lazy Adam, only the batch's rows move (L2 on them only). "all": the reference's dense
     # semantics, every row of the table gets the L2 gradient and an Adam step each step (O(table)
     # per step, table-wise / row-wise shards only): for measuring what lazy L2 changes. "catchup":
-    # the dense semantics at the lazy kernel's cost: rows absent for n steps are advanced by n
-    # dense steps when next read (recsys/optim/cowclip_catchup.py; table-/row-wise shards only).
+    # the dense semantics in O(batch): rows absent for n steps are advanced by n dense steps when
+    # next read (recsys/optim/cowclip_catchup.py; every sharding type, docs/cowclip.md).
     update_scope: str = "batch"
 
     @classmethod
