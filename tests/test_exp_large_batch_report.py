@@ -112,3 +112,16 @@ def test_report_gives_sqrt_and_linear_the_no_clip_rule_base_run(tmp_path, capsys
     assert runs[(256, "sqrt")]["auc"] == runs[(256, "linear")]["auc"] == 0.7900
     assert abs(runs[(2048, "sqrt")]["auc_vs_base"] - (0.7850 - 0.7900)) < 1e-12
     assert (res["runs_finished"], res["runs_planned"]) == (2, 4)  # noclip_rule@256, and the three arms at 2048
+
+
+def test_a_second_seed_repeats_only_the_decisive_cells_before_the_8k_cells():
+    seed0 = exp.plan_runs([0], [1024, 8192, 65536, 131072], exp.DEFAULT_ARMS, 1024)
+    plan = exp.plan_runs([0, 1], [1024, 8192, 65536, 131072], exp.DEFAULT_ARMS, 1024, ["cowclip", "noclip_rule", "sqrt"])
+    again = [r for r in plan if r[0] == 1]
+    assert set(again) == {(1, b, a) for b in (1024, 65536, 131072) for a in ("cowclip", "noclip_rule")} | {
+        (1, 65536, "sqrt"), (1, 131072, "sqrt")}  # sqrt's 1K run is no clip + rule's
+    assert [r for r in plan if r[0] == 0] == seed0  # the first seed keeps its order
+    first_8k = min(i for i, r in enumerate(plan) if r[1] == 8192)
+    assert max(plan.index(r) for r in again) < first_8k
+    assert exp.plan_runs([0, 1], [1024, 65536], ["cowclip"], 1024, None) == [
+        (0, 1024, "cowclip"), (0, 65536, "cowclip"), (1, 1024, "cowclip"), (1, 65536, "cowclip")]

@@ -18,7 +18,9 @@ batches 1K, 8K, 64K and 128K, an eval after every epoch. Arms (`ARMS`):
 
 Every run is a real training job (`python -m recsys.cli train`, torchrun, gloo, DMP, our fused
 kernel). At the base batch the rules coincide, so no clip + rule, sqrt and linear share one run
-there. The decisive cells run first (`ARM_TIERS`: the largest batches of CowClip and sqrt). Runs
+there. The decisive cells run first (`ARM_TIERS`: the largest batches of CowClip and sqrt); a
+second seed (`--seeds 0 1`, the default) repeats the decisive cells only (`--repeat-arms` at 1K,
+64K and 128K; `--repeat-all` for every cell), so that a 0.001 difference means something. Runs
 checkpoint at every epoch end; an interrupted grid continues with --reuse (finished runs are
 kept, an interrupted run resumes from its last epoch); a finished run's checkpoints are deleted
 (the raw tables' state is ~7 GB). Per run the tool reports final and best AUC against the base
@@ -30,7 +32,7 @@ one JSON object with the headline figures.
 
     .venv/bin/python tools/exp_large_batch.py --reuse      # the paper grid: many hours, one run at a time
     .venv/bin/python tools/exp_large_batch.py --report     # docs from the runs finished so far (no training)
-    .venv/bin/python tools/exp_large_batch.py --seeds 1 --batches 1024 65536 131072 --arms cowclip sqrt --reuse
+    .venv/bin/python tools/exp_large_batch.py --seeds 0 1 2 --reuse   # a third seed for the decisive cells
     .venv/bin/python tools/exp_large_batch.py --quick --no-docs   # tiny, for a smoke test
     .venv/bin/python tools/exp_large_batch.py --config configs/experiments/large_batch.yaml \\
         --arms a a_all b c --batches 1024 8192 65536 --marker results --out runs/exp_large_batch   # the 2026-11-22 grid
@@ -102,17 +104,30 @@ def base_runner(arm: str, arms: list[str]) -> str:
     return next(a for a in group if a in arms or a == arm)
 
 
-def plan_runs(seeds: list[int], batches: list[int], arms: list[str], base: int) -> list[tuple[int, int, str]]:
+def plan_runs(seeds: list[int], batches: list[int], arms: list[str], base: int,
+              repeat_arms: list[str] | None = None) -> list[tuple[int, int, str]]:
     """(seed, batch, arm) of every run the grid trains, in the order it trains them (``ARM_TIERS``);
-    a base-batch run shared by several arms (``SAME_AT_BASE_GROUPS``) appears once."""
+    a base-batch run shared by several arms (``SAME_AT_BASE_GROUPS``) appears once.
+
+    The first seed runs every cell. A further seed repeats only the decisive cells, ``repeat_arms``
+    at the base batch and at the targets' batches (None: every cell), after the first seed's tiers
+    0 and 1 (a 0.001 difference needs a second seed to mean something; the 8K cells and the lr
+    deviation do not decide a target)."""
+    def wanted(seed: int, b: int, arm: str) -> bool:
+        if seed == seeds[0] or repeat_arms is None:
+            return True
+        return (b == base or b >= TARGET_BATCH) and arm in repeat_arms
+
     runs = [(seed, b, arm) for seed in seeds for b in batches for arm in arms
-            if b != base or base_runner(arm, arms) == arm]
+            if (b != base or base_runner(arm, arms) == arm) and wanted(seed, b, arm)]
 
     def priority(run: tuple[int, int, str]) -> tuple:
         seed, b, arm = run
         served = [x for x in arms if base_runner(x, arms) == arm] if b == base else [arm]
         tier = min(ARM_TIERS.get(x, 3) for x in served) + (2 if base < b < TARGET_BATCH else 0)
-        return seed, tier, b != base, -b, arms.index(arm)
+        if seed != seeds[0]:
+            tier = max(tier, 1) + 0.5
+        return tier, seeds.index(seed), b != base, -b, arms.index(arm)
 
     return sorted(runs, key=priority)
 
@@ -294,8 +309,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1024, 8192, 65536, 131072])
     ap.add_argument("--base-batch", type=int, default=1024)
     ap.add_argument("--arms", nargs="+", default=DEFAULT_ARMS, choices=list(ARMS))
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0],
-                    help="train.seed and data.shuffle_seed per repeat (the data and its teacher stay the same)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=None,
+                    help="train.seed and data.shuffle_seed per repeat (the data and its teacher stay the same); "
+                         "seeds after the first run only the --repeat-arms cells (default 0 1; --quick: 0)")
+    ap.add_argument("--repeat-arms", nargs="+", default=["cowclip", "noclip_rule", "sqrt"], choices=list(ARMS),
+                    help="the arms a further seed repeats, at the base batch and at 64K and above")
+    ap.add_argument("--repeat-all", action="store_true", help="a further seed repeats every cell")
     ap.add_argument("--set", nargs="*", default=[], help="extra key=value overrides for every run")
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "exp_large_batch_paper")
     ap.add_argument("--docs", type=Path, default=REPO / "docs", help="where large_batch.md/.png and results/ go")
@@ -319,7 +338,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = load_config(a.config, extra).data.train_rows  # the trainer's own reading: defaults, overrides
     a.out.mkdir(parents=True, exist_ok=True)
 
-    plan = plan_runs(a.seeds, batches, a.arms, a.base_batch)
+    a.seeds = a.seeds or ([0] if a.quick else [0, 1])
+    plan = plan_runs(a.seeds, batches, a.arms, a.base_batch, None if a.repeat_all else a.repeat_arms)
     results: list[dict] = []
     t_start = time.perf_counter()
     ran = 0
