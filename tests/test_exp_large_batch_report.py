@@ -125,3 +125,30 @@ def test_a_second_seed_repeats_only_the_decisive_cells_before_the_8k_cells():
     assert max(plan.index(r) for r in again) < first_8k
     assert exp.plan_runs([0, 1], [1024, 65536], ["cowclip"], 1024, None) == [
         (0, 1024, "cowclip"), (0, 65536, "cowclip"), (1, 1024, "cowclip"), (1, 65536, "cowclip")]
+
+
+def test_a_resumed_run_reports_its_whole_training_time(tmp_path, capsys):
+    """The trainer's clock restarts when a run resumes; the report adds the pieces (and gives no wall
+    time: the tool could not time a piece that a stopped grid cut off)."""
+    out, docs = tmp_path / "runs", tmp_path / "docs"
+    _fake_run(out, "b256_cowclip", 0.79, [(10, 1.0, 0.785), (20, 2.0, 0.79)], 0.0)
+    d = out / "b2048_cowclip"
+    d.mkdir(parents=True)
+    (d / "summary.json").write_text(json.dumps({
+        "steps": 3, "auc": 0.791, "logloss": 0.45, "oracle_auc": 0.80, "samples_per_s_this_run": 1000.0,
+        "train_wall_s_this_run": 7.0}))
+    recs = [{"kind": "train", "step": 1, "epoch": 1.0, "elapsed_s": 100.0},
+            {"kind": "eval", "step": 1, "epoch": 1.0, "auc": 0.780, "logloss": 0.46},
+            {"kind": "train", "step": 2, "epoch": 2.0, "elapsed_s": 4.0},  # resumed after epoch 1
+            {"kind": "eval", "step": 2, "epoch": 2.0, "auc": 0.790, "logloss": 0.45},
+            {"kind": "train", "step": 3, "epoch": 3.0, "elapsed_s": 7.0},
+            {"kind": "eval", "step": 3, "epoch": 3.0, "auc": 0.791, "logloss": 0.45}]
+    (d / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in recs) + "\n")
+    (d / "exp_wall_s.txt").write_text("9.0\n")  # the last piece only
+    exp.main(["--quick", "--report", "--out", str(out), "--docs", str(docs), "--arms", "cowclip"])
+    res = json.loads((docs / "results" / "large_batch.json").read_text())
+    big = next(r for r in res["runs"] if r["batch"] == 2048)
+    assert (big["train_s"], big["pieces"], big["wall_s"]) == (107.0, 2, None)
+    assert big["train_s_to_base_auc"] == 104.0  # epoch 2 reached the base's 0.79: 100 s + 4 s
+    assert [e["train_s"] for e in big["evals"]] == [100.0, 104.0, 107.0]
+    assert "| 107 | 104 | - (2 pieces) |" in (docs / "large_batch.md").read_text()

@@ -133,8 +133,12 @@ def plan_runs(seeds: list[int], batches: list[int], arms: list[str], base: int,
 
 
 def _metrics(run_dir: Path) -> dict[str, Any]:
-    """Per-epoch evals (step, epoch, auc, logloss, training seconds so far) and the clipped share
-    of updated rows per epoch, from the run's metrics.jsonl."""
+    """Per-epoch evals (step, epoch, auc, logloss, training seconds so far), the clipped share of
+    updated rows per epoch, the training seconds in all and the number of pieces the run was
+    trained in, from the run's metrics.jsonl.
+
+    A resumed run's trainer starts its clock again (``elapsed_s`` falls back to about 0): the
+    seconds of the pieces before are added, so times are the run's whole training time."""
     train, evals = [], []
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         try:
@@ -142,7 +146,16 @@ def _metrics(run_dir: Path) -> dict[str, Any]:
         except ValueError:
             continue
         (train if rec.get("kind") == "train" else evals if rec.get("kind") == "eval" else []).append(rec)
-    elapsed = {r["step"]: r.get("elapsed_s") for r in train}
+    elapsed: dict[int, float] = {}
+    offset, last, pieces = 0.0, 0.0, 1
+    for r in train:
+        t = r.get("elapsed_s")
+        if t is None:
+            continue
+        if t < last:  # a new piece: its clock restarted
+            offset, pieces = offset + last, pieces + 1
+        last = t
+        elapsed[r["step"]] = offset + t
     out_evals = []
     for e in evals:
         before = [s for s in elapsed if s <= e["step"]]
@@ -154,7 +167,8 @@ def _metrics(run_dir: Path) -> dict[str, Any]:
         if "clipped_row_fraction" in r:
             clip.setdefault(max(0, int(-(-r["epoch"] // 1)) - 1), []).append(r["clipped_row_fraction"])
     return {"evals": out_evals,
-            "clipped_share_per_epoch": [sum(v) / len(v) for _, v in sorted(clip.items())] if clip else None}
+            "clipped_share_per_epoch": [sum(v) / len(v) for _, v in sorted(clip.items())] if clip else None,
+            "train_s": offset + last, "pieces": pieces}
 
 
 def _run(config: Path, overrides: list[str], run_dir: Path, log_path: Path, resume: bool) -> dict:
@@ -177,9 +191,11 @@ def _run(config: Path, overrides: list[str], run_dir: Path, log_path: Path, resu
 
 def _load(run_dir: Path) -> dict:
     s = json.loads((run_dir / "summary.json").read_text())
-    wall_file = run_dir / "exp_wall_s.txt"
-    s["wall_s"] = float(wall_file.read_text()) if wall_file.is_file() else s["train_wall_s_this_run"]
     s.update(_metrics(run_dir))
+    wall_file = run_dir / "exp_wall_s.txt"
+    # the tool times the pieces it runs to their end; a piece cut off by a stopped grid is not
+    # timed, so a resumed run's wall time is unknown (its training time, train_s, is)
+    s["wall_s"] = None if s["pieces"] > 1 else float(wall_file.read_text()) if wall_file.is_file() else s["train_s"]
     return s
 
 
@@ -273,11 +289,12 @@ def _table(results: list[dict]) -> str:
     for r in sorted(results, key=lambda r: (r["batch"], list(ARMS).index(r["arm"]), r["seed"])):
         clip = r.get("clipped_share_per_epoch")
         clip_s = "-" if not clip else " / ".join(f"{100 * c:.2f}%" for c in clip)
+        wall = _fmt(r["wall_s"], ".0f") if r["pieces"] == 1 else f"- ({r['pieces']} pieces)"
         lines.append(
             f"| {r['batch']} | {r['arm']} ({LABELS[r['arm']]}) | {r['seed']} | {r['auc']:.4f} | {_fmt(r['auc_vs_base'], '+.4f')} | "
             f"{_fmt(r['best_auc_vs_base'], '+.4f')} | {r['logloss']:.4f} | {clip_s} | {r['steps']} | "
-            f"{r['samples_per_s_this_run']:,.0f} | {r['train_wall_s_this_run']:.0f} | {_fmt(r['train_s_to_base_auc'], '.0f')} | "
-            f"{r['wall_s']:.0f} |"
+            f"{r['samples_per_s_this_run']:,.0f} | {r['train_s']:.0f} | {_fmt(r['train_s_to_base_auc'], '.0f')} | "
+            f"{wall} |"
         )
     return "\n".join(lines)
 
@@ -372,7 +389,7 @@ def main(argv: list[str] | None = None) -> None:
         s.update(batch=b, arm=arm, seed=seed)
         results.append(s)
         print(f"    auc {s['auc']:.4f} (oracle {s['oracle_auc']:.4f}) logloss {s['logloss']:.4f} "
-              f"{s['samples_per_s_this_run']:,.0f} samples/s, {s['wall_s']:.0f} s", flush=True)
+              f"{s['samples_per_s_this_run']:,.0f} samples/s, {s['train_s']:.0f} s training", flush=True)
         if b == a.base_batch:
             results += [dict(s, arm=other, shared_with=arm) for other in a.arms
                         if other != arm and base_runner(other, a.arms) == arm]
@@ -390,7 +407,7 @@ def main(argv: list[str] | None = None) -> None:
     if not a.no_docs:
         (a.docs / "results").mkdir(parents=True, exist_ok=True)
         keep = ("batch", "arm", "seed", "auc", "best_auc", "auc_vs_base", "best_auc_vs_base", "logloss", "oracle_auc",
-                "steps", "samples_per_s_this_run", "train_wall_s_this_run", "wall_s", "train_s_to_base_auc",
+                "steps", "samples_per_s_this_run", "train_s", "pieces", "wall_s", "train_s_to_base_auc",
                 "clipped_share_per_epoch", "evals")
         (a.docs / "results" / "large_batch.json").write_text(json.dumps(
             {"config": str(a.config.relative_to(REPO)) if a.config.is_relative_to(REPO) else str(a.config),
