@@ -208,11 +208,13 @@ def _plot(results: list[dict], base: int, out: Path) -> None:
     arms = [a for a in ARMS if any(r["arm"] == a for r in results)]
     batches = sorted({r["batch"] for r in results})
     fig, axes = plt.subplots(1, 2 + len(batches), figsize=(4.6 * (2 + len(batches)), 4.0), squeeze=False)
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colour_of = {arm: cycle[i % len(cycle)] for i, arm in enumerate(arms)}  # one colour per arm in every panel
     ax = axes[0][0]
     for arm in arms:
         pts = sorted((r["batch"], r["auc"]) for r in results if r["arm"] == arm and r["seed"] == 0)
         if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=LABELS[arm])
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=colour_of[arm], label=LABELS[arm])
     oracle = [r["oracle_auc"] for r in results]
     if oracle:
         ax.axhline(sum(oracle) / len(oracle), color="grey", ls=":", label="oracle (teacher) AUC")
@@ -226,7 +228,7 @@ def _plot(results: list[dict], base: int, out: Path) -> None:
     # is the first suspect when it falls short of the base batch at the same epochs
     ax = axes[0][1]
     styles = {"cowclip": "-", "sqrt": "--", "noclip_rule": ":", "cowclip_lazy": "-."}
-    for b, colour in zip(batches, plt.rcParams["axes.prop_cycle"].by_key()["color"]):
+    for b, colour in zip(batches, cycle[::-1]):
         for arm, style in styles.items():
             r = next((x for x in results if x["arm"] == arm and x["batch"] == b and x["seed"] == 0
                       and not x.get("shared_with")), None)
@@ -245,7 +247,8 @@ def _plot(results: list[dict], base: int, out: Path) -> None:
         for arm in arms:
             r = next((x for x in results if x["arm"] == arm and x["batch"] == b and x["seed"] == 0), None)
             if r and r.get("evals"):
-                ax.plot([e["epoch"] for e in r["evals"]], [e["auc"] for e in r["evals"]], marker=".", label=LABELS[arm])
+                ax.plot([e["epoch"] for e in r["evals"]], [e["auc"] for e in r["evals"]], marker=".",
+                        color=colour_of[arm], label=LABELS[arm])
         ax.set_xlabel("epoch")
         ax.set_title(f"batch {b}: AUC after each epoch")
         ax.grid(alpha=0.3)
