@@ -257,13 +257,9 @@ def _plot(results: list[dict], base: int, out: Path) -> None:
 
 
 def _base_of(results: list[dict], r: dict, base: int) -> dict | None:
-    """The base-batch run an arm is compared with (same seed; the same arm, or the run it shares there)."""
-    group = next((g for g in SAME_AT_BASE_GROUPS if r["arm"] in g), ())
-    for arm in (r["arm"], *group):
-        hit = next((x for x in results if x["batch"] == base and x["arm"] == arm and x["seed"] == r["seed"]), None)
-        if hit:
-            return hit
-    return None
+    """The base-batch run an arm is compared with: the same arm and seed at the base batch (an arm
+    that shares another's base run has its copy in ``results``, marked ``shared_with``)."""
+    return next((x for x in results if x["batch"] == base and x["arm"] == r["arm"] and x["seed"] == r["seed"]), None)
 
 
 def _annotate(results: list[dict], base: int) -> None:
