@@ -15,7 +15,8 @@ own copies of the tables, medians of ``--iters`` rounds. Also checks, after the 
 both methods' tables agree (the same batches, the same start).
 
     python3 tools/bench_triton_cuda.py                     # 1M rows per table, batch 8K, on cuda
-    python3 tools/bench_triton_cuda.py --rows 1300000 --catchup   # raw-sized tables, + the catch-up
+    python3 tools/bench_triton_cuda.py --rows 1300000 --catchup   # 1.3M rows per table, + the catch-up
+    python3 tools/bench_triton_cuda.py --sizes raw --catchup --dense   # raw Criteo sizes (33.8M rows), + dense pass
     TRITON_INTERPRET=1 python tools/bench_triton_cuda.py --device cpu --rows 2000 --batch 64 --iters 2   # smoke test
 
 The last line of stdout is one JSON object.
@@ -38,8 +39,9 @@ HP = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, r=1.0, l2=1e-5 * 8)
 ZETA = 1e-5
 
 
-def _batches(rows: int, batch: int, steps: int, device, seed: int = 0):
-    """[steps] of (indices [TABLES*batch], offsets [TABLES*batch+1], grad [batch, TABLES*DIM])."""
+def _batches(cards: list[int], batch: int, steps: int, device, seed: int = 0):
+    """[steps] of (indices [TABLES*batch], offsets [TABLES*batch+1], grad [batch, TABLES*DIM]),
+    feature-major; table t's ids are Zipf ranks hashed over its cards[t] rows."""
     import numpy as np
     import torch
 
@@ -48,13 +50,25 @@ def _batches(rows: int, batch: int, steps: int, device, seed: int = 0):
 
     rng = np.random.default_rng(seed)
     g = torch.Generator().manual_seed(seed + 1)
+    n = np.repeat(np.asarray(cards, dtype=np.int64), batch)
+    mult = np.repeat(np.asarray([_mult(c) for c in cards], dtype=np.int64), batch)
     out = []
     for _ in range(steps):
-        k = zipf_ranks(rng.random(TABLES * batch), np.full(TABLES * batch, rows, dtype=np.int64), ZIPF)
-        ids = torch.from_numpy((k * _mult(rows)) % rows)
+        k = zipf_ranks(rng.random(TABLES * batch), n, ZIPF)
+        ids = torch.from_numpy((k * mult) % n)
         grad = torch.randn(batch, TABLES * DIM, generator=g) * 1e-3
         out.append((ids.to(device), torch.arange(TABLES * batch + 1, device=device), grad.to(device)))
     return out
+
+
+def table_rows(args) -> list[int]:
+    """Rows of each of the 26 tables: ``--rows`` each (uniform), or the raw Criteo-Kaggle sizes
+    (``criteo_kaggle_raw``, 33.8M rows in all) times ``--fraction``, as tools/bench_catchup.py."""
+    if args.sizes == "uniform":
+        return [args.rows] * TABLES
+    from recsys.config import CARDINALITY_PRESETS
+
+    return [max(1, int(c * args.fraction)) for c in CARDINALITY_PRESETS["criteo_kaggle_raw"]]
 
 
 def run(args) -> dict:
@@ -66,15 +80,25 @@ def run(args) -> dict:
     dev = torch.device(args.device)
     if not ctr.triton_available(dev):
         raise SystemExit(f"the Triton kernel is not available for {dev} (CPU needs TRITON_INTERPRET=1)")
-    n, B = args.rows, args.batch
-    meta = torch.tensor([[t * n * DIM, n, DIM, t * DIM, t * n, 1] for t in range(TABLES)], dtype=torch.long)
+    cards, B = table_rows(args), args.batch
+    cum = [0]
+    for c in cards:
+        cum.append(cum[-1] + c)
+    N = cum[-1]
+    meta = torch.tensor([[cum[t] * DIM, cards[t], DIM, t * DIM, cum[t], 1] for t in range(TABLES)], dtype=torch.long)
     zeta = torch.full((TABLES,), ZETA, dtype=torch.float64)
     g = torch.Generator(device=dev).manual_seed(0)
-    w0 = torch.randn(TABLES * n * DIM, generator=g, device=dev) * 1e-2
+    w0 = torch.randn(N * DIM, generator=g, device=dev) * 1e-2
     bufs = {m: [w0.clone(), torch.zeros_like(w0), torch.zeros_like(w0),
-                torch.zeros(TABLES * n, dtype=torch.long, device=dev)] for m in ("triton", "torch")}
+                torch.zeros(N, dtype=torch.long, device=dev)] for m in ("triton", "torch")}
     del w0
-    batches = _batches(n, B, args.warmup + args.iters, dev)
+    batches = _batches(cards, B, args.warmup + args.iters, dev)
+
+    def table_state(buf: list, t: int, step):
+        """Table t's [n, DIM] views of a method's buffers, as one table's CowClipAdamState."""
+        n, sl = cards[t], slice(cum[t] * DIM, cum[t + 1] * DIM)
+        st = CowClipAdamState(buf[1][sl].view(n, DIM), buf[2][sl].view(n, DIM), buf[3][cum[t]:cum[t + 1]], step)
+        return buf[0][sl].view(n, DIM), st
 
     def triton_step(i: int) -> None:
         idx, off, grad = batches[i]
@@ -82,12 +106,9 @@ def run(args) -> dict:
 
     def torch_step(i: int) -> None:
         idx, off, grad = batches[i]
-        w, m1, m2, rs = bufs["torch"]
         for t in range(TABLES):
-            sl = slice(t * n * DIM, (t + 1) * n * DIM)
-            st = CowClipAdamState(m1[sl].view(n, DIM), m2[sl].view(n, DIM), rs[t * n:(t + 1) * n],
-                                  torch.zeros((), dtype=torch.long, device=dev))
-            cowclip_adam_step(w[sl].view(n, DIM), st, idx[t * B:(t + 1) * B], off[: B + 1],
+            w, st = table_state(bufs["torch"], t, torch.zeros((), dtype=torch.long, device=dev))
+            cowclip_adam_step(w, st, idx[t * B:(t + 1) * B], off[: B + 1],
                               grad[:, t * DIM:(t + 1) * DIM].contiguous(), None, zeta=ZETA, clip=True,
                               update_scope="batch", l2_scope="batch", bias_correction="row", **HP)
 
@@ -97,8 +118,8 @@ def run(args) -> dict:
         from recsys.optim.cowclip_catchup_triton import triton_catch_up_rows
         from tools.bench_catchup import steady_state_row_step
 
-        rs0 = steady_state_row_step([n] * TABLES, B, args.trained_steps).to(dev)
-        starts = torch.arange(TABLES, device=dev) * n
+        rs0 = steady_state_row_step(cards, B, args.trained_steps).to(dev)
+        starts = torch.tensor(cum[:-1], device=dev)
         behind_counts: list[int] = []
 
         def make_catchup(method: str):
@@ -132,6 +153,19 @@ def run(args) -> dict:
 
         for method in ("catchup_triton", "catchup_torch"):
             steps[method] = make_catchup(method)
+    if args.dense:  # the ceiling to beat: the reference semantics as a dense pass over every row (torch ops)
+        bufs["dense"] = [b.clone() for b in bufs["triton"][:3]] + [torch.zeros(N, dtype=torch.long, device=dev)]
+        dense_step = [torch.full((), args.trained_steps, dtype=torch.long, device=dev) for _ in range(TABLES)]
+
+        def dense_fn(i: int) -> None:
+            idx, off, grad = batches[i]
+            for t in range(TABLES):
+                w, st = table_state(bufs["dense"], t, dense_step[t])
+                cowclip_adam_step(w, st, idx[t * B:(t + 1) * B], off[: B + 1],
+                                  grad[:, t * DIM:(t + 1) * DIM].contiguous(), None, zeta=ZETA, clip=True,
+                                  update_scope="all", l2_scope="all", **HP)
+
+        steps["dense"] = dense_fn
     times = {m: [] for m in steps}
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     for i in range(args.warmup + args.iters):
@@ -150,13 +184,17 @@ def run(args) -> dict:
                      zip(("weights", "momentum1", "momentum2"), bufs["catchup_triton"][:3], bufs["catchup_torch"][:3])})
     res = {
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__, "rows_per_table": n, "tables": TABLES, "dim": DIM, "batch": B,
+        "torch": torch.__version__, "sizes": args.sizes, "rows": N,
+        "rows_per_table": cards[0] if args.sizes == "uniform" else None,
+        "fraction": args.fraction if args.sizes == "raw" else None, "tables": TABLES, "dim": DIM, "batch": B,
         "iters": args.iters, "step_ms": med, "step_ms_min": {m: 1e3 * min(v) for m, v in times.items()},
         "torch_over_triton": med["torch"] / med["triton"],
         **({"catchup_triton_over_lazy": med["catchup_triton"] / med["triton"],
             "catchup_torch_over_lazy": med["catchup_torch"] / med["triton"],
             "trained_steps": args.trained_steps,
             "catchup_rows_behind_per_step": statistics.median(behind_counts)} if args.catchup else {}),
+        **({"dense_over_lazy": med["dense"] / med["triton"]} if args.dense else {}),
+        **({"dense_over_catchup": med["dense"] / med["catchup_triton"]} if args.dense and args.catchup else {}),
         "max_abs_diff_after": diff, "row_steps_equal": bool(torch.equal(bufs["triton"][3], bufs["torch"][3])),
     }
     if args.profile:  # where a method's step goes: the top ops of a few more steps (after the check above)
@@ -192,7 +230,12 @@ def run(args) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--rows", type=int, default=1_000_000, help="rows per table")
+    ap.add_argument("--sizes", choices=("uniform", "raw"), default="uniform",
+                    help="uniform: --rows per table; raw: the raw Criteo-Kaggle sizes times --fraction")
+    ap.add_argument("--rows", type=int, default=1_000_000, help="rows per table (--sizes uniform)")
+    ap.add_argument("--fraction", type=float, default=1.0, help="share of every raw table's rows (--sizes raw)")
+    ap.add_argument("--dense", action="store_true", help="also time the dense pass (update_scope='all', torch "
+                    "ops): the reference semantics over every row each step, the ceiling the catch-up must beat")
     ap.add_argument("--batch", type=int, default=8192)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
