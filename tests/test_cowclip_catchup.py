@@ -497,7 +497,9 @@ def _sh_local(v) -> list:
     return [((0, 0), v)]
 
 
-def _sh_worker(rank: int, world: int, port: int, out: str) -> None:
+def _sh_worker(rank: int, world: int, port: int, out: str, explicit: bool = True) -> None:
+    """``explicit``: catch up with ``catch_up_all_tables`` before reading the tables, as our loop
+    does; else rely on what a stock torchrec loop gets (the model's state_dict flushes the lookups)."""
     import os
     from pathlib import Path
 
@@ -533,21 +535,44 @@ def _sh_worker(rank: int, world: int, port: int, out: str) -> None:
         ck = str(Path(out) / "ckpt")
         for i in range(SH_STEPS):
             if i == SH_CKPT:  # what the training loop's checkpoint does: every row to this step, then save
-                catch_up_all_tables(dmp)
-                dcp.save({"model": dmp.state_dict(), "optim": dmp.fused_optimizer.state_dict()}, checkpoint_id=ck)
+                if explicit:
+                    catch_up_all_tables(dmp)
+                    dcp.save({"model": dmp.state_dict(), "optim": dmp.fused_optimizer.state_dict()}, checkpoint_id=ck)
+                else:  # a stock loop, the optimizer's state_dict built first: it holds views, and the
+                    # model's state_dict (its pre-hook flushes the lookups) brings them to step i
+                    osd = dmp.fused_optimizer.state_dict()
+                    rs = [x for v in osd["state"].values() for n, t in v.items() if n.endswith("row_step")
+                          for x in ([s.tensor for s in t.local_shards()] if hasattr(t, "local_shards") else [t])]
+                    assert rs and not all(bool((t == i).all()) for t in rs), "no row was behind: nothing tested"
+                    msd = dmp.state_dict()
+                    assert all(bool((t == i).all()) for t in rs), "the model's state_dict left rows behind"
+                    dcp.save({"optim": osd, "model": msd}, checkpoint_id=ck)
             step(dmp, i)
-        catch_up_all_tables(dmp)
+        if explicit:
+            catch_up_all_tables(dmp)
         torch.save(pieces(dmp), Path(out) / f"final_r{rank}.pt")
-        # a fresh model restored from the checkpoint (its step comes from row_step: no set_optimizer_step)
+        # a fresh model restored from the checkpoint (its step comes from row_step: no set_optimizer_step);
+        # the stock loop lets DCP load in place (its tensors are views of the tables), so the
+        # state_dict taken before the load must not have fixed the fresh model's step 0
         dmp2 = _sh_build(world)
         sd = {"model": dmp2.state_dict(), "optim": dmp2.fused_optimizer.state_dict()}
         dcp.load(sd, checkpoint_id=ck)
-        dmp2.load_state_dict(sd["model"])
-        dmp2.fused_optimizer.load_state_dict(sd["optim"])
+        if explicit:
+            dmp2.load_state_dict(sd["model"])
+            dmp2.fused_optimizer.load_state_dict(sd["optim"])
         for i in range(SH_CKPT, SH_STEPS):
             step(dmp2, i)
-        catch_up_all_tables(dmp2)
+        if explicit:
+            catch_up_all_tables(dmp2)
         torch.save(pieces(dmp2), Path(out) / f"resumed_r{rank}.pt")
+        if not explicit:  # the trained model itself restored (its step was SH_STEPS): load_state_dict resets it
+            sd = {"model": dmp.state_dict(), "optim": dmp.fused_optimizer.state_dict()}
+            dcp.load(sd, checkpoint_id=ck)
+            dmp.load_state_dict(sd["model"])
+            dmp.fused_optimizer.load_state_dict(sd["optim"])
+            for i in range(SH_CKPT, SH_STEPS):
+                step(dmp, i)
+            torch.save(pieces(dmp), Path(out) / f"reloaded_r{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -583,8 +608,10 @@ def test_sharded_catchup_two_ranks_equals_one_rank_the_dense_reference_and_resum
     """Table-wise, row-wise, table-row-wise, column-wise and data-parallel CowClip tables with
     embedding_l2_scope=catchup under real TorchRec sharding over gloo: 2 ranks == 1 rank, both
     within 2 lr of the dense reference formula (every row moved every step; measured 0.54-0.71
-    lr), and a DCP checkpoint (taken after catch_up_all_tables) restored into a fresh model replays
-    bit-identically. (Table-column-wise runs the column-wise kernel and exchange; torchrec 1.8
+    lr), and a DCP checkpoint restored into a fresh model replays bit-identically. One rank catches
+    up with ``catch_up_all_tables`` as our loop does; two ranks rely on what a stock torchrec loop
+    gets (the model's ``state_dict`` flushes the lookups, which catches every row up, also in the
+    optimizer state_dict built before it). (Table-column-wise runs the column-wise kernel and exchange; torchrec 1.8
     has no plan generator for it, so it is not built here.)"""
     import socket
 
@@ -597,15 +624,17 @@ def test_sharded_catchup_two_ranks_equals_one_rank_the_dense_reference_and_resum
 
     for world in (1, 2):
         (tmp_path / str(world)).mkdir()
-        mp.start_processes(_sh_worker, args=(world, port(), str(tmp_path / str(world))), nprocs=world,
+        mp.start_processes(_sh_worker, args=(world, port(), str(tmp_path / str(world)), world == 1), nprocs=world,
                            start_method="spawn")
     one, two = _sh_assemble(tmp_path / "1", 1, "final"), _sh_assemble(tmp_path / "2", 2, "final")
     resumed = _sh_assemble(tmp_path / "2", 2, "resumed")
+    reloaded = _sh_assemble(tmp_path / "2", 2, "reloaded")
     dense = _sh_dense_reference()
     for n in SH_TABLES:
         assert not torch.isnan(two[n]).any()
         torch.testing.assert_close(two[n], one[n], rtol=1e-5, atol=1e-6, msg=f"2 ranks vs 1 rank: {n}")
         assert torch.equal(resumed[n], two[n]), f"resume: {n}"
+        assert torch.equal(reloaded[n], two[n]), f"reload into the trained model: {n}"
         err = float((two[n] - dense[n]).abs().max())
         assert err <= 2 * SH_LR, (n, err / SH_LR)  # measured: 1.04 lr
         assert float((two[n] - _sh_init(n)).abs().min()) > 0  # every row moved (absent ones by L2)

@@ -300,6 +300,17 @@ class CowClipEmbeddingBag(BaseBatchedEmbeddingBag[Tensor], FusedOptimizerModule)
     def emb_module(self) -> CowClipAdamTBE:  # type: ignore[override]
         return self._emb_module
 
+    def flush(self) -> None:
+        """torchrec flushes every lookup's kernels before it reads the tables (the sharded EBC's
+        state_dict pre-hook; for FBGEMM's caching kernels it writes the cache back). Ours has no
+        cache; with ``update_scope="catchup"`` its pending work is the rows behind the current step,
+        so flushing catches them all up: a stock loop's ``dmp.state_dict()`` (DCP, torch.save) then
+        saves the dense reference's tables without a call to ``catch_up_all_tables``. The
+        optimizer's state_dict (torchrec's CombinedOptimizer) holds views of the same moments and
+        calls nothing of ours: take the model's state_dict before the optimizer's is serialized
+        (DCP writes both after both are built), or call ``catch_up_all_tables`` first."""
+        self._emb_module.catch_up_all()
+
     @property
     def fused_optimizer(self) -> FusedOptimizer:
         return self._optim
@@ -499,6 +510,11 @@ def cowclip_tables_by_sharding_type(
     return out
 
 
+def _forget_dense_steps(module: "ShardedCowClipEmbeddingBagCollection", incompatible_keys: Any) -> None:
+    for k in module._cowclip_kernels():
+        k.emb_module.forget_dense_step()
+
+
 class ShardedCowClipEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     """``ShardedEmbeddingBagCollection`` whose lookups build CowClip kernels for tagged tables."""
 
@@ -508,6 +524,13 @@ class ShardedCowClipEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         object.__setattr__(self, "_cowclip_tables", cowclip_tables_by_sharding_type(
             module, table_name_to_parameter_sharding, fused_params))
         super().__init__(module, table_name_to_parameter_sharding, env, fused_params, device, **kw)
+        # loading writes row_step in place: the catch-up kernels must derive their step again
+        self.register_load_state_dict_post_hook(_forget_dense_steps)
+
+    def _cowclip_kernels(self) -> list[CowClipEmbeddingBag]:
+        """The CowClip kernels of every lookup (they sit in torchrec's plain ``_lookups`` list)."""
+        return [k for lk in self._lookups
+                for k in (lk.cowclip_kernels() if isinstance(lk, CowClipGroupedPooledEmbeddingsLookup) else [])]
 
     def _create_lookups(self) -> None:
         for sharding in self._embedding_shardings:
@@ -517,8 +540,7 @@ class ShardedCowClipEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         """``update_scope="catchup"`` tables: every row to the current step (the kernels sit in
         torchrec's plain ``_lookups`` list, out of ``modules()``; ``catch_up_all_tables`` finds
         this method instead). Returns the rows advanced."""
-        return sum(k.emb_module.catch_up_all() for lk in self._lookups
-                   for k in (lk.cowclip_kernels() if isinstance(lk, CowClipGroupedPooledEmbeddingsLookup) else []))
+        return sum(k.emb_module.catch_up_all() for k in self._cowclip_kernels())
 
     def init_data_parallel(self) -> None:
         """Stock DDP-wraps data-parallel lookups; CowClip DP tables are merged by the exchange

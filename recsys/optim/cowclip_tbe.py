@@ -468,11 +468,21 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
             self.apply_rows(t, rows, g, cnt, add_l2=True)
 
     # ---- update_scope="catchup" (recsys/optim/cowclip_catchup.py) ------------------------------
-    def dense_step(self) -> int:
-        """Global step (updates done) of the catch-up mode; first derived from ``row_step``."""
-        if self._dense_step is None:
-            self._dense_step = int(self.row_step.max()) if self.row_step.numel() else 0
-        return self._dense_step
+    def dense_step(self, cache: bool = True) -> int:
+        """Global step (updates done) of the catch-up mode; first derived from ``row_step``.
+        ``cache=False`` derives it without keeping it: what a state_dict taken before a checkpoint
+        is loaded in place (DCP's pattern) must use, or the fresh model's step 0 would stick."""
+        if self._dense_step is not None:
+            return self._dense_step
+        step = int(self.row_step.max()) if self.row_step.numel() else 0
+        if cache:
+            self._dense_step = step
+        return step
+
+    def forget_dense_step(self) -> None:
+        """The tables were loaded in place (a checkpoint): derive the global step from the loaded
+        ``row_step`` again at the next use (the sharded EBC's load_state_dict post-hook calls this)."""
+        self._dense_step = None
 
     @torch.no_grad()
     def catch_up_lookup(self, indices: Tensor, offsets: Tensor) -> None:
@@ -507,7 +517,7 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
         reads the tables; eval lookups catch up their own rows). Returns the rows advanced."""
         if self.hyper.update_scope != "catchup":
             return 0
-        step, done = self.dense_step(), 0
+        step, done = self.dense_step(cache=False), 0
         for lo in range(0, self.row_step.numel(), chunk_rows):
             rows = lo + torch.nonzero(self.row_step[lo : lo + chunk_rows] < step).flatten()
             if rows.numel():
