@@ -160,3 +160,20 @@ def test_a_resumed_run_reports_its_whole_training_time(tmp_path, capsys):
     assert big["train_s_to_base_auc"] == 104.0  # epoch 2 reached the base's 0.79: 100 s + 4 s
     assert [e["train_s"] for e in big["evals"]] == [100.0, 104.0, 107.0]
     assert "| 107 | 104 | - (2 pieces) |" in (docs / "large_batch.md").read_text()
+
+
+def test_the_report_compares_the_two_semantics_at_each_batch(tmp_path, capsys):
+    """The final AUC of the reference semantics minus the lazy ones' at every batch where both ran
+    (what the default scope follows), whatever each arm's own base run gave."""
+    out, docs = tmp_path / "runs", tmp_path / "docs"
+    _fake_run(out, "b256_cowclip", 0.7950, [(10, 1.0, 0.7950)], 0.01)
+    _fake_run(out, "b256_cowclip_lazy", 0.7850, [(10, 1.0, 0.7850)], 0.0)
+    _fake_run(out, "b2048_cowclip", 0.7960, [(1, 1.0, 0.7960)], 0.01)
+    _fake_run(out, "b2048_cowclip_lazy", 0.7945, [(1, 1.0, 0.7945)], 0.0)
+    exp.main(["--quick", "--report", "--out", str(out), "--docs", str(docs), "--arms", "cowclip", "cowclip_lazy"])
+    head = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    diff = head["reference_minus_lazy"]
+    assert set(diff) == {"@256", "@2048"}
+    assert abs(diff["@256"] - 0.0100) < 1e-9 and abs(diff["@2048"] - 0.0015) < 1e-9
+    runs = {(r["batch"], r["arm"]): r for r in json.loads((docs / "results" / "large_batch.json").read_text())["runs"]}
+    assert abs(runs[(2048, "cowclip_lazy")]["auc_vs_base"] - 0.0095) < 1e-9  # against its own 256 run, not the reference's

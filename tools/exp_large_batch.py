@@ -318,6 +318,15 @@ def _headline(results: list[dict], base: int, batches: list[int]) -> dict[str, A
         nc, cc = delta("noclip_rule", b), delta("cowclip", b)
         targets[f"clip_contribution@{b}"] = None if nc is None or cc is None else cc - nc
     out["targets"] = targets
+
+    def auc(arm: str, b: int) -> float | None:
+        vals = [r["auc"] for r in results if r["arm"] == arm and r["batch"] == b]
+        return sum(vals) / len(vals) if vals else None
+
+    # which semantics is better, batch by batch (the default of optim.embedding_l2_scope=auto follows
+    # it): final AUC of the reference semantics minus the lazy ones', means over seeds
+    out["reference_minus_lazy"] = {f"@{b}": auc("cowclip", b) - auc("cowclip_lazy", b) for b in batches
+                                   if auc("cowclip", b) is not None and auc("cowclip_lazy", b) is not None}
     return out
 
 
