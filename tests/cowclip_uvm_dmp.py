@@ -45,7 +45,8 @@ def build(world: int, device: torch.device):
     ebc = EmbeddingBagCollection(
         tables=[EmbeddingBagConfig(name=n, embedding_dim=DIMS[n], num_embeddings=ROWS[n], feature_names=[n]) for n in NAMES],
         is_weighted=True, device=torch.device("meta"))
-    hp = CowClipHyper(learning_rate=cs.LR, l2=cs.L2, cowclip_r=cs.R, cowclip_zeta=cs.ZETA)
+    hp = CowClipHyper(learning_rate=cs.LR, l2=cs.L2, cowclip_r=cs.R, cowclip_zeta=cs.ZETA,
+                      update_scope="batch")  # checked against the lazy formula
     for n, (_, _, host_mapped) in TABLES.items():
         kw = cowclip_fused_params(hp) | ({"uvm_host_mapped": True} if host_mapped else {})
         apply_optimizer_in_backward(TrecAdam, [ebc.embedding_bags[n].weight], kw)

@@ -46,6 +46,11 @@ def test_demo_config_loads_with_overrides():
         ("optim:\n  embedding_l2: 1e-5\n", "key 'optim.embedding_l2': is only applied by cowclip_adam"),
         ("optim:\n  embedding: cowclip_adam\n  adam_eps_mode: tf\n", "key 'optim.adam_eps_mode': unknown mode 'tf'"),
         ("optim:\n  embedding: adagrad\n  embedding_l2_scope: all\n", "key 'optim.embedding_l2_scope': 'all' is"),
+        ("optim:\n  embedding: adam\n  embedding_l2_scope: dense\n",
+         "key 'optim.embedding_l2_scope': unknown scope 'dense' (auto, batch, all or catchup)"),
+        # the default scope for cowclip_adam is the catch-up, which assumes 2*l2 < r for the L2 as scaled
+        ("optim:\n  embedding: cowclip_adam\n  embedding_l2: 0.01\n  scale_from_batch: 1024\ntrain:\n  batch_size: 65536\n",
+         "key 'optim.embedding_l2': 0.64 (as scaled to the batch) needs 2*l2 < optim.cowclip_r (1) with embedding_l2_scope catchup"),
         ("optim:\n  scale_rule: cubic\n", "key 'optim.scale_rule': unknown rule 'cubic'"),
         ("train:\n  merge_every: 4\nsharding:\n  sharding_types: [table_row_wise]\n",
          "key 'sharding.sharding_types': table_row_wise is not supported with train.merge_every > 0"),
@@ -167,3 +172,21 @@ def test_run_dir_that_is_a_file(tmp_path):
     )
     # a directory, or a path that can be created, is fine
     assert load_config(DEMO, [f"run_dir={tmp_path}/new/run"]).run_dir == f"{tmp_path}/new/run"
+
+
+@pytest.mark.parametrize("embedding, scope, effective", [
+    ("cowclip_adam", None, "catchup"),  # the default: the reference's semantics (docs/large_batch.md)
+    ("adam", None, "batch"),  # plain Adam stays lazy, as FBGEMM's and TorchRec's fused Adam
+    ("rowwise_adagrad", None, "batch"),
+    ("cowclip_adam", "batch", "batch"),  # the lazy semantics stay an option
+    ("adam", "catchup", "catchup"),
+])
+def test_auto_l2_scope_resolves_per_kernel_and_an_explicit_scope_wins(tmp_path, embedding, scope, effective):
+    from recsys.config import effective_l2_scope
+
+    over = [f"optim.embedding={embedding}"] + ([f"optim.embedding_l2_scope={scope}"] if scope else [])
+    cfg = load_config(None, over)
+    assert cfg.optim.embedding_l2_scope == (scope or "auto")
+    assert effective_l2_scope(cfg.optim) == effective
+    if embedding != "rowwise_adagrad":  # with the lazy scope the catch-up's l2 bound does not apply
+        assert load_config(None, [over[0], "optim.embedding_l2_scope=batch", "optim.embedding_l2=0.6"]).optim.embedding_l2 == 0.6

@@ -129,7 +129,8 @@ def _train(rank: int, out: Path) -> None:
 
     ebc = EmbeddingBagCollection(tables=_configs(), device=torch.device("meta"))
     model = _dlrm(ebc)
-    tag_cowclip_adam(model.model.sparse_arch.parameters(), lr=EMB_LR, l2=L2, cowclip_r=R, cowclip_zeta=ZETA)
+    tag_cowclip_adam(model.model.sparse_arch.parameters(), lr=EMB_LR, l2=L2, cowclip_r=R, cowclip_zeta=ZETA,
+                     update_scope="batch")  # the lazy formula below
     sharder = CowClipEmbeddingBagCollectionSharder()
     gen = {"table_wise": lambda a: table_wise(rank=a), "row_wise": lambda a: row_wise(),
            "column_wise": lambda a: column_wise(ranks=a), "table_row_wise": lambda a: table_row_wise(host_index=a),

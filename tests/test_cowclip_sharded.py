@@ -128,7 +128,8 @@ def _build(world, specs, names, rows, dims):
     tables = [EmbeddingBagConfig(name=n, embedding_dim=dims[n], num_embeddings=rows[n], feature_names=[n]) for n in names]
     ebc = EmbeddingBagCollection(tables=tables, is_weighted=True, device=torch.device("meta"))
     for n in names:
-        tag_cowclip_adam([ebc.embedding_bags[n].weight], lr=LR, l2=L2, cowclip_r=R, cowclip_zeta=ZETA, cowclip=n != WIDE)
+        tag_cowclip_adam([ebc.embedding_bags[n].weight], lr=LR, l2=L2, cowclip_r=R, cowclip_zeta=ZETA, cowclip=n != WIDE,
+                         update_scope="batch")  # the lazy formula (the catch-up: test_cowclip_catchup.py)
     sharder = CowClipEmbeddingBagCollectionSharder()
     gen = {"table_wise": lambda a: table_wise(rank=a), "row_wise": lambda a: row_wise(),
            "column_wise": lambda a: column_wise(ranks=a), "table_row_wise": lambda a: table_row_wise(host_index=a),

@@ -392,3 +392,40 @@ def test_another_world_size_reshards_or_is_refused_in_one_line(tmp_path, saved_o
         ck.check_compatible(d)
     assert str(e.value) == (f"cannot resume from {d}: the config changed (train.world_size 2 -> 1); restore these "
                             "values, or start a new run (another run_dir, or overwrite=true)")
+
+
+@pytest.mark.parametrize("saved_scope, current_scope, change", [
+    (None, "batch", None),  # a checkpoint from before the scope was recorded: it was lazy
+    (None, "catchup", "optim.embedding_l2_scope batch -> catchup"),  # the new default cannot continue it
+    ("catchup", "batch", "optim.embedding_l2_scope catchup -> batch"),
+    ("catchup", "catchup", None),
+])
+def test_a_resume_under_another_embedding_update_scope_is_refused(tmp_path, saved_scope, current_scope, change):
+    """row_step is a row's own update count when lazy and the global step it is current at with
+    catch-up: one state cannot continue as the other, and a checkpoint without the key was lazy."""
+    from recsys.training.checkpoint import CheckpointError
+
+    base = {"optim.embedding": "cowclip_adam", "train.merge_every": 0, "train.world_size": 1, "train.batch_size": 512}
+    d = _fake_checkpoint(tmp_path / "checkpoints", 20)
+    marker = json.loads((d / MARKER).read_text())
+    saved = {**base, **({"optim.embedding_l2_scope": saved_scope} if saved_scope else {})}
+    (d / MARKER).write_text(json.dumps({**marker, "world_size": 1, "shape": saved}))
+    ck = Checkpointer(tmp_path / "checkpoints", 0, 1, shape={**base, "optim.embedding_l2_scope": current_scope})
+    if change is None:
+        ck.check_compatible(d)
+        return
+    with pytest.raises(CheckpointError) as e:
+        ck.check_compatible(d)
+    assert str(e.value) == (f"cannot resume from {d}: the config changed ({change}); restore these "
+                            "values, or start a new run (another run_dir, or overwrite=true)")
+
+
+def test_the_state_shape_records_the_resolved_scope_of_our_adam_kernels():
+    from recsys.config import load_config
+    from recsys.training.run_dir import state_shape
+
+    shape = lambda *over: state_shape(load_config(None, list(over)), ["c"], [7], 2)  # noqa: E731
+    assert shape("optim.embedding=cowclip_adam")["optim.embedding_l2_scope"] == "catchup"
+    assert shape("optim.embedding=cowclip_adam", "optim.embedding_l2_scope=batch")["optim.embedding_l2_scope"] == "batch"
+    assert shape("optim.embedding=adam")["optim.embedding_l2_scope"] == "batch"
+    assert "optim.embedding_l2_scope" not in shape("optim.embedding=rowwise_adagrad")  # FBGEMM: no such choice

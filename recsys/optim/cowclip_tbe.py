@@ -80,12 +80,13 @@ class CowClipHyper:
     cowclip_r: float = 1.0
     cowclip_zeta: float = 1e-5
     l2: float = 0.0  # lambda of a Keras l2(lambda) regulariser
-    # "batch": lazy Adam, only the batch's rows move (L2 on them only). "all": the reference's dense
-    # semantics, every row of the table gets the L2 gradient and an Adam step each step (O(table)
-    # per step, table-wise / row-wise shards only): for measuring what lazy L2 changes. "catchup":
-    # the dense semantics in O(batch): rows absent for n steps are advanced by n dense steps when
-    # next read (recsys/optim/cowclip_catchup.py; every sharding type, docs/cowclip.md).
-    update_scope: str = "batch"
+    # "catchup" (the default): the reference's dense semantics in O(batch): rows absent for n steps
+    # are advanced by n dense steps when next read (recsys/optim/cowclip_catchup.py; every sharding
+    # type, docs/cowclip.md); the better of the two in the paper-scale grid (docs/large_batch.md).
+    # "batch": lazy Adam, only the batch's rows move (L2 on them only; bit-identical rows outside
+    # the batch). "all": the dense semantics as a pass over the whole table each step (O(table)
+    # per step, table-wise / row-wise shards only): the reference the catch-up is tested against.
+    update_scope: str = "catchup"
 
     @classmethod
     def from_fused_params(cls, fp: dict[str, Any] | None) -> "CowClipHyper":

@@ -26,7 +26,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
-from recsys.config import OptimConfig
+from recsys.config import OptimConfig, effective_l2_scope
 from recsys.optim.cowclip_sharder import CowClipEmbeddingBagCollectionSharder, tag_cowclip_adam
 from recsys.optim.cowclip_tbe import CowClipHyper
 
@@ -51,7 +51,7 @@ def cowclip_hyper(cfg: OptimConfig, clip: bool) -> CowClipHyper:
     return CowClipHyper(
         learning_rate=cfg.embedding_lr, beta1=cfg.adam_beta1, beta2=cfg.adam_beta2, eps=cfg.embedding_eps,
         eps_mode=cfg.adam_eps_mode, cowclip=clip, cowclip_r=cfg.cowclip_r, cowclip_zeta=cfg.cowclip_zeta,
-        l2=cfg.embedding_l2, update_scope=cfg.embedding_l2_scope,
+        l2=cfg.embedding_l2, update_scope=effective_l2_scope(cfg),
     )
 
 

@@ -119,6 +119,11 @@ def reshardable(shape: dict[str, Any]) -> bool:
     return shape.get("optim.embedding") in RESHARDABLE_OPTIMIZERS and not shape.get("train.merge_every")
 
 
+# State-shape keys added after checkpoints were first written, with the value those older
+# checkpoints had: a checkpoint without the key resumes when the run has this value.
+SHAPE_DEFAULTS = {"optim.embedding_l2_scope": "batch"}
+
+
 def shape_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """`key old -> new` for every key whose value differs (a key absent on one side counts)."""
     out = []
@@ -257,6 +262,7 @@ class Checkpointer:
             current = {"train.world_size": self.shape.get("train.world_size", self.shard_world)}
         else:
             current = self.shape
+            saved = {**{k: v for k, v in SHAPE_DEFAULTS.items() if k in current}, **saved}
             if reshardable(saved) and reshardable(current):  # another world size is fine
                 saved = {k: v for k, v in saved.items() if k != "train.world_size"}
                 current = {k: v for k, v in current.items() if k != "train.world_size"}

@@ -163,11 +163,18 @@ def state_shape(cfg, sparse_names: list[str], cardinalities: list[int], shard_wo
     match every entry (Checkpointer.check_compatible). The host count is not among them: a
     hierarchical checkpoint loads into any run with the same ranks per host (docs/kstep.md).
     A shuffled epoch order is recorded as `data.order` (absent for file order, as in checkpoints
-    written before shuffling existed): resuming under another order would re-read rows."""
+    written before shuffling existed): resuming under another order would re-read rows. Our Adam
+    kernels record their update scope (`optim.embedding_l2_scope`, `auto` resolved): `row_step`
+    is a row's own update count when lazy and the global step it is current at with catch-up, so
+    the state of one cannot continue as the other (absent in older checkpoints: they were lazy,
+    `SHAPE_DEFAULTS`)."""
+    from recsys.config import effective_l2_scope
     from recsys.data.order import order_label
 
     m, t, d = cfg.model, cfg.train, cfg.data
     order = {"data.order": order_label(d.shuffle_seed, d.shuffle_block_rows, d.shuffle_buffer_rows)} if d.shuffle else {}
+    scope = ({"optim.embedding_l2_scope": effective_l2_scope(cfg.optim)}
+             if cfg.optim.embedding in ("cowclip_adam", "adam") else {})
     return {
         "model.name": m.name,
         "model.embedding_dim": m.embedding_dim,
@@ -181,6 +188,7 @@ def state_shape(cfg, sparse_names: list[str], cardinalities: list[int], shard_wo
         "train.merge_every": t.merge_every,
         "train.merge_moments": t.merge_moments,
         **order,
+        **scope,
     }
 
 

@@ -30,7 +30,7 @@ def test_triton_kernel_suite_compiled_on_cuda(tmp_path):
 def _tbe(device: torch.device):
     from recsys.optim.cowclip_tbe import CowClipAdamTBE, CowClipHyper
 
-    hp = CowClipHyper(learning_rate=0.05, l2=1e-3, cowclip_zeta=0.05)
+    hp = CowClipHyper(learning_rate=0.05, l2=1e-3, cowclip_zeta=0.05, update_scope="batch")  # the update op alone
     specs = [(500, 16), (40, 8), (3000, 32)]
     return CowClipAdamTBE(specs, [2, 0, 1], hp, full_dims=[d for _, d in specs], mode="inline", device=device)
 
