@@ -104,8 +104,8 @@ class OptimConfig:
 # reference's semantics by catch-up (bytedance/LargeBatchCTR's dense L2 + Adam, at lazy cost): in
 # the paper-scale grid it beat the lazy semantics at batch 1K (final AUC +0.0109: lazy Adam
 # overfits) and at 128K (+0.0014, and in every epoch), and the lazy semantics never clip
-# (docs/large_batch.md). Plain Adam:
-# lazy, as FBGEMM's and TorchRec's fused Adam. FBGEMM's optimizers have no such choice ("batch").
+# (docs/large_batch.md). Plain Adam: lazy, as FBGEMM's and TorchRec's fused Adam. FBGEMM's
+# optimizers have no such choice ("batch").
 AUTO_L2_SCOPE = {"cowclip_adam": "catchup"}
 
 
