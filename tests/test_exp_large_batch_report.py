@@ -121,12 +121,12 @@ def test_a_second_seed_repeats_only_the_decisive_cells_before_the_8k_cells():
     assert set(again) == {(1, b, a) for b in (1024, 65536, 131072) for a in ("cowclip", "noclip_rule")} | {
         (1, 65536, "sqrt"), (1, 131072, "sqrt")}  # sqrt's 1K run is no clip + rule's
     assert [r for r in plan if r[0] == 0] == seed0  # the first seed keeps its order
-    # the first seed: the decisive arms at the targets' batches, then the lazy semantics and no
-    # clip + rule there (they decide the default and the clip's share), then linear, then 8K
+    # the first seed: the decisive arms at the targets' batches, then no clip + rule there (the
+    # clip's share), then the lazy semantics (the default), then linear, then 8K
     assert seed0[:13] == [(0, 1024, "cowclip"), (0, 1024, "noclip_rule"),
                           (0, 131072, "cowclip"), (0, 131072, "sqrt"), (0, 65536, "cowclip"), (0, 65536, "sqrt"),
-                          (0, 1024, "cowclip_lazy"), (0, 131072, "cowclip_lazy"), (0, 131072, "noclip_rule"),
-                          (0, 65536, "cowclip_lazy"), (0, 65536, "noclip_rule"),
+                          (0, 131072, "noclip_rule"), (0, 65536, "noclip_rule"),
+                          (0, 1024, "cowclip_lazy"), (0, 131072, "cowclip_lazy"), (0, 65536, "cowclip_lazy"),
                           (0, 131072, "linear"), (0, 65536, "linear")]
     assert max(plan.index(r) for r in seed0[:13]) < min(plan.index(r) for r in again)
     first_8k = min(i for i, r in enumerate(plan) if r[1] == 8192)
