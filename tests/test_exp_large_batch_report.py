@@ -177,3 +177,17 @@ def test_the_report_compares_the_two_semantics_at_each_batch(tmp_path, capsys):
     assert abs(diff["@256"] - 0.0100) < 1e-9 and abs(diff["@2048"] - 0.0015) < 1e-9
     runs = {(r["batch"], r["arm"]): r for r in json.loads((docs / "results" / "large_batch.json").read_text())["runs"]}
     assert abs(runs[(2048, "cowclip_lazy")]["auc_vs_base"] - 0.0095) < 1e-9  # against its own 256 run, not the reference's
+
+
+def test_the_clip_contribution_is_cowclip_minus_no_clip_at_the_same_batch(tmp_path, capsys):
+    """Not the difference of the two arms' gains over their own 1K runs: the clip's worth at the
+    1K base (here 0.0010) must not be subtracted from its worth at the large batch."""
+    out, docs = tmp_path / "runs", tmp_path / "docs"
+    _fake_run(out, "b1024_cowclip", 0.7960, [(10, 1.0, 0.7960)], 0.05)
+    _fake_run(out, "b1024_noclip_rule", 0.7950, [(10, 1.0, 0.7950)], 0.0)
+    _fake_run(out, "b65536_cowclip", 0.7955, [(1, 1.0, 0.7955)], 0.02)
+    _fake_run(out, "b65536_noclip_rule", 0.7940, [(1, 1.0, 0.7940)], 0.0)
+    exp.main(["--report", "--out", str(out), "--docs", str(docs), "--arms", "cowclip", "noclip_rule",
+              "--batches", "1024", "65536", "--seeds", "0"])
+    head = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert abs(head["targets"]["clip_contribution@65536"] - 0.0015) < 1e-9

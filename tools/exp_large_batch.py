@@ -305,6 +305,10 @@ def _headline(results: list[dict], base: int, batches: list[int]) -> dict[str, A
         vals = [r["auc_vs_base"] for r in results if r["arm"] == arm and r["batch"] == b and r["auc_vs_base"] is not None]
         return sum(vals) / len(vals) if vals else None
 
+    def auc(arm: str, b: int) -> float | None:
+        vals = [r["auc"] for r in results if r["arm"] == arm and r["batch"] == b]
+        return sum(vals) / len(vals) if vals else None
+
     large = [b for b in batches if b >= TARGET_BATCH]
     out: dict[str, Any] = {"base_batch": base, "batches": batches,
                            "auc_vs_base": {f"{a}@{b}": delta(a, b) for a in ARMS for b in batches if delta(a, b) is not None}}
@@ -315,13 +319,11 @@ def _headline(results: list[dict], base: int, batches: list[int]) -> dict[str, A
         targets[f"cowclip_within_0.001@{b}"] = None if best is None else best >= -0.001
         targets[f"sqrt_linear_lose_2x_cowclip@{b}"] = (
             None if best is None or sq is None or li is None else min(-sq, -li) > 2 * max(-best, 0.0))
-        nc, cc = delta("noclip_rule", b), delta("cowclip", b)
+        # the clip's own share at this batch: CowClip's final AUC minus no clip + the same rule's
+        # (both with the reference semantics), at the same batch
+        nc, cc = auc("noclip_rule", b), auc("cowclip", b)
         targets[f"clip_contribution@{b}"] = None if nc is None or cc is None else cc - nc
     out["targets"] = targets
-
-    def auc(arm: str, b: int) -> float | None:
-        vals = [r["auc"] for r in results if r["arm"] == arm and r["batch"] == b]
-        return sum(vals) / len(vals) if vals else None
 
     # which semantics is better, batch by batch (the default of optim.embedding_l2_scope=auto follows
     # it): final AUC of the reference semantics minus the lazy ones', means over seeds
