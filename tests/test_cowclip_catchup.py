@@ -362,7 +362,6 @@ def test_tbe_catchup_resume_from_state_is_bit_identical():
 def test_catchup_rejections():
     with pytest.raises(ValueError, match=r"CowClip catch-up assumes 2\*l2 < cowclip_r \(l2=0.6, r=1.0\)"):
         _tbe("catchup", l2=0.6)
-    hp = CowClipHyper(l2=1e-5, update_scope="catchup")
     with pytest.raises(ValueError, match="update_scope must be batch\\|all\\|catchup, got 'dense'"):
         CowClipHyper.from_fused_params({"optimizer": "recsys.cowclip_adam", "update_scope": "dense"})
     with pytest.raises(ValueError, match="growth must be >= 1"):

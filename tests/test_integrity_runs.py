@@ -377,21 +377,26 @@ def test_world_size_change_reshards_model_and_optimizer_exactly(run30, tmp_path)
 def test_another_world_size_reshards_or_is_refused_in_one_line(tmp_path, saved_optim, merge_every, reshards):
     """Which states may resume on another world size (checkpoint.reshardable); the others stop
     with the one line naming train.world_size, before anything loads."""
-    from recsys.training.checkpoint import CheckpointError
-
     shape = lambda world: {"optim.embedding": saved_optim, "train.merge_every": merge_every,  # noqa: E731
                            "train.world_size": world, "train.batch_size": 512}
+    err, d = _resume_check(tmp_path, shape(2), 2, shape(1))
+    assert err == (None if reshards else f"cannot resume from {d}: the config changed (train.world_size 2 -> 1); "
+                   "restore these values, or start a new run (another run_dir, or overwrite=true)")
+
+
+def _resume_check(tmp_path: Path, saved: dict, saved_world: int, current: dict) -> tuple[str | None, Path]:
+    """(the CheckpointError's line or None, the checkpoint): a checkpoint written under the shape
+    `saved` on `saved_world` ranks, checked by a 1-rank Checkpointer of shape `current`."""
+    from recsys.training.checkpoint import CheckpointError
+
     d = _fake_checkpoint(tmp_path / "checkpoints", 20)
     marker = json.loads((d / MARKER).read_text())
-    (d / MARKER).write_text(json.dumps({**marker, "world_size": 2, "shape": shape(2)}))
-    ck = Checkpointer(tmp_path / "checkpoints", 0, 1, shape=shape(1))
-    if reshards:
-        ck.check_compatible(d)
-        return
-    with pytest.raises(CheckpointError) as e:
-        ck.check_compatible(d)
-    assert str(e.value) == (f"cannot resume from {d}: the config changed (train.world_size 2 -> 1); restore these "
-                            "values, or start a new run (another run_dir, or overwrite=true)")
+    (d / MARKER).write_text(json.dumps({**marker, "world_size": saved_world, "shape": saved}))
+    try:
+        Checkpointer(tmp_path / "checkpoints", 0, 1, shape=current).check_compatible(d)
+    except CheckpointError as e:
+        return str(e), d
+    return None, d
 
 
 @pytest.mark.parametrize("saved_scope, current_scope, change", [
@@ -403,21 +408,11 @@ def test_another_world_size_reshards_or_is_refused_in_one_line(tmp_path, saved_o
 def test_a_resume_under_another_embedding_update_scope_is_refused(tmp_path, saved_scope, current_scope, change):
     """row_step is a row's own update count when lazy and the global step it is current at with
     catch-up: one state cannot continue as the other, and a checkpoint without the key was lazy."""
-    from recsys.training.checkpoint import CheckpointError
-
     base = {"optim.embedding": "cowclip_adam", "train.merge_every": 0, "train.world_size": 1, "train.batch_size": 512}
-    d = _fake_checkpoint(tmp_path / "checkpoints", 20)
-    marker = json.loads((d / MARKER).read_text())
     saved = {**base, **({"optim.embedding_l2_scope": saved_scope} if saved_scope else {})}
-    (d / MARKER).write_text(json.dumps({**marker, "world_size": 1, "shape": saved}))
-    ck = Checkpointer(tmp_path / "checkpoints", 0, 1, shape={**base, "optim.embedding_l2_scope": current_scope})
-    if change is None:
-        ck.check_compatible(d)
-        return
-    with pytest.raises(CheckpointError) as e:
-        ck.check_compatible(d)
-    assert str(e.value) == (f"cannot resume from {d}: the config changed ({change}); restore these "
-                            "values, or start a new run (another run_dir, or overwrite=true)")
+    err, d = _resume_check(tmp_path, saved, 1, {**base, "optim.embedding_l2_scope": current_scope})
+    assert err == (None if change is None else f"cannot resume from {d}: the config changed ({change}); restore "
+                   "these values, or start a new run (another run_dir, or overwrite=true)")
 
 
 def test_the_state_shape_records_the_resolved_scope_of_our_adam_kernels():
