@@ -446,12 +446,12 @@ def validate(cfg: ExperimentConfig, source: str = "config") -> None:
         bad("optim.scale_rule", f"unknown rule '{o.scale_rule}' (cowclip, sqrt or linear)")
     if o.warmup_epochs < 0 and o.warmup_epochs != -1.0:
         bad("optim.warmup_epochs", "must be >= 0 (or -1: 1 epoch when scaling)")
-    if effective_l2_scope(o) == "catchup" and o.embedding == "cowclip_adam":
-        # the catch-up assumes absent rows are never clipped (recsys/optim/cowclip_catchup.py)
-        from recsys.optim.scaling import scale_factors
+    if effective_l2_scope(o) == "catchup" and o.embedding == "cowclip_adam" and t.batch_size > 0:
+        # the catch-up assumes absent rows are never clipped (recsys/optim/cowclip_catchup.py),
+        # for the L2 the run trains with (the scaling rule's, as the trainer computes it)
+        from recsys.optim.scaling import effective_optim
 
-        l2 = o.embedding_l2 * (scale_factors(o.scale_from_batch, t.batch_size, o.scale_rule)["l2"]
-                               if o.scale_from_batch and t.batch_size > 0 else 1.0)
+        l2 = effective_optim(o, t.batch_size, 1)[0].embedding_l2
         if 2 * l2 >= o.cowclip_r:
             bad("optim.embedding_l2", f"{l2:g} (as scaled to the batch) needs 2*l2 < optim.cowclip_r ({o.cowclip_r:g}) "
                 "with embedding_l2_scope catchup; lower it or set optim.embedding_l2_scope=batch")

@@ -301,13 +301,16 @@ def _table(results: list[dict]) -> str:
 
 
 def _headline(results: list[dict], base: int, batches: list[int]) -> dict[str, Any]:
-    def delta(arm: str, b: int) -> float | None:
-        vals = [r["auc_vs_base"] for r in results if r["arm"] == arm and r["batch"] == b and r["auc_vs_base"] is not None]
+    def mean(key: str, arm: str, b: int) -> float | None:
+        """Mean over seeds of a run's ``key`` (the runs that have it) for this arm and batch."""
+        vals = [r[key] for r in results if r["arm"] == arm and r["batch"] == b and r.get(key) is not None]
         return sum(vals) / len(vals) if vals else None
 
+    def delta(arm: str, b: int) -> float | None:
+        return mean("auc_vs_base", arm, b)
+
     def auc(arm: str, b: int) -> float | None:
-        vals = [r["auc"] for r in results if r["arm"] == arm and r["batch"] == b]
-        return sum(vals) / len(vals) if vals else None
+        return mean("auc", arm, b)
 
     large = [b for b in batches if b >= TARGET_BATCH]
     out: dict[str, Any] = {"base_batch": base, "batches": batches,
