@@ -1,8 +1,11 @@
 """Step time of our Triton CowClip-Adam update on a CUDA device against the torch reference on the
 same device (issue 16): one kernel launch for all tables against ``cowclip_adam_step`` per table
 (the chain of torch ops CUDA runs used before the kernel). With ``--catchup`` also the reference
-semantics (issue 14): the rows behind caught up by the Triton catch-up kernel and by the torch
-version, each followed by the same update kernel, against the lazy update alone.
+semantics (issue 14): the rows behind caught up, then the same update kernel, against the lazy
+update alone, three ways: ``catchup_triton``, the per-id kernel ``triton_catch_up_lookup`` the TBE
+runs (one launch, no host synchronisation); ``catchup_triton_rows``, the way before it (the rows
+behind found by a mask and ``torch.unique``, then the per-row kernel); ``catchup_torch``, the torch
+version.
 
 Why this peer and not FBGEMM: the GPU machines lent to this project have torch and triton but no
 fbgemm_gpu, and its CUDA wheel is far larger than what can be carried there, so FBGEMM's CUDA
@@ -115,7 +118,7 @@ def run(args) -> dict:
     steps = {"triton": triton_step, "torch": torch_step}
     if args.catchup:  # the reference semantics on the GPU: rows behind caught up, then the same kernel
         from recsys.optim.cowclip_catchup import catch_up
-        from recsys.optim.cowclip_catchup_triton import triton_catch_up_rows
+        from recsys.optim.cowclip_catchup_triton import triton_catch_up_lookup, triton_catch_up_rows
         from tools.bench_catchup import steady_state_row_step
 
         rs0 = steady_state_row_step(cards, B, args.trained_steps).to(dev)
@@ -129,9 +132,15 @@ def run(args) -> dict:
             def step_fn(i: int) -> None:
                 idx, off, grad = batches[i]
                 S = state["step"]
+                if method == "catchup_triton":  # as CowClipAdamTBE.catch_up_lookup: one launch over the ids
+                    triton_catch_up_lookup(*cu, meta_dev, idx, off, S, lr=HP["lr"], max_dim=DIM, betas=HP["betas"],
+                                           eps=HP["eps"], eps_mode="torch", l2=HP["l2"])
+                    ctr.triton_cowclip_adam_tables(*cu, meta, zeta, idx, off, grad, None, **HP)
+                    state["step"] = S + 1
+                    return
                 u = torch.unique(idx + starts.repeat_interleave(B))
-                u = u[cu[3].index_select(0, u) < S]  # the rows behind, as CowClipAdamTBE.catch_up_lookup
-                if method == "catchup_triton":
+                u = u[cu[3].index_select(0, u) < S]  # the rows behind (the TBE's way before the per-id kernel)
+                if method == "catchup_triton_rows":
                     triton_catch_up_rows(*cu, u * DIM, u, torch.full_like(u, DIM), S, lr=HP["lr"], betas=HP["betas"],
                                          eps=HP["eps"], eps_mode="torch", l2=HP["l2"], max_dim=DIM)
                 else:  # the torch version, as CowClipAdamTBE._catch_up_rows: longest gaps first, whole rows
@@ -146,12 +155,13 @@ def run(args) -> dict:
                     cu[3].index_fill_(0, u, S)
                 ctr.triton_cowclip_adam_tables(*cu, meta, zeta, idx, off, grad, None, **HP)
                 state["step"] = S + 1
-                if method == "catchup_triton":
+                if method == "catchup_triton_rows":
                     behind_counts.append(u.numel())
 
             return step_fn
 
-        for method in ("catchup_triton", "catchup_torch"):
+        meta_dev = meta.to(dev)
+        for method in ("catchup_triton", "catchup_triton_rows", "catchup_torch"):
             steps[method] = make_catchup(method)
     if args.dense:  # the ceiling to beat: the reference semantics as a dense pass over every row (torch ops)
         bufs["dense"] = [b.clone() for b in bufs["triton"][:3]] + [torch.zeros(N, dtype=torch.long, device=dev)]
@@ -180,8 +190,10 @@ def run(args) -> dict:
     diff = {name: float((a - b).abs().max()) for name, a, b in
             zip(("weights", "momentum1", "momentum2"), bufs["triton"][:3], bufs["torch"][:3])}
     if args.catchup:  # the two catch-ups, same batches, same start: the same tables to float rounding
-        diff.update({f"catchup_{name}": float((a - b).abs().max()) for name, a, b in
-                     zip(("weights", "momentum1", "momentum2"), bufs["catchup_triton"][:3], bufs["catchup_torch"][:3])})
+        for m in ("catchup_triton", "catchup_triton_rows"):
+            diff.update({f"{m}_{name}": float((a - b).abs().max()) for name, a, b in
+                         zip(("weights", "momentum1", "momentum2"), bufs[m][:3], bufs["catchup_torch"][:3])})
+
     res = {
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "sizes": args.sizes, "rows": N,
@@ -190,12 +202,16 @@ def run(args) -> dict:
         "iters": args.iters, "step_ms": med, "step_ms_min": {m: 1e3 * min(v) for m, v in times.items()},
         "torch_over_triton": med["torch"] / med["triton"],
         **({"catchup_triton_over_lazy": med["catchup_triton"] / med["triton"],
+            "catchup_triton_rows_over_lazy": med["catchup_triton_rows"] / med["triton"],
+            "catchup_triton_rows_over_catchup_triton": med["catchup_triton_rows"] / med["catchup_triton"],
             "catchup_torch_over_lazy": med["catchup_torch"] / med["triton"],
             "trained_steps": args.trained_steps,
             "catchup_rows_behind_per_step": statistics.median(behind_counts)} if args.catchup else {}),
         **({"dense_over_lazy": med["dense"] / med["triton"]} if args.dense else {}),
         **({"dense_over_catchup": med["dense"] / med["catchup_triton"]} if args.dense and args.catchup else {}),
         "max_abs_diff_after": diff, "row_steps_equal": bool(torch.equal(bufs["triton"][3], bufs["torch"][3])),
+        **({"catchup_row_steps_equal": all(torch.equal(bufs[m][3], bufs["catchup_torch"][3])
+                                           for m in ("catchup_triton", "catchup_triton_rows"))} if args.catchup else {}),
     }
     if args.profile:  # where a method's step goes: the top ops of a few more steps (after the check above)
         from torch.profiler import ProfilerActivity, profile
@@ -244,7 +260,7 @@ def main(argv=None) -> int:
                     "by the torch version, then the same update kernel")
     ap.add_argument("--trained-steps", type=int, default=5500)
     ap.add_argument("--profile", nargs="?", const="triton", default=None,
-                    choices=("triton", "torch", "catchup_triton", "catchup_torch"),
+                    choices=("triton", "torch", "catchup_triton", "catchup_triton_rows", "catchup_torch"),
                     help="also print torch.profiler's top ops of 5 more steps of this method (default triton)")
     args = ap.parse_args(argv)
     res = run(args)

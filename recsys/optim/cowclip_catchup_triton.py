@@ -5,7 +5,7 @@
 and the torch version, which CUDA runs used before this kernel: on an H200, 26 tables of 1.3M rows
 (the raw Criteo total), batch 8K, it cost 22x the lazy Triton update per step, a few hundred
 small torch ops per lookup; with this kernel catch-up plus update cost 1.7x (docs/benchmarks.md,
-"Triton kernels on a GPU"). Here one program advances one row: it reads the row's w, m, v and
+"Triton kernels on a GPU"). One program advances one row: it reads the row's w, m, v and
 ``row_step`` once, walks the row's schedule (blocks of 1, 2, 4, ... steps, ``growth``), gets each
 piece's scalar factors in float64 (those that depend on the block size alone from a table built
 once on the host, as the C++ op's per-piece constants; the bias corrections from ``b^t0``, carried
@@ -13,9 +13,17 @@ from piece to piece; a row's last, cut piece computes all of them), applies the 
 row's columns in float32 (the same formulas as the C++ op's ``advance_piece``), and writes w, m, v
 and ``row_step = step`` back.
 
-The caller finds the rows behind (unique, as ``CowClipAdamTBE._catch_up_rows`` gets them) and
-passes each row's element offset in the flat buffers, its index in ``row_step`` and its dim (rows
-of several dims share a launch, masked to ``BLOCK_D``). Triton is imported on first use, as in
+Two entry points share that row body (``_advance_row``):
+
+* ``triton_catch_up_lookup``: what a lookup runs (``CowClipAdamTBE.catch_up_lookup``). It takes the
+  KJT's ids as they are (repeats included): a first kernel claims each row behind with an atomic
+  max on its ``row_step`` (one id per row wins) and lists it, a persistent second kernel advances
+  the list. No host synchronisation.
+* ``triton_catch_up_rows``: the caller passes distinct rows (``catch_up_all`` before a checkpoint,
+  the column-wise exchange): each row's element offset in the flat buffers, its index in
+  ``row_step`` and its dim.
+
+Rows of several dims share a launch, masked to ``BLOCK_D``. Triton is imported on first use, as in
 ``recsys.optim.cowclip_triton``; under ``TRITON_INTERPRET=1`` the kernel runs on CPU tensors, which
 is how CI checks it against the torch version.
 """
@@ -30,23 +38,23 @@ from torch import Tensor
 
 from recsys.optim import cowclip_triton as _ct
 
-__all__ = ["triton_catch_up_rows"]
+__all__ = ["triton_catch_up_lookup", "triton_catch_up_rows"]
 
 tl = None  # triton.language, bound on first use (the kernel's global)
 _KERNEL: list[Callable] = []
 _GL = 1.0 / math.sqrt(3.0)  # 2-node Gauss-Legendre on [-1, 1]
 
 
-def _catch_up_rows_kernel(
-    W, M, V, RS,  # flat float32 weights / momentum1 / momentum2, int64 row_step
-    WOFF, RSI, DIMS,  # [R] int64 element offset of each row, [R] int64 index in RS, [R] int32 dim
+def _advance_row(
+    W, M, V,  # flat float32 weights / momentum1 / momentum2
+    woff, D, rs, step,  # the row's element offset and dim, its row_step, the global step
     HP,  # float64 [8]: lr, b1, b2, eps, c = 2*l2, growth, ln b1, ln b2 (a Python float argument would be float32)
     CONST, n_const,  # float64 [n_const, 21]: the k-only factors of full piece i (_piece_table)
-    step,
     b1f, b2f, c_m, c_v, c2, epsf,  # float32 factors of the exact step (as the C++ op's CatchHyper)
     KERAS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """One program per row behind: advance it from its ``row_step`` to ``step`` in place."""
+    """Advance one row's w, m, v in place from step ``rs`` to ``step`` (``row_step`` is the
+    caller's): the body both kernels share."""
     lr = tl.load(HP + 0)
     b1 = tl.load(HP + 1)
     b2 = tl.load(HP + 2)
@@ -55,16 +63,11 @@ def _catch_up_rows_kernel(
     growth = tl.load(HP + 5)
     ln_b1 = tl.load(HP + 6)
     ln_b2 = tl.load(HP + 7)
-    r = tl.program_id(0).to(tl.int64)
-    woff = tl.load(WOFF + r)
-    rsi = tl.load(RSI + r)
-    D = tl.load(DIMS + r)
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
     w = tl.load(W + woff + d, mask=dmask, other=0.0)
     m = tl.load(M + woff + d, mask=dmask, other=0.0)
     v = tl.load(V + woff + d, mask=dmask, other=0.0)
-    rs = tl.load(RS + rsi)
     gap = step - rs
     done = gap * 0
     i = gap * 0  # piece index
@@ -204,24 +207,148 @@ def _catch_up_rows_kernel(
     tl.store(W + woff + d, w, mask=dmask)
     tl.store(M + woff + d, m, mask=dmask)
     tl.store(V + woff + d, v, mask=dmask)
+
+
+def _catch_up_rows_kernel(
+    W, M, V, RS,  # flat float32 weights / momentum1 / momentum2, int64 row_step
+    WOFF, RSI, DIMS,  # [R] int64 element offset of each row, [R] int64 index in RS, [R] int32 dim
+    HP, CONST, n_const, step, b1f, b2f, c_m, c_v, c2, epsf,  # as _advance_row's
+    KERAS: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One program per (distinct) row: advance it from its ``row_step`` to ``step`` in place."""
+    r = tl.program_id(0).to(tl.int64)
+    woff = tl.load(WOFF + r)
+    rsi = tl.load(RSI + r)
+    D = tl.load(DIMS + r)
+    rs = tl.load(RS + rsi)
+    _advance_row_jit(W, M, V, woff, D, rs, step, HP, CONST, n_const, b1f, b2f, c_m, c_v, c2, epsf, KERAS, BLOCK_D)
     tl.store(RS + rsi, tl.maximum(rs, step))
 
 
-def _kernel() -> Callable:
-    """The kernel jitted once, in the mode triton was imported in (compiled, or interpreted)."""
-    global tl
+def _claim_rows_kernel(
+    RS,  # int64 row_step
+    IDX, OFFSETS, META,  # [L] the lookup's ids (int32/int64), [F*B+1] the KJT's offsets, [F, 6] int64 feature_meta
+    L, F, B, step,  # ids, features, bags per feature (feature f's ids start at OFFSETS[f * B]), global step
+    OUT_WOFF, OUT_RS, OUT_D, COUNT,  # [L] int64, [L] int64, [L] int32: the claimed rows, appended; [1] int32 their count
+    BLOCK: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+):
+    """BLOCK ids per program: find each id's feature (a binary search over the feature starts in
+    OFFSETS), and claim every row behind ``step`` by an atomic max of its ``row_step`` to ``step``. Of the ids that
+    hold the same row (repeats in a bag, across bags, or features that share a table) exactly one
+    sees the old value below ``step``: it appends the row (element offset, old step, dim) to the
+    OUT lists. Ids outside their table are left alone (the update op's bounds check names them)."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inb = i < L
+    k = tl.load(IDX + i, mask=inb, other=-1).to(tl.int64)
+    lo = i * 0  # invariant OFFSETS[lo * B] <= i < OFFSETS[hi * B]
+    hi = lo + F
+    for _ in tl.static_range(SEARCH_STEPS):
+        mid = (lo + hi) // 2
+        up = tl.load(OFFSETS + mid * B, mask=inb, other=0) <= i
+        lo = tl.where(up, mid, lo)
+        hi = tl.where(up, hi, mid)
+    n_rows = tl.load(META + lo * 6 + 1, mask=inb, other=0)
+    ok = inb & (k >= 0) & (k < n_rows)
+    D = tl.load(META + lo * 6 + 2, mask=ok, other=0)
+    woff = tl.load(META + lo * 6 + 0, mask=ok, other=0) + k * D
+    rsi = tl.load(META + lo * 6 + 4, mask=ok, other=0) + k
+    rs = tl.load(RS + rsi, mask=ok, other=0)
+    behind = ok & (rs < step)
+    # (rs * 0 + step: int64 as row_step; triton passes a small int argument as int32)
+    old = tl.atomic_max(RS + rsi, rs * 0 + step, mask=behind)
+    won = behind & (old < step)
+    n_won = won.to(tl.int32)
+    slot = tl.atomic_add(COUNT, tl.sum(n_won, 0)) + tl.cumsum(n_won, 0) - n_won
+    tl.store(OUT_WOFF + slot, woff, mask=won)
+    tl.store(OUT_RS + slot, old, mask=won)
+    tl.store(OUT_D + slot, D.to(tl.int32), mask=won)
+
+
+def _advance_claimed_kernel(
+    W, M, V,  # as _advance_row's
+    OUT_WOFF, OUT_RS, OUT_D, COUNT,  # the claimed rows (_claim_rows_kernel)
+    HP, CONST, n_const, step, b1f, b2f, c_m, c_v, c2, epsf,  # as _advance_row's
+    KERAS: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Persistent: program p advances claimed rows p, p + programs, ... (their count is known on
+    the device only, so the grid is fixed and each program loops)."""
+    n = tl.load(COUNT)
+    for r in range(tl.program_id(0), n, tl.num_programs(0)):
+        woff = tl.load(OUT_WOFF + r)
+        rs = tl.load(OUT_RS + r)
+        D = tl.load(OUT_D + r)
+        _advance_row_jit(W, M, V, woff, D, rs, step, HP, CONST, n_const, b1f, b2f, c_m, c_v, c2, epsf, KERAS, BLOCK_D)
+
+
+def _jit_all() -> None:
+    """Jit the shared row body and both kernels once, in the mode triton was imported in (compiled,
+    or interpreted). The body is bound as the module global ``_advance_row_jit``, the name the
+    kernels call it by (triton resolves a kernel's globals when it compiles it)."""
+    global tl, _advance_row_jit
     if not _KERNEL:
         if not _ct._import_triton():
             raise RuntimeError("CowClip Triton catch-up: triton not installed")
         tl = _ct.tl
         with _ct._triton_mode_env():
-            _KERNEL.append(_ct.triton.jit(_catch_up_rows_kernel))
+            _advance_row_jit = _ct.triton.jit(_advance_row)
+            _KERNEL.extend([_ct.triton.jit(f) for f in (_catch_up_rows_kernel, _claim_rows_kernel,
+                                                        _advance_claimed_kernel)])
+
+
+def _kernel() -> Callable:
+    """The per-row kernel (``triton_catch_up_rows``)."""
+    _jit_all()
     return _KERNEL[0]
+
+
+def _lookup_kernels() -> tuple[Callable, Callable]:
+    """``triton_catch_up_lookup``'s two kernels: claim the rows behind, advance them."""
+    _jit_all()
+    return _KERNEL[1], _KERNEL[2]
+
+
+_advance_row_jit: Callable | None = None
+
+
+_F32_FACTORS: dict[tuple, tuple[float, ...]] = {}
 
 
 def _f32(x: float) -> float:
     """x rounded to float32, as the C++ op's float factors are."""
     return float(torch.tensor(x, dtype=torch.float32))
+
+
+def _launch_args(weights: Tensor, momentum1: Tensor, momentum2: Tensor, row_step: Tensor, step: int, lr: float,
+                 betas: tuple[float, float], eps: float, eps_mode: str, l2: float, growth: float,
+                 max_dim: int) -> tuple[tuple, dict]:
+    """Both kernels' checks and their shared arguments: (HP, CONST, n_const, step and the float32
+    factors), and the constexprs."""
+    if eps_mode not in ("torch", "keras"):
+        raise ValueError(f"eps_mode must be torch|keras, got {eps_mode!r}")
+    if growth < 1.0:
+        raise ValueError(f"growth must be >= 1, got {growth}")
+    b1, b2 = (float(b) for b in betas)
+    if not (0.0 < b1 < 1.0 and 0.0 < b2 < 1.0):
+        raise ValueError(f"betas must be in (0, 1), got {betas}")
+    if not _ct.triton_available(weights.device):
+        raise RuntimeError(f"CowClip Triton catch-up not available for {weights.device} tensors")
+    for name, x, dt in (("weights", weights, torch.float32), ("momentum1", momentum1, torch.float32),
+                        ("momentum2", momentum2, torch.float32), ("row_step", row_step, torch.long)):
+        if x.dtype != dt or not x.is_contiguous() or x.device != weights.device:
+            raise RuntimeError(f"{name} must be a contiguous {dt} tensor on {weights.device}")
+    dev = weights.device
+    c = 2.0 * float(l2)
+    values = (float(lr), b1, b2, float(eps), c, float(growth), math.log(b1), math.log(b2))
+    table = _piece_table(values, int(step), dev)
+    f32 = _F32_FACTORS.get(values)
+    if f32 is None:  # (rounding through torch costs a few microseconds each: once per setting)
+        if len(_F32_FACTORS) >= 16:
+            _F32_FACTORS.clear()
+        f32 = _F32_FACTORS[values] = (_f32(b1), _f32(b2), _f32((1.0 - b1) * c), _f32((1.0 - b2) * c * c), _f32(c * c),
+                                      _f32(float(eps)))
+    args = (_device_hyper(values, dev), table, table.shape[0], int(step), *f32)
+    consts = dict(KERAS=eps_mode == "keras", BLOCK_D=max(16, _ct.triton.next_power_of_2(int(max_dim))), num_warps=1)
+    return args, consts
 
 
 def triton_catch_up_rows(weights: Tensor, momentum1: Tensor, momentum2: Tensor, row_step: Tensor,
@@ -234,37 +361,81 @@ def triton_catch_up_rows(weights: Tensor, momentum1: Tensor, momentum2: Tensor, 
     (a row already current is left as it is). Rows must be distinct. Everything on one device
     (CUDA, or CPU under ``TRITON_INTERPRET=1``). ``max_dim``: the largest of ``dims`` when the caller
     knows it (saves a device-to-host read)."""
-    if eps_mode not in ("torch", "keras"):
-        raise ValueError(f"eps_mode must be torch|keras, got {eps_mode!r}")
-    if growth < 1.0:
-        raise ValueError(f"growth must be >= 1, got {growth}")
-    b1, b2 = (float(b) for b in betas)
-    if not (0.0 < b1 < 1.0 and 0.0 < b2 < 1.0):
-        raise ValueError(f"betas must be in (0, 1), got {betas}")
-    if not _ct.triton_available(weights.device):
-        raise RuntimeError(f"CowClip Triton catch-up not available for {weights.device} tensors")
     R = elem_offset.numel()
-    if R == 0:
-        return
-    for name, x, dt in (("weights", weights, torch.float32), ("momentum1", momentum1, torch.float32),
-                        ("momentum2", momentum2, torch.float32), ("row_step", row_step, torch.long)):
-        if x.dtype != dt or not x.is_contiguous() or x.device != weights.device:
-            raise RuntimeError(f"{name} must be a contiguous {dt} tensor on {weights.device}")
     dev = weights.device
     dims = dims.to(device=dev, dtype=torch.int32).contiguous()
-    block_d = max(16, _ct.triton.next_power_of_2(max_dim if max_dim is not None else int(dims.max())))
-    c = 2.0 * float(l2)
-    values = (float(lr), b1, b2, float(eps), c, float(growth), math.log(b1), math.log(b2))
-    hp = _device_hyper(values, dev)
-    table = _piece_table(values, int(step), dev)
+    args, consts = _launch_args(weights, momentum1, momentum2, row_step, step, lr, betas, eps, eps_mode, l2, growth,
+                                max_dim if max_dim is not None else (int(dims.max()) if R else 1))
+    if R == 0:
+        return
     with _ct._triton_mode_env():
         _kernel()[(R,)](
             weights, momentum1, momentum2, row_step,
             elem_offset.to(device=dev, dtype=torch.long).contiguous(),
-            row_index.to(device=dev, dtype=torch.long).contiguous(), dims, hp, table, table.shape[0], int(step),
-            _f32(b1), _f32(b2), _f32((1.0 - b1) * c), _f32((1.0 - b2) * c * c), _f32(c * c), _f32(eps),
-            KERAS=eps_mode == "keras", BLOCK_D=block_d, num_warps=1,
-        )
+            row_index.to(device=dev, dtype=torch.long).contiguous(), dims, *args, **consts)
+
+
+def triton_catch_up_lookup(weights: Tensor, momentum1: Tensor, momentum2: Tensor, row_step: Tensor,
+                           feature_meta: Tensor, indices: Tensor, offsets: Tensor, step: int, *, lr: float,
+                           max_dim: int, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                           eps_mode: str = "torch", l2: float = 0.0, growth: float = 2.0) -> Tensor | None:
+    """Advance every row a lookup reads that is behind ``step`` to ``step``, in place: the CUDA
+    twin of the C++ op ``fused_catch_up_tables`` (same buffers, same ``feature_meta`` [F, 6] int64,
+    here on the device; the KJT's ``indices`` and ``offsets`` [F*B+1], repeats allowed). Returns
+    the number of rows advanced as an int32 [1] tensor on the device (reading it synchronises),
+    or None for an empty lookup.
+
+    Why two kernels and no ``torch.unique``: on an H100 at the raw Criteo sizes the catch-up's GPU
+    time was about 0.2 ms of the 0.6-0.8 ms it added per step; the rest was the host finding the
+    rows behind (a boolean mask and ``torch.unique``, each a device-to-host synchronisation, and a
+    dozen small ops and copies). Here the first kernel claims the rows behind (an atomic max of
+    their ``row_step`` to ``step``: exactly one id per row wins) and appends them to a list, the
+    second advances the list; no synchronisation, and the result does not depend on which id won
+    or on the list's order. One program per id with the row's advance inline was tried first: the
+    advance's registers cap the programs in flight, and each id's chain of dependent loads made it
+    0.8-1.7 ms slower than the unique + per-row path at batches 64K-128K (docs/benchmarks.md)."""
+    L = indices.numel()
+    F = feature_meta.shape[0]
+    args, consts = _launch_args(weights, momentum1, momentum2, row_step, step, lr, betas, eps, eps_mode, l2, growth,
+                                max_dim)
+    if feature_meta.dtype != torch.long or feature_meta.device != weights.device or feature_meta.dim() != 2:
+        raise RuntimeError(f"feature_meta must be an int64 [F, 6] tensor on {weights.device}")
+    if (offsets.numel() - 1) % max(F, 1) != 0:
+        raise ValueError(f"offsets must have F*B+1 entries (F={F}), got {offsets.numel()}")
+    B = (offsets.numel() - 1) // max(F, 1)
+    if L == 0 or B == 0 or F == 0:
+        return None
+    dev = weights.device
+    out_woff = torch.empty(L, dtype=torch.long, device=dev)
+    out_rs = torch.empty(L, dtype=torch.long, device=dev)
+    out_d = torch.empty(L, dtype=torch.int32, device=dev)
+    count = torch.zeros(1, dtype=torch.int32, device=dev)
+    claim, advance = _lookup_kernels()
+    with _ct._triton_mode_env():
+        claim[(_ct.triton.cdiv(L, CLAIM_BLOCK),)](
+            row_step, indices.contiguous(), offsets.contiguous(), feature_meta.contiguous(), L, F, B, int(step),
+            out_woff, out_rs, out_d, count, BLOCK=CLAIM_BLOCK, SEARCH_STEPS=max(1, math.ceil(math.log2(F))),
+            num_warps=4)
+        advance[(min(L, _advance_programs(dev)),)](weights, momentum1, momentum2, out_woff, out_rs, out_d, count,
+                                                   *args, **consts)
+    return count
+
+
+CLAIM_BLOCK = 256  # ids per program of the claim kernel
+
+
+_SM_COUNT: dict[str, int] = {}
+
+
+def _advance_programs(dev: torch.device) -> int:
+    """Programs of the persistent advance kernel: 32 one-warp programs per SM on CUDA (the advance
+    holds about 90 registers a thread, so an SM runs about 20 at once); 8 under the interpreter."""
+    if dev.type != "cuda":
+        return 8
+    key = str(dev)
+    if key not in _SM_COUNT:
+        _SM_COUNT[key] = torch.cuda.get_device_properties(dev).multi_processor_count
+    return 32 * _SM_COUNT[key]
 
 
 _DEVICE_HYPER: dict[tuple, Tensor] = {}

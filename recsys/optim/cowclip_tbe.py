@@ -388,6 +388,15 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
             cached = self._fused_meta = (key, meta, zeta)
         return cached[1], cached[2]
 
+    def _device_feature_meta(self) -> Tensor:
+        """``_fused_feature_meta``'s table on the weights' device, copied once per change of it (the
+        Triton catch-up reads it there every lookup)."""
+        meta = self._fused_feature_meta()[0]
+        cached = getattr(self, "_device_meta", None)
+        if cached is None or cached[0] is not meta:
+            cached = self._device_meta = (meta, meta.to(self.weights.device))
+        return cached[1]
+
     @torch.no_grad()
     def backward_update(self, grad_out: Tensor, indices: Tensor, offsets: Tensor, psw: Tensor | None) -> None:
         """Inline mode: one call of the multi-table op for all tables (``tables_op``: C++ on CPU, Triton on CUDA),
@@ -500,6 +509,15 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
             fused_catch_up_tables(self.weights, self.momentum1, self.momentum2, self.row_step, self._fused_feature_meta()[0],
                                   indices, offsets, step, lr=self.lr, betas=(hp.beta1, hp.beta2), eps=hp.eps,
                                   l2=hp.l2, eps_mode=hp.eps_mode, growth=self.catchup_growth)
+            return
+        if self.catchup_op == "triton":  # the same in one launch, no host synchronisation
+            from recsys.optim.cowclip_catchup_triton import triton_catch_up_lookup
+
+            hp = self.hyper
+            triton_catch_up_lookup(self.weights, self.momentum1, self.momentum2, self.row_step,
+                                   self._device_feature_meta(), indices, offsets, step, lr=self.lr,
+                                   max_dim=max(d for _, d in self.embedding_specs), betas=(hp.beta1, hp.beta2),
+                                   eps=hp.eps, eps_mode=hp.eps_mode, l2=hp.l2, growth=self.catchup_growth)
             return
         F = len(self.feature_table_map)
         B = (offsets.numel() - 1) // F
