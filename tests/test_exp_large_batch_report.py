@@ -120,6 +120,10 @@ def test_a_second_seed_repeats_only_the_decisive_cells_before_the_8k_cells():
     again = [r for r in plan if r[0] == 1]
     assert set(again) == {(1, b, a) for b in (1024, 65536, 131072) for a in ("cowclip", "noclip_rule")} | {
         (1, 65536, "sqrt"), (1, 131072, "sqrt")}  # sqrt's 1K run is no clip + rule's
+    # the second seed: the targets' batches first (largest first), its 1K runs last
+    assert again == [(1, 131072, "cowclip"), (1, 131072, "noclip_rule"), (1, 131072, "sqrt"),
+                     (1, 65536, "cowclip"), (1, 65536, "noclip_rule"), (1, 65536, "sqrt"),
+                     (1, 1024, "cowclip"), (1, 1024, "noclip_rule")]
     assert [r for r in plan if r[0] == 0] == seed0  # the first seed keeps its order
     # the first seed: the decisive arms at the targets' batches, then no clip + rule there (the
     # clip's share), then the lazy semantics (the default), then linear, then 8K
@@ -132,7 +136,7 @@ def test_a_second_seed_repeats_only_the_decisive_cells_before_the_8k_cells():
     first_8k = min(i for i, r in enumerate(plan) if r[1] == 8192)
     assert max(plan.index(r) for r in again) < first_8k
     assert exp.plan_runs([0, 1], [1024, 65536], ["cowclip"], 1024, None) == [
-        (0, 1024, "cowclip"), (0, 65536, "cowclip"), (1, 1024, "cowclip"), (1, 65536, "cowclip")]
+        (0, 1024, "cowclip"), (0, 65536, "cowclip"), (1, 65536, "cowclip"), (1, 1024, "cowclip")]
 
 
 def test_a_resumed_run_reports_its_whole_training_time(tmp_path, capsys):
