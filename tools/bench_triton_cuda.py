@@ -20,6 +20,7 @@ both methods' tables agree (the same batches, the same start).
     python3 tools/bench_triton_cuda.py                     # 1M rows per table, batch 8K, on cuda
     python3 tools/bench_triton_cuda.py --rows 1300000 --catchup   # 1.3M rows per table, + the catch-up
     python3 tools/bench_triton_cuda.py --sizes raw --catchup --dense   # raw Criteo sizes (33.8M rows), + dense pass
+    python3 tools/bench_triton_cuda.py --host-time --rows 100000      # host time per call of the lookup's catch-up
     TRITON_INTERPRET=1 python tools/bench_triton_cuda.py --device cpu --rows 2000 --batch 64 --iters 2   # smoke test
 
 The last line of stdout is one JSON object.
@@ -243,6 +244,73 @@ def run(args) -> dict:
     return res
 
 
+def host_time(args) -> dict:
+    """Host time per call of the lookup's catch-up when no row is behind (all work is launching):
+    ``triton_catch_up_lookup`` against the previous way (mask + ``torch.unique`` + the per-row
+    kernel), plus the new way's parts. Each figure: ``n`` calls back to back, no synchronisation
+    in between (the new way has none), so it is what the host spends per call."""
+    import torch
+
+    from recsys.optim import cowclip_catchup_triton as cct
+
+    dev = torch.device(args.device)
+    cards, B = table_rows(args), args.batch
+    cum = [0]
+    for c in cards:
+        cum.append(cum[-1] + c)
+    N, step = cum[-1], args.trained_steps
+    meta = torch.tensor([[cum[t] * DIM, cards[t], DIM, t * DIM, cum[t], 1] for t in range(TABLES)],
+                        dtype=torch.long, device=dev)
+    W = torch.zeros(N * DIM, device=dev)
+    M, V = torch.zeros_like(W), torch.zeros_like(W)
+    RS = torch.full((N,), step, dtype=torch.long, device=dev)  # every row current
+    idx, off, _ = _batches(cards, B, 1, dev)[0]
+    starts = torch.tensor(cum[:-1], device=dev)
+    kw = dict(lr=HP["lr"], betas=HP["betas"], eps=HP["eps"], eps_mode="torch", l2=HP["l2"])
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+    def per_call_us(fn, n: int = 300) -> float:
+        for _ in range(20):
+            fn()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        t1 = time.perf_counter()
+        sync()
+        return 1e6 * (t1 - t0) / n
+
+    def previous_way() -> None:
+        u = torch.unique(idx + starts.repeat_interleave(B))
+        u = u[RS.index_select(0, u) < step]
+        cct.triton_catch_up_rows(W, M, V, RS, u * DIM, u, torch.full_like(u, DIM), step, max_dim=DIM, **kw)
+
+    L = idx.numel()
+    la = (W, M, V, RS, step, HP["lr"], HP["betas"], HP["eps"], "torch", HP["l2"], 2.0, DIM)
+    launch_args, consts = cct._launch_args(*la)
+    scratch = [torch.empty(L, dtype=dt, device=dev) for dt in (torch.long, torch.long, torch.int32)]
+    count = torch.zeros(1, dtype=torch.int32, device=dev)
+    claim, advance = cct._lookup_kernels()
+    grid = -(-L // cct.CLAIM_BLOCK)
+    n_adv = min(L, cct._advance_programs(dev))
+    return {
+        "lookup_us": per_call_us(lambda: cct.triton_catch_up_lookup(W, M, V, RS, meta, idx, off, step, max_dim=DIM,
+                                                                    **kw)),
+        "previous_way_us": per_call_us(previous_way, 100),
+        "parts_us": {
+            "launch_args": per_call_us(lambda: cct._launch_args(*la)),
+            "scratch_alloc": per_call_us(lambda: ([torch.empty(L, dtype=dt, device=dev) for dt in
+                                                  (torch.long, torch.long, torch.int32)],
+                                                 torch.zeros(1, dtype=torch.int32, device=dev))),
+            "claim_launch": per_call_us(lambda: claim[(grid,)](
+                RS, idx, off, meta, L, TABLES, B, step, *scratch, count, BLOCK=cct.CLAIM_BLOCK, SEARCH_STEPS=5,
+                num_warps=4)),
+            "advance_launch": per_call_us(lambda: advance[(n_adv,)](W, M, V, *scratch, count, *launch_args,
+                                                                    **consts)),
+        },
+    }
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")
@@ -262,8 +330,10 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", nargs="?", const="triton", default=None,
                     choices=("triton", "torch", "catchup_triton", "catchup_triton_rows", "catchup_torch"),
                     help="also print torch.profiler's top ops of 5 more steps of this method (default triton)")
+    ap.add_argument("--host-time", action="store_true", help="only the host time per call of the lookup's "
+                    "catch-up with no row behind: the new way against the previous one, and the new way's parts")
     args = ap.parse_args(argv)
-    res = run(args)
+    res = host_time(args) if args.host_time else run(args)
     for k, v in res.items():
         print(f"{k}: {v}", file=sys.stderr)
     print(json.dumps(res))
