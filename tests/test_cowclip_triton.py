@@ -425,7 +425,7 @@ def test_catch_up_lookup_kernel_matches_the_torch_catch_up(index_dtype, eps_mode
 
     gen = torch.Generator().manual_seed(11)
     kw = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-7 if eps_mode == "keras" else 1e-8, eps_mode=eps_mode, l2=1e-4)
-    specs, fmap, B, step = [(40, 16), (300, 8), (5, 16)], [1, 0, 2, 0], 100, 3100  # 600 ids: 3 claim blocks
+    specs, fmap, B, step = [(40, 16), (300, 8), (5, 16)], [1, 0, 2, 0], 100, 3100  # ~600 ids: ~19 programs
     elem, rs_start, pos, rpos = [], [], 5, 2
     for n, d in specs:
         elem.append(pos)
@@ -467,7 +467,7 @@ def test_catch_up_lookup_kernel_matches_the_torch_catch_up(index_dtype, eps_mode
             allowed = 1e-5 * b.abs() + 1e-6 * st.abs().max() + 1e-30  # as the per-row kernel's test
             worst = float(((a - b).abs() / allowed).max())
             assert worst <= 1.0, f"table {t} row {k} (gap {step - int(rs[slot])}) {name}: error {worst:.2f}x the allowed"
-    assert advanced > 50 and int(n_advanced) == advanced  # each row once: repeats of a row lose the claim
+    assert advanced > 50 and int(n_advanced.sum()) == advanced  # each row once: repeats of a row lose the claim
     assert torch.equal(got[3], want_rs)
     for a, b in zip(got[:3], flat):
         assert torch.equal(a[~written], b[~written])
@@ -547,26 +547,19 @@ for cap in (80, 90):
         k = triton.compile(src, target=GPUTarget("cuda", cap, 32), options={"num_warps": 1})
         assert len(k.asm["cubin"]) > 1000
         print(cap, "catch-up", keras, "ok")
-claim, advance = cct._lookup_kernels()
-sig = {"RS": "*i64", "IDX": "*i32", "OFFSETS": "*i32", "META": "*i64", "L": "i32", "F": "i32", "B": "i32",
-       "step": "i32",  # a small int argument is int32
-       "OUT_WOFF": "*i64", "OUT_RS": "*i64", "OUT_D": "*i32", "COUNT": "*i32", "BLOCK": "constexpr",
-       "SEARCH_STEPS": "constexpr"}
+fn = cct._lookup_kernel()
+sig = {"W": "*fp32", "M": "*fp32", "V": "*fp32", "RS": "*i64", "IDX": "*i32", "OFFSETS": "*i32", "META": "*i64",
+       "L": "i32", "F": "i32", "B": "i32", "OUT_WOFF": "*i64", "OUT_RS": "*i64", "OUT_D": "*i32", "COUNTS": "*i32",
+       "HP": "*fp64", "CONST": "*fp64", "n_const": "i32", "step": "i32",  # a small int argument is int32
+       **{k: "fp32" for k in "b1f b2f c_m c_v c2 epsf".split()},
+       **{k: "constexpr" for k in ("BLOCK", "SEARCH_STEPS", "KERAS", "BLOCK_D")}}
 for cap in (80, 90):
-    for idx in ("*i64", "*i32"):
-        src = ASTSource(fn=claim, signature={**sig, "IDX": idx, "OFFSETS": idx}, constexprs={"BLOCK": 256, "SEARCH_STEPS": 5})
-        k = triton.compile(src, target=GPUTarget("cuda", cap, 32), options={"num_warps": 4})
-        assert re.search(r"atom\\.global\\.[a-z_.]*max\\.[su]64", k.asm["ptx"]), "no 64-bit atomic max"
-        print(cap, "claim", idx, "ok")
-sig = {"W": "*fp32", "M": "*fp32", "V": "*fp32", "OUT_WOFF": "*i64", "OUT_RS": "*i64", "OUT_D": "*i32", "COUNT": "*i32",
-       "HP": "*fp64", "CONST": "*fp64", "n_const": "i32", "step": "i32",
-       **{k: "fp32" for k in "b1f b2f c_m c_v c2 epsf".split()}, "KERAS": "constexpr", "BLOCK_D": "constexpr"}
-for cap in (80, 90):
-    for keras in (False, True):
-        src = ASTSource(fn=advance, signature=sig, constexprs={"KERAS": keras, "BLOCK_D": 16})
+    for keras, idx in ((False, "*i64"), (True, "*i32")):
+        src = ASTSource(fn=fn, signature={**sig, "IDX": idx, "OFFSETS": idx},
+                        constexprs={"BLOCK": cct.LOOKUP_BLOCK, "SEARCH_STEPS": 5, "KERAS": keras, "BLOCK_D": 16})
         k = triton.compile(src, target=GPUTarget("cuda", cap, 32), options={"num_warps": 1})
-        assert len(k.asm["cubin"]) > 1000
-        print(cap, "advance", keras, "ok")
+        assert re.search(r"atom\\.global\\.[a-z_.]*max\\.[su]64", k.asm["ptx"]), "no 64-bit atomic max"
+        print(cap, "catch-up per id", keras, "ok")
 """
 
 
@@ -580,7 +573,7 @@ def test_kernel_compiles_for_gpus_without_one(tmp_path):
                TRITON_DEFAULT_FP_FUSION="1")
     out = subprocess.run([sys.executable, "-c", AOT], cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("ok") == 16
+    assert out.stdout.count("ok") == 12
 
 
 def test_cpu_install_without_triton_keeps_working():

@@ -288,25 +288,19 @@ def host_time(args) -> dict:
     L = idx.numel()
     la = (W, M, V, RS, step, HP["lr"], HP["betas"], HP["eps"], "torch", HP["l2"], 2.0, DIM)
     launch_args, consts = cct._launch_args(*la)
-    scratch = [torch.empty(L, dtype=dt, device=dev) for dt in (torch.long, torch.long, torch.int32)]
-    count = torch.zeros(1, dtype=torch.int32, device=dev)
-    claim, advance = cct._lookup_kernels()
-    grid = -(-L // cct.CLAIM_BLOCK)
-    n_adv = min(L, cct._advance_programs(dev))
+    programs = -(-L // cct.LOOKUP_BLOCK)
+    scratch = cct._scratch(dev, L, programs)
+    kernel = cct._lookup_kernel()
     return {
         "lookup_us": per_call_us(lambda: cct.triton_catch_up_lookup(W, M, V, RS, meta, idx, off, step, max_dim=DIM,
                                                                     **kw)),
         "previous_way_us": per_call_us(previous_way, 100),
         "parts_us": {
             "launch_args": per_call_us(lambda: cct._launch_args(*la)),
-            "scratch_alloc": per_call_us(lambda: ([torch.empty(L, dtype=dt, device=dev) for dt in
-                                                  (torch.long, torch.long, torch.int32)],
-                                                 torch.zeros(1, dtype=torch.int32, device=dev))),
-            "claim_launch": per_call_us(lambda: claim[(grid,)](
-                RS, idx, off, meta, L, TABLES, B, step, *scratch, count, BLOCK=cct.CLAIM_BLOCK, SEARCH_STEPS=5,
-                num_warps=4)),
-            "advance_launch": per_call_us(lambda: advance[(n_adv,)](W, M, V, *scratch, count, *launch_args,
-                                                                    **consts)),
+            "scratch": per_call_us(lambda: cct._scratch(dev, L, programs)),
+            "launch": per_call_us(lambda: kernel[(programs,)](
+                W, M, V, RS, idx, off, meta, L, TABLES, B, *scratch, *launch_args, BLOCK=cct.LOOKUP_BLOCK,
+                SEARCH_STEPS=5, **consts)),
         },
     }
 

@@ -16,9 +16,9 @@ and ``row_step = step`` back.
 Two entry points share that row body (``_advance_row``):
 
 * ``triton_catch_up_lookup``: what a lookup runs (``CowClipAdamTBE.catch_up_lookup``). It takes the
-  KJT's ids as they are (repeats included): a first kernel claims each row behind with an atomic
-  max on its ``row_step`` (one id per row wins) and lists it, a persistent second kernel advances
-  the list. No host synchronisation.
+  KJT's ids as they are (repeats included), 32 per program: a program claims each row behind
+  among its ids with an atomic max on the row's ``row_step`` (one id per row wins) and advances
+  the rows it won. One launch, no host synchronisation.
 * ``triton_catch_up_rows``: the caller passes distinct rows (``catch_up_all`` before a checkpoint,
   the column-wise exchange): each row's element offset in the flat buffers, its index in
   ``row_step`` and its dim.
@@ -225,19 +225,23 @@ def _catch_up_rows_kernel(
     tl.store(RS + rsi, tl.maximum(rs, step))
 
 
-def _claim_rows_kernel(
-    RS,  # int64 row_step
+def _claim_advance_kernel(
+    W, M, V, RS,  # as _catch_up_rows_kernel's
     IDX, OFFSETS, META,  # [L] the lookup's ids (int32/int64), [F*B+1] the KJT's offsets, [F, 6] int64 feature_meta
-    L, F, B, step,  # ids, features, bags per feature (feature f's ids start at OFFSETS[f * B]), global step
-    OUT_WOFF, OUT_RS, OUT_D, COUNT,  # [L] int64, [L] int64, [L] int32: the claimed rows, appended; [1] int32 their count
-    BLOCK: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    L, F, B,  # ids, features, bags per feature (feature f's ids start at OFFSETS[f * B])
+    OUT_WOFF, OUT_RS, OUT_D, COUNTS,  # scratch [L] int64, [L] int64, [L] int32: each program's claimed rows; [programs] int32
+    HP, CONST, n_const, step, b1f, b2f, c_m, c_v, c2, epsf,  # as _advance_row's
+    BLOCK: tl.constexpr, SEARCH_STEPS: tl.constexpr, KERAS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """BLOCK ids per program: find each id's feature (a binary search over the feature starts in
-    OFFSETS), and claim every row behind ``step`` by an atomic max of its ``row_step`` to ``step``. Of the ids that
-    hold the same row (repeats in a bag, across bags, or features that share a table) exactly one
-    sees the old value below ``step``: it appends the row (element offset, old step, dim) to the
-    OUT lists. Ids outside their table are left alone (the update op's bounds check names them)."""
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    """BLOCK ids per program (one warp: an id per lane). First the claim: find each id's feature
+    (a binary search over the feature starts in OFFSETS) and claim every row behind ``step`` by an
+    atomic max of its ``row_step`` to ``step``; of the ids that hold the same row (repeats in a
+    bag, across bags or programs, or features that share a table) exactly one sees the old value
+    below ``step``. Then the program advances the rows it won, one after the other, from a list in
+    its own stretch of the scratch (COUNTS[program] = their number). Ids outside their table are
+    left alone (the update op's bounds check names them)."""
+    pid = tl.program_id(0).to(tl.int64)
+    i = pid * BLOCK + tl.arange(0, BLOCK)
     inb = i < L
     k = tl.load(IDX + i, mask=inb, other=-1).to(tl.int64)
     lo = i * 0  # invariant OFFSETS[lo * B] <= i < OFFSETS[hi * B]
@@ -258,26 +262,17 @@ def _claim_rows_kernel(
     old = tl.atomic_max(RS + rsi, rs * 0 + step, mask=behind)
     won = behind & (old < step)
     n_won = won.to(tl.int32)
-    slot = tl.atomic_add(COUNT, tl.sum(n_won, 0)) + tl.cumsum(n_won, 0) - n_won
+    total = tl.sum(n_won, 0)
+    tl.store(COUNTS + pid, total)
+    slot = pid * BLOCK + tl.cumsum(n_won, 0) - n_won
     tl.store(OUT_WOFF + slot, woff, mask=won)
     tl.store(OUT_RS + slot, old, mask=won)
     tl.store(OUT_D + slot, D.to(tl.int32), mask=won)
-
-
-def _advance_claimed_kernel(
-    W, M, V,  # as _advance_row's
-    OUT_WOFF, OUT_RS, OUT_D, COUNT,  # the claimed rows (_claim_rows_kernel)
-    HP, CONST, n_const, step, b1f, b2f, c_m, c_v, c2, epsf,  # as _advance_row's
-    KERAS: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """Persistent: program p advances claimed rows p, p + programs, ... (their count is known on
-    the device only, so the grid is fixed and each program loops)."""
-    n = tl.load(COUNT)
-    for r in range(tl.program_id(0), n, tl.num_programs(0)):
-        woff = tl.load(OUT_WOFF + r)
-        rs = tl.load(OUT_RS + r)
-        D = tl.load(OUT_D + r)
-        _advance_row_jit(W, M, V, woff, D, rs, step, HP, CONST, n_const, b1f, b2f, c_m, c_v, c2, epsf, KERAS, BLOCK_D)
+    tl.debug_barrier()  # the lanes' stores above, visible to the loads below
+    for r in range(0, total):
+        s = pid * BLOCK + r
+        _advance_row_jit(W, M, V, tl.load(OUT_WOFF + s), tl.load(OUT_D + s), tl.load(OUT_RS + s), step, HP, CONST,
+                         n_const, b1f, b2f, c_m, c_v, c2, epsf, KERAS, BLOCK_D)
 
 
 def _jit_all() -> None:
@@ -291,8 +286,7 @@ def _jit_all() -> None:
         tl = _ct.tl
         with _ct._triton_mode_env():
             _advance_row_jit = _ct.triton.jit(_advance_row)
-            _KERNEL.extend([_ct.triton.jit(f) for f in (_catch_up_rows_kernel, _claim_rows_kernel,
-                                                        _advance_claimed_kernel)])
+            _KERNEL.extend([_ct.triton.jit(f) for f in (_catch_up_rows_kernel, _claim_advance_kernel)])
 
 
 def _kernel() -> Callable:
@@ -301,10 +295,10 @@ def _kernel() -> Callable:
     return _KERNEL[0]
 
 
-def _lookup_kernels() -> tuple[Callable, Callable]:
-    """``triton_catch_up_lookup``'s two kernels: claim the rows behind, advance them."""
+def _lookup_kernel() -> Callable:
+    """``triton_catch_up_lookup``'s kernel (claim the rows behind, advance them)."""
     _jit_all()
-    return _KERNEL[1], _KERNEL[2]
+    return _KERNEL[1]
 
 
 _advance_row_jit: Callable | None = None
@@ -382,18 +376,20 @@ def triton_catch_up_lookup(weights: Tensor, momentum1: Tensor, momentum2: Tensor
     """Advance every row a lookup reads that is behind ``step`` to ``step``, in place: the CUDA
     twin of the C++ op ``fused_catch_up_tables`` (same buffers, same ``feature_meta`` [F, 6] int64,
     here on the device; the KJT's ``indices`` and ``offsets`` [F*B+1], repeats allowed). Returns
-    the number of rows advanced as an int32 [1] tensor on the device (reading it synchronises),
-    or None for an empty lookup.
+    int32 counts on the device whose sum is the number of rows advanced, or None for an empty
+    lookup; nothing here synchronises, and the counts are a view of scratch that the next call on
+    the same stream overwrites (sum or clone them before).
 
-    Why two kernels and no ``torch.unique``: on an H100 at the raw Criteo sizes the catch-up's GPU
-    time was about 0.2 ms of the 0.6-0.8 ms it added per step; the rest was the host finding the
-    rows behind (a boolean mask and ``torch.unique``, each a device-to-host synchronisation, and a
-    dozen small ops and copies). Here the first kernel claims the rows behind (an atomic max of
-    their ``row_step`` to ``step``: exactly one id per row wins) and appends them to a list, the
-    second advances the list; no synchronisation, and the result does not depend on which id won
-    or on the list's order. One program per id with the row's advance inline was tried first: the
-    advance's registers cap the programs in flight, and each id's chain of dependent loads made it
-    0.8-1.7 ms slower than the unique + per-row path at batches 64K-128K (docs/benchmarks.md)."""
+    Why one kernel over the ids and no ``torch.unique``: on an H100 at the raw Criteo sizes the
+    catch-up's GPU time was about 0.2 ms of the 0.6-0.8 ms it added per step; the rest was the host
+    finding the rows behind (a boolean mask and ``torch.unique``, each a device-to-host
+    synchronisation, and a dozen small ops and copies). Here each program claims the rows behind
+    among its 32 ids (an atomic max of their ``row_step`` to ``step``: exactly one id per row wins)
+    and advances the ones it won; one launch, no synchronisation, and the result does not depend on
+    which id won. Tried before it (docs/benchmarks.md): one program per id with the advance inline
+    (the advance's registers cap the programs in flight; each id's chain of dependent loads made it
+    0.8-1.7 ms slower at batches 64K-128K), and a claim kernel listing the rows for a second,
+    persistent advance kernel (as fast, with a second launch and a counter to zero)."""
     L = indices.numel()
     F = feature_meta.shape[0]
     args, consts = _launch_args(weights, momentum1, momentum2, row_step, step, lr, betas, eps, eps_mode, l2, growth,
@@ -405,37 +401,36 @@ def triton_catch_up_lookup(weights: Tensor, momentum1: Tensor, momentum2: Tensor
     B = (offsets.numel() - 1) // max(F, 1)
     if L == 0 or B == 0 or F == 0:
         return None
-    dev = weights.device
-    out_woff = torch.empty(L, dtype=torch.long, device=dev)
-    out_rs = torch.empty(L, dtype=torch.long, device=dev)
-    out_d = torch.empty(L, dtype=torch.int32, device=dev)
-    count = torch.zeros(1, dtype=torch.int32, device=dev)
-    claim, advance = _lookup_kernels()
+    programs = _ct.triton.cdiv(L, LOOKUP_BLOCK)
+    out_woff, out_rs, out_d, counts = _scratch(weights.device, L, programs)
     with _ct._triton_mode_env():
-        claim[(_ct.triton.cdiv(L, CLAIM_BLOCK),)](
-            row_step, indices.contiguous(), offsets.contiguous(), feature_meta.contiguous(), L, F, B, int(step),
-            out_woff, out_rs, out_d, count, BLOCK=CLAIM_BLOCK, SEARCH_STEPS=max(1, math.ceil(math.log2(F))),
-            num_warps=4)
-        advance[(min(L, _advance_programs(dev)),)](weights, momentum1, momentum2, out_woff, out_rs, out_d, count,
-                                                   *args, **consts)
-    return count
+        _lookup_kernel()[(programs,)](
+            weights, momentum1, momentum2, row_step, indices.contiguous(), offsets.contiguous(),
+            feature_meta.contiguous(), L, F, B, out_woff, out_rs, out_d, counts, *args,
+            BLOCK=LOOKUP_BLOCK, SEARCH_STEPS=max(1, math.ceil(math.log2(F))), **consts)
+    return counts
 
 
-CLAIM_BLOCK = 256  # ids per program of the claim kernel
+LOOKUP_BLOCK = 32  # ids per program of the lookup's kernel (one warp: an id per lane)
+_SCRATCH: dict[tuple, tuple[Tensor, ...]] = {}
 
 
-_SM_COUNT: dict[str, int] = {}
-
-
-def _advance_programs(dev: torch.device) -> int:
-    """Programs of the persistent advance kernel: 32 one-warp programs per SM on CUDA (the advance
-    holds about 90 registers a thread, so an SM runs about 20 at once); 8 under the interpreter."""
-    if dev.type != "cuda":
-        return 8
-    key = str(dev)
-    if key not in _SM_COUNT:
-        _SM_COUNT[key] = torch.cuda.get_device_properties(dev).multi_processor_count
-    return 32 * _SM_COUNT[key]
+def _scratch(dev: torch.device, L: int, programs: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The lookup kernel's scratch lists (each program writes its own stretch before it reads it),
+    kept across calls per device and CUDA stream and grown as needed: allocating them each call
+    cost about 25 us of host time (the step's catch-up is host-bound at batch 8K). Reuse is safe
+    because a stream runs its kernels in order, and another stream gets its own."""
+    stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
+    key = (str(dev), stream)
+    bufs = _SCRATCH.get(key)
+    if bufs is None or bufs[0].numel() < L or bufs[3].numel() < programs:
+        if len(_SCRATCH) >= 8:
+            _SCRATCH.clear()
+        n = max(L, 1024)
+        bufs = _SCRATCH[key] = (torch.empty(n, dtype=torch.long, device=dev), torch.empty(n, dtype=torch.long, device=dev),
+                                torch.empty(n, dtype=torch.int32, device=dev),
+                                torch.empty(_ct.triton.cdiv(n, LOOKUP_BLOCK), dtype=torch.int32, device=dev))
+    return bufs[0], bufs[1], bufs[2], bufs[3][:programs]
 
 
 _DEVICE_HYPER: dict[tuple, Tensor] = {}
