@@ -2,8 +2,8 @@
 same device (issue 16): one kernel launch for all tables against ``cowclip_adam_step`` per table
 (the chain of torch ops CUDA runs used before the kernel). With ``--catchup`` also the reference
 semantics (issue 14): the rows behind caught up, then the same update kernel, against the lazy
-update alone, three ways: ``catchup_triton``, the per-id kernel ``triton_catch_up_lookup`` the TBE
-runs (one launch, no host synchronisation); ``catchup_triton_rows``, the way before it (the rows
+update alone, three ways: ``catchup_triton``, the lookup kernel ``triton_catch_up_lookup`` the TBE
+runs (one launch over the ids, no host synchronisation); ``catchup_triton_rows``, the way before it (the rows
 behind found by a mask and ``torch.unique``, then the per-row kernel); ``catchup_torch``, the torch
 version.
 
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import statistics
 import sys
@@ -140,7 +141,7 @@ def run(args) -> dict:
                     state["step"] = S + 1
                     return
                 u = torch.unique(idx + starts.repeat_interleave(B))
-                u = u[cu[3].index_select(0, u) < S]  # the rows behind (the TBE's way before the per-id kernel)
+                u = u[cu[3].index_select(0, u) < S]  # the rows behind (the TBE's way before the lookup kernel)
                 if method == "catchup_triton_rows":
                     triton_catch_up_rows(*cu, u * DIM, u, torch.full_like(u, DIM), S, lr=HP["lr"], betas=HP["betas"],
                                          eps=HP["eps"], eps_mode="torch", l2=HP["l2"], max_dim=DIM)
@@ -194,7 +195,6 @@ def run(args) -> dict:
         for m in ("catchup_triton", "catchup_triton_rows"):
             diff.update({f"{m}_{name}": float((a - b).abs().max()) for name, a, b in
                          zip(("weights", "momentum1", "momentum2"), bufs[m][:3], bufs["catchup_torch"][:3])})
-
     res = {
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "sizes": args.sizes, "rows": N,
@@ -300,7 +300,7 @@ def host_time(args) -> dict:
             "scratch": per_call_us(lambda: cct._scratch(dev, L, programs)),
             "launch": per_call_us(lambda: kernel[(programs,)](
                 W, M, V, RS, idx, off, meta, L, TABLES, B, *scratch, *launch_args, BLOCK=cct.LOOKUP_BLOCK,
-                SEARCH_STEPS=5, **consts)),
+                SEARCH_STEPS=max(1, math.ceil(math.log2(TABLES))), **consts)),
         },
     }
 
