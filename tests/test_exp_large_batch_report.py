@@ -135,6 +135,12 @@ def test_a_second_seed_repeats_only_the_decisive_cells_before_the_8k_cells():
     assert max(plan.index(r) for r in seed0[:13]) < min(plan.index(r) for r in again)
     first_8k = min(i for i, r in enumerate(plan) if r[1] == 8192)
     assert max(plan.index(r) for r in again) < first_8k
+    # every repeat shares one tier: linear (a later tier in the first seed) runs with its batch
+    linear = [r for r in exp.plan_runs([0, 1], [1024, 65536, 131072], exp.DEFAULT_ARMS, 1024,
+                                       ["cowclip", "noclip_rule", "linear"]) if r[0] == 1]
+    assert linear == [(1, 131072, "cowclip"), (1, 131072, "noclip_rule"), (1, 131072, "linear"),
+                      (1, 65536, "cowclip"), (1, 65536, "noclip_rule"), (1, 65536, "linear"),
+                      (1, 1024, "cowclip"), (1, 1024, "noclip_rule")]
     assert exp.plan_runs([0, 1], [1024, 65536], ["cowclip"], 1024, None) == [
         (0, 1024, "cowclip"), (0, 65536, "cowclip"), (1, 65536, "cowclip"), (1, 1024, "cowclip")]
 
