@@ -201,3 +201,28 @@ def test_the_clip_contribution_is_cowclip_minus_no_clip_at_the_same_batch(tmp_pa
               "--batches", "1024", "65536", "--seeds", "0"])
     head = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert abs(head["targets"]["clip_contribution@65536"] - 0.0015) < 1e-9
+
+
+def test_a_fresh_clone_reuses_the_runs_the_committed_results_json_records(tmp_path, capsys):
+    """runs/ is not in git: on a fresh clone the finished runs' directories are gone, and --reuse
+    must take them from docs/results/large_batch.json instead of retraining them; a JSON written
+    for other overrides must not be taken."""
+    out, docs = tmp_path / "runs", tmp_path / "docs"
+    _fake_run(out, "b256_cowclip", 0.7900, [(10, 1.0, 0.7850), (20, 2.0, 0.7900)], 0.01)
+    _fake_run(out, "b2048_cowclip", 0.7880, [(1, 1.0, 0.7910), (2, 2.0, 0.7880)], 0.02)
+    argv = ["--quick", "--out", str(out), "--docs", str(docs), "--arms", "cowclip"]
+    exp.main([*argv, "--report"])
+    first = json.loads((docs / "results" / "large_batch.json").read_text())
+    capsys.readouterr()
+
+    import shutil
+    shutil.rmtree(out)  # a fresh clone: no run directories
+    exp.main([*argv, "--reuse"])  # every planned run is recorded: nothing to train
+    log = capsys.readouterr().out
+    assert log.count("(reused from") == 2 and not out.joinpath("b2048_cowclip").exists()
+    again = json.loads((docs / "results" / "large_batch.json").read_text())
+    assert again["runs"] == first["runs"] and (again["runs_finished"], again["runs_planned"]) == (2, 2)
+
+    exp.main([*argv, "--report", "--set", "train.epochs=3"])  # other overrides: the record is not theirs
+    head = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (head["runs_finished"], head["runs_planned"]) == (0, 2)

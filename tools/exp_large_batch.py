@@ -23,7 +23,9 @@ second seed (`--seeds 0 1`, the default) repeats the decisive cells only (`--rep
 no clip + rule and linear by default, at 128K, 64K and then 1K; `--repeat-all` for every cell), so that a
 0.001 difference means something. Runs
 checkpoint at every epoch end; an interrupted grid continues with --reuse (finished runs are
-kept, an interrupted run resumes from its last epoch); a finished run's checkpoints are deleted
+kept: from their run directory, or where that is absent, as on a fresh clone, from the committed
+results JSON when it was written for the same config and overrides; an interrupted run resumes
+from its last epoch); a finished run's checkpoints are deleted
 (the raw tables' state is ~7 GB). Per run the tool reports final and best AUC against the base
 batch, logloss, the share of rows clipped per epoch, steps, samples/s, wall time and the training
 time to reach the base batch's final AUC; it writes `docs/results/large_batch.json`, the table
@@ -204,6 +206,29 @@ def _load(run_dir: Path) -> dict:
     return s
 
 
+def _config_key(config: Path) -> str:
+    """How the results JSON names the base config (relative to the repo where it lies inside)."""
+    return str(config.relative_to(REPO)) if config.is_relative_to(REPO) else str(config)
+
+
+def recorded_runs(results_json: Path, config: Path, overrides: list[str]) -> dict[tuple[int, int, str], dict]:
+    """The finished runs that a results JSON written by this tool records, by (seed, batch, arm),
+    when it was written for the same base config and extra overrides (else none).
+
+    Why: a run's directory (its summary and metrics) lives under runs/, which git ignores, so a
+    grid carried on from a fresh clone or another machine would retrain hours of finished runs;
+    the committed `docs/results/large_batch.json` holds every figure the report needs of them."""
+    if not results_json.is_file():
+        return {}
+    try:
+        doc = json.loads(results_json.read_text())
+    except ValueError as e:
+        raise SystemExit(f"{results_json}: not valid JSON ({e}); move it away to retrain its runs") from None
+    if doc.get("config") != _config_key(config) or doc.get("overrides") != overrides:
+        return {}
+    return {(r["seed"], r["batch"], r["arm"]): r for r in doc.get("runs", [])}
+
+
 def _plot(results: list[dict], base: int, out: Path) -> None:
     import matplotlib
 
@@ -378,6 +403,8 @@ def main(argv: list[str] | None = None) -> None:
 
     a.seeds = a.seeds or ([0] if a.quick else [0, 1])
     plan = plan_runs(a.seeds, batches, a.arms, a.base_batch, None if a.repeat_all else a.repeat_arms)
+    results_json = a.docs / "results" / "large_batch.json"
+    recorded = recorded_runs(results_json, a.config, extra) if a.reuse or a.report else {}
     results: list[dict] = []
     t_start = time.perf_counter()
     ran = 0
@@ -396,6 +423,9 @@ def main(argv: list[str] | None = None) -> None:
         if (a.reuse or a.report) and (run_dir / "summary.json").is_file():
             s = _load(run_dir)
             print("    (reused)", flush=True)
+        elif (seed, b, arm) in recorded:
+            s = dict(recorded[(seed, b, arm)])
+            print(f"    (reused from {results_json}: {run_dir} is absent)", flush=True)
         elif a.report:
             print("    not finished: left out of the report", flush=True)
             continue
@@ -430,8 +460,8 @@ def main(argv: list[str] | None = None) -> None:
         keep = ("batch", "arm", "seed", "auc", "best_auc", "auc_vs_base", "best_auc_vs_base", "logloss", "oracle_auc",
                 "steps", "samples_per_s_this_run", "train_s", "pieces", "wall_s", "train_s_to_base_auc",
                 "clipped_share_per_epoch", "evals")
-        (a.docs / "results" / "large_batch.json").write_text(json.dumps(
-            {"config": str(a.config.relative_to(REPO)) if a.config.is_relative_to(REPO) else str(a.config),
+        results_json.write_text(json.dumps(
+            {"config": _config_key(a.config),
              "overrides": extra, **headline, "runs": [{k: r.get(k) for k in keep} for r in results]}, indent=1) + "\n")
         _plot(results, a.base_batch, a.docs / "large_batch.png" if a.marker == "results" else a.docs / f"large_batch_{a.marker}.png")
         doc = a.docs / "large_batch.md"
