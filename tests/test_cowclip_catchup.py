@@ -209,8 +209,12 @@ def test_fused_catch_up_equals_the_torch_catch_up(lr, l2, eps_mode, growth):
         torch.testing.assert_close(of, ot, rtol=1e-5, atol=1e-7)
     assert fused.catchup_op == "fused" and ref.catchup_op == "torch"
     assert torch.equal(fused.row_step, ref.row_step)
+    # catch_up_all: the C++ op on one, the torch version on the other. Rounding differs with the
+    # movement over the gap (about lr per step), not with |w|: a weight near 0 that coasted on its
+    # momentum at lr 1e-2 ends 3e-8 apart, so weights get the lookups' atol, moments a tighter one
     assert fused.catch_up_all() == ref.catch_up_all() > 50
-    for a, b in ((fused.weights, ref.weights), (fused.momentum1, ref.momentum1), (fused.momentum2, ref.momentum2)):
+    torch.testing.assert_close(fused.weights, ref.weights, rtol=5e-5, atol=1e-7)
+    for a, b in ((fused.momentum1, ref.momentum1), (fused.momentum2, ref.momentum2)):
         torch.testing.assert_close(a, b, rtol=5e-5, atol=1e-9)
 
 

@@ -23,6 +23,12 @@ hardly on the table size; the dense pass is O(rows) and its figure is also repor
     python tools/bench_catchup.py                      # fraction 0.25, batch 8K, 1 thread
     python tools/bench_catchup.py --fraction 1.0 --methods batch catchup   # full size, no dense
 
+``--all-rows``: instead of training steps, time ``catch_up_all`` (what a checkpoint, an export or a
+merge runs first: every row brought to the global step) from the same steady state, for the
+catch-up methods only, the state restored before each call (not timed).
+
+    python tools/bench_catchup.py --all-rows --batch 65536 --trained-steps 183   # a 64K run's epoch
+
 Methods: ``batch`` (lazy), ``catchup`` (the fused C++ catch-up op, what CPU runs use),
 ``catchup_torch`` (the same scheme as torch ops: the peer the op replaced), ``all`` (dense pass).
 
@@ -186,6 +192,59 @@ def run(args) -> dict:
     return res
 
 
+def run_all_rows(args) -> dict:
+    """``catch_up_all`` of the fused op against the torch version, from the same steady state."""
+    import torch
+
+    from recsys.config import CARDINALITY_PRESETS
+    from recsys.optim.cowclip_tbe import CowClipAdamTBE, CowClipHyper
+
+    torch.set_num_threads(args.threads)
+    full = CARDINALITY_PRESETS["criteo_kaggle_raw"]
+    cards = [max(1, int(n * args.fraction)) for n in full]
+    T = len(cards)
+    methods = [m for m in args.methods if m.startswith("catchup")]
+    if not methods:
+        raise SystemExit("--all-rows times catchup and/or catchup_torch: give one in --methods")
+    rs0 = steady_state_row_step(cards, args.batch, args.trained_steps)
+    g = torch.Generator().manual_seed(0)
+    n = sum(cards) * DIM
+    state0 = (torch.randn(n, generator=g) * 1e-2, torch.randn(n, generator=g) * 1e-5,
+              torch.rand(n, generator=g) * 1e-10 + 1e-12)
+    tbes = {}
+    for m in methods:
+        hp = CowClipHyper(update_scope="catchup", **HP)
+        tbes[m] = CowClipAdamTBE([(c, DIM) for c in cards], list(range(T)), hp, [DIM] * T, mode="inline",
+                                 catchup_op="torch" if m == "catchup_torch" else "auto")
+        tbes[m].set_optimizer_step(args.trained_steps)
+    times: dict[str, list[float]] = {m: [] for m in methods}
+    advanced = {}
+    for i in range(args.warmup + args.iters):
+        for m in methods:
+            tb = tbes[m]
+            with torch.no_grad():
+                for buf, x in zip((tb.weights, tb.momentum1, tb.momentum2), state0):
+                    buf.copy_(x)
+                tb.row_step.copy_(rs0)
+            t0 = time.perf_counter()
+            advanced[m] = tb.catch_up_all()
+            if i >= args.warmup:
+                times[m].append(time.perf_counter() - t0)
+    med = {m: 1e3 * statistics.median(v) for m, v in times.items()}
+    res = {"mode": "all_rows", "fraction": args.fraction, "rows": sum(cards), "rows_full": sum(full),
+           "batch": args.batch, "trained_steps": args.trained_steps, "threads": args.threads, "iters": args.iters,
+           "rows_behind": advanced[methods[0]], "catch_up_all_ms": med,
+           "mean_log2_gap": float((args.trained_steps - rs0[rs0 < args.trained_steps]).float().log2().mean()),
+           "ns_per_row_behind": {m: 1e6 * v / max(advanced[m], 1) for m, v in med.items()}}
+    if len(methods) == 2:
+        res["catch_up_all_torch_over_fused"] = med["catchup_torch"] / med["catchup"]
+        a, b = tbes["catchup"], tbes["catchup_torch"]  # the last round's results, same start state
+        res["max_abs_weight_diff"] = float((a.weights - b.weights).abs().max())
+        res["row_step_equal"] = bool(torch.equal(a.row_step, b.row_step))
+    res["host"] = platform.node()
+    return res
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--fraction", type=float, default=0.25, help="share of every raw table's rows")
@@ -196,10 +255,11 @@ def main(argv=None) -> int:
     ap.add_argument("--trained-steps", type=int, default=5500, help="steady state: steps trained before (1 epoch "
                     "of raw Criteo-Kaggle at batch 8K is about 5,500)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--all-rows", action="store_true", help="time catch_up_all (what a checkpoint runs) instead")
     args = ap.parse_args(argv)
     if not 0 < args.fraction <= 1:
         ap.error("--fraction must be in (0, 1]")
-    res = run(args)
+    res = run_all_rows(args) if args.all_rows else run(args)
     for k, v in res.items():
         if k != "host":
             print(f"{k}: {v}", file=sys.stderr)
