@@ -226,3 +226,20 @@ def test_a_fresh_clone_reuses_the_runs_the_committed_results_json_records(tmp_pa
     exp.main([*argv, "--report", "--set", "train.epochs=3"])  # other overrides: the record is not theirs
     head = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert (head["runs_finished"], head["runs_planned"]) == (0, 2)
+
+
+def test_the_seed_spread_of_a_cell_is_the_range_of_its_seeds_final_aucs(tmp_path, capsys):
+    """What a second seed moves a cell is the yardstick of a 0.001 difference: the max minus the min
+    of the cell's final AUCs over seeds, only for cells with more than one seed, and a run shared
+    at the base batch counted once."""
+    out, docs = tmp_path / "runs", tmp_path / "docs"
+    _fake_run(out, "b1024_cowclip", 0.7960, [(10, 1.0, 0.7960)], 0.05)
+    _fake_run(out, "b1024_noclip_rule", 0.7950, [(10, 1.0, 0.7950)], 0.0)
+    _fake_run(out, "b65536_cowclip", 0.7955, [(1, 1.0, 0.7955)], 0.02)
+    _fake_run(out, "b65536_cowclip_s1", 0.7948, [(1, 1.0, 0.7948)], 0.02)
+    _fake_run(out, "b65536_noclip_rule", 0.7940, [(1, 1.0, 0.7940)], 0.0)
+    exp.main(["--report", "--out", str(out), "--docs", str(docs), "--arms", "cowclip", "noclip_rule", "linear",
+              "--batches", "1024", "65536", "--seeds", "0", "1"])
+    head = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(head["seed_spread"]) == {"cowclip@65536"}
+    assert abs(head["seed_spread"]["cowclip@65536"] - 0.0007) < 1e-9

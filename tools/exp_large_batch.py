@@ -360,6 +360,15 @@ def _headline(results: list[dict], base: int, batches: list[int]) -> dict[str, A
     # it): final AUC of the reference semantics minus the lazy ones', means over seeds
     out["reference_minus_lazy"] = {f"@{b}": auc("cowclip", b) - auc("cowclip_lazy", b) for b in batches
                                    if auc("cowclip", b) is not None and auc("cowclip_lazy", b) is not None}
+    # what a seed moves a cell (another init and shuffle order, same data): the spread of the
+    # final AUC over the seeds that ran it, the yardstick for a 0.001 difference
+    spread: dict[str, float] = {}
+    for a in ARMS:
+        for b in batches:
+            vals = [r["auc"] for r in results if r["arm"] == a and r["batch"] == b and not r.get("shared_with")]
+            if len(vals) > 1:
+                spread[f"{a}@{b}"] = max(vals) - min(vals)
+    out["seed_spread"] = spread
     return out
 
 
