@@ -494,7 +494,6 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
         ``row_step`` again at the next use (the sharded EBC's load_state_dict post-hook calls this)."""
         self._dense_step = None
 
-    @torch.no_grad()
     def _resolve_catchup_op(self) -> None:
         """``catchup_op="auto"`` becomes what this device runs, on first use (loading the op may build it)."""
         if self.catchup_op == "auto":
@@ -502,6 +501,7 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
             self.catchup_op = ("fused" if dev.type == "cpu" and fused_available() else
                                "triton" if dev.type == "cuda" and triton_available(dev) else "torch")
 
+    @torch.no_grad()
     def catch_up_lookup(self, indices: Tensor, offsets: Tensor) -> None:
         """Bring the rows a lookup reads to the current global step (before the forward reads them)."""
         if indices.numel() == 0:
