@@ -434,7 +434,7 @@ def main(argv: list[str] | None = None) -> None:
             print("    (reused)", flush=True)
         elif (seed, b, arm) in recorded:
             s = dict(recorded[(seed, b, arm)])
-            print(f"    (reused from {results_json}: {run_dir} is absent)", flush=True)
+            print(f"    (reused from {results_json}: {run_dir} has no summary.json)", flush=True)
         elif a.report:
             print("    not finished: left out of the report", flush=True)
             continue
