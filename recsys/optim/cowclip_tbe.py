@@ -541,26 +541,20 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
         if self.hyper.update_scope != "catchup":
             return 0
         step, done = self.dense_step(cache=False), 0
-        self._resolve_catchup_op()
         for lo in range(0, self.row_step.numel(), chunk_rows):
             rows = lo + torch.nonzero(self.row_step[lo : lo + chunk_rows] < step).flatten()
             if rows.numel():
-                if self.catchup_op == "fused":
-                    self._fused_catch_up_rows(rows, step)
-                else:
-                    self._catch_up_rows(rows, step)
+                self._catch_up_rows(rows, step)
                 done += rows.numel()
         return done
 
-    def _fused_catch_up_rows(self, grows: Tensor, step: int) -> None:
+    def _fused_catch_up_rows(self, grows: Tensor, table: Tensor, starts: Tensor, step: int) -> None:
         """``_catch_up_rows`` by the C++ op the CPU lookups use: the rows, ascending, as one bag per
         table of a lookup over a table-by-table meta (why: the torch version took about 60 s per
         checkpoint of the raw Criteo tables on 2 ranks, most of a checkpoint's time; the op reads
         and writes each row once, without the torch version's gathers and per-block passes)."""
         hp = self.hyper
         T = len(self.embedding_specs)
-        starts = torch.tensor(self.row_starts[:T], dtype=torch.long)
-        table = torch.searchsorted(starts, grows, right=True) - 1
         bounds = torch.searchsorted(table, torch.arange(T + 1))  # ascending rows: each table's stretch
         meta = torch.tensor([[self.weights_physical_offsets[t], rows, dim, 0, self.row_starts[t], 0]
                              for t, (rows, dim) in enumerate(self.embedding_specs)], dtype=torch.long)
@@ -571,12 +565,17 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
             raise RuntimeError(f"catch-up advanced {int(advanced.sum())} of {grows.numel()} rows behind step {step}")
 
     def _catch_up_rows(self, grows: Tensor, step: int) -> None:
-        """Advance unique global rows ``grows`` (all behind ``step``) to ``step``: one launch of the
-        Triton kernel (``catchup_op="triton"``), else the torch version grouped by dim."""
+        """Advance unique global rows ``grows`` (ascending, all behind ``step``) to ``step``: the C++
+        op (``catchup_op="fused"``), one launch of the Triton kernel (``"triton"``), else the torch
+        version grouped by dim."""
         hp = self.hyper
         dev = grows.device
+        self._resolve_catchup_op()
         starts = torch.tensor(self.row_starts, dtype=torch.long, device=dev)
         table = torch.searchsorted(starts, grows, right=True) - 1
+        if self.catchup_op == "fused":
+            self._fused_catch_up_rows(grows, table, starts, step)
+            return
         dims = torch.tensor([d for _, d in self.embedding_specs], dtype=torch.long, device=dev)
         phys = torch.tensor(self.weights_physical_offsets[: len(self.embedding_specs)], dtype=torch.long, device=dev)
         row_dim = dims[table]
