@@ -243,3 +243,27 @@ def test_the_seed_spread_of_a_cell_is_the_range_of_its_seeds_final_aucs(tmp_path
     head = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(head["seed_spread"]) == {"cowclip@65536"}
     assert abs(head["seed_spread"]["cowclip@65536"] - 0.0007) < 1e-9
+
+
+def test_arm_differences_pair_the_seeds_that_ran_both_arms(tmp_path, capsys):
+    """While a second seed has run CowClip and not yet no clip + rule (or the lazy semantics), the
+    clip's contribution and reference minus lazy must not take seed 1's CowClip against seed 0's
+    other arm: a seed's shift would pass for the clip's worth."""
+    out, docs = tmp_path / "runs", tmp_path / "docs"
+    _fake_run(out, "b1024_cowclip", 0.7960, [(10, 1.0, 0.7960)], 0.05)
+    _fake_run(out, "b1024_noclip_rule", 0.7950, [(10, 1.0, 0.7950)], 0.0)
+    _fake_run(out, "b65536_cowclip", 0.7955, [(1, 1.0, 0.7955)], 0.02)
+    _fake_run(out, "b65536_cowclip_s1", 0.7935, [(1, 1.0, 0.7935)], 0.02)  # seed 1 sits 0.002 lower
+    _fake_run(out, "b65536_noclip_rule", 0.7950, [(1, 1.0, 0.7950)], 0.0)
+    _fake_run(out, "b65536_cowclip_lazy", 0.7900, [(1, 1.0, 0.7900)], 0.0)
+    argv = ["--report", "--out", str(out), "--docs", str(docs), "--arms", "cowclip", "cowclip_lazy", "noclip_rule",
+            "--batches", "1024", "65536", "--seeds", "0", "1"]
+    exp.main(argv)
+    head = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert abs(head["targets"]["clip_contribution@65536"] - 0.0005) < 1e-9  # seed 0 alone, not 0.7945 - 0.7950
+    assert abs(head["reference_minus_lazy"]["@65536"] - 0.0055) < 1e-9
+
+    _fake_run(out, "b65536_noclip_rule_s1", 0.7925, [(1, 1.0, 0.7925)], 0.0)
+    exp.main(argv)
+    head = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert abs(head["targets"]["clip_contribution@65536"] - 0.00075) < 1e-9  # mean of +0.0005 and +0.0010

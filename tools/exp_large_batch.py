@@ -337,8 +337,14 @@ def _headline(results: list[dict], base: int, batches: list[int]) -> dict[str, A
     def delta(arm: str, b: int) -> float | None:
         return mean("auc_vs_base", arm, b)
 
-    def auc(arm: str, b: int) -> float | None:
-        return mean("auc", arm, b)
+    def paired(arm: str, other: str, b: int) -> float | None:
+        """Mean over seeds of ``arm``'s final AUC minus ``other``'s at batch ``b``, over the seeds
+        that ran both: while a second seed has run one arm and not yet the other, a difference of
+        the two arms' means would mix a seed's shift into the arms' difference."""
+        by_seed = {r["seed"]: r["auc"] for r in results if r["arm"] == other and r["batch"] == b}
+        diffs = [r["auc"] - by_seed[r["seed"]] for r in results
+                 if r["arm"] == arm and r["batch"] == b and r["seed"] in by_seed]
+        return sum(diffs) / len(diffs) if diffs else None
 
     large = [b for b in batches if b >= TARGET_BATCH]
     out: dict[str, Any] = {"base_batch": base, "batches": batches,
@@ -352,14 +358,13 @@ def _headline(results: list[dict], base: int, batches: list[int]) -> dict[str, A
             None if best is None or sq is None or li is None else min(-sq, -li) > 2 * max(-best, 0.0))
         # the clip's own share at this batch: CowClip's final AUC minus no clip + the same rule's
         # (both with the reference semantics), at the same batch
-        nc, cc = auc("noclip_rule", b), auc("cowclip", b)
-        targets[f"clip_contribution@{b}"] = None if nc is None or cc is None else cc - nc
+        targets[f"clip_contribution@{b}"] = paired("cowclip", "noclip_rule", b)
     out["targets"] = targets
 
     # which semantics is better, batch by batch (the default of optim.embedding_l2_scope=auto follows
-    # it): final AUC of the reference semantics minus the lazy ones', means over seeds
-    out["reference_minus_lazy"] = {f"@{b}": auc("cowclip", b) - auc("cowclip_lazy", b) for b in batches
-                                   if auc("cowclip", b) is not None and auc("cowclip_lazy", b) is not None}
+    # it): final AUC of the reference semantics minus the lazy ones', paired by seed
+    out["reference_minus_lazy"] = {f"@{b}": d for b in batches
+                                   if (d := paired("cowclip", "cowclip_lazy", b)) is not None}
     # what a seed moves a cell (another init and shuffle order, same data): the spread of the
     # final AUC over the seeds that ran it, the yardstick for a 0.001 difference
     spread: dict[str, float] = {}
