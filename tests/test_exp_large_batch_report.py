@@ -267,3 +267,37 @@ def test_arm_differences_pair_the_seeds_that_ran_both_arms(tmp_path, capsys):
     exp.main(argv)
     head = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert abs(head["targets"]["clip_contribution@65536"] - 0.00075) < 1e-9  # mean of +0.0005 and +0.0010
+
+
+def test_only_trains_the_named_cells_and_still_reports_every_finished_run(tmp_path, capsys, monkeypatch):
+    """--only picks the planned cells to train (one that fits the time a machine has left), and the
+    docs still cover the whole plan: finished runs reused, the others left out, not dropped from the
+    JSON's plan count. The trainer is replaced by a recorder here: what is tested is which cells the
+    tool asks it for (the trainer's own runs are the other tests' and the grid's)."""
+    out, docs = tmp_path / "runs", tmp_path / "docs"
+    _fake_run(out, "b256_cowclip", 0.7900, [(10, 1.0, 0.7850), (20, 2.0, 0.7900)], 0.01)
+    trained = []
+
+    def fake_run(config, overrides, run_dir, log_path, resume):
+        trained.append(run_dir.name)
+        _fake_run(out, run_dir.name, 0.7890, [(1, 1.0, 0.7890)], 0.0)
+        return exp._load(run_dir)
+
+    monkeypatch.setattr(exp, "_run", fake_run)
+    argv = ["--quick", "--reuse", "--out", str(out), "--docs", str(docs), "--arms", "cowclip", "sqrt"]
+    exp.main([*argv, "--only", "2048:sqrt"])
+    assert trained == ["b2048_sqrt"]  # not b256_sqrt nor b2048_cowclip, though both are unfinished
+    head = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (head["runs_finished"], head["runs_planned"]) == (2, 4)
+
+    exp.main([*argv, "--only", "2048:sqrt:0", "256:cowclip"])  # both finished now: nothing to train
+    assert trained == ["b2048_sqrt"]
+    capsys.readouterr()
+    for bad, says in (("4096:cowclip", "not a planned run"), ("2048:cowclip:1", "not a planned run"),
+                      ("2048", "expected BATCH:ARM[:SEED]"), ("big:cowclip", "expected BATCH:ARM[:SEED]")):
+        try:
+            exp.main([*argv, "--only", bad])
+        except SystemExit as e:
+            assert says in str(e) and bad in str(e)
+        else:
+            raise AssertionError(f"--only {bad} was accepted")

@@ -35,6 +35,7 @@ one JSON object with the headline figures.
 
     .venv/bin/python tools/exp_large_batch.py --reuse      # the paper grid: many hours, one run at a time
     .venv/bin/python tools/exp_large_batch.py --report     # docs from the runs finished so far (no training)
+    .venv/bin/python tools/exp_large_batch.py --reuse --only 8192:cowclip   # one planned cell (fits the time left)
     .venv/bin/python tools/exp_large_batch.py --seeds 0 1 2 --reuse   # a third seed for the decisive cells
     .venv/bin/python tools/exp_large_batch.py --quick --no-docs   # tiny, for a smoke test
     .venv/bin/python tools/exp_large_batch.py --config configs/experiments/large_batch.yaml \\
@@ -229,6 +230,22 @@ def recorded_runs(results_json: Path, config: Path, overrides: list[str]) -> dic
     return {(r["seed"], r["batch"], r["arm"]): r for r in doc.get("runs", [])}
 
 
+def _cell(spec: str, plan: list[tuple[int, int, str]]) -> tuple[int, int, str]:
+    """``BATCH:ARM[:SEED]`` of ``--only`` as a planned (seed, batch, arm); a cell outside the plan
+    is an error (a run the grid does not plan would not be in its report either)."""
+    parts = spec.split(":")
+    try:
+        if len(parts) not in (2, 3):
+            raise ValueError
+        cell = (int(parts[2]) if len(parts) == 3 else 0, int(parts[0]), parts[1])
+    except ValueError:
+        raise SystemExit(f"--only {spec!r}: expected BATCH:ARM[:SEED], e.g. 8192:cowclip:0") from None
+    if cell not in plan:
+        raise SystemExit(f"--only {spec!r}: not a planned run (seed {cell[0]}, batch {cell[1]}, arm {cell[2]}); "
+                         "see the [i/n] lines of --report for the plan")
+    return cell
+
+
 def _plot(results: list[dict], base: int, out: Path) -> None:
     import matplotlib
 
@@ -399,6 +416,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-docs", action="store_true")
     ap.add_argument("--reuse", action="store_true",
                     help="keep runs that already finished in --out, resume interrupted ones from their last epoch")
+    ap.add_argument("--only", nargs="+", default=None, metavar="BATCH:ARM[:SEED]",
+                    help="train only these planned cells (seed 0 if left out), e.g. one that fits the time a "
+                         "machine has left; the others are reported if finished, as with --report")
     ap.add_argument("--quick", action="store_true", help="tiny data and batches: a smoke test of the tool")
     ap.add_argument("--report", action="store_true",
                     help="train nothing: write the table, JSON and plot of the runs finished so far (a grid that "
@@ -417,6 +437,7 @@ def main(argv: list[str] | None = None) -> None:
 
     a.seeds = a.seeds or ([0] if a.quick else [0, 1])
     plan = plan_runs(a.seeds, batches, a.arms, a.base_batch, None if a.repeat_all else a.repeat_arms)
+    only = None if a.only is None else {_cell(x, plan) for x in a.only}
     results_json = a.docs / "results" / "large_batch.json"
     recorded = recorded_runs(results_json, a.config, extra) if a.reuse or a.report else {}
     results: list[dict] = []
@@ -440,8 +461,8 @@ def main(argv: list[str] | None = None) -> None:
         elif (seed, b, arm) in recorded:
             s = dict(recorded[(seed, b, arm)])
             print(f"    (reused from {results_json}: {run_dir} has no summary.json)", flush=True)
-        elif a.report:
-            print("    not finished: left out of the report", flush=True)
+        elif a.report or (only is not None and (seed, b, arm) not in only):
+            print("    not finished: left out of the report" + ("" if a.report else " (not in --only)"), flush=True)
             continue
         else:
             partial = a.reuse and any((run_dir / "checkpoints").glob("step_*/COMMITTED"))
