@@ -486,7 +486,7 @@ def main(argv: list[str] | None = None) -> None:
     table = _table(results)
     if finished < len(plan):
         table = (f"**Partial: {finished} of the {len(plan)} planned runs have finished** (the grid continues with "
-                 f"`tools/exp_large_batch.py --reuse`; this table was written by `--report`).\n\n" + table)
+                 f"`tools/exp_large_batch.py --reuse`; this table has the runs finished so far).\n\n" + table)
     print(table)
     headline = _headline(results, a.base_batch, batches)
     headline.update(runs_finished=finished, runs_planned=len(plan))
