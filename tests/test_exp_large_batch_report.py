@@ -201,6 +201,10 @@ def test_the_clip_contribution_is_cowclip_minus_no_clip_at_the_same_batch(tmp_pa
               "--batches", "1024", "65536", "--seeds", "0"])
     head = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert abs(head["targets"]["clip_contribution@65536"] - 0.0015) < 1e-9
+    # and at every batch both arms ran, the base included (there the runs differ by the clip alone too)
+    assert set(head["clip_contribution"]) == {"@1024", "@65536"}
+    assert abs(head["clip_contribution"]["@1024"] - 0.0010) < 1e-9
+    assert abs(head["clip_contribution"]["@65536"] - 0.0015) < 1e-9
 
 
 def test_a_fresh_clone_reuses_the_runs_the_committed_results_json_records(tmp_path, capsys):

@@ -382,6 +382,10 @@ def _headline(results: list[dict], base: int, batches: list[int]) -> dict[str, A
     # it): final AUC of the reference semantics minus the lazy ones', paired by seed
     out["reference_minus_lazy"] = {f"@{b}": d for b in batches
                                    if (d := paired("cowclip", "cowclip_lazy", b)) is not None}
+    # the clip's own share at every batch where both arms ran (the targets name 64K and 128K only;
+    # at 8K it proved far larger than there), paired by seed
+    out["clip_contribution"] = {f"@{b}": d for b in batches
+                                if (d := paired("cowclip", "noclip_rule", b)) is not None}
     # what a seed moves a cell (another init and shuffle order, same data): the spread of the
     # final AUC over the seeds that ran it, the yardstick for a 0.001 difference
     spread: dict[str, float] = {}
