@@ -366,6 +366,11 @@ def _headline(results: list[dict], base: int, batches: list[int]) -> dict[str, A
     large = [b for b in batches if b >= TARGET_BATCH]
     out: dict[str, Any] = {"base_batch": base, "batches": batches,
                            "auc_vs_base": {f"{a}@{b}": delta(a, b) for a in ARMS for b in batches if delta(a, b) is not None}}
+    # the clip's own share: CowClip's final AUC minus no clip + the same rule's (both with the
+    # reference semantics) at the same batch, paired by seed, at every batch where both ran (the
+    # targets name 64K and 128K; at 8K it proved far larger than there)
+    clip = {b: d for b in batches if (d := paired("cowclip", "noclip_rule", b)) is not None}
+    out["clip_contribution"] = {f"@{b}": d for b, d in clip.items()}
     targets: dict[str, Any] = {}
     for b in large:
         best = max((x for x in (delta("cowclip", b), delta("cowclip_lazy", b)) if x is not None), default=None)
@@ -373,19 +378,13 @@ def _headline(results: list[dict], base: int, batches: list[int]) -> dict[str, A
         targets[f"cowclip_within_0.001@{b}"] = None if best is None else best >= -0.001
         targets[f"sqrt_linear_lose_2x_cowclip@{b}"] = (
             None if best is None or sq is None or li is None else min(-sq, -li) > 2 * max(-best, 0.0))
-        # the clip's own share at this batch: CowClip's final AUC minus no clip + the same rule's
-        # (both with the reference semantics), at the same batch
-        targets[f"clip_contribution@{b}"] = paired("cowclip", "noclip_rule", b)
+        targets[f"clip_contribution@{b}"] = clip.get(b)
     out["targets"] = targets
 
     # which semantics is better, batch by batch (the default of optim.embedding_l2_scope=auto follows
     # it): final AUC of the reference semantics minus the lazy ones', paired by seed
     out["reference_minus_lazy"] = {f"@{b}": d for b in batches
                                    if (d := paired("cowclip", "cowclip_lazy", b)) is not None}
-    # the clip's own share at every batch where both arms ran (the targets name 64K and 128K only;
-    # at 8K it proved far larger than there), paired by seed
-    out["clip_contribution"] = {f"@{b}": d for b in batches
-                                if (d := paired("cowclip", "noclip_rule", b)) is not None}
     # what a seed moves a cell (another init and shuffle order, same data): the spread of the
     # final AUC over the seeds that ran it, the yardstick for a 0.001 difference
     spread: dict[str, float] = {}
