@@ -305,3 +305,31 @@ def test_only_trains_the_named_cells_and_still_reports_every_finished_run(tmp_pa
             assert says in str(e) and bad in str(e)
         else:
             raise AssertionError(f"--only {bad} was accepted")
+
+
+def test_targets_by_seed_judge_each_seed_against_its_own_base_and_each_rule_alone(tmp_path, capsys):
+    """A rule that diverges on one seed and not on the other fails the verdict on that other seed,
+    which the mean over seeds hides; sqrt and linear each get a verdict, and a seed without a run
+    gets None, not a pass."""
+    out, docs = tmp_path / "runs", tmp_path / "docs"
+    _fake_run(out, "b1024_cowclip", 0.7960, [(10, 1.0, 0.7960)], 0.05)
+    _fake_run(out, "b1024_noclip_rule", 0.7950, [(10, 1.0, 0.7950)], 0.0)  # sqrt's and linear's base too
+    _fake_run(out, "b1024_cowclip_s1", 0.7964, [(10, 1.0, 0.7964)], 0.05)
+    _fake_run(out, "b1024_noclip_rule_s1", 0.7956, [(10, 1.0, 0.7956)], 0.0)
+    _fake_run(out, "b131072_cowclip", 0.7962, [(1, 1.0, 0.7962)], 0.0)  # +0.0002
+    _fake_run(out, "b131072_cowclip_s1", 0.7950, [(1, 1.0, 0.7950)], 0.0)  # -0.0014: outside 0.001
+    _fake_run(out, "b131072_sqrt", 0.7750, [(1, 1.0, 0.7750)], 0.0)  # -0.0200
+    _fake_run(out, "b131072_linear", 0.7790, [(1, 1.0, 0.7790)], 0.0)  # -0.0160 (diverged)
+    _fake_run(out, "b131072_linear_s1", 0.7970, [(1, 1.0, 0.7970)], 0.0)  # +0.0014 against its own base
+    exp.main(["--report", "--out", str(out), "--docs", str(docs), "--arms", "cowclip", "noclip_rule", "sqrt", "linear",
+              "--batches", "1024", "131072", "--seeds", "0", "1"])
+    head = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    by_seed = head["targets_by_seed"]
+    assert by_seed["0"] == {"cowclip_within_0.001@131072": True, "sqrt_loses_2x_cowclip@131072": True,
+                            "linear_loses_2x_cowclip@131072": True}
+    # seed 1: CowClip lost 0.0014, so linear must lose more than 0.0028 to pass; it gained; no sqrt run
+    assert by_seed["1"] == {"cowclip_within_0.001@131072": False, "sqrt_loses_2x_cowclip@131072": None,
+                            "linear_loses_2x_cowclip@131072": False}
+    # the mean over seeds passes linear (-0.0073 against CowClip's -0.0006): what by_seed is there for
+    assert head["targets"]["sqrt_linear_lose_2x_cowclip@131072"] is True
+    assert json.loads((docs / "results" / "large_batch.json").read_text())["targets_by_seed"] == by_seed

@@ -345,6 +345,29 @@ def _table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _targets_by_seed(results: list[dict], large: list[int]) -> dict[str, dict[str, bool | None]]:
+    """The first target's verdicts on each seed alone, each run against its own seed's base run.
+    Why beside the means in ``targets``: a mean over seeds can pass a verdict that one seed fails
+    (linear at 128K diverged on seed 0 and not on seed 1; the mean loses), and sqrt and linear
+    get a verdict each, since the combined one hides which rule failed. None: a run is missing."""
+    out: dict[str, dict[str, bool | None]] = {}
+    for seed in sorted({r["seed"] for r in results}):
+        def d(arm: str, b: int) -> float | None:
+            return next((r["auc_vs_base"] for r in results if r["seed"] == seed and r["arm"] == arm
+                         and r["batch"] == b and r.get("auc_vs_base") is not None), None)
+
+        v: dict[str, bool | None] = {}
+        for b in large:
+            best = max((x for x in (d("cowclip", b), d("cowclip_lazy", b)) if x is not None), default=None)
+            v[f"cowclip_within_0.001@{b}"] = None if best is None else best >= -0.001
+            for rule in ("sqrt", "linear"):
+                x = d(rule, b)
+                v[f"{rule}_loses_2x_cowclip@{b}"] = None if best is None or x is None else -x > 2 * max(-best, 0.0)
+        if any(x is not None for x in v.values()):
+            out[str(seed)] = v
+    return out
+
+
 def _headline(results: list[dict], base: int, batches: list[int]) -> dict[str, Any]:
     def mean(key: str, arm: str, b: int) -> float | None:
         """Mean over seeds of a run's ``key`` (the runs that have it) for this arm and batch."""
@@ -380,6 +403,7 @@ def _headline(results: list[dict], base: int, batches: list[int]) -> dict[str, A
             None if best is None or sq is None or li is None else min(-sq, -li) > 2 * max(-best, 0.0))
         targets[f"clip_contribution@{b}"] = clip.get(b)
     out["targets"] = targets
+    out["targets_by_seed"] = _targets_by_seed(results, large)
 
     # which semantics is better, batch by batch (the default of optim.embedding_l2_scope=auto follows
     # it): final AUC of the reference semantics minus the lazy ones', paired by seed
