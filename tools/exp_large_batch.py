@@ -52,7 +52,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -345,24 +345,33 @@ def _table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _cowclip_verdicts(delta: Callable[[str, int], float | None], b: int) -> dict[str, bool | None]:
+    """The first target at batch ``b`` from ``delta(arm, b)`` (final AUC minus the base run's; a
+    mean over seeds or one seed's): CowClip's best semantics within 0.001, and sqrt and linear
+    each losing more than 2x its loss (None: a run is missing). One rule for ``targets`` and
+    ``targets_by_seed``."""
+    best = max((x for x in (delta("cowclip", b), delta("cowclip_lazy", b)) if x is not None), default=None)
+    v: dict[str, bool | None] = {f"cowclip_within_0.001@{b}": None if best is None else best >= -0.001}
+    for rule in ("sqrt", "linear"):
+        x = delta(rule, b)
+        v[f"{rule}_loses_2x_cowclip@{b}"] = None if best is None or x is None else -x > 2 * max(-best, 0.0)
+    return v
+
+
 def _targets_by_seed(results: list[dict], large: list[int]) -> dict[str, dict[str, bool | None]]:
     """The first target's verdicts on each seed alone, each run against its own seed's base run.
     Why beside the means in ``targets``: a mean over seeds can pass a verdict that one seed fails
     (linear at 128K diverged on seed 0 and not on seed 1; the mean loses), and sqrt and linear
-    get a verdict each, since the combined one hides which rule failed. None: a run is missing."""
+    get a verdict each, since the combined one hides which rule failed."""
     out: dict[str, dict[str, bool | None]] = {}
     for seed in sorted({r["seed"] for r in results}):
-        def d(arm: str, b: int) -> float | None:
+        def delta(arm: str, b: int, seed: int = seed) -> float | None:
             return next((r["auc_vs_base"] for r in results if r["seed"] == seed and r["arm"] == arm
                          and r["batch"] == b and r.get("auc_vs_base") is not None), None)
 
         v: dict[str, bool | None] = {}
         for b in large:
-            best = max((x for x in (d("cowclip", b), d("cowclip_lazy", b)) if x is not None), default=None)
-            v[f"cowclip_within_0.001@{b}"] = None if best is None else best >= -0.001
-            for rule in ("sqrt", "linear"):
-                x = d(rule, b)
-                v[f"{rule}_loses_2x_cowclip@{b}"] = None if best is None or x is None else -x > 2 * max(-best, 0.0)
+            v.update(_cowclip_verdicts(delta, b))
         if any(x is not None for x in v.values()):
             out[str(seed)] = v
     return out
@@ -396,11 +405,10 @@ def _headline(results: list[dict], base: int, batches: list[int]) -> dict[str, A
     out["clip_contribution"] = {f"@{b}": d for b, d in clip.items()}
     targets: dict[str, Any] = {}
     for b in large:
-        best = max((x for x in (delta("cowclip", b), delta("cowclip_lazy", b)) if x is not None), default=None)
-        sq, li = delta("sqrt", b), delta("linear", b)
-        targets[f"cowclip_within_0.001@{b}"] = None if best is None else best >= -0.001
-        targets[f"sqrt_linear_lose_2x_cowclip@{b}"] = (
-            None if best is None or sq is None or li is None else min(-sq, -li) > 2 * max(-best, 0.0))
+        v = _cowclip_verdicts(delta, b)
+        sq, li = v[f"sqrt_loses_2x_cowclip@{b}"], v[f"linear_loses_2x_cowclip@{b}"]
+        targets[f"cowclip_within_0.001@{b}"] = v[f"cowclip_within_0.001@{b}"]
+        targets[f"sqrt_linear_lose_2x_cowclip@{b}"] = None if sq is None or li is None else sq and li
         targets[f"clip_contribution@{b}"] = clip.get(b)
     out["targets"] = targets
     out["targets_by_seed"] = _targets_by_seed(results, large)
