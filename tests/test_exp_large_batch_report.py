@@ -333,3 +333,23 @@ def test_targets_by_seed_judge_each_seed_against_its_own_base_and_each_rule_alon
     # the mean over seeds passes linear (-0.0073 against CowClip's -0.0006): what by_seed is there for
     assert head["targets"]["sqrt_linear_lose_2x_cowclip@131072"] is True
     assert json.loads((docs / "results" / "large_batch.json").read_text())["targets_by_seed"] == by_seed
+
+
+def test_the_lr_arm_is_compared_with_cowclip_at_the_same_batch_and_stays_out_of_the_verdicts(tmp_path, capsys):
+    """``lr1e-3_minus_paper_lr``: CowClip at embedding lr 1e-3 minus CowClip at the paper's lr, at
+    each batch both ran; the lr arm's own gain over its 1K run is in ``auc_vs_base`` and never
+    stands in for CowClip in the targets (here it would turn a failed verdict into a pass)."""
+    out, docs = tmp_path / "runs", tmp_path / "docs"
+    _fake_run(out, "b1024_cowclip", 0.7958, [(10, 1.0, 0.7958)], 0.05)
+    _fake_run(out, "b1024_cowclip_lr1e-3", 0.7970, [(10, 1.0, 0.7970)], 0.06)
+    _fake_run(out, "b65536_cowclip", 0.7930, [(1, 1.0, 0.7930)], 0.02)  # -0.0028: fails the 0.001 target
+    _fake_run(out, "b65536_cowclip_lr1e-3", 0.7975, [(1, 1.0, 0.7975)], 0.02)  # +0.0005 over its own base
+    exp.main(["--report", "--out", str(out), "--docs", str(docs), "--arms", "cowclip", "cowclip_lr1e-3",
+              "--batches", "1024", "65536", "--seeds", "0"])
+    head = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    diff = head["lr1e-3_minus_paper_lr"]
+    assert set(diff) == {"@1024", "@65536"}
+    assert abs(diff["@1024"] - 0.0012) < 1e-9 and abs(diff["@65536"] - 0.0045) < 1e-9
+    assert abs(head["auc_vs_base"]["cowclip_lr1e-3@65536"] - 0.0005) < 1e-9
+    assert head["targets"]["cowclip_within_0.001@65536"] is False
+    assert head["targets_by_seed"]["0"]["cowclip_within_0.001@65536"] is False
