@@ -237,7 +237,7 @@ def test_clean_build_two_processes(tmp_path):
     for p, (o, e) in zip(procs, outs):
         assert p.returncode == 0, e[-2000:]
         assert o.startswith("ok")
-    assert sum(e.count("building the CowClip op (first use, ~1 min) into ") for _, e in outs) == 1
+    assert sum(e.count("building the CowClip op (first use, ~10 s) into ") for _, e in outs) == 1
 
 
 # ----------------------------------------------------------------------------- multi-table op

@@ -25,7 +25,7 @@ Where the op comes from, in this order (``load_extension``):
    ``CXX_FLAGS``) into a per-user cache, ``$XDG_CACHE_HOME/recsys/torch_extensions/`` (default
    ``~/.cache/recsys/...``; override with ``RECSYS_EXT_DIR``), one directory per Python/torch
    version and source hash, never into site-packages or the repository. The process that builds
-   prints one line, ``building the CowClip op (first use, ~1 min) into <dir>``; other processes
+   prints one line, ``building the CowClip op (first use, ~10 s) into <dir>``; other processes
    (ranks) wait on a file lock and reuse it. Needs gcc and ``ninja``;
 3. the torch-ops reference, with a warning.
 
@@ -72,9 +72,10 @@ _PKG = "recsys.optim"
 _SOURCE = "csrc/cowclip_adam.cpp"  # package data of recsys.optim
 _INSTALLED = "recsys.optim._cowclip_C"  # built by setup.py
 _INSTALLED_HASH = "_cowclip_C.sha256"
-# The flags of both builds (setup.py keeps a copy; tests/test_wheel.py checks they agree).
-CXX_FLAGS = ["-O3", "-fopenmp", "-DNDEBUG", "-fno-math-errno"]
-LD_FLAGS = ["-fopenmp"]
+# The flags of both builds (setup.py keeps a copy; tests/test_wheel.py checks they agree). The op uses
+# LibTorch's stable ABI only, targeting torch 2.11: one build loads on every torch from 2.11 on.
+CXX_FLAGS = ["-O3", "-DNDEBUG", "-fno-math-errno", "-DTORCH_TARGET_VERSION=0x020b000000000000"]
+LD_FLAGS: list[str] = []
 
 _loaded: bool | None = None  # None: not tried yet
 _reason: str = "not loaded yet"
@@ -214,7 +215,7 @@ def _build_and_load(verbose: bool) -> Path:
         if not src.exists() or src.read_bytes() != code:
             src.write_bytes(code)
         if not (d / f"{_NAME}.so").exists():
-            print(f"building the CowClip op (first use, ~1 min) into {d}", file=sys.stderr, flush=True)
+            print(f"building the CowClip op (first use, ~10 s) into {d}", file=sys.stderr, flush=True)
         os.environ.update(_ninja_path_env())
         try:
             cpp_extension.load(

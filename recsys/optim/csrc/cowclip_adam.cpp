@@ -27,7 +27,7 @@
 //        Adam with per-row bias correction t = ++row_step[k]
 //   Rows not in the batch are never read or written.
 //
-// Parallelism: over tables (at::parallel_for, one task per table, phases 1+2 back to back so the
+// Parallelism: over tables (torch's parallel_for, one task per table, phases 1+2 back to back so the
 // accumulator is still in cache) when there are at least as many tables as threads, else per table
 // with phase 2 parallel over unique rows. Tables own disjoint rows, unique rows are independent,
 // so results do not depend on the thread count.
@@ -39,11 +39,16 @@
 //
 // Arithmetic mirrors the float32 torch ops of the reference (scalars rounded to float first);
 // norms are accumulated in double (4 independent lanes).
-// Only <ATen/ATen.h> and <torch/library.h>: no Python.h; built by recsys/optim/cowclip_kernel.py.
+// LibTorch stable ABI only (torch/csrc/stable, the C shim; no ATen, no Python.h), compiled with
+// TORCH_TARGET_VERSION = 2.11: one build loads on every torch from 2.11 on (setup.py, the JIT build
+// in recsys/optim/cowclip_kernel.py). Exceptions thrown inside a parallel region are carried out of
+// it by hand (parallel_for_checked), because the shim's parallel_for would replace their message.
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/ScalarType.h>
 
 #if defined(__SSE__)
 #include <xmmintrin.h>
@@ -54,13 +59,69 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <memory>
 #include <mutex>
+#include <sstream>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
 
 namespace {
+
+using Tensor = torch::stable::Tensor;
+using torch::headeronly::ScalarType;
+
+// The ops' argument checks: a RuntimeError in Python whose text is just the message.
+template <typename... Args>
+[[noreturn]] void fail(const Args&... args) {
+  std::ostringstream msg;
+  (msg << ... << args);
+  throw std::runtime_error(msg.str());
+}
+
+#define RECSYS_CHECK(cond, ...) \
+  do {                          \
+    if (!(cond)) fail(__VA_ARGS__); \
+  } while (0)
+
+// torch::stable::parallel_for, with an exception thrown by fn rethrown as it was (the shim turns
+// it into an error code and a generic message otherwise). fn must not be called concurrently on
+// overlapping work, as with at::parallel_for.
+template <typename Fn>
+void parallel_for_checked(int64_t begin, int64_t end, int64_t grain, const Fn& fn) {
+  std::exception_ptr error;
+  std::mutex mu;
+  torch::stable::parallel_for(begin, end, grain, [&](int64_t b, int64_t e) {
+    try {
+      fn(b, e);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(mu);
+      if (!error) error = std::current_exception();
+    }
+  });
+  if (error) std::rethrow_exception(error);
+}
+
+// A zero-filled int64 CPU tensor (the ops' stats outputs), through the C shim.
+Tensor zeros_long(std::initializer_list<int64_t> sizes) {
+  std::vector<int64_t> sz(sizes), st(sz.size(), 1);
+  for (int64_t i = static_cast<int64_t>(sz.size()) - 2; i >= 0; --i) st[i] = st[i + 1] * sz[i + 1];
+  AtenTensorHandle h = nullptr;
+  TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(static_cast<int64_t>(sz.size()), sz.data(), st.data(),
+                                                  aoti_torch_dtype_int64(), aoti_torch_device_type_cpu(), 0, &h));
+  Tensor t(h);
+  std::memset(t.mutable_data_ptr(), 0, static_cast<size_t>(t.numel()) * sizeof(int64_t));
+  return t;
+}
+
+bool same_sizes(const Tensor& a, const Tensor& b) {
+  if (a.dim() != b.dim()) return false;
+  for (int64_t i = 0; i < a.dim(); ++i)
+    if (a.size(i) != b.size(i)) return false;
+  return true;
+}
 
 // ------------------------------------------------------------------------------------------
 // hyperparameters, as float32 like the reference's torch ops see them
@@ -395,8 +456,8 @@ int64_t update_rows(const Job<index_t>& job, const Scratch& s, const Hyper& hp, 
 }
 
 void check_status(Status st, int64_t bad, int64_t N) {
-  TORCH_CHECK(st != Status::kBadOffsets, "offsets must be non-decreasing");
-  TORCH_CHECK(st != Status::kBadId, "embedding ids out of range [0, ", N, "): ", bad);
+  RECSYS_CHECK(st != Status::kBadOffsets, "offsets must be non-decreasing");
+  RECSYS_CHECK(st != Status::kBadId, "embedding ids out of range [0, ", N, "): ", bad);
 }
 
 // Whole table in the calling thread (phases 1 and 2). out: (U, clipped).
@@ -404,7 +465,8 @@ template <int DD, typename index_t>
 void run_job_serial(const Job<index_t>& job, const Hyper& hp, int64_t* out) {
   Scratch& s = thread_scratch();
   int64_t bad = 0;
-  check_status(accumulate<DD>(job, s, bad), bad, job.N);
+  const Status st = accumulate<DD>(job, s, bad);  // before check_status reads `bad`
+  check_status(st, bad, job.N);
   out[0] = s.U;
   out[1] = update_rows<DD>(job, s, hp, 0, s.U);
   s.reset_hash();
@@ -415,11 +477,12 @@ template <int DD, typename index_t>
 void run_job_rows_parallel(const Job<index_t>& job, const Hyper& hp, int64_t* out) {
   Scratch& s = thread_scratch();
   int64_t bad = 0;
-  check_status(accumulate<DD>(job, s, bad), bad, job.N);
+  const Status st = accumulate<DD>(job, s, bad);  // before check_status reads `bad`
+  check_status(st, bad, job.N);
   std::atomic<int64_t> clipped{0};
   const int64_t grain = std::max<int64_t>(64, 16384 / std::max<int64_t>(job.D, 1));
   try {
-    at::parallel_for(0, s.U, grain, [&](int64_t b, int64_t e) {
+    parallel_for_checked(0, s.U, grain, [&](int64_t b, int64_t e) {
       clipped.fetch_add(update_rows<DD>(job, s, hp, b, e), std::memory_order_relaxed);
     });
   } catch (...) {
@@ -450,9 +513,9 @@ void dispatch_dim(int64_t D, Fn&& fn) {
 template <typename index_t>
 void run_jobs(const std::vector<Job<index_t>>& jobs, const Hyper& hp, int64_t* stats) {
   const int64_t J = static_cast<int64_t>(jobs.size());
-  const int nthreads = at::get_num_threads();
-  if (J >= nthreads || nthreads <= 1 || at::in_parallel_region()) {
-    at::parallel_for(0, J, 1, [&](int64_t b, int64_t e) {
+  const int nthreads = static_cast<int>(torch::stable::get_num_threads());
+  if (J >= nthreads || nthreads <= 1) {  // (nested in a parallel region: the inner loops run inline)
+    parallel_for_checked(0, J, 1, [&](int64_t b, int64_t e) {
       for (int64_t j = b; j < e; ++j) {
         dispatch_dim<index_t>(jobs[j].D, [&](auto dd) {
           run_job_serial<decltype(dd)::value>(jobs[j], hp, stats + 2 * j);
@@ -468,25 +531,25 @@ void run_jobs(const std::vector<Job<index_t>>& jobs, const Hyper& hp, int64_t* s
   }
 }
 
-void check_state(const at::Tensor& weight, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
-                 const at::Tensor& row_step) {
-  TORCH_CHECK(weight.scalar_type() == at::kFloat, "weight must be float32");
-  TORCH_CHECK(weight.is_contiguous() && exp_avg.is_contiguous() && exp_avg_sq.is_contiguous(),
+void check_state(const Tensor& weight, const Tensor& exp_avg, const Tensor& exp_avg_sq,
+                 const Tensor& row_step) {
+  RECSYS_CHECK(weight.scalar_type() == ScalarType::Float, "weight must be float32");
+  RECSYS_CHECK(weight.is_contiguous() && exp_avg.is_contiguous() && exp_avg_sq.is_contiguous(),
               "weight, exp_avg, exp_avg_sq must be contiguous");
-  TORCH_CHECK(exp_avg.sizes() == weight.sizes() && exp_avg_sq.sizes() == weight.sizes(),
+  RECSYS_CHECK(same_sizes(exp_avg, weight) && same_sizes(exp_avg_sq, weight),
               "optimizer state shape does not match weight");
-  TORCH_CHECK(exp_avg.scalar_type() == at::kFloat && exp_avg_sq.scalar_type() == at::kFloat,
+  RECSYS_CHECK(exp_avg.scalar_type() == ScalarType::Float && exp_avg_sq.scalar_type() == ScalarType::Float,
               "exp_avg, exp_avg_sq must be float32");
-  TORCH_CHECK(row_step.dim() == 1 && row_step.scalar_type() == at::kLong && row_step.is_contiguous(),
+  RECSYS_CHECK(row_step.dim() == 1 && row_step.scalar_type() == ScalarType::Long && row_step.is_contiguous(),
               "row_step must be a contiguous int64 vector");
 }
 
-const float* check_psw(const std::optional<at::Tensor>& per_sample_weights, int64_t L) {
+const float* check_psw(const std::optional<Tensor>& per_sample_weights, int64_t L) {
   if (per_sample_weights.has_value() && per_sample_weights->defined()) {
     const auto& p = *per_sample_weights;
-    TORCH_CHECK(p.dim() == 1 && p.numel() == L && p.scalar_type() == at::kFloat && p.is_contiguous(),
+    RECSYS_CHECK(p.dim() == 1 && p.numel() == L && p.scalar_type() == ScalarType::Float && p.is_contiguous(),
                 "per_sample_weights must be a contiguous float32 [L]");
-    return p.data_ptr<float>();
+    return p.mutable_data_ptr<float>();
   }
   return nullptr;
 }
@@ -494,42 +557,42 @@ const float* check_psw(const std::optional<at::Tensor>& per_sample_weights, int6
 // ------------------------------------------------------------------------------------------
 // one table per call
 
-at::Tensor cowclip_adam_step_cpu(
-    at::Tensor weight, at::Tensor exp_avg, at::Tensor exp_avg_sq, at::Tensor row_step,
-    const at::Tensor& indices, const at::Tensor& offsets, const at::Tensor& grad_output,
-    const std::optional<at::Tensor>& per_sample_weights,
+Tensor cowclip_adam_step_cpu(
+    Tensor weight, Tensor exp_avg, Tensor exp_avg_sq, Tensor row_step,
+    const Tensor& indices, const Tensor& offsets, const Tensor& grad_output,
+    const std::optional<Tensor>& per_sample_weights,
     double lr, double beta1, double beta2, double eps, double r, double zeta, double l2,
     bool clip, bool keras_eps) {
-  TORCH_CHECK(weight.dim() == 2, "weight must be [N, D]");
+  RECSYS_CHECK(weight.dim() == 2, "weight must be [N, D]");
   check_state(weight, exp_avg, exp_avg_sq, row_step);
-  TORCH_CHECK(row_step.size(0) == weight.size(0), "row_step must be a contiguous int64 [N]");
-  TORCH_CHECK(indices.dim() == 1 && offsets.dim() == 1, "indices and offsets must be 1-D");
-  TORCH_CHECK(indices.scalar_type() == at::kLong && offsets.scalar_type() == at::kLong,
+  RECSYS_CHECK(row_step.size(0) == weight.size(0), "row_step must be a contiguous int64 [N]");
+  RECSYS_CHECK(indices.dim() == 1 && offsets.dim() == 1, "indices and offsets must be 1-D");
+  RECSYS_CHECK(indices.scalar_type() == ScalarType::Long && offsets.scalar_type() == ScalarType::Long,
               "indices and offsets must be int64");
-  TORCH_CHECK(indices.is_contiguous() && offsets.is_contiguous(), "indices/offsets must be contiguous");
-  TORCH_CHECK(grad_output.dim() == 2 && grad_output.scalar_type() == at::kFloat && grad_output.is_contiguous(),
+  RECSYS_CHECK(indices.is_contiguous() && offsets.is_contiguous(), "indices/offsets must be contiguous");
+  RECSYS_CHECK(grad_output.dim() == 2 && grad_output.scalar_type() == ScalarType::Float && grad_output.is_contiguous(),
               "grad_output must be a contiguous float32 [B, D]");
   const int64_t N = weight.size(0), D = weight.size(1);
   const int64_t L = indices.numel();
   const int64_t B = offsets.numel() - 1;
-  TORCH_CHECK(B >= 0, "offsets must have B+1 entries");
-  TORCH_CHECK(grad_output.size(0) == B, "offsets has ", B, " bags but grad_output has ", grad_output.size(0), " rows");
-  TORCH_CHECK(grad_output.size(1) == D, "grad_output dim ", grad_output.size(1), " != weight dim ", D);
-  TORCH_CHECK(N < (int64_t(1) << 32), "table too large");
-  TORCH_CHECK(L < (int64_t(1) << 30) && B < (int64_t(1) << 31), "too many indices for one call");
+  RECSYS_CHECK(B >= 0, "offsets must have B+1 entries");
+  RECSYS_CHECK(grad_output.size(0) == B, "offsets has ", B, " bags but grad_output has ", grad_output.size(0), " rows");
+  RECSYS_CHECK(grad_output.size(1) == D, "grad_output dim ", grad_output.size(1), " != weight dim ", D);
+  RECSYS_CHECK(N < (int64_t(1) << 32), "table too large");
+  RECSYS_CHECK(L < (int64_t(1) << 30) && B < (int64_t(1) << 31), "too many indices for one call");
   const float* psw = check_psw(per_sample_weights, L);
-  auto stats = at::zeros({2}, at::kLong);
+  auto stats = zeros_long({2});
   if (L == 0) return stats;
-  const int64_t* off = offsets.data_ptr<int64_t>();
-  TORCH_CHECK(off[0] == 0 && off[B] == L, "offsets must start at 0 and end at len(indices)");
+  const int64_t* off = offsets.mutable_data_ptr<int64_t>();
+  RECSYS_CHECK(off[0] == 0 && off[B] == L, "offsets must start at 0 and end at len(indices)");
 
-  Job<int64_t> job{weight.data_ptr<float>(), exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(),
-                   row_step.data_ptr<int64_t>(), N, D, indices.data_ptr<int64_t>(), off, psw,
-                   grad_output.data_ptr<float>(), D, B,
+  Job<int64_t> job{weight.mutable_data_ptr<float>(), exp_avg.mutable_data_ptr<float>(), exp_avg_sq.mutable_data_ptr<float>(),
+                   row_step.mutable_data_ptr<int64_t>(), N, D, indices.mutable_data_ptr<int64_t>(), off, psw,
+                   grad_output.mutable_data_ptr<float>(), D, B,
                    static_cast<float>(r * std::sqrt(static_cast<double>(D)) * zeta), clip};
   const Hyper hp(lr, beta1, beta2, eps, r, l2, keras_eps);
   std::vector<Job<int64_t>> jobs{job};
-  run_jobs(jobs, hp, stats.data_ptr<int64_t>());
+  run_jobs(jobs, hp, stats.mutable_data_ptr<int64_t>());
   return stats;
 }
 
@@ -537,22 +600,22 @@ at::Tensor cowclip_adam_step_cpu(
 // all tables of a table-batched group per call
 
 template <typename index_t>
-void tables_impl(at::Tensor& weights, at::Tensor& m1, at::Tensor& m2, at::Tensor& row_step,
-                 const int64_t* meta, const double* zeta, int64_t F, const at::Tensor& indices,
-                 const at::Tensor& offsets, const at::Tensor& grad_output, const float* psw,
+void tables_impl(Tensor& weights, Tensor& m1, Tensor& m2, Tensor& row_step,
+                 const int64_t* meta, const double* zeta, int64_t F, const Tensor& indices,
+                 const Tensor& offsets, const Tensor& grad_output, const float* psw,
                  const Hyper& hp, double r, int64_t* stats) {
   const int64_t B = F > 0 ? (offsets.numel() - 1) / F : 0;
   const int64_t L = indices.numel();
-  const index_t* idx = indices.data_ptr<index_t>();
-  const index_t* off = offsets.data_ptr<index_t>();
-  TORCH_CHECK(static_cast<int64_t>(off[0]) == 0 && static_cast<int64_t>(off[F * B]) == L,
+  const index_t* idx = indices.mutable_data_ptr<index_t>();
+  const index_t* off = offsets.mutable_data_ptr<index_t>();
+  RECSYS_CHECK(static_cast<int64_t>(off[0]) == 0 && static_cast<int64_t>(off[F * B]) == L,
               "offsets must start at 0 and end at len(indices)");
   const int64_t ldg = grad_output.stride(0);
-  float* W = weights.data_ptr<float>();
-  float* M1 = m1.data_ptr<float>();
-  float* M2 = m2.data_ptr<float>();
-  int64_t* RS = row_step.data_ptr<int64_t>();
-  const float* G = grad_output.data_ptr<float>();
+  float* W = weights.mutable_data_ptr<float>();
+  float* M1 = m1.mutable_data_ptr<float>();
+  float* M2 = m2.mutable_data_ptr<float>();
+  int64_t* RS = row_step.mutable_data_ptr<int64_t>();
+  const float* G = grad_output.mutable_data_ptr<float>();
   std::vector<Job<index_t>> jobs;
   jobs.reserve(F);
   std::vector<int64_t> job_feature;
@@ -563,7 +626,7 @@ void tables_impl(at::Tensor& weights, at::Tensor& m1, at::Tensor& m2, at::Tensor
     const bool clip = mf[5] != 0;
     const int64_t lo = off[f * B], hi = off[(f + 1) * B];
     if (hi - lo == 0 || B == 0) continue;
-    TORCH_CHECK(hi - lo < (int64_t(1) << 30), "too many indices for one table");
+    RECSYS_CHECK(hi - lo < (int64_t(1) << 30), "too many indices for one table");
     jobs.push_back(Job<index_t>{W + woff, M1 + woff, M2 + woff, RS + rstart, N, D, idx, off + f * B, psw,
                                 G + col, ldg, B,
                                 static_cast<float>(r * std::sqrt(static_cast<double>(D)) * zeta[f]), clip});
@@ -577,42 +640,42 @@ void tables_impl(at::Tensor& weights, at::Tensor& m1, at::Tensor& m2, at::Tensor
   }
 }
 
-at::Tensor cowclip_adam_tables_cpu(
-    at::Tensor weights, at::Tensor momentum1, at::Tensor momentum2, at::Tensor row_step,
-    const at::Tensor& feature_meta, const at::Tensor& zeta, const at::Tensor& indices,
-    const at::Tensor& offsets, const at::Tensor& grad_output,
-    const std::optional<at::Tensor>& per_sample_weights,
+Tensor cowclip_adam_tables_cpu(
+    Tensor weights, Tensor momentum1, Tensor momentum2, Tensor row_step,
+    const Tensor& feature_meta, const Tensor& zeta, const Tensor& indices,
+    const Tensor& offsets, const Tensor& grad_output,
+    const std::optional<Tensor>& per_sample_weights,
     double lr, double beta1, double beta2, double eps, double r, double l2, bool keras_eps) {
-  TORCH_CHECK(weights.dim() == 1, "weights must be the flat 1-D buffer");
+  RECSYS_CHECK(weights.dim() == 1, "weights must be the flat 1-D buffer");
   check_state(weights, momentum1, momentum2, row_step);
-  TORCH_CHECK(feature_meta.dim() == 2 && feature_meta.size(1) == 6 && feature_meta.scalar_type() == at::kLong &&
+  RECSYS_CHECK(feature_meta.dim() == 2 && feature_meta.size(1) == 6 && feature_meta.scalar_type() == ScalarType::Long &&
                   feature_meta.is_contiguous(),
               "feature_meta must be a contiguous int64 [F, 6] "
               "(weights_offset, rows, dim, grad_col, row_start, clip)");
   const int64_t F = feature_meta.size(0);
-  TORCH_CHECK(zeta.dim() == 1 && zeta.numel() == F && zeta.scalar_type() == at::kDouble && zeta.is_contiguous(),
+  RECSYS_CHECK(zeta.dim() == 1 && zeta.numel() == F && zeta.scalar_type() == ScalarType::Double && zeta.is_contiguous(),
               "zeta must be a contiguous float64 [F]");
-  TORCH_CHECK(indices.dim() == 1 && offsets.dim() == 1, "indices and offsets must be 1-D");
-  TORCH_CHECK(indices.scalar_type() == offsets.scalar_type() &&
-                  (indices.scalar_type() == at::kLong || indices.scalar_type() == at::kInt),
+  RECSYS_CHECK(indices.dim() == 1 && offsets.dim() == 1, "indices and offsets must be 1-D");
+  RECSYS_CHECK(indices.scalar_type() == offsets.scalar_type() &&
+                  (indices.scalar_type() == ScalarType::Long || indices.scalar_type() == ScalarType::Int),
               "indices and offsets must both be int64 or both int32");
-  TORCH_CHECK(indices.is_contiguous() && offsets.is_contiguous(), "indices/offsets must be contiguous");
-  TORCH_CHECK(grad_output.dim() == 2 && grad_output.scalar_type() == at::kFloat && grad_output.stride(1) == 1,
+  RECSYS_CHECK(indices.is_contiguous() && offsets.is_contiguous(), "indices/offsets must be contiguous");
+  RECSYS_CHECK(grad_output.dim() == 2 && grad_output.scalar_type() == ScalarType::Float && grad_output.stride(1) == 1,
               "grad_output must be float32 [B, total_D] with unit column stride");
-  TORCH_CHECK(F > 0 && (offsets.numel() - 1) % F == 0, "offsets must have F*B+1 entries");
+  RECSYS_CHECK(F > 0 && (offsets.numel() - 1) % F == 0, "offsets must have F*B+1 entries");
   const int64_t B = (offsets.numel() - 1) / F;
-  TORCH_CHECK(grad_output.size(0) == B, "offsets has ", B, " bags per feature but grad_output has ",
+  RECSYS_CHECK(grad_output.size(0) == B, "offsets has ", B, " bags per feature but grad_output has ",
               grad_output.size(0), " rows");
-  TORCH_CHECK(B < (int64_t(1) << 31), "too many bags for one call");
+  RECSYS_CHECK(B < (int64_t(1) << 31), "too many bags for one call");
   const float* psw = check_psw(per_sample_weights, indices.numel());
-  const int64_t* meta = feature_meta.data_ptr<int64_t>();
+  const int64_t* meta = feature_meta.mutable_data_ptr<int64_t>();
   for (int64_t f = 0; f < F; ++f) {
     const int64_t* mf = meta + 6 * f;
-    TORCH_CHECK(mf[0] >= 0 && mf[1] >= 0 && mf[2] > 0 && mf[0] + mf[1] * mf[2] <= weights.numel(),
+    RECSYS_CHECK(mf[0] >= 0 && mf[1] >= 0 && mf[2] > 0 && mf[0] + mf[1] * mf[2] <= weights.numel(),
                 "feature ", f, ": table outside the weights buffer");
-    TORCH_CHECK(mf[3] >= 0 && mf[3] + mf[2] <= grad_output.size(1), "feature ", f, ": columns outside grad_output");
-    TORCH_CHECK(mf[4] >= 0 && mf[4] + mf[1] <= row_step.numel(), "feature ", f, ": rows outside row_step");
-    TORCH_CHECK(mf[1] < (int64_t(1) << 32), "feature ", f, ": table too large");
+    RECSYS_CHECK(mf[3] >= 0 && mf[3] + mf[2] <= grad_output.size(1), "feature ", f, ": columns outside grad_output");
+    RECSYS_CHECK(mf[4] >= 0 && mf[4] + mf[1] <= row_step.numel(), "feature ", f, ": rows outside row_step");
+    RECSYS_CHECK(mf[1] < (int64_t(1) << 32), "feature ", f, ": table too large");
   }
   {
     // tables are updated in parallel: their rows (and row_step entries) must not overlap
@@ -624,20 +687,20 @@ at::Tensor cowclip_adam_tables_cpu(
     for (auto* v : {&wr, &rr}) {
       std::sort(v->begin(), v->end());
       for (int64_t f = 1; f < F; ++f)
-        TORCH_CHECK((*v)[f].first >= (*v)[f - 1].second || (*v)[f].first == (*v)[f].second ||
+        RECSYS_CHECK((*v)[f].first >= (*v)[f - 1].second || (*v)[f].first == (*v)[f].second ||
                         (*v)[f - 1].first == (*v)[f - 1].second,
                     "features must read distinct, non-overlapping tables");
     }
   }
-  auto stats = at::zeros({F, 2}, at::kLong);
+  auto stats = zeros_long({F, 2});
   if (indices.numel() == 0) return stats;
   const Hyper hp(lr, beta1, beta2, eps, r, l2, keras_eps);
-  if (indices.scalar_type() == at::kLong)
-    tables_impl<int64_t>(weights, momentum1, momentum2, row_step, meta, zeta.data_ptr<double>(), F, indices,
-                         offsets, grad_output, psw, hp, r, stats.data_ptr<int64_t>());
+  if (indices.scalar_type() == ScalarType::Long)
+    tables_impl<int64_t>(weights, momentum1, momentum2, row_step, meta, zeta.mutable_data_ptr<double>(), F, indices,
+                         offsets, grad_output, psw, hp, r, stats.mutable_data_ptr<int64_t>());
   else
-    tables_impl<int32_t>(weights, momentum1, momentum2, row_step, meta, zeta.data_ptr<double>(), F, indices,
-                         offsets, grad_output, psw, hp, r, stats.data_ptr<int64_t>());
+    tables_impl<int32_t>(weights, momentum1, momentum2, row_step, meta, zeta.mutable_data_ptr<double>(), F, indices,
+                         offsets, grad_output, psw, hp, r, stats.mutable_data_ptr<int64_t>());
   return stats;
 }
 
@@ -1018,7 +1081,7 @@ int64_t catch_up_table(const CatchHyper& h, int64_t step, float* W, float* M, fl
       }
     }
     const int64_t k = static_cast<int64_t>(idx[i]);
-    TORCH_CHECK(k >= 0 && k < N, "catch-up: index ", k, " outside a table of ", N, " rows");
+    RECSYS_CHECK(k >= 0 && k < N, "catch-up: index ", k, " outside a table of ", N, " rows");
     const int64_t rs = RS[k];
     if (rs >= step) continue;  // current, or already in this call's work (a repeated id)
     RS[k] = step;
@@ -1058,33 +1121,33 @@ void reset_catch_scratch() {
   cs.pieces.clear();
 }
 
-at::Tensor cowclip_catch_up_tables_cpu(
-    at::Tensor weights, at::Tensor momentum1, at::Tensor momentum2, at::Tensor row_step,
-    const at::Tensor& feature_meta, const at::Tensor& indices, const at::Tensor& offsets, int64_t step,
+Tensor cowclip_catch_up_tables_cpu(
+    Tensor weights, Tensor momentum1, Tensor momentum2, Tensor row_step,
+    const Tensor& feature_meta, const Tensor& indices, const Tensor& offsets, int64_t step,
     double lr, double beta1, double beta2, double eps, double l2, bool keras_eps, double growth) {
-  TORCH_CHECK(weights.dim() == 1, "weights must be the flat 1-D buffer");
+  RECSYS_CHECK(weights.dim() == 1, "weights must be the flat 1-D buffer");
   check_state(weights, momentum1, momentum2, row_step);
-  TORCH_CHECK(feature_meta.dim() == 2 && feature_meta.size(1) == 6 && feature_meta.scalar_type() == at::kLong &&
+  RECSYS_CHECK(feature_meta.dim() == 2 && feature_meta.size(1) == 6 && feature_meta.scalar_type() == ScalarType::Long &&
                   feature_meta.is_contiguous(),
               "feature_meta must be a contiguous int64 [F, 6]");
-  TORCH_CHECK(indices.dim() == 1 && offsets.dim() == 1 && indices.is_contiguous() && offsets.is_contiguous(),
+  RECSYS_CHECK(indices.dim() == 1 && offsets.dim() == 1 && indices.is_contiguous() && offsets.is_contiguous(),
               "indices and offsets must be contiguous 1-D");
-  TORCH_CHECK(indices.scalar_type() == offsets.scalar_type() &&
-                  (indices.scalar_type() == at::kLong || indices.scalar_type() == at::kInt),
+  RECSYS_CHECK(indices.scalar_type() == offsets.scalar_type() &&
+                  (indices.scalar_type() == ScalarType::Long || indices.scalar_type() == ScalarType::Int),
               "indices and offsets must both be int64 or both int32");
-  TORCH_CHECK(growth >= 1.0, "growth must be >= 1, got ", growth);
-  TORCH_CHECK(beta1 > 0.0 && beta1 < 1.0 && beta2 > 0.0 && beta2 < 1.0, "betas must be in (0, 1)");
+  RECSYS_CHECK(growth >= 1.0, "growth must be >= 1, got ", growth);
+  RECSYS_CHECK(beta1 > 0.0 && beta1 < 1.0 && beta2 > 0.0 && beta2 < 1.0, "betas must be in (0, 1)");
   const int64_t F = feature_meta.size(0);
-  TORCH_CHECK(F > 0 && (offsets.numel() - 1) % F == 0, "offsets must have F*B+1 entries");
+  RECSYS_CHECK(F > 0 && (offsets.numel() - 1) % F == 0, "offsets must have F*B+1 entries");
   const int64_t B = (offsets.numel() - 1) / F;
-  const int64_t* meta = feature_meta.data_ptr<int64_t>();
+  const int64_t* meta = feature_meta.mutable_data_ptr<int64_t>();
   for (int64_t f = 0; f < F; ++f) {
     const int64_t* mf = meta + 6 * f;
-    TORCH_CHECK(mf[0] >= 0 && mf[1] >= 0 && mf[2] > 0 && mf[0] + mf[1] * mf[2] <= weights.numel(),
+    RECSYS_CHECK(mf[0] >= 0 && mf[1] >= 0 && mf[2] > 0 && mf[0] + mf[1] * mf[2] <= weights.numel(),
                 "feature ", f, ": table outside the weights buffer");
-    TORCH_CHECK(mf[4] >= 0 && mf[4] + mf[1] <= row_step.numel(), "feature ", f, ": rows outside row_step");
+    RECSYS_CHECK(mf[4] >= 0 && mf[4] + mf[1] <= row_step.numel(), "feature ", f, ": rows outside row_step");
   }
-  auto out = at::zeros({F}, at::kLong);
+  auto out = zeros_long({F});
   if (indices.numel() == 0) return out;
   CatchHyper h{};
   h.lr = lr;
@@ -1100,14 +1163,14 @@ at::Tensor cowclip_catch_up_tables_cpu(
   h.c_m = static_cast<float>((1.0 - beta1) * h.c);
   h.c_v = static_cast<float>((1.0 - beta2) * h.c * h.c);
   h.c2 = static_cast<float>(h.c * h.c);
-  float* W = weights.data_ptr<float>();
-  float* M1 = momentum1.data_ptr<float>();
-  float* M2 = momentum2.data_ptr<float>();
-  int64_t* RS = row_step.data_ptr<int64_t>();
-  int64_t* res = out.data_ptr<int64_t>();
+  float* W = weights.mutable_data_ptr<float>();
+  float* M1 = momentum1.mutable_data_ptr<float>();
+  float* M2 = momentum2.mutable_data_ptr<float>();
+  int64_t* RS = row_step.mutable_data_ptr<int64_t>();
+  int64_t* res = out.mutable_data_ptr<int64_t>();
   auto run = [&](auto* idx, auto* off) {
     // features read distinct tables (checked by the update op's callers); one task per feature
-    at::parallel_for(0, F, 1, [&](int64_t f0, int64_t f1) {
+    parallel_for_checked(0, F, 1, [&](int64_t f0, int64_t f1) {
       const NoDenormals no_denormals;
       for (int64_t f = f0; f < f1; ++f) {
         const int64_t* mf = meta + 6 * f;
@@ -1118,16 +1181,16 @@ at::Tensor cowclip_catch_up_tables_cpu(
       reset_catch_scratch();
     });
   };
-  if (indices.scalar_type() == at::kLong)
-    run(indices.data_ptr<int64_t>(), offsets.data_ptr<int64_t>());
+  if (indices.scalar_type() == ScalarType::Long)
+    run(indices.mutable_data_ptr<int64_t>(), offsets.mutable_data_ptr<int64_t>());
   else
-    run(indices.data_ptr<int32_t>(), offsets.data_ptr<int32_t>());
+    run(indices.mutable_data_ptr<int32_t>(), offsets.mutable_data_ptr<int32_t>());
   return out;
 }
 
 }  // namespace
 
-TORCH_LIBRARY(recsys, m) {
+STABLE_TORCH_LIBRARY(recsys, m) {
   m.def(
       "cowclip_adam_step_(Tensor(a!) weight, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
       "Tensor(d!) row_step, Tensor indices, Tensor offsets, Tensor grad_output, "
@@ -1144,8 +1207,8 @@ TORCH_LIBRARY(recsys, m) {
       "float beta1, float beta2, float eps, float l2, bool keras_eps, float growth) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(recsys, CPU, m) {
-  m.impl("cowclip_adam_step_", &cowclip_adam_step_cpu);
-  m.impl("cowclip_adam_tables_", &cowclip_adam_tables_cpu);
-  m.impl("cowclip_catch_up_tables_", &cowclip_catch_up_tables_cpu);
+STABLE_TORCH_LIBRARY_IMPL(recsys, CPU, m) {
+  m.impl("cowclip_adam_step_", TORCH_BOX(&cowclip_adam_step_cpu));
+  m.impl("cowclip_adam_tables_", TORCH_BOX(&cowclip_adam_tables_cpu));
+  m.impl("cowclip_catch_up_tables_", TORCH_BOX(&cowclip_catch_up_tables_cpu));
 }
