@@ -19,6 +19,8 @@ from typing import Any, Union
 
 import yaml
 
+from recsys.extras import missing_extra
+
 
 class ConfigError(ValueError):
     """A bad configuration; the message is one line that names the file and key."""
@@ -141,6 +143,10 @@ class TrainConfig:
     merge_moments: bool = False  # also average optimizer state (Adam moments, Adagrad momentum)
     merge_route: str = "auto"  # auto (hierarchical when a host has > 1 rank) | flat | hierarchical
     pg_timeout_s: float = 600.0  # collective timeout of hierarchical runs: a lost host stops the job
+    # Outputs that need the [viz] extra (tensorboard, matplotlib): TensorBoard events in
+    # <run_dir>/tb and the picture <run_dir>/curves.png. metrics.jsonl and summary.json are always written.
+    tensorboard: bool = True
+    curves: bool = True
 
 
 @dataclass
@@ -511,6 +517,12 @@ def validate(cfg: ExperimentConfig, source: str = "config") -> None:
         bad("checkpoint.keep", "must be positive")
     if cfg.checkpoint.every_steps < 0:
         bad("checkpoint.every_steps", "must be >= 0 (0: only at the end)")
+    for key, feature, module in (("tensorboard", "writing TensorBoard events", "tensorboard"),
+                                 ("curves", "drawing curves.png", "matplotlib")):
+        if getattr(t, key):
+            line = missing_extra(feature, module, "viz", instead=f"set train.{key}=false")
+            if line:
+                bad(f"train.{key}", line)
     _check_run_dir(cfg, bad)
 
 

@@ -267,7 +267,8 @@ def _run(cfg: ExperimentConfig, model_factory: ModelFactory | None) -> dict[str,
                     log.info("resharded from %d to %d ranks", extra["world_size"], env.world_size)
         elif env.is_main:
             log.info("resume=true but no checkpoint in %s: starting from scratch", job.checkpointer.root)
-    writer = MetricsWriter(job.run_dir, env.is_main, resume_step=start_step if resumed_from else None)
+    writer = MetricsWriter(job.run_dir, env.is_main, resume_step=start_step if resumed_from else None,
+                           tensorboard=cfg.train.tensorboard)
     if env.is_main:
         log.info(
             "training %s on %d rank(s) (%s, %s): %d steps of %d samples (%d steps/epoch)",
@@ -375,12 +376,10 @@ def _run(cfg: ExperimentConfig, model_factory: ModelFactory | None) -> dict[str,
     writer.close()
     if env.is_main:
         write_json_atomic(job.run_dir / "summary.json", summary)
-        try:
+        if cfg.train.curves:  # matplotlib (the [viz] extra) is checked with the config
             from recsys.training.plots import plot_run
 
             plot_run(job.run_dir)
-        except ImportError:  # matplotlib is part of `make venv`; a bare install may lack it
-            log.info("matplotlib not installed: no curves.png")
         log.info("summary: %s", {k: summary[k] for k in ("auc", "logloss", "oracle_auc") if k in summary})
     dist.barrier()
     return summary if env.is_main else None

@@ -67,7 +67,8 @@ class MetricsWriter:
     """Appends JSON lines and TensorBoard scalars. On resume, entries past the checkpoint's step
     are dropped, so the log of a resumed run reads like an uninterrupted one."""
 
-    def __init__(self, run_dir: Path, enabled: bool, resume_step: int | None = None) -> None:
+    def __init__(self, run_dir: Path, enabled: bool, resume_step: int | None = None,
+                 tensorboard: bool = True) -> None:
         self.enabled = enabled
         self.path = run_dir / "metrics.jsonl"
         self.tb = None
@@ -81,6 +82,8 @@ class MetricsWriter:
             os.replace(tmp, self.path)
         elif resume_step is None and self.path.exists():
             self.path.unlink()
+        if not tensorboard:  # train.tensorboard=false (TensorBoard is the [viz] extra)
+            return
         from torch.utils.tensorboard import SummaryWriter
 
         self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=resume_step)
@@ -90,6 +93,8 @@ class MetricsWriter:
             return
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+        if self.tb is None:
+            return
         step = int(record.get("step", 0))
         kind = record.get("kind", "train")
         for key, value in record.items():
