@@ -20,7 +20,7 @@ import signal
 import subprocess
 import sys
 
-from recsys.config import ConfigError, load_config
+from recsys.config import ConfigError, check_training_extras, load_config
 from recsys.training.checkpoint import CheckpointError, Checkpointer
 from recsys.training.process import die_with_parent
 from recsys.training.run_dir import (
@@ -50,6 +50,7 @@ def _check_saved_plan(cfg) -> None:
 def _train(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
+        check_training_extras(cfg, args.config)
         from recsys.data.source import build_source, prepare_data
 
         prepare_data(cfg)  # once, in this process, so workers find the shards ready

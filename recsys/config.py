@@ -320,12 +320,12 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Ex
     cfg = ExperimentConfig()
     if path is not None:
         p = Path(path)
-        if p.is_dir():
-            raise ConfigError(f"config file {p} is a directory")
-        if not p.is_file():  # a shipped config's name (`--config demo`) works from any directory
-            from recsys.configs import shipped_experiment
+        if not p.is_file():  # a shipped config's name (`--config demo`) works from any directory,
+            from recsys.configs import shipped_experiment  # even one holding a directory of that name
 
             p = shipped_experiment(str(path)) or p
+        if p.is_dir():
+            raise ConfigError(f"config file {p} is a directory")
         if not p.is_file():
             raise ConfigError(f"config file {p} does not exist")
         try:
@@ -517,13 +517,18 @@ def validate(cfg: ExperimentConfig, source: str = "config") -> None:
         bad("checkpoint.keep", "must be positive")
     if cfg.checkpoint.every_steps < 0:
         bad("checkpoint.every_steps", "must be >= 0 (0: only at the end)")
+    _check_run_dir(cfg, bad)
+
+
+def check_training_extras(cfg: ExperimentConfig, source: str = "config") -> None:
+    """The optional packages a training run's outputs need (pyproject extras), checked by
+    `recsys train` and the workers before anything starts; planning and preprocessing need none."""
     for key, feature, module in (("tensorboard", "writing TensorBoard events", "tensorboard"),
                                  ("curves", "drawing curves.png", "matplotlib")):
-        if getattr(t, key):
+        if getattr(cfg.train, key):
             line = missing_extra(feature, module, "viz", instead=f"set train.{key}=false")
             if line:
-                bad(f"train.{key}", line)
-    _check_run_dir(cfg, bad)
+                raise ConfigError(f"{source}: key 'train.{key}': {line}")
 
 
 def _check_run_dir(cfg: ExperimentConfig, bad: Any) -> None:

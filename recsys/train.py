@@ -20,7 +20,7 @@ import os
 import sys
 import warnings
 
-from recsys.config import ConfigError, load_config
+from recsys.config import ConfigError, check_training_extras, load_config
 from recsys.training.distributed import shutdown
 from recsys.training.process import die_with_parent
 
@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", category=FutureWarning)
     try:
         cfg = load_config(args.config, args.overrides)
+        check_training_extras(cfg, args.config)
     except ConfigError as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)

@@ -159,6 +159,14 @@ def test_binary_or_non_utf8_config_names_the_file(tmp_path):
     assert str(e.value) == f"config file {tmp_path} is a directory"
 
 
+def test_shipped_name_wins_over_a_directory_of_that_name(tmp_path, monkeypatch):
+    """`recsys train --config smoke run_dir=smoke`: the launcher creates ./smoke before the workers
+    read `--config smoke` again; the name still means the shipped config."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "smoke").mkdir()
+    assert load_config("smoke").name == "smoke"
+
+
 def test_run_dir_that_is_a_file(tmp_path):
     f = tmp_path / "results.txt"
     f.write_text("not a run dir\n")

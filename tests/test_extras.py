@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from recsys.config import ConfigError, load_config
+from recsys.config import ConfigError, check_training_extras, load_config
 from recsys.extras import MissingExtraError, missing_extra, require
 from recsys.training.metrics import MetricsWriter
 
@@ -27,14 +27,16 @@ def _hide(monkeypatch, module: str) -> None:
                                                 ("curves", "matplotlib", "drawing curves.png")])
 def test_missing_viz_extra_is_one_line_naming_the_extra(monkeypatch, tmp_path, key, module, what):
     _hide(monkeypatch, module)
+    cfg = load_config(SMOKE, [f"run_dir={tmp_path / 'run'}"])  # planning, preprocessing: no extra needed
     with pytest.raises(ConfigError) as e:
-        load_config(SMOKE, [f"run_dir={tmp_path / 'run'}"])
+        check_training_extras(cfg, str(SMOKE))
     msg = str(e.value)
     assert "\n" not in msg
     assert msg == (f"{SMOKE}: key 'train.{key}': {what} needs the '{module}' package, which is not installed: "
                    f"pip install 'torchrec-cowclip-trainer[viz]' (or set train.{key}=false)")
-    # told to do without it, the config loads
+    # told to do without it, the run may start
     cfg = load_config(SMOKE, [f"run_dir={tmp_path / 'run'}", f"train.{key}=false"])
+    check_training_extras(cfg, str(SMOKE))
     assert getattr(cfg.train, key) is False
 
 
