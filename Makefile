@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat constraints.txt pyproject.toml setup.py recsys/optim/csrc/* | sha1sum | cut -c1-12)
 PIP := $(PY) -m pip install -q --disable-pip-version-check -c constraints.txt
 
-.PHONY: venv test-deps demo test test-fast test-gpu bench clean
+.PHONY: venv test-deps demo test test-fast test-gpu test-stacks wheel bench clean
 venv: $(STAMP)
 
 # Test-only dependency: triton's interpreter (TRITON_INTERPRET=1) runs the CUDA CowClip kernel on
@@ -22,15 +22,15 @@ $(TEST_STAMP): $(STAMP)
 
 $(STAMP):
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@echo "installing the pinned CPU stack into $(VENV) (torch 2.13.0+cpu, fbgemm-gpu-cpu 1.8.0, torchrec 1.8.0)"
+	@echo "installing the pinned CPU stack into $(VENV) (torch 2.13.0+cpu, fbgemm-gpu-cpu 1.8.0, torchrec 1.8.0, every extra)"
 	$(PIP) setuptools "torch==2.13.0+cpu" fbgemm-gpu-cpu tensordict torchmetrics tqdm pyre-extensions iopath numpy PyYAML tensorboard pytest matplotlib ninja
 	@# torchrec declares a dependency on the CUDA fbgemm-gpu, which breaks `import torchrec` on CPU torch.
 	$(PIP) --no-deps torchrec
-	@# TorchX launcher (docs/launch.md): the pinned nightly. Never also `torchx` (the same module).
+	@# The [launch] extra, TorchX (docs/launch.md): the pinned nightly. Never also `torchx` (the same module).
 	$(PIP) torchx-nightly
 	@# The distribution was called `recsys` before it became torchrec-cowclip-trainer: drop the old one.
 	@$(PY) -m pip uninstall -q -y recsys >/dev/null 2>&1 || true
-	@# Builds the CowClip C++ op (setup.py, ~1 min) against the torch above, hence no build isolation.
+	@# Builds the CowClip C++ op (setup.py, ~10 s) with the torch above instead of downloading one.
 	$(PIP) --no-deps --no-build-isolation -e .
 	@$(PY) -c "import torchrec, fbgemm_gpu, recsys; print('stack ok: torch', __import__('torch').__version__, 'torchrec', torchrec.__version__)"
 	@$(PY) -c "from recsys.optim import cowclip_kernel as k; k.load_extension(require=True); print('CowClip op:', k.fallback_reason())"
@@ -53,6 +53,21 @@ test-fast: venv test-deps
 GPU_VENV ?= $(VENV)
 test-gpu: $(if $(filter $(GPU_VENV),$(VENV)),venv test-deps)
 	$(GPU_VENV)/bin/pytest -ra tests/gpu
+
+# The wheel: one file for Python 3.11-3.13 and torch 2.11-2.14 (cp311-abi3; the CowClip op on torch's
+# stable ABI). Built outside the source tree (setup.py), written to $(WHEEL_DIR).
+WHEEL_DIR ?= runs/wheel
+wheel: venv
+	@rm -rf $(WHEEL_DIR) && mkdir -p $(WHEEL_DIR)
+	$(PY) -m pip wheel -q --disable-pip-version-check --no-deps --no-build-isolation -w $(WHEEL_DIR) .
+
+# The supported range's ends (CI): that wheel, installed with pip into a venv per stack
+# (constraints.txt, constraints-oldest.txt, constraints-newest.txt; built once, outside the
+# repository, in $$RECSYS_STACKS or ~/.cache/recsys/stacks), trains, plans and passes the drop-in
+# test there (tools/stack_tier.sh). Every stack runs even when one fails.
+STACKS ?= default oldest newest
+test-stacks: wheel
+	@rc=0; for s in $(STACKS); do bash tools/stack_tier.sh $$s $(WHEEL_DIR)/*.whl || rc=1; done; exit $$rc
 
 # The benchmark's reference, DeepCTR-Torch, is installed without its deps so it cannot replace torch.
 bench: venv

@@ -17,6 +17,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+import sharding  # noqa: F401  - installs the version-compatibility log filters (sharding/compat.py)
+
 # public name -> module that defines it
 _EXPORTS = {
     "tag_cowclip_adam": "recsys.optim.cowclip_sharder",

@@ -16,6 +16,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from sharding.compat import install_log_filters
+
+install_log_filters()  # before anything imports FBGEMM (sharding/compat.py)
+
 # public name -> module that defines it
 _EXPORTS = {
     "TopologyAwarePlanner": "sharding.topology_planner",
