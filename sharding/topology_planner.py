@@ -77,6 +77,7 @@ from torchrec.distributed.types import CacheStatistics, ModuleSharder, ShardingP
 from sharding.balance_proposer import BalanceProposer
 from sharding.bandwidth import host_to_gpu_bandwidth
 from sharding.cache_sizing import DEFAULT_TARGET_HIT_RATE, apply_cache_stats, saturation_load_factor
+from sharding.compat import keep_zero_capacities
 from sharding.constants import DEFAULT_LOAD_FACTOR, MAX_CACHE_LOAD_FACTOR, MODEL_PARALLEL_TYPES, SSD_KERNELS
 from sharding.cost_model import TopologyCostModel
 from sharding.constraints import default_constraints, merge_constraints, table_bytes
@@ -141,7 +142,7 @@ def torchrec_topology(
         ddr_mem_bw=min(n.ddr_bw for h in topo.hosts for n in h.numa_nodes) / 1e3,
         hbm_to_ddr_mem_bw=None if cpu else min(host_to_gpu_bandwidth(topo, r) for r in range(w)) / 1e3,
     )
-    return TopologyFactory.create_topology(
+    topology = TopologyFactory.create_topology(
         # pod_size: torchrec then cuts table-row-wise tables over an NVLink domain's ranks, as our
         # partitioner and cost model place them (cost_model.twrw_groups)
         trainer_config=TrainerConfig(world_size=w, local_world_size=lw,
@@ -149,6 +150,7 @@ def torchrec_topology(
         hardware_config=hardware,
         kernel_config=KernelConfig(compute_device=topo.compute_device, use_hardware_based_bandwidth=True),
     )
+    return keep_zero_capacities(topology, hardware.hbm_cap_bytes, hardware.ddr_cap_bytes, ssd)
 
 
 class TopologyAwarePlanner(EmbeddingShardingPlanner):

@@ -253,6 +253,15 @@ def test_private_torchrec_attributes_still_exist():
             assert f"self.{a}" in body, (mod.__name__, a)
     assert hasattr(ShardedEmbeddingBagCollection, "_create_lookups")
     assert "lookup = lookup.module" in inspect.getsource(ShardedEmbeddingBagCollection._initialize_torch_state)
+    # where data-parallel lookups get their DDP wrap (sharding/compat.py SEBC_WRAPS_DP_IN_INIT)
+    from sharding.compat import SEBC_WRAPS_DP_IN_INIT
+
+    init_src = inspect.getsource(ShardedEmbeddingBagCollection.__init__)
+    if SEBC_WRAPS_DP_IN_INIT:
+        assert "DistributedDataParallel(" in init_src and not hasattr(ShardedEmbeddingBagCollection, "init_data_parallel")
+    else:
+        assert "self.init_data_parallel()" in init_src
+        assert "DistributedDataParallel(" in inspect.getsource(ShardedEmbeddingBagCollection.init_data_parallel)
 
 
 @pytest.mark.slow
@@ -334,7 +343,9 @@ def test_fbgemm_native_cowclip_is_clip_by_lifetime_count_then_rowwise_adagrad():
     """optim.embedding=fbgemm_cowclip: FBGEMM's COWCLIP mode, checked against its documented math
     on a first step (lifetime count c = 1): g' = g * min(1, c*max(coef*||w||, lb) / ||g||), and the
     row-wise Adagrad accumulator sees the *unclipped* g, so ||dw|| = lr * ||g'|| / sqrt(mean(g^2))."""
-    from fbgemm_gpu.tbe.config.optimizer_config import CounterWeightDecayMode, CowClipDefinition, WeightDecayMode
+    from sharding.compat import fbgemm_cowclip_types
+
+    CounterWeightDecayMode, CowClipDefinition, WeightDecayMode = fbgemm_cowclip_types()
 
     def cow(lb):
         return dict(weight_decay_mode=WeightDecayMode.COWCLIP, cowclip_regularization=CowClipDefinition(

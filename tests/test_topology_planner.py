@@ -6,6 +6,7 @@ import dataclasses
 import json
 import logging
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -144,7 +145,7 @@ def test_cpu_gloo_plan():
 @pytest.mark.slow
 def test_training_with_topology_planner(tmp_path):
     run_dir = tmp_path / "run"
-    cmd = [str(ROOT / ".venv/bin/recsys"), "train", "--config", str(ROOT / "configs/experiments/smoke.yaml"),
+    cmd = [sys.executable, "-m", "recsys.cli", "train", "--config", str(ROOT / "configs/experiments/smoke.yaml"),
            "sharding.planner=topology", "train.max_steps=20", f"run_dir={run_dir}"]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]

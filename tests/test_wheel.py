@@ -37,9 +37,10 @@ def _setup_flags() -> dict[str, list[str]]:
     """CXX_FLAGS / LD_FLAGS as written in setup.py (read, not run: running it would build)."""
     out = {}
     for node in ast.parse((REPO / "setup.py").read_text()).body:
-        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
-            if node.targets[0].id in ("CXX_FLAGS", "LD_FLAGS"):
-                out[node.targets[0].id] = ast.literal_eval(node.value)
+        target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(target, ast.Name):
+            if target.id in ("CXX_FLAGS", "LD_FLAGS"):
+                out[target.id] = ast.literal_eval(node.value)
     return out
 
 
@@ -71,10 +72,14 @@ def installed(tmp_path_factory) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("wheel")
     src, dist, site = tmp / "src", tmp / "dist", tmp / "site"
     _copy_worktree(src)
+    before = _files(src)
     env = dict(os.environ, PATH=f"{Path(PY).parent}{os.pathsep}{os.environ.get('PATH', '')}")  # the venv's ninja
     r = subprocess.run([PY, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-cache-dir",
                         "-w", str(dist), str(src)], capture_output=True, text=True, env=env, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    # building leaves the source tree as it was: no build/, no *.egg-info, no compiled op
+    assert _files(src) == before, sorted(_files(src) ^ before)[:20]
+    assert not (src / "build").exists() and not list(src.glob("*.egg-info"))
     (wheel,) = dist.glob("*.whl")
     r = subprocess.run([PY, "-m", "pip", "install", "--no-deps", "--no-cache-dir", "--target", str(site), str(wheel)],
                        capture_output=True, text=True, timeout=300)
@@ -115,6 +120,26 @@ def test_wheel_holds_only_the_project_packages_and_their_data(installed):
     entry_points = (installed["site"] / DIST_INFO / "entry_points.txt").read_text()
     assert "recsys-plan = recsys.plan_cli:main" in entry_points
     assert "recsys = torchx_components.launch" in entry_points
+
+
+@pytest.mark.slow
+def test_one_wheel_for_every_python_and_torch_of_the_range(installed):
+    """The op uses torch's stable ABI only (C shim symbols, no ATen/c10 C++, no CPython), so the
+    wheel is tagged cp311-abi3 and one file serves Python 3.11-3.13 and torch 2.11-2.14 (CI's
+    stack tiers install this file into the oldest and newest stacks)."""
+    wheel = installed["wheel"]
+    assert wheel.name == "torchrec_cowclip_trainer-0.1.0-cp311-abi3-linux_x86_64.whl", wheel.name
+    (lib,) = (installed["site"] / "recsys" / "optim").glob("_cowclip_C*.so")
+    assert lib.name == "_cowclip_C.abi3.so"
+    undefined = subprocess.run(["nm", "-D", "--undefined-only", str(lib)], capture_output=True, text=True,
+                               check=True).stdout.split()
+    symbols = {w for w in undefined if w not in ("U", "w") and "@" not in w and not w.startswith("_ITM_")
+               and w != "__gmon_start__"}
+    torch_calls = {w for w in symbols if w.startswith(("aoti_torch_", "torch_"))}
+    assert torch_calls and {"torch_parallel_for", "aoti_torch_empty_strided"} <= torch_calls
+    assert not {w for w in symbols if w.startswith("Py")}, "CPython API used: the abi3 tag would lie"
+    tied = {w for w in symbols if w.startswith("_Z") and any(n in w for n in ("N2at", "3c10", "5torch"))}
+    assert not tied, f"C++ symbols of torch (the library would be tied to one torch version): {sorted(tied)[:5]}"
 
 
 @pytest.mark.slow

@@ -53,6 +53,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection  # noqa: E
 from recsys.config import CARDINALITY_PRESETS  # noqa: E402
 from sharding.bounds import step_time_lower_bound  # noqa: E402
 from sharding.constants import MODEL_PARALLEL_TYPES  # noqa: E402
+from sharding.compat import estimator_sharders  # noqa: E402
 from sharding.cost_model import TopologyCostModel  # noqa: E402
 from sharding.topology import load_topology, shipped_topologies  # noqa: E402
 from sharding.topology_planner import TopologyAwarePlanner, default_constraints  # noqa: E402
@@ -96,7 +97,7 @@ def default_planner(cluster, batch: int, constraints, timeout_s: int | None = No
 
 def torchrec_score(opts, ref: EmbeddingShardingPlanner) -> float:
     opts = copy.deepcopy(opts)
-    EmbeddingPerfEstimator(topology=ref._topology).estimate(opts, ref._enumerator._sharder_data_map)
+    EmbeddingPerfEstimator(topology=ref._topology).estimate(opts, estimator_sharders(ref._enumerator))
     return NoopPerfModel(ref._topology).rate(opts)
 
 

@@ -103,6 +103,7 @@ from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizer, FusedOptim
 
 from recsys.optim.cowclip_exchange import ExchangeTable, column_wise_step, data_parallel_step
 from recsys.optim.cowclip_tbe import COWCLIP_ADAM, CowClipAdamTBE, CowClipHyper, cowclip_fused_params
+from sharding.compat import SEBC_WRAPS_DP_IN_INIT, ddp_wrap_skipping
 
 # the plan's compute kernel -> where CowClipAdamTBE keeps weights + state (fused_uvm: see state_location)
 _KERNEL_LOCATION = {
@@ -510,6 +511,10 @@ def cowclip_tables_by_sharding_type(
     return out
 
 
+def _is_cowclip_dp_lookup(lookup: Any) -> bool:
+    return isinstance(lookup, CowClipExchangeLookup) and bool(lookup.cowclip_kernels())
+
+
 def _forget_dense_steps(module: "ShardedCowClipEmbeddingBagCollection", incompatible_keys: Any) -> None:
     for k in module._cowclip_kernels():
         k.emb_module.forget_dense_step()
@@ -523,7 +528,12 @@ class ShardedCowClipEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                  **kw: Any) -> None:
         object.__setattr__(self, "_cowclip_tables", cowclip_tables_by_sharding_type(
             module, table_name_to_parameter_sharding, fused_params))
-        super().__init__(module, table_name_to_parameter_sharding, env, fused_params, device, **kw)
+        if SEBC_WRAPS_DP_IN_INIT:  # torchrec < 1.7 (sharding/compat.py): CowClip DP lookups stay unwrapped
+            with ddp_wrap_skipping(_is_cowclip_dp_lookup):
+                super().__init__(module, table_name_to_parameter_sharding, env, fused_params, device, **kw)
+            self.init_data_parallel()  # as torchrec 1.7+ calls it from __init__
+        else:
+            super().__init__(module, table_name_to_parameter_sharding, env, fused_params, device, **kw)
         # loading writes row_step in place: the catch-up kernels must derive their step again
         self.register_load_state_dict_post_hook(_forget_dense_steps)
 
@@ -548,7 +558,7 @@ class ShardedCowClipEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         the same weights: broadcast from the group's first rank, as DDP's constructor would."""
         cowclip_dp = [
             (i, lk) for i, (s, lk) in enumerate(zip(self._embedding_shardings, self._lookups))
-            if isinstance(s, DpPooledEmbeddingSharding) and isinstance(lk, CowClipExchangeLookup) and lk.cowclip_kernels()
+            if isinstance(s, DpPooledEmbeddingSharding) and _is_cowclip_dp_lookup(lk)
         ]
         for _, lk in cowclip_dp:
             others = [m for m in lk._emb_modules if not isinstance(m, CowClipEmbeddingBag)]
@@ -559,8 +569,8 @@ class ShardedCowClipEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                 )
         keep = {i for i, _ in cowclip_dp}
         for i, (s, lk) in enumerate(zip(self._embedding_shardings, self._lookups)):
-            if not isinstance(s, DpPooledEmbeddingSharding) or i in keep:
-                continue
+            if not isinstance(s, DpPooledEmbeddingSharding) or i in keep or isinstance(lk, DistributedDataParallel):
+                continue  # (torchrec < 1.7 wrapped the others already)
             # the stock wrap (torchrec embeddingbag.py ShardedEmbeddingBagCollection.init_data_parallel)
             self._lookups[i] = DistributedDataParallel(
                 module=lk,

@@ -58,7 +58,9 @@ def cowclip_hyper(cfg: OptimConfig, clip: bool) -> CowClipHyper:
 def _fbgemm_cowclip_kwargs(cfg: OptimConfig, dim: int) -> dict:
     """FBGEMM: clip = c * max(coef*||w||, lower_bound) with c the row's lifetime batch count;
     coef = r and lower_bound = r * zeta' (zeta' = r sqrt(D) zeta) mirror the paper's constants."""
-    from fbgemm_gpu.tbe.config.optimizer_config import CounterWeightDecayMode, CowClipDefinition, WeightDecayMode
+    from sharding.compat import fbgemm_cowclip_types
+
+    CounterWeightDecayMode, CowClipDefinition, WeightDecayMode = fbgemm_cowclip_types()
 
     zeta_p = cfg.cowclip_r * math.sqrt(dim) * cfg.cowclip_zeta
     return {
