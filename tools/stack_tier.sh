@@ -10,7 +10,8 @@
 # directory outside the repository:
 #   1. pip installs WHEEL with its dependencies (all already there) and no extra: no launcher, no
 #      docker client, no TensorBoard, no matplotlib may appear;
-#   2. the CowClip op the wheel ships loads (no JIT build) and matches the torch-ops reference;
+#   2. the CowClip op the wheel ships loads (no JIT build) and matches the torch-ops reference; the
+#      op's source also compiles against this stack's torch headers (the JIT fallback build);
 #   3. `recsys train --config smoke` stops with one line naming the [viz] extra;
 #   4. the smoke config trains on 2 ranks with CowClip-Adam (catch-up) and k-step merges (2 hosts);
 #   5. recsys-plan make / show / validate a topology-aware plan (cpu-gloo, and dgx-a100-2host on meta);
@@ -116,6 +117,14 @@ print(f"torch {torch.__version__}, python {sys.version.split()[0]}: {reason}")
 EOF
 }
 
+jit_builds() {  # the fallback build, against this stack's torch, in a cache of its own
+    RECSYS_CPP_JIT=1 RECSYS_EXT_DIR=$WORK/jit "$PY" -c "
+from recsys.optim import cowclip_kernel as ck
+ck.load_extension(require=True)
+print(ck.fallback_reason(), f'({ck.build_seconds():.1f} s)')
+"
+}
+
 names_the_viz_extra() {
     local out rc
     out=$(recsys train --config smoke "run_dir=$WORK/no-extra" 2>&1)
@@ -154,6 +163,7 @@ echo "[stack $STACK] Python $PYV ($BASE_PY), $CONSTRAINTS, venv $VENV"
 step "venv (built once per constraints file)" build_venv || { echo "stack-$STACK: 0 passed, 1 failed"; exit 1; }
 step "pip install the wheel, no extras" install_wheel || { echo "stack-$STACK: $passed passed, $failed failed"; exit 1; }
 step "CowClip op: installed build, matches the reference" op_loads
+step "CowClip op: JIT build against this torch" jit_builds
 step "recsys train without [viz]: one line" names_the_viz_extra
 step "smoke, 2 ranks: CowClip catch-up + k-step merges" trains_cowclip_kstep
 step "recsys-plan make/show/validate (topology-aware)" plans
