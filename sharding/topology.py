@@ -366,6 +366,12 @@ def load_topology(path: str | Path) -> ClusterTopology:
     p = Path(path)
     if not p.exists() and not p.suffix and (TOPOLOGY_DIR / f"{p}.yaml").exists():
         p = TOPOLOGY_DIR / f"{p}.yaml"
+    if not p.exists():
+        names = [s.stem for s in shipped_topologies()]
+        close = difflib.get_close_matches(Path(path).stem, names, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise TopologyError(f"{path}: no such topology file, nor a shipped topology name "
+                            f"(shipped: {', '.join(names)}){hint}")
     return _load(p, stack=())
 
 

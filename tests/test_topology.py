@@ -292,3 +292,16 @@ def test_a_host_group_inside_a_larger_domain_still_pays_its_all_to_all():
     assert out[port] == pytest.approx(68 / (900 * GBs)) and inn.sum() > 0
     whole, _ = m.off_group_inv(tuple(range(72)), 0)
     assert float(whole.sum()) == 0.0
+
+
+@pytest.mark.parametrize("given, hint", [("dgx-a10", "; did you mean 'dgx-a100'?"), ("dgx_h100", "; did you mean 'dgx-h100'?"),
+                                         ("zzz-nothing-like-it", "")])
+def test_unknown_topology_name_lists_the_shipped_ones(tmp_path, monkeypatch, given, hint):
+    monkeypatch.chdir(tmp_path)
+    names = [p.stem for p in shipped_topologies()]
+    with pytest.raises(TopologyError) as e:
+        load_topology(given)
+    assert str(e.value) == (f"{given}: no such topology file, nor a shipped topology name "
+                            f"(shipped: {', '.join(names)}){hint}")
+    with pytest.raises(TopologyError, match=r"^/no/such/dir/t\.yaml: no such topology file"):
+        load_topology("/no/such/dir/t.yaml")
