@@ -102,7 +102,13 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizer, FusedOptimizerModule
 
 from recsys.optim.cowclip_exchange import ExchangeTable, column_wise_step, data_parallel_step
-from recsys.optim.cowclip_tbe import COWCLIP_ADAM, CowClipAdamTBE, CowClipHyper, cowclip_fused_params
+from recsys.optim.cowclip_tbe import (
+    COWCLIP_ADAM,
+    CowClipAdamTBE,
+    CowClipHyper,
+    check_fused_params,
+    cowclip_fused_params,
+)
 from sharding.compat import SEBC_WRAPS_DP_IN_INIT, ddp_wrap_skipping
 
 # the plan's compute kernel -> where CowClipAdamTBE keeps weights + state (fused_uvm: see state_location)
@@ -589,7 +595,15 @@ class ShardedCowClipEmbeddingBagCollection(ShardedEmbeddingBagCollection):
 
 
 class CowClipEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
-    """Drop-in for ``EmbeddingBagCollectionSharder``: tagged tables train with CowClip-Adam."""
+    """Drop-in for ``EmbeddingBagCollectionSharder``: tagged tables train with CowClip-Adam.
+
+    Takes ``EmbeddingBagCollectionSharder``'s arguments. ``fused_params`` are checked here: a key
+    that is neither CowClip-Adam's (``cowclip_fused_params``; ``lr`` is ``learning_rate``) nor
+    torchrec's/FBGEMM's is one line naming it, never a setting silently ignored."""
+
+    def __init__(self, fused_params: dict[str, Any] | None = None, *args: Any, **kwargs: Any) -> None:
+        check_fused_params(fused_params, "CowClipEmbeddingBagCollectionSharder")
+        super().__init__(fused_params, *args, **kwargs)
 
     def shard(self, module: EmbeddingBagCollection, params: dict[str, ParameterSharding], env: ShardingEnv,
               device: torch.device | None = None, module_fqn: str | None = None) -> ShardedCowClipEmbeddingBagCollection:

@@ -96,6 +96,11 @@ class CowClipHyper:
         unknown = sorted(k for k in fp if (k.startswith("cowclip") or k in ("beta", "betas")) and k not in _OUR_KEYS)
         if unknown:
             raise ValueError(f"unknown CowClip fused_params key(s): {', '.join(unknown)}")
+        if "lr" in fp:  # sharder-level fused_params are not renamed as apply_optimizer_in_backward's kwargs are
+            lr = fp.pop("lr")
+            if "learning_rate" in fp and fp["learning_rate"] != lr:
+                raise ValueError(f"CowClip fused_params: lr={lr!r} and learning_rate={fp['learning_rate']!r} differ")
+            fp["learning_rate"] = lr
         kw = {k: fp[k] for k in _OUR_KEYS - {"optimizer"} if k in fp}
         hp = cls(**kw)
         if hp.eps_mode not in ("torch", "keras"):
@@ -103,6 +108,44 @@ class CowClipHyper:
         if hp.update_scope not in ("batch", "all", "catchup"):
             raise ValueError(f"CowClip fused_params update_scope must be batch|all|catchup, got {hp.update_scope!r}")
         return hp
+
+
+def other_fused_param_keys() -> set[str]:
+    """The fused_params keys that belong to torchrec and FBGEMM rather than to CowClip-Adam: the
+    keyword arguments of FBGEMM's ``SplitTableBatchedEmbeddingBagsCodegen`` and torchrec's
+    ``FUSED_PARAM_*`` keys, read from the installed versions."""
+    import inspect
+
+    import torchrec.distributed.fused_params as trec_fused
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
+
+    keys = set(inspect.signature(SplitTableBatchedEmbeddingBagsCodegen.__init__).parameters) - {"self"}
+    keys |= {v for n, v in vars(trec_fused).items() if n.startswith("FUSED_PARAM_") and isinstance(v, str)}
+    return keys
+
+
+def check_fused_params(fp: dict[str, Any] | None, where: str) -> None:
+    """A user's CowClip fused_params (a sharder's): every key is CowClip-Adam's (``lr`` for
+    ``learning_rate`` included) or torchrec's/FBGEMM's; anything else is one line naming it, the
+    closest accepted key and CowClip-Adam's keys, instead of a silently ignored setting."""
+    import difflib
+
+    if not fp:
+        return
+    ours = _OUR_KEYS | {"lr"}
+    unknown = sorted(k for k in fp if k not in ours and k not in other_fused_param_keys())
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], sorted(ours | other_fused_param_keys()), n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise ValueError(f"{where}: unknown fused_params key(s) {', '.join(repr(k) for k in unknown)}{hint}; "
+                         f"CowClip-Adam takes {', '.join(sorted(ours))}, besides the keyword arguments of "
+                         "FBGEMM's SplitTableBatchedEmbeddingBagsCodegen and torchrec's FUSED_PARAM_* keys")
+    if is_cowclip_optimizer(fp):
+        CowClipHyper.from_fused_params(fp)  # values: eps_mode, update_scope, lr vs learning_rate
+
+
+def is_cowclip_optimizer(fp: dict[str, Any] | None) -> bool:
+    return bool(fp) and fp.get("optimizer") == COWCLIP_ADAM
 
 
 def cowclip_fused_params(hp: CowClipHyper) -> dict[str, Any]:
