@@ -549,7 +549,7 @@ const float* check_psw(const std::optional<Tensor>& per_sample_weights, int64_t 
     const auto& p = *per_sample_weights;
     RECSYS_CHECK(p.dim() == 1 && p.numel() == L && p.scalar_type() == ScalarType::Float && p.is_contiguous(),
                 "per_sample_weights must be a contiguous float32 [L]");
-    return p.mutable_data_ptr<float>();
+    return p.const_data_ptr<float>();
   }
   return nullptr;
 }
@@ -583,12 +583,12 @@ Tensor cowclip_adam_step_cpu(
   const float* psw = check_psw(per_sample_weights, L);
   auto stats = zeros_long({2});
   if (L == 0) return stats;
-  const int64_t* off = offsets.mutable_data_ptr<int64_t>();
+  const int64_t* off = offsets.const_data_ptr<int64_t>();
   RECSYS_CHECK(off[0] == 0 && off[B] == L, "offsets must start at 0 and end at len(indices)");
 
   Job<int64_t> job{weight.mutable_data_ptr<float>(), exp_avg.mutable_data_ptr<float>(), exp_avg_sq.mutable_data_ptr<float>(),
-                   row_step.mutable_data_ptr<int64_t>(), N, D, indices.mutable_data_ptr<int64_t>(), off, psw,
-                   grad_output.mutable_data_ptr<float>(), D, B,
+                   row_step.mutable_data_ptr<int64_t>(), N, D, indices.const_data_ptr<int64_t>(), off, psw,
+                   grad_output.const_data_ptr<float>(), D, B,
                    static_cast<float>(r * std::sqrt(static_cast<double>(D)) * zeta), clip};
   const Hyper hp(lr, beta1, beta2, eps, r, l2, keras_eps);
   std::vector<Job<int64_t>> jobs{job};
@@ -606,8 +606,8 @@ void tables_impl(Tensor& weights, Tensor& m1, Tensor& m2, Tensor& row_step,
                  const Hyper& hp, double r, int64_t* stats) {
   const int64_t B = F > 0 ? (offsets.numel() - 1) / F : 0;
   const int64_t L = indices.numel();
-  const index_t* idx = indices.mutable_data_ptr<index_t>();
-  const index_t* off = offsets.mutable_data_ptr<index_t>();
+  const index_t* idx = indices.const_data_ptr<index_t>();
+  const index_t* off = offsets.const_data_ptr<index_t>();
   RECSYS_CHECK(static_cast<int64_t>(off[0]) == 0 && static_cast<int64_t>(off[F * B]) == L,
               "offsets must start at 0 and end at len(indices)");
   const int64_t ldg = grad_output.stride(0);
@@ -615,7 +615,7 @@ void tables_impl(Tensor& weights, Tensor& m1, Tensor& m2, Tensor& row_step,
   float* M1 = m1.mutable_data_ptr<float>();
   float* M2 = m2.mutable_data_ptr<float>();
   int64_t* RS = row_step.mutable_data_ptr<int64_t>();
-  const float* G = grad_output.mutable_data_ptr<float>();
+  const float* G = grad_output.const_data_ptr<float>();
   std::vector<Job<index_t>> jobs;
   jobs.reserve(F);
   std::vector<int64_t> job_feature;
@@ -668,7 +668,7 @@ Tensor cowclip_adam_tables_cpu(
               grad_output.size(0), " rows");
   RECSYS_CHECK(B < (int64_t(1) << 31), "too many bags for one call");
   const float* psw = check_psw(per_sample_weights, indices.numel());
-  const int64_t* meta = feature_meta.mutable_data_ptr<int64_t>();
+  const int64_t* meta = feature_meta.const_data_ptr<int64_t>();
   for (int64_t f = 0; f < F; ++f) {
     const int64_t* mf = meta + 6 * f;
     RECSYS_CHECK(mf[0] >= 0 && mf[1] >= 0 && mf[2] > 0 && mf[0] + mf[1] * mf[2] <= weights.numel(),
@@ -696,10 +696,10 @@ Tensor cowclip_adam_tables_cpu(
   if (indices.numel() == 0) return stats;
   const Hyper hp(lr, beta1, beta2, eps, r, l2, keras_eps);
   if (indices.scalar_type() == ScalarType::Long)
-    tables_impl<int64_t>(weights, momentum1, momentum2, row_step, meta, zeta.mutable_data_ptr<double>(), F, indices,
+    tables_impl<int64_t>(weights, momentum1, momentum2, row_step, meta, zeta.const_data_ptr<double>(), F, indices,
                          offsets, grad_output, psw, hp, r, stats.mutable_data_ptr<int64_t>());
   else
-    tables_impl<int32_t>(weights, momentum1, momentum2, row_step, meta, zeta.mutable_data_ptr<double>(), F, indices,
+    tables_impl<int32_t>(weights, momentum1, momentum2, row_step, meta, zeta.const_data_ptr<double>(), F, indices,
                          offsets, grad_output, psw, hp, r, stats.mutable_data_ptr<int64_t>());
   return stats;
 }
@@ -1140,7 +1140,7 @@ Tensor cowclip_catch_up_tables_cpu(
   const int64_t F = feature_meta.size(0);
   RECSYS_CHECK(F > 0 && (offsets.numel() - 1) % F == 0, "offsets must have F*B+1 entries");
   const int64_t B = (offsets.numel() - 1) / F;
-  const int64_t* meta = feature_meta.mutable_data_ptr<int64_t>();
+  const int64_t* meta = feature_meta.const_data_ptr<int64_t>();
   for (int64_t f = 0; f < F; ++f) {
     const int64_t* mf = meta + 6 * f;
     RECSYS_CHECK(mf[0] >= 0 && mf[1] >= 0 && mf[2] > 0 && mf[0] + mf[1] * mf[2] <= weights.numel(),
@@ -1182,9 +1182,9 @@ Tensor cowclip_catch_up_tables_cpu(
     });
   };
   if (indices.scalar_type() == ScalarType::Long)
-    run(indices.mutable_data_ptr<int64_t>(), offsets.mutable_data_ptr<int64_t>());
+    run(indices.const_data_ptr<int64_t>(), offsets.const_data_ptr<int64_t>());
   else
-    run(indices.mutable_data_ptr<int32_t>(), offsets.mutable_data_ptr<int32_t>());
+    run(indices.const_data_ptr<int32_t>(), offsets.const_data_ptr<int32_t>());
   return out;
 }
 
