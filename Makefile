@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat constraints.txt pyproject.toml setup.py recsys/optim/csrc/* | sha1sum | cut -c1-12)
 PIP := $(PY) -m pip install -q --disable-pip-version-check -c constraints.txt
 
-.PHONY: venv test-deps demo test test-fast test-gpu test-stacks wheel bench clean
+.PHONY: venv test-deps demo test test-fast test-gpu test-stacks wheel ci bench clean
 venv: $(STAMP)
 
 # Test-only dependency: triton's interpreter (TRITON_INTERPRET=1) runs the CUDA CowClip kernel on
@@ -68,6 +68,11 @@ wheel: venv
 STACKS ?= default oldest newest
 test-stacks: wheel
 	@rc=0; for s in $(STACKS); do bash tools/stack_tier.sh $$s $(WHEEL_DIR)/*.whl || rc=1; done; exit $$rc
+
+# What CI runs (.ci/run): `make test`, then `make test-stacks`, with each tier's time.
+ci:
+	@t0=$$(date +%s) && $(MAKE) test && echo "CI tier: default stack, full suite: $$(($$(date +%s) - t0)) s"
+	@t0=$$(date +%s) && $(MAKE) test-stacks && echo "CI tier: stacks ($(STACKS)): $$(($$(date +%s) - t0)) s"
 
 # The benchmark's reference, DeepCTR-Torch, is installed without its deps so it cannot replace torch.
 bench: venv
