@@ -38,8 +38,10 @@ def gpu_run(tmp_path_factory) -> Path:
     return run_dir
 
 
-def test_deepfm_200_steps_on_gpu_with_checkpoints(gpu_run):
+def test_deepfm_200_steps_on_gpu_with_checkpoints(gpu_run, record_property):
     s = _summary(gpu_run)
+    for key in ("auc", "logloss", "steps"):
+        record_property(f"gpu_{key}", s[key])
     assert s["device"].startswith("cuda") and s["world_size"] == 1 and s["steps"] == 200, s
     assert s["auc"] > 0.65, s  # far above chance after 200 steps of 512
     for step in (100, 200):
@@ -47,7 +49,7 @@ def test_deepfm_200_steps_on_gpu_with_checkpoints(gpu_run):
     assert "cowclip_adam" in (gpu_run / "plan.json").read_text()
 
 
-def test_resume_from_step_100_ends_where_the_straight_run_ends(gpu_run, tmp_path):
+def test_resume_from_step_100_ends_where_the_straight_run_ends(gpu_run, tmp_path, record_property):
     """The run directory as a crash after step 100 would leave it (the later checkpoint and the
     summary gone), resumed with ``resume=true``."""
     run_dir = tmp_path / "resumed"
@@ -58,13 +60,18 @@ def test_resume_from_step_100_ends_where_the_straight_run_ends(gpu_run, tmp_path
     assert "resumed from" in r.stderr
     a, b = _summary(gpu_run), _summary(run_dir)
     assert b["resumed_from"].endswith("step_000000100") and b["steps"] == 200
+    record_property("straight_auc", a["auc"])
+    record_property("resumed_auc", b["auc"])
     for key in ("auc", "logloss"):
         assert b[key] == pytest.approx(a[key], abs=1e-5), (key, a[key], b[key])
 
 
-def test_gpu_reaches_the_cpu_auc(gpu_run, tmp_path):
+def test_gpu_reaches_the_cpu_auc(gpu_run, tmp_path, record_property):
     cpu = tmp_path / "cpu"
     _train(cpu, "train.device=cpu")
     g, c = _summary(gpu_run), _summary(cpu)
+    record_property("gpu_auc", g["auc"])
+    record_property("cpu_auc", c["auc"])
+    record_property("auc_gap", abs(g["auc"] - c["auc"]))
     assert c["device"] == "cpu" and c["steps"] == g["steps"] == 200
     assert abs(g["auc"] - c["auc"]) <= 0.002, (g["auc"], c["auc"])
