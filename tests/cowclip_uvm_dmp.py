@@ -156,10 +156,14 @@ def check(out: Path, world: int, uvm: bool) -> None:
             for n, pieces in d[key].items():
                 for (r0, c0), t in pieces:
                     got[n][r0 : r0 + t.shape[0], c0 : c0 + t.shape[1]] = t
+        errors = []  # every table's mismatch in one message (which tables, and by how much, tells why)
         for n in NAMES:
             assert not torch.isnan(got[n]).any(), f"{key} {n}: shards do not cover the table"
-            if key == "final":
-                torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6, msg=f"{n} vs the formula")
-                final = got
-            else:
-                torch.testing.assert_close(got[n], final[n], rtol=0, atol=0, msg=f"{n}: resumed vs straight")
+            ref, tol = (want[n], dict(rtol=1e-5, atol=1e-6)) if key == "final" else (final[n], dict(rtol=0, atol=0))
+            try:
+                torch.testing.assert_close(got[n], ref, **tol)
+            except AssertionError as e:
+                errors.append(f"{n} ({'vs the formula' if key == 'final' else 'resumed vs straight'}): {e}")
+        assert not errors, "\n".join(errors)
+        if key == "final":
+            final = got

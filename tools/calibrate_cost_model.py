@@ -60,10 +60,23 @@ def _tables(max_rows: int, dim: int):
 
 
 def _cluster(args, world: int):
+    """The topology of the run; on GPUs with fewer ranks than the topology has (``--nproc 1`` on
+    one GPU of a DGX), its first host cut down to the first ``world`` GPUs (their HBM, switches,
+    NUMA nodes and NICs as the file says)."""
+    import dataclasses
+
+    from sharding.topology import load_topology
     from sharding.topology_planner import cluster_for
 
     device = "cuda" if args.cuda else "cpu"
-    return cluster_for(args.topology if args.cuda else (args.topology or "cpu-gloo"), device, world, world)
+    name = args.topology if args.cuda else (args.topology or "cpu-gloo")
+    if args.cuda:
+        full = load_topology(name)
+        if full.world_size > world and full.local_world_size >= world:
+            h = full.hosts[0]
+            host = dataclasses.replace(h, gpus=h.gpus[:world])
+            return dataclasses.replace(full, hosts=(host,), name=f"{full.name}[:{world}]")
+    return cluster_for(name, device, world, world)
 
 
 def _plan(args, world: int, which: str):

@@ -108,7 +108,7 @@ print(json.dumps(res))
 
 
 def step_bench(out: Path, limit: float) -> dict:
-    r = _run([sys.executable, "tools/bench_cowclip.py", "--device", "cuda", "--iters", "30", "--warmup", "5"],
+    r = _run([sys.executable, "tools/bench_cowclip.py", "--device", "cuda", "--iters", "30", "--warmup", "5", "--profile", "5"],
              out / "bench.log", limit)
     fig = _last_json(r["stdout"])
     r["figures"] = fig

@@ -53,6 +53,8 @@ from torch import nn
 
 from torchrec.optim.keyed import KeyedOptimizer
 
+from recsys.training.distributed import collective_device
+
 log = logging.getLogger(__name__)
 _NAME = re.compile(r"^step_(\d{9})$")
 MARKER = "COMMITTED"
@@ -308,7 +310,7 @@ class Checkpointer:
 
     def _agree(self, err: BaseException | None, tmp: Path, final: Path) -> None:
         """Collective: if any rank failed, rank 0 removes the `.tmp` and every rank raises one line."""
-        flag = torch.tensor([1 if err is not None else 0])
+        flag = torch.tensor([1 if err is not None else 0], device=collective_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if not flag.item():
             return

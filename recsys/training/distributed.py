@@ -53,6 +53,15 @@ def init_distributed(cfg: TrainConfig) -> DistEnv:
     return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, local_world, device, backend)
 
 
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where a tensor of host values (a loss, a count, a flag) must live for a collective on
+    ``group``: NCCL reduces CUDA tensors only ("No backend type associated with device type cpu"),
+    gloo CPU ones."""
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def free_port() -> int:
     """A TCP port free on this machine now (for a rendezvous on 127.0.0.1)."""
     import socket

@@ -30,7 +30,7 @@ from recsys.optim.cowclip_sharder import take_update_stats
 from recsys.optim.embedding import attach_embedding_optimizer, embedding_sharders
 from recsys.training.checkpoint import Checkpointer, CheckpointError, describe_failure
 from recsys.training.comm_failure import HostLostError, host_lost, register_peers
-from recsys.training.distributed import DistEnv, init_distributed
+from recsys.training.distributed import DistEnv, collective_device, init_distributed
 from recsys.training.hierarchy import HostGroups, build_host_groups, pg_timeout_from_env, remap_plan_to_host, resolve_hosts
 from recsys.training.merge import KStepMerger
 from recsys.training.metrics import MetricsWriter, evaluate, write_json_atomic
@@ -219,7 +219,7 @@ def _dense_parameter_bytes(dmp: nn.Module) -> int:
 
 
 def _mean_across_ranks(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
+    t = torch.tensor([value], dtype=torch.float64, device=collective_device())
     dist.all_reduce(t)
     return float(t.item()) / dist.get_world_size()
 
@@ -329,7 +329,7 @@ def _run(cfg: ExperimentConfig, model_factory: ModelFactory | None) -> dict[str,
                 stats["dense_lr"] = job.dense_optimizer.param_groups[0]["lr"]
             unique, clipped = take_update_stats(job.dmp)
             if unique:  # CowClip kernels: share of updated rows whose gradient was clipped (all ranks)
-                uc = torch.tensor([unique, clipped], dtype=torch.float64)
+                uc = torch.tensor([unique, clipped], dtype=torch.float64, device=collective_device())
                 dist.all_reduce(uc)
                 stats["clipped_row_fraction"] = float(uc[1] / uc[0])
             writer.log({"kind": "train", "step": step, "epoch": step / per_epoch, "loss": loss, **stats})

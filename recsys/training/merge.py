@@ -48,6 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 from recsys.optim.cowclip_catchup import catch_up_all_tables
+from recsys.training.distributed import collective_device
 
 log = logging.getLogger(__name__)
 
@@ -275,12 +276,12 @@ class KStepMerger:
         self._checked_replicated = True
         sums = torch.tensor(
             [[float(t.double().sum()), float(t.double().abs().sum())] for t in ts] or [[0.0, 0.0]],
-            dtype=torch.float64,
+            dtype=torch.float64, device=collective_device(self.pg),
         )
         hi, lo = sums.clone(), sums.neg()
         dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=self.host_pg)
         dist.all_reduce(lo, op=dist.ReduceOp.MAX, group=self.host_pg)
-        differ = torch.tensor([0.0 if torch.equal(hi, -lo) else 1.0])
+        differ = torch.tensor([0.0 if torch.equal(hi, -lo) else 1.0], device=sums.device)
         dist.all_reduce(differ, op=dist.ReduceOp.MAX, group=self.pg)  # every host decides the same
         if differ.item() > 0:
             log.warning("k-step merge: dense tensors differ inside a host (no DDP?): using the flat route")
@@ -293,7 +294,7 @@ class KStepMerger:
         real storage). Collective over replica_pg."""
         if self.hosts == 1:
             return 0.0
-        worst = torch.zeros(1, dtype=torch.float64)
+        worst = torch.zeros(1, dtype=torch.float64, device=collective_device(self.pg))
         for value in self.dmp.state_dict().values():
             for t in _local_tensors(value):
                 if not t.is_floating_point() or t.numel() == 0:

@@ -29,9 +29,12 @@ def logloss(logits: torch.Tensor, labels: torch.Tensor) -> float:
 def _gather(t: torch.Tensor) -> torch.Tensor:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return t
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, t)
-    return torch.cat(parts)
+    from recsys.training.distributed import collective_device
+
+    dev = collective_device()
+    parts = [torch.empty_like(t, device=dev) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t.to(dev))
+    return torch.cat(parts).to(t.device)
 
 
 @torch.no_grad()

@@ -101,15 +101,22 @@ def _train(rank: int, world: int, out: str) -> None:
         for s in v.local_shards():
             r0, c0 = s.metadata.shard_offsets
             s.tensor.copy_(full[n][r0 : r0 + s.tensor.shape[0], c0 : c0 + s.tensor.shape[1]].to(s.tensor.device))
-    # where FBGEMM put each table: HBM, UVM, UVM + cache
+    # where FBGEMM put each table: HBM, UVM, UVM + cache. One TBE may hold tables of several
+    # kernels (torchrec groups them; each table keeps its own EmbeddingLocation), so the table's
+    # own location is read, and the TBE's UVM buffer / cache checked where the location needs one.
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
+
     kinds: dict[str, tuple[bool, bool]] = {}
     lookups = [lk for mod in dmp.modules() for lk in (getattr(mod, "_lookups", None) or [])]
     for lk in lookups:
         for m in getattr(getattr(lk, "module", lk), "_emb_modules", []):
             tbe = m._emb_module
-            for t in m._config.embedding_tables:
-                uvm = tbe.weights_uvm.numel() > 0 and bool(torch.ops.fbgemm.is_uvm_tensor(tbe.weights_uvm))
-                kinds[t.name] = (uvm, tbe.lxu_cache_weights.numel() > 0)
+            for i, t in enumerate(m._config.embedding_tables):
+                loc = EmbeddingLocation(tbe.embedding_specs[i][2])
+                managed = loc in (EmbeddingLocation.MANAGED, EmbeddingLocation.MANAGED_CACHING)
+                uvm = managed and tbe.weights_uvm.numel() > 0 and bool(torch.ops.fbgemm.is_uvm_tensor(tbe.weights_uvm))
+                cached = loc == EmbeddingLocation.MANAGED_CACHING and tbe.lxu_cache_weights.numel() > 0
+                kinds[t.name] = (uvm, cached)
     for lengths, ids, target in _batches():
         kt = dmp(_local_kjt(lengths, ids, rank, world, dev))
         kt = kt.wait() if hasattr(kt, "wait") else kt
@@ -142,9 +149,9 @@ def test_fused_uvm_and_uvm_caching_tables_train_like_sgd(tmp_path, world):
         for n in NAMES:
             got[n][d["rows"]] = d["tables"][n]
         kinds.update(d["kinds"])
-    assert kinds["t_fused"] == (False, False)
+    assert kinds["t_fused"] == (False, False), kinds
     assert kinds["t_uvm"] == (True, False) and kinds["t_uvm_rw"] == (True, False)
     assert kinds["t_cache"] == (True, True) and kinds["t_cache_rw"] == (True, True)
     for i, n in enumerate(NAMES):
         assert not torch.allclose(got[n], _init(i)), f"{n} did not train"
-        torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6, msg=f"{n} ({TABLES[n]})")
+        torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{n} ({TABLES[n]}): {m}")

@@ -62,6 +62,7 @@ def test_cowclip_tbe_on_cuda_matches_the_cpu_op():
     assert cuda.stats.unique_rows == cpu.stats.unique_rows and cuda.stats.clipped_rows == cpu.stats.clipped_rows
     assert torch.equal(cuda.row_step.cpu(), cpu.row_step)
     for name in ("weights", "momentum1"):
-        torch.testing.assert_close(getattr(cuda, name).cpu(), getattr(cpu, name), rtol=1e-5, atol=1e-6, msg=name)
-    torch.testing.assert_close(cuda.momentum2.cpu(), cpu.momentum2, rtol=1e-5, atol=1e-9)
+        torch.testing.assert_close(getattr(cuda, name).cpu(), getattr(cpu, name), rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+    torch.testing.assert_close(cuda.momentum2.cpu(), cpu.momentum2, rtol=1e-5, atol=1e-9, msg=lambda m: f"momentum2: {m}")
     assert int(cpu.row_step.sum()) > 0
