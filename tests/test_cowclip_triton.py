@@ -523,7 +523,7 @@ from recsys.optim import cowclip_triton as ctr
 fn = ctr._kernel()
 assert type(fn).__name__ == "JITFunction", type(fn)
 sig = {"W": "*fp32", "M1": "*fp32", "M2": "*fp32", "RS": "*i64", "G": "*fp32", "stride_g": "i64",
-       "SEG": "*i64", "SEG_FEAT": "*i64", "SEG_ROW": "*i64", "SORT_SAMPLE": "*i32", "SORT_PSW": "*fp32",
+       "SEG": "*i64", "SEG_FEAT": "*i64", "SEG_ROW": "*i64", "NSEG": "*i64", "SORT_SAMPLE": "*i32", "SORT_PSW": "*fp32",
        "META": "*i64", "ZETA_P": "*fp32", "CLIPPED": "*i32",
        **{k: "fp32" for k in "lr b1 b2 omb1 omb2 eps l2x2 r log2_b1 log2_b2".split()},
        **{k: "constexpr" for k in ("HAS_PSW", "HAS_L2", "KERAS", "BLOCK_D", "CHUNK")}}

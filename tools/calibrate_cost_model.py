@@ -158,7 +158,7 @@ def _timed(fn, device, reps: int) -> float:
         t = time.perf_counter()
         fn()
         _sync(device)
-        dt = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
+        dt = torch.tensor([time.perf_counter() - t], dtype=torch.float64, device=device)  # NCCL: CUDA tensors
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)
         out.append(float(dt))
     return statistics.median(out)

@@ -16,6 +16,7 @@ says so). The checks, in this order (the short, decisive figures first):
              against measured ones
 
     python3 tools/gpu_check.py --out DIR [--only env,bench] [--budget-s 520]
+    GPU_TESTS="tests/gpu/test_triton_cuda.py" python3 tools/gpu_check.py --only env,tests   # some tests only
 """
 
 from __future__ import annotations
@@ -118,8 +119,10 @@ def step_bench(out: Path, limit: float) -> dict:
 
 def step_tests(out: Path, limit: float) -> dict:
     xml = out / "junit.xml"
-    r = _run([sys.executable, "-m", "pytest", "-ra", "-p", "no:cacheprovider", f"--junitxml={xml}", "tests/gpu"],
+    select = os.environ.get("GPU_TESTS", "tests/gpu").split()  # pytest node ids: a rerun of some tests
+    r = _run([sys.executable, "-m", "pytest", "-ra", "-p", "no:cacheprovider", f"--junitxml={xml}", *select],
              out / "tests.log", limit)
+    r["selected"] = select
     tests = {}
     if xml.is_file():
         for case in ET.parse(xml).getroot().iter("testcase"):

@@ -184,16 +184,51 @@ class StagedRows:
 
 @dataclass
 class UpdateStats:
-    """Rows touched and clipped since the last ``take_stats`` (for logging; summed over tables)."""
+    """Rows touched and clipped since the last ``take_stats`` (for logging; summed over tables).
 
-    unique_rows: int = 0
-    clipped_rows: int = 0
+    Counts that a kernel returns as a device tensor are added on the device (``add_counts``) and
+    read when the fields are: a training step does not wait for the GPU to learn them."""
+
     calls: int = 0
+    _unique: int = 0
+    _clipped: int = 0
+    _pending: Tensor | None = None  # [2] int64 on the kernel's device, not yet read
 
     def add(self, unique: int, clipped: int) -> None:
-        self.unique_rows += unique
-        self.clipped_rows += clipped
+        self._unique += unique
+        self._clipped += clipped
         self.calls += 1
+
+    def add_counts(self, per_feature: Tensor) -> None:
+        """``per_feature`` [F, 2] (unique rows, clipped rows), on any device."""
+        total = per_feature.sum(0)
+        self._pending = total if self._pending is None else self._pending + total
+        self.calls += 1
+
+    def _fold(self) -> None:
+        if self._pending is not None:
+            u, c = self._pending.tolist()
+            self._unique += int(u)
+            self._clipped += int(c)
+            self._pending = None
+
+    @property
+    def unique_rows(self) -> int:
+        self._fold()
+        return self._unique
+
+    @unique_rows.setter
+    def unique_rows(self, value: int) -> None:
+        self._pending, self._unique = None, value
+
+    @property
+    def clipped_rows(self) -> int:
+        self._fold()
+        return self._clipped
+
+    @clipped_rows.setter
+    def clipped_rows(self, value: int) -> None:
+        self._pending, self._clipped = None, value
 
 
 class _CowClipLookup(torch.autograd.Function):
@@ -463,8 +498,7 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
                 lr=self.lr, betas=(hp.beta1, hp.beta2), eps=hp.eps, r=hp.cowclip_r, l2=hp.l2,
                 eps_mode=hp.eps_mode,
             )
-            for unique, clipped in stats.tolist():
-                self.stats.add(unique, clipped)
+            self.stats.add_counts(stats)
             return
         for t, idx, offs, go, w in self._feature_slices(grad_out, indices, offsets, psw):
             if self.mode == "inline":

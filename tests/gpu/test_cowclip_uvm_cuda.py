@@ -27,4 +27,9 @@ def test_cowclip_uvm_tables_train_checkpoint_and_resume(tmp_path, world):
     from tests import cowclip_uvm_dmp
 
     spawn_nccl(_worker, world, str(tmp_path))
-    cowclip_uvm_dmp.check(tmp_path, world, uvm=True)
+    # the Triton kernel (FMA, its own summation order) against the torch formula on CPU: Adam
+    # divides each coordinate by sqrt(v), so where a coordinate's gradient nearly cancels, the
+    # rounding of that sum reaches the weight: bound 1e-4 of the learning rate per step (tests/gpu/
+    # test_triton_cuda.py; measured on an H100: 1.15e-6 at most, bound 1e-5). The resumed run must
+    # still equal the straight one bit for bit.
+    cowclip_uvm_dmp.check(tmp_path, world, uvm=True, atol=1e-4 * cowclip_uvm_dmp.cs.LR * cowclip_uvm_dmp.STEPS)

@@ -61,8 +61,14 @@ def test_cowclip_tbe_on_cuda_matches_the_cpu_op():
     assert cuda._tables_op is ctr.triton_cowclip_adam_tables
     assert cuda.stats.unique_rows == cpu.stats.unique_rows and cuda.stats.clipped_rows == cpu.stats.clipped_rows
     assert torch.equal(cuda.row_step.cpu(), cpu.row_step)
-    for name in ("weights", "momentum1"):
-        torch.testing.assert_close(getattr(cuda, name).cpu(), getattr(cpu, name), rtol=1e-5, atol=1e-6,
-                                   msg=lambda m, name=name: f"{name}: {m}")
+    # Adam divides each coordinate by sqrt(v): where a coordinate's gradient nearly cancels over
+    # its occurrences, the CUDA kernel (FMA, its summation) and the CPU op round that sum apart and
+    # the normalised step carries it. Bound: 1e-4 of the learning rate per step and element, 3e-5
+    # here (measured on an H100, 6 steps at lr 0.05: 2.9e-6 at most, 184 of 104,320 weights above
+    # 1e-6; a wrong count, weight or row moves weights by ~lr).
+    # The moments are not normalised: they agree to float32 rounding.
+    torch.testing.assert_close(cuda.weights.cpu(), cpu.weights, rtol=1e-5, atol=6 * 1e-4 * 0.05,
+                               msg=lambda m: f"weights: {m}")
+    torch.testing.assert_close(cuda.momentum1.cpu(), cpu.momentum1, rtol=1e-5, atol=1e-6, msg=lambda m: f"momentum1: {m}")
     torch.testing.assert_close(cuda.momentum2.cpu(), cpu.momentum2, rtol=1e-5, atol=1e-9, msg=lambda m: f"momentum2: {m}")
     assert int(cpu.row_step.sum()) > 0
