@@ -31,15 +31,15 @@ from recsys.training.run_dir import (
 def _check_saved_plan(cfg) -> None:
     """A saved plan that torchrec cannot run (unknown sharding type or kernel, shards that do not
     tile a table, ranks outside the world) or that is for another model or world size fails here,
-    with one line, before any process starts (sharding/plan_validation.py: the check
+    with one line, before any process starts (sharding/plan/validation.py: the check
     `recsys-plan validate` and `show` run)."""
     import torch
 
     from recsys.data.source import build_source
     from recsys.models.ctr import TrainModule
     from recsys.training.loop import default_model
-    from sharding import plan_io
-    from sharding.plan_validation import validate_plan
+    import sharding.plan.io as plan_io
+    from sharding.plan.validation import validate_plan
 
     plan, header = plan_io.read_plan_file(cfg.plan)
     validate_plan(plan, header, cfg.plan)

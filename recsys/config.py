@@ -151,12 +151,12 @@ class TrainConfig:
 
 @dataclass
 class ShardingConfig:
-    planner: str = "torchrec"  # torchrec: torchrec's EmbeddingShardingPlanner; topology: sharding/topology_planner.py
+    planner: str = "torchrec"  # torchrec: torchrec's EmbeddingShardingPlanner; topology: sharding/planner/topology_planner.py
     topology: str = ""  # planner=topology: a topology file or shipped name (CPU runs default to cpu-gloo)
     # Sharding types the planner may use. Empty: the model-parallel ones (TW, RW, CW, TWRW,
     # TWCW). data_parallel tables are updated by the dense optimizer, so they are opt-in.
     sharding_types: list[str] = field(default_factory=list)
-    # UVM cache sizing from data (sharding/cache_sizing.py): a JSON id histogram, a shard directory,
+    # UVM cache sizing from data (sharding/planner/cache_sizing.py): a JSON id histogram, a shard directory,
     # synthetic:N or data:N; each cached table gets the smallest load factor reaching target_hit_rate
     data_sample: str = ""
     target_hit_rate: float = 0.95
@@ -175,7 +175,7 @@ class ExperimentConfig:
     resume: bool = False
     # Fresh run in a run_dir that has checkpoints: move the old run aside (without it such a run stops).
     overwrite: bool = False
-    # A saved plan file (sharding/plan_io.py; `recsys-plan`) to use instead of planning.
+    # A saved plan file (sharding/plan/io.py; `recsys-plan`) to use instead of planning.
     plan: str = ""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -510,7 +510,7 @@ def validate(cfg: ExperimentConfig, source: str = "config") -> None:
         if st not in known_types:
             bad("sharding.sharding_types", f"unknown sharding type '{st}' (choose from {', '.join(known_types)})")
     if cfg.sharding.planner not in ("torchrec", "topology"):
-        bad("sharding.planner", f"unknown planner '{cfg.sharding.planner}' (torchrec, topology)")
+        bad("sharding.planner.build", f"unknown planner '{cfg.sharding.planner}' (torchrec, topology)")
     if cfg.plan and not Path(cfg.plan).is_file():
         bad("plan", f"no such plan file {cfg.plan}")
     if cfg.checkpoint.keep <= 0:

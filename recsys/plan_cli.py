@@ -43,7 +43,7 @@ def _model_and_tables(config: str, overrides: list[str]):
     from recsys.models.ctr import TrainModule
     from recsys.optim.embedding import attach_embedding_optimizer
     from recsys.training.loop import default_model
-    from sharding import plan_io
+    import sharding.plan.io as plan_io
 
     cfg = load_config(config, overrides)
     model = TrainModule(default_model(cfg, build_source(cfg), torch.device("cpu")))
@@ -88,7 +88,7 @@ def factory_model(spec: str):
 
 def _tables_of(spec: str, overrides: list[str]) -> dict[str, dict]:
     """The tables (shapes, data types, optimizer state) of a model given as YAML or module:factory."""
-    from sharding import plan_io
+    import sharding.plan.io as plan_io
 
     if is_factory(spec):
         tables = plan_io.model_tables(factory_model(spec))
@@ -101,8 +101,8 @@ def _tables_of(spec: str, overrides: list[str]) -> dict[str, dict]:
 def _read_valid(path: str, model: str | None = None, overrides: list[str] | None = None):
     """A plan file, validated (PlanFileError on the first problem); with a model, checked to be
     for it and reported with its tables' data types and optimizer state."""
-    from sharding import plan_io
-    from sharding.plan_validation import validate_plan
+    import sharding.plan.io as plan_io
+    from sharding.plan.validation import validate_plan
 
     plan, header = plan_io.read_plan_file(path)
     validate_plan(plan, header, str(path))
@@ -133,7 +133,7 @@ def _emit(text: str, out: str | None) -> None:
 
 
 def _load_cluster(name: str):
-    from sharding.topology import load_topology
+    from sharding.topology.cluster import load_topology
 
     return load_topology(name)
 
@@ -143,8 +143,8 @@ def _topology_file(args: argparse.Namespace) -> str:
     the capacities given on the command line and written next to the plan as <out>.topology.yaml."""
     if not args.topology.endswith(".txt"):
         return args.topology
-    from sharding.topology import dump_topology
-    from sharding.topology_import import import_topo
+    from sharding.topology.cluster import dump_topology
+    from sharding.topology.nvidia_smi import import_topo
 
     # the GPU's capacities: from --gpu's preset (or `nvidia-smi -L` lines in the file), each
     # overridden by an explicit --hbm-gb / --hbm-bw-gb-s; an unknown GPU without them is an error
@@ -186,8 +186,8 @@ def _factory_inputs(args: argparse.Namespace, overrides: list[str]):
 
 def cmd_make(args: argparse.Namespace) -> int:
     from recsys.optim.embedding import embedding_sharders
-    from sharding import plan_io
-    from sharding.planner import build_planner
+    import sharding.plan.io as plan_io
+    from sharding.planner.build import build_planner
 
     overrides = list(args.overrides)
     cluster = None
@@ -227,10 +227,10 @@ def cmd_make(args: argparse.Namespace) -> int:
         raise UsageError(f"planning failed: {str(e).strip().splitlines()[0]}") from None
     meta = {"planner": cfg.sharding.planner, "topology": cfg.sharding.topology, "config": str(args.config), "overrides": args.overrides,
             "batch_size_per_rank": batch, "hbm_gb": args.hbm_gb, "ddr_gb": args.ddr_gb}
-    if getattr(planner, "last_pooling", None):  # what its modelled step used (sharding/plan_cost.py)
+    if getattr(planner, "last_pooling", None):  # what its modelled step used (sharding/planner/cost/plan_cost.py)
         meta["pooling"] = planner.last_pooling
     if stats:
-        from sharding.cache_sizing import summary
+        from sharding.planner.cache_sizing import summary
         from sharding.constants import MAX_CACHE_LOAD_FACTOR
 
         lfs = {name: ps.cache_params.load_factor for mp in plan.plan.values() for name, ps in mp.items()
@@ -242,7 +242,8 @@ def cmd_make(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from sharding import plan_report, plan_traffic
+    import sharding.plan.report as plan_report
+    import sharding.planner.cost.traffic as plan_traffic
 
     if args.format == "html" and not args.out:
         raise UsageError("--format html needs --out FILE.html")
@@ -250,7 +251,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     rep = plan_report.report(plan, header)
     topo = None
     if args.topology:
-        from sharding.topology import load_topology
+        from sharding.topology.cluster import load_topology
 
         topo = load_topology(args.topology)  # a file or a shipped name; TopologyError is a ValueError
         if topo.world_size != header["world_size"]:
@@ -262,20 +263,20 @@ def cmd_show(args: argparse.Namespace) -> int:
         tr = plan_traffic.traffic(infos, header["world_size"], batch)
         if topo is not None:
             plan_traffic.apply_topology(tr, topo, infos, rep["ranks"])
-            cost = _modeled_step(plan, header, topo)  # the planner's own model (sharding/plan_cost.py)
+            cost = _modeled_step(plan, header, topo)  # the planner's own model (sharding/planner/cost/plan_cost.py)
     if args.format == "html":
-        from sharding import plan_html
+        import sharding.plan.html as plan_html
 
         _emit(plan_html.render_html(rep, tr, topo, cost), args.out)  # times: the planner's model, as the text report
     elif args.format == "json":
         if topo is not None:
-            rep["modeled_step"] = {**cost.as_dict(), "batch_size_per_rank": batch, "model": "sharding/cost_model.py"}
+            rep["modeled_step"] = {**cost.as_dict(), "batch_size_per_rank": batch, "model": "sharding/planner/cost/model.py"}
             rep["traffic"] = tr.to_dict()
         _emit(json.dumps(rep, indent=1), args.out)
     else:
         text = plan_report.format_text(rep)
         if topo is not None:
-            from sharding.plan_cost import format_step
+            from sharding.planner.cost.plan_cost import format_step
 
             text += "\n\n" + format_step(cost, args.topology, batch) + "\n\n" + plan_traffic.format_text(tr)
         _emit(text, args.out)
@@ -283,15 +284,15 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def _modeled_step(plan, header: dict, topo):
-    """The planner's modelled step of a plan file on a topology (sharding/plan_cost.py)."""
-    from sharding.plan_cost import modeled_step, plan_pooling, plan_tables
-    from sharding.plan_traffic import batch_size_of
+    """The planner's modelled step of a plan file on a topology (sharding/planner/cost/plan_cost.py)."""
+    from sharding.planner.cost.plan_cost import modeled_step, plan_pooling, plan_tables
+    from sharding.planner.cost.traffic import batch_size_of
 
     return modeled_step(plan, plan_tables(header), topo, batch_size_of(header), plan_pooling(header))
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    from sharding import plan_report
+    import sharding.plan.report as plan_report
 
     a, ha = _read_valid(args.a)
     b, hb = _read_valid(args.b)
@@ -312,8 +313,8 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 def _modeled_seconds(plan, header: dict, topology: str) -> tuple[list[float], float]:
     """Per-rank modelled seconds and the modelled step of a plan on a topology: the planner's
-    model (sharding/plan_cost.py; the step includes the collectives' busiest links)."""
-    from sharding.topology import load_topology
+    model (sharding/planner/cost/plan_cost.py; the step includes the collectives' busiest links)."""
+    from sharding.topology.cluster import load_topology
 
     topo = load_topology(topology)
     if topo.world_size != header["world_size"]:
@@ -323,9 +324,10 @@ def _modeled_seconds(plan, header: dict, topology: str) -> tuple[list[float], fl
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from sharding import plan_io, plan_report
-    from sharding.plan_io import PlanFileError
-    from sharding.plan_validation import plan_problems
+    import sharding.plan.io as plan_io
+    import sharding.plan.report as plan_report
+    from sharding.plan.io import PlanFileError
+    from sharding.plan.validation import plan_problems
 
     plan, header = plan_io.read_plan_file(args.plan)  # a file that is not a plan: exit 2
     world = args.world_size or header["world_size"]

@@ -22,12 +22,12 @@ install_log_filters()  # before anything imports FBGEMM (sharding/compat.py)
 
 # public name -> module that defines it
 _EXPORTS = {
-    "TopologyAwarePlanner": "sharding.topology_planner",
-    "ModelDoesNotFitError": "sharding.topology_planner",
-    "ClusterTopology": "sharding.topology",
-    "load_topology": "sharding.topology",
-    "save_plan": "sharding.plan_io",
-    "load_plan": "sharding.plan_io",
+    "TopologyAwarePlanner": "sharding.planner.topology_planner",
+    "ModelDoesNotFitError": "sharding.planner.topology_planner",
+    "ClusterTopology": "sharding.topology.cluster",
+    "load_topology": "sharding.topology.cluster",
+    "save_plan": "sharding.plan.io",
+    "load_plan": "sharding.plan.io",
 }
 
 __all__ = sorted(_EXPORTS)

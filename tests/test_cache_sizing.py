@@ -1,4 +1,4 @@
-"""Cache sizing from data (sharding/cache_sizing.py): hit-rate curves against independent
+"""Cache sizing from data (sharding/planner/cache_sizing.py): hit-rate curves against independent
 computations, sample loading and its errors, and the cost model's use of measured miss rates."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from torchrec.distributed.types import CacheParams
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from sharding.cache_sizing import (
+from sharding.planner.cache_sizing import (
     IdFrequencyStats,
     SampleError,
     apply_cache_stats,
@@ -23,8 +23,8 @@ from sharding.cache_sizing import (
     load_histogram,
 )
 from recsys.data.id_histogram import load_sample
-from sharding.cost_model import PlacedShard, TopologyCostModel
-from sharding.topology import load_topology
+from sharding.planner.cost.model import PlacedShard, TopologyCostModel
+from sharding.topology.cluster import load_topology
 
 
 def zipf_histogram(rows: int, a: float, scale: float = 1e6) -> np.ndarray:
@@ -174,7 +174,7 @@ def test_cost_model_charges_measured_miss_rate():
 
 def test_synthetic_sample_from_config():
     from recsys.config import cardinalities, load_config
-    from sharding.cache_sizing import table_features
+    from sharding.planner.cache_sizing import table_features
 
     cfg = load_config("configs/experiments/smoke.yaml", [])
     cards = cardinalities(cfg.data)
@@ -188,7 +188,7 @@ def test_synthetic_sample_from_config():
 
 
 def test_histogram_json_round_trip(tmp_path):
-    from sharding.cache_sizing import histogram_json
+    from sharding.planner.cache_sizing import histogram_json
 
     f = tmp_path / "h.json"
     f.write_text(histogram_json({"t_A": np.array([9, 4, 1]), "B": [2, 2]}, description="test"))
@@ -197,7 +197,7 @@ def test_histogram_json_round_trip(tmp_path):
 
 
 def test_load_histogram_takes_table_features_without_a_module(tmp_path):
-    from sharding.cache_sizing import table_features
+    from sharding.planner.cache_sizing import table_features
 
     f = tmp_path / "h.json"
     f.write_text(json.dumps({"tables": {"A": {"counts": [4, 1]}}}))

@@ -1,6 +1,6 @@
 """One step-time model: the topology-aware planner logs the modelled step of the plan it returns,
 and `recsys-plan show/diff --topology` print that same number for the saved plan file (both go
-through sharding/plan_cost.py); it is also no worse than what the planner's search rated."""
+through sharding/planner/cost/plan_cost.py); it is also no worse than what the planner's search rated."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from sharding import save_plan
-from sharding.topology_planner import TopologyAwarePlanner
+from sharding.planner.topology_planner import TopologyAwarePlanner
 
 REPO = Path(__file__).resolve().parents[1]
 SPECS = [(1_000_000, 64), (500_000, 64), (200_000, 32), (50_000, 32), (10_000, 16), (5_000, 16), (1_000, 16),
@@ -40,7 +40,7 @@ def test_show_prints_the_step_the_planner_logged(tmp_path, topology):
               for i, (n, d) in enumerate(SPECS)]
     model = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
     planner = TopologyAwarePlanner(topology, 512, timeout_seconds=10)
-    handler, logger = _Lines(), logging.getLogger("sharding.topology_planner")
+    handler, logger = _Lines(), logging.getLogger("sharding.planner.topology_planner")
     old_level, old_disable = logger.level, logging.root.manager.disable
     logging.disable(logging.NOTSET)  # other planner tests silence logging process-wide
     logger.addHandler(handler)

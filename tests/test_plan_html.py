@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from sharding import plan_io, plan_report, plan_traffic
+import sharding.plan.io as plan_io
+import sharding.plan.report as plan_report
+import sharding.planner.cost.traffic as plan_traffic
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = str(REPO / "configs" / "experiments" / "demo.yaml")
@@ -128,8 +130,8 @@ def test_traffic_row_wise_and_data_parallel_by_hand():
 
 
 def test_topology_time_model_on_two_cpu_ranks():
-    from sharding.bandwidth import pair_bandwidth
-    from sharding.topology import load_topology
+    from sharding.topology.bandwidth import pair_bandwidth
+    from sharding.topology.cluster import load_topology
 
     topo = load_topology("cpu-gloo")
     assert topo.world_size == 2
@@ -142,7 +144,7 @@ def test_topology_time_model_on_two_cpu_ranks():
         assert tr.comm_s["network"][r] == tr.comm_s["nvlink"][r] == 0
     assert tr.critical["rank"] == int(tr.total_s.argmax())
     assert tr.critical["why"].startswith(f"rank {tr.critical['rank']}: ")
-    from sharding.plan_html import render_html
+    from sharding.plan.html import render_html
 
     text = render_html(rep, tr, topo)
     assert text.count('class="hm-cell"') == 4 and "&lt;" not in text.split("<body>")[0]
@@ -155,7 +157,7 @@ def test_html_escapes_names():
     p["<b>&x"] = p.pop("a")
     d["tables"]["<b>&x"] = d["tables"].pop("a")
     plan, header = plan_io.plan_from_dict(d)
-    from sharding.plan_html import render_html
+    from sharding.plan.html import render_html
 
     rep = plan_report.report(plan, header)
     tr = plan_traffic.traffic(plan_report.table_infos(plan, header), 2, 512)

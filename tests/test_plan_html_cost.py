@@ -1,5 +1,5 @@
 """`recsys-plan show --format html --topology T` shows the planner's modelled step (the same
-PlanCost as the text report, sharding/plan_cost.py), not plan_traffic's pairwise seconds, and an
+PlanCost as the text report, sharding/planner/cost/plan_cost.py), not plan_traffic's pairwise seconds, and an
 SSD column for plans with key_value tables (FBGEMM's SSD kernel) only.
 
 The plans are written by hand (no planner run): on dgx-a100-ssd, a 6e9 x 128 key_value table on
@@ -19,10 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from sharding import plan_io, plan_report, plan_traffic
-from sharding.plan_cost import modeled_step, plan_pooling, plan_tables, step_line
-from sharding.plan_html import render_html
-from sharding.topology import load_topology
+import sharding.plan.io as plan_io
+import sharding.plan.report as plan_report
+import sharding.planner.cost.traffic as plan_traffic
+from sharding.planner.cost.plan_cost import modeled_step, plan_pooling, plan_tables, step_line
+from sharding.plan.html import render_html
+from sharding.topology.cluster import load_topology
 
 REPO = Path(__file__).resolve().parents[1]
 W, B = 8, 512
@@ -60,7 +62,7 @@ def plan_dict(ssd: bool = True) -> dict:
 
 def rendered(d: dict, topology: str):
     """(html, cost, traffic) as `recsys-plan show --format html --topology` makes them; the cost
-    computed here with sharding.plan_cost.modeled_step, as the planner logs it."""
+    computed here with sharding.planner.cost.plan_cost.modeled_step, as the planner logs it."""
     plan, header = plan_io.plan_from_dict(d)
     topo = load_topology(topology)
     rep = plan_report.report(plan, header)

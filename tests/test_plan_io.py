@@ -15,8 +15,8 @@ from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, Tr
 from recsys.config import CARDINALITY_PRESETS, ModelConfig, OptimConfig
 from recsys.models.ctr import TrainModule, build_model
 from recsys.optim.embedding import attach_embedding_optimizer
-from sharding import plan_io
-from sharding.plan_io import PlanFileError
+import sharding.plan.io as plan_io
+from sharding.plan.io import PlanFileError
 
 NAMES = [f"C{i + 1}" for i in range(26)]
 
@@ -67,7 +67,7 @@ def test_round_trip_is_lossless(gpu_plan, tmp_path):
 def test_version_1_files_still_load(gpu_plan, tmp_path):
     """A plan written by the version-1 tools (tables with shapes only) loads; reports assume
     row-wise Adagrad and say so."""
-    from sharding import plan_report
+    import sharding.plan.report as plan_report
 
     model, plan = gpu_plan
     d = plan_io.plan_to_dict(plan, 4, "cuda", {n: {k: t[k] for k in ("num_embeddings", "embedding_dim")}

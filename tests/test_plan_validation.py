@@ -16,9 +16,10 @@ import torch
 from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, row_wise, table_wise
 from torchrec.distributed.types import ShardingPlan
 
-from sharding import plan_io, plan_report
-from sharding.plan_io import PlanFileError
-from sharding.plan_validation import plan_problems, validate_plan
+import sharding.plan.io as plan_io
+import sharding.plan.report as plan_report
+from sharding.plan.io import PlanFileError
+from sharding.plan.validation import plan_problems, validate_plan
 from tests import plan_models
 
 REPO = Path(__file__).resolve().parents[1]
@@ -268,7 +269,7 @@ def test_torchrec_planner_out_of_memory_names_need_shortfall_and_largest_tables(
     from torchrec.distributed.planner.types import PlannerError
 
     from recsys.config import ShardingConfig
-    from sharding.planner import build_planner
+    from sharding.planner.build import build_planner
 
     with torch.device("meta"):
         model = plan_models.mixed_dlrm()

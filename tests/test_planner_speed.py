@@ -13,10 +13,10 @@ from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from sharding.cost_model import PlacedShard, TopologyCostModel
-from sharding.topology import load_topology
-from sharding.topology_planner import default_constraints, greedy_patience_for, torchrec_topology
-from sharding.torchrec_speedups import fast_deepcopy, fast_planner_internals
+from sharding.planner.cost.model import PlacedShard, TopologyCostModel
+from sharding.topology.cluster import load_topology
+from sharding.planner.topology_planner import default_constraints, greedy_patience_for, torchrec_topology
+from sharding.planner.torchrec_speedups import fast_deepcopy, fast_planner_internals
 
 logging.disable(logging.WARNING)
 
@@ -118,7 +118,7 @@ def test_plan_is_the_same_in_every_process():
         "import logging, warnings, torch; logging.disable(logging.WARNING); warnings.filterwarnings('ignore')\n"
         "from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder\n"
         "from tests.test_planner_speed import SPECS, ebc\n"
-        "from sharding.topology_planner import TopologyAwarePlanner\n"
+        "from sharding.planner.topology_planner import TopologyAwarePlanner\n"
         "print(TopologyAwarePlanner('dgx-a100-2host', 512).plan(ebc(SPECS * 3), [EmbeddingBagCollectionSharder()]))\n"
     )
     outs = []
@@ -149,7 +149,7 @@ def test_candidate_scores_equal_trial_adds():
 
 def test_one_rank_plans_without_links():
     """A one-rank CPU topology has no rank pairs: no link carries anything, the plan still comes."""
-    from sharding.topology_planner import TopologyAwarePlanner, cpu_topology_like
+    from sharding.planner.topology_planner import TopologyAwarePlanner, cpu_topology_like
 
     topo = cpu_topology_like(load_topology("cpu-gloo"), 1)
     tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=100 * (i + 1), feature_names=[f"f{i}"]) for i in range(4)]

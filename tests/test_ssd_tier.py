@@ -1,6 +1,6 @@
 """The SSD tier: the topology format's ``ssd:`` key, torchrec's ``ssd_cap`` / ``ssd_mem_bw``, the
 planner's key_value (FBGEMM SSD kernel) options, SSD capacity per host, the cost model's SSD
-time, reports and validation (sharding/ssd_tier.py, docs/topology.md "SSD tier").
+time, reports and validation (sharding/planner/ssd_tier.py, docs/topology.md "SSD tier").
 
 FBGEMM's SSD kernels run on CUDA only: these plans are made, checked and reported here, not trained.
 """
@@ -20,9 +20,9 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
-from sharding.cost_model import PlacedShard, TopologyCostModel
-from sharding.topology import GB, SsdSpec, TopologyError, dump_topology, load_topology, topology_to_dict
-from sharding.topology_planner import ModelDoesNotFitError, TopologyAwarePlanner, torchrec_topology
+from sharding.planner.cost.model import PlacedShard, TopologyCostModel
+from sharding.topology.cluster import GB, SsdSpec, TopologyError, dump_topology, load_topology, topology_to_dict
+from sharding.planner.topology_planner import ModelDoesNotFitError, TopologyAwarePlanner, torchrec_topology
 
 logging.disable(logging.WARNING)
 GIB = 1024**3
@@ -131,7 +131,7 @@ def test_ssd_cap_is_the_smallest_hosts_share():
 
 
 def test_key_value_tables_only_where_hbm_and_host_memory_cannot_hold_them():
-    from sharding.ssd_tier import key_value_tables
+    from sharding.planner.ssd_tier import key_value_tables
 
     t = torchrec_topology(load_topology("dgx-a100-ssd"))
     usable = 0.85 * (640 + 2048) * GIB  # after torchrec's 15% reserve
@@ -205,7 +205,7 @@ def test_table_too_large_for_hbm_and_host_memory_goes_to_ssd(ssd_plan):
 
 
 def test_lower_bound_stays_below_a_key_value_plan(ssd_plan):
-    from sharding.bounds import step_time_lower_bound
+    from sharding.planner.bounds import step_time_lower_bound
 
     planner, _, _ = ssd_plan
     bound = step_time_lower_bound(planner.cost_model, planner.search_space)
@@ -302,7 +302,7 @@ def test_key_value_on_a_host_without_ssd_costs_infinite_time():
 
 @pytest.fixture(scope="module")
 def ssd_plan_file(ssd_plan, tmp_path_factory):
-    from sharding import plan_io
+    import sharding.plan.io as plan_io
 
     _, ebc, plan = ssd_plan
     path = plan_io.save_plan(plan, tmp_path_factory.mktemp("ssd") / "plan.json", ebc, world_size=8, compute_device="cuda",
@@ -311,7 +311,7 @@ def ssd_plan_file(ssd_plan, tmp_path_factory):
 
 
 def test_key_value_plan_file_round_trips(ssd_plan_file):
-    from sharding import plan_io
+    import sharding.plan.io as plan_io
 
     plan, path = ssd_plan_file
     back = plan_io.load_plan(path)
@@ -322,8 +322,10 @@ def test_key_value_plan_file_round_trips(ssd_plan_file):
 
 
 def test_show_reports_ssd_bytes_per_rank(ssd_plan_file):
-    from sharding import plan_io, plan_report, plan_traffic
-    from sharding.plan_cost import format_step, modeled_step, plan_tables
+    import sharding.plan.io as plan_io
+    import sharding.plan.report as plan_report
+    import sharding.planner.cost.traffic as plan_traffic
+    from sharding.planner.cost.plan_cost import format_step, modeled_step, plan_tables
 
     plan, path = ssd_plan_file
     _, header = plan_io.read_plan_file(path)
@@ -344,7 +346,8 @@ def test_show_reports_ssd_bytes_per_rank(ssd_plan_file):
 
 
 def test_reports_of_plans_without_ssd_have_no_ssd_column(tmp_path):
-    from sharding import plan_io, plan_report
+    import sharding.plan.io as plan_io
+    import sharding.plan.report as plan_report
 
     planner, ebc, plan = plan_on(load_topology("dgx-a100"), [(10_000, 16), (2_000, 16)])
     _, header = plan_io.read_plan_file(plan_io.save_plan(plan, tmp_path / "p.json", ebc))
@@ -353,8 +356,8 @@ def test_reports_of_plans_without_ssd_have_no_ssd_column(tmp_path):
 
 
 def test_key_value_plan_for_cpu_is_one_line_error(ssd_plan_file):
-    from sharding import plan_io
-    from sharding.plan_validation import plan_problems
+    import sharding.plan.io as plan_io
+    from sharding.plan.validation import plan_problems
 
     plan, path = ssd_plan_file
     _, header = plan_io.read_plan_file(path)

@@ -7,14 +7,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sharding.bandwidth import (
+from sharding.topology.bandwidth import (
     bandwidth_matrix,
     host_to_gpu_bandwidth,
     nearest_nic,
     pair_bandwidth,
     shared_uplink_groups,
 )
-from sharding.topology import GB, TopologyError, dump_topology, load_topology, shipped_topologies
+from sharding.topology.cluster import GB, TopologyError, dump_topology, load_topology, shipped_topologies
 
 GBs = 1e9
 
@@ -67,8 +67,8 @@ def test_nvlink_domain_across_hosts_gb200_nvl72():
     """GB200 NVL72: 18 trays in one NVLink domain. Every pair, across trays too, is NVLink at
     900 GB/s per direction and crosses no NIC; the same trays as two racks (two domains of 9)
     go through the NICs between racks; torchrec's Topology gets pod_size = 18."""
-    from sharding.links import build_links
-    from sharding.topology_planner import torchrec_topology
+    from sharding.topology.links import build_links
+    from sharding.planner.topology_planner import torchrec_topology
 
     t = load_topology("gb200-nvl72")
     assert t.network.nvlink_domain_hosts == 18 and t.same_nvlink_domain(0, 71) and not t.same_nvlink_domain(0, 3)
@@ -254,7 +254,7 @@ def test_table_row_wise_groups_follow_the_nvlink_domain(domain_hosts):
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
     from torchrec.distributed.planner import ParameterConstraints
 
-    from sharding.topology_planner import TopologyAwarePlanner
+    from sharding.planner.topology_planner import TopologyAwarePlanner
 
     text = dump_topology(load_topology("gb200-nvl72")).replace("nvlink_domain_hosts: 18", f"nvlink_domain_hosts: {domain_hosts}")
     t = load_topology_text(text, "nvl")
@@ -284,7 +284,7 @@ def test_a_host_group_inside_a_larger_domain_still_pays_its_all_to_all():
     """A table-row-wise group smaller than the NVLink domain (one tray, as a plan made without
     pod_size has it) sends its slices to the other 68 GPUs: charged on their NVLink ports; the
     whole-domain group has no peer outside and pays no all-to-all."""
-    from sharding.cost_model import TopologyCostModel
+    from sharding.planner.cost.model import TopologyCostModel
 
     m = TopologyCostModel(load_topology("gb200-nvl72"), 512)
     out, inn = m.off_group_inv((0, 1, 2, 3), 0)

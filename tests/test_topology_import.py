@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sharding.bandwidth import bandwidth_matrix, host_to_gpu_bandwidth, nearest_nic, pair_bandwidth, shared_uplink_groups
-from sharding.gpu_presets import PRESETS, find_preset, normalize
-from sharding.topology import GB, TopologyError, dump_topology, load_topology
-from sharding.topology_import import import_topo, main as import_main, parse_topo_matrix
+from sharding.topology.bandwidth import bandwidth_matrix, host_to_gpu_bandwidth, nearest_nic, pair_bandwidth, shared_uplink_groups
+from sharding.topology.gpu_presets import PRESETS, find_preset, normalize
+from sharding.topology.cluster import GB, TopologyError, dump_topology, load_topology
+from sharding.topology.nvidia_smi import import_topo, main as import_main, parse_topo_matrix
 
 GBs = 1e9
 TOPO_DATA = Path(os.environ.get("RECSYS_SHARED_DIR") or Path(__file__).resolve().parents[2] / "shared") / "data" / "topo"
@@ -351,7 +351,7 @@ def test_model_from_appended_nvidia_smi_L(name, tmp_path):
     hbm_gb, bw = exp["hbm"]
     assert all(g.hbm_bytes == hbm_gb * GB and g.hbm_bw == pytest.approx(bw * GBs) for g in t.hosts[0].gpus)
     first = out.read_text().splitlines()[0]
-    assert first.startswith(f"# imported from {name} by sharding.topology_import; GPU capacities from the preset ")
+    assert first.startswith(f"# imported from {name} by sharding.topology.nvidia_smi; GPU capacities from the preset ")
     assert str(tmp_path) not in out.read_text()
 
 

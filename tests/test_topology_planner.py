@@ -1,4 +1,4 @@
-"""Topology-aware planner (sharding/topology_planner.py) and its cost model (sharding/cost_model.py)."""
+"""Topology-aware planner (sharding/planner/topology_planner.py) and its cost model (sharding/planner/cost/model.py)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from recsys.config import CARDINALITY_PRESETS
-from sharding.cost_model import PlacedShard, TopologyCostModel
-from sharding.topology import load_topology
-from sharding.topology_planner import ModelDoesNotFitError, TopologyAwarePlanner
+from sharding.planner.cost.model import PlacedShard, TopologyCostModel
+from sharding.topology.cluster import load_topology
+from sharding.planner.topology_planner import ModelDoesNotFitError, TopologyAwarePlanner
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 1024**3
@@ -160,7 +160,7 @@ def test_cost_model_charges_ids_and_collective_latency():
     The owner's NVLink egress carries 7 pooled slices forward, its ingress 7 ids and 7 gradients
     (two phases): each phase costs its busiest directed link, plus the latency of the table-wise
     collectives (5 per step)."""
-    from sharding.cost_model import COLLECTIVE_LATENCY_S
+    from sharding.planner.cost.model import COLLECTIVE_LATENCY_S
 
     topo = load_topology("dgx-a100")
     batch, cols, pooling = 512, 64, 3.0
@@ -203,7 +203,7 @@ def test_full_duplex_two_ranks_exchanging_equal_volumes(tmp_path):
     """Two GPUs, one table each: each sends the other its pooled slice and gets the other's. A
     link carries both directions at once, so the exchange takes one direction's bytes / bandwidth,
     the same as one table alone; a half-duplex model (a rank's sends + receives) would say twice."""
-    from sharding.cost_model import COLLECTIVE_LATENCY_S
+    from sharding.planner.cost.model import COLLECTIVE_LATENCY_S
 
     f = tmp_path / "duo.yaml"
     f.write_text(DUO)
@@ -227,7 +227,7 @@ def test_full_duplex_two_ranks_exchanging_equal_volumes(tmp_path):
 
 def test_directed_paths_across_hosts_and_sockets():
     """The directed links of a cross-host and a cross-socket transfer, in order."""
-    from sharding.links import build_links
+    from sharding.topology.links import build_links
 
     L = build_links(load_topology("dgx-a100-2host"))
     names = [L.names[i] for i in L.path[0][9]]
@@ -242,7 +242,7 @@ def test_directed_paths_across_hosts_and_sockets():
 
 
 def test_lower_bound_is_below_every_plan_and_tight_when_tables_balance():
-    from sharding.bounds import step_time_lower_bound
+    from sharding.planner.bounds import step_time_lower_bound
 
     kaggle = KAGGLE_DIM16[:16]
     for name in ("pcie-8gpu-2socket", "dgx-a100-2host"):
@@ -262,7 +262,7 @@ def test_partitioner_matches_or_beats_torchrecs_greedy_placement(name):
     never worse by the model than torchrec's GreedyPerfPartitioner on the same proposal."""
     from torchrec.distributed.planner.partitioners import GreedyPerfPartitioner
 
-    from sharding.partitioner import _reset
+    from sharding.planner.partitioners import _reset
 
     specs = KAGGLE_DIM16
     planner, _ = plan_for(load_topology(name), specs, batch=4096, compare_default=False)
@@ -335,7 +335,7 @@ def test_planner_takes_a_name_a_path_or_a_cluster_topology():
 def test_planner_for_kstep_hosts_plans_one_host_and_remaps():
     """hosts=2: the plan is for one host (8 ranks of dgx-a100-2host) and the remap moves every
     placement to host 1's global ranks 8..15, ranks unchanged (host-local)."""
-    from sharding.topology_planner import remap_plan_to_host
+    from sharding.planner.topology_planner import remap_plan_to_host
 
     planner = TopologyAwarePlanner("dgx-a100-2host", batch_size=512, hosts=2, timeout_seconds=10)
     assert planner.cluster.world_size == 8
@@ -369,7 +369,7 @@ def test_tiny_tables_go_data_parallel_when_allowed_and_beat_the_default_on_two_h
     peer), and the 16 tables left balance over 16 ranks. Both planners get the same constraints;
     ours must be at most 0.90x of torchrec's default under either set."""
     from sharding.constants import MODEL_PARALLEL_TYPES
-    from sharding.constraints import default_constraints
+    from sharding.planner.constraints import default_constraints
 
     topo = load_topology("dgx-a100-2host")
     module = ebc(KAGGLE_DIM16)
@@ -406,7 +406,7 @@ def test_allowing_data_parallel_never_gives_a_worse_plan(name):
     its second walk (from that plan with the tables whole) the planner returned a worse plan with
     data_parallel allowed than without (dgx-h100 DeepFM: 0.1142 against 0.1111 ms)."""
     from sharding.constants import MODEL_PARALLEL_TYPES
-    from sharding.constraints import default_constraints
+    from sharding.planner.constraints import default_constraints
 
     topo = load_topology(name)
     module = ebc(KAGGLE_DIM16)
@@ -419,7 +419,7 @@ def test_allowing_data_parallel_never_gives_a_worse_plan(name):
 
 
 def test_data_parallel_prefixes_are_spread_geometrically_beyond_the_cap():
-    from sharding.balance_proposer import MAX_DATA_PARALLEL_CUTS, _spread
+    from sharding.planner.balance_proposer import MAX_DATA_PARALLEL_CUTS, _spread
 
     assert _spread(5, 24) == [1, 2, 3, 4, 5]
     s = _spread(400, MAX_DATA_PARALLEL_CUTS)
@@ -430,7 +430,7 @@ def test_makespan_matches_a_linear_scan_lpt():
     """``_makespan`` (a heap) against LPT written out with a scan for the least loaded rank."""
     import random
 
-    from sharding.balance_proposer import _makespan
+    from sharding.planner.balance_proposer import _makespan
 
     def lpt(widths, world):
         load = [0] * world

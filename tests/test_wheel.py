@@ -147,7 +147,7 @@ def test_plan_with_shipped_names_from_another_directory(installed):
     site, work = installed["site"], installed["work"]
     env = _env(site, installed["tmp"] / "cache-plan")
     r = _run([PY, "-c", "import recsys, sharding, torchx_components; "
-                        "from sharding.topology import load_topology; "
+                        "from sharding.topology.cluster import load_topology; "
                         "print(recsys.__file__, sharding.__file__, torchx_components.__file__, "
                         "load_topology('dgx-a100-2host').world_size, load_topology('cpu-gloo').world_size)"],
              work, env)

@@ -3,9 +3,9 @@
 For each shipped topology x model (Criteo Kaggle DeepFM tables; a Criteo-1TB-sized DLRM: 26
 tables, the 1TB cardinalities, dim 128; a synthetic 500-table model of mixed sizes and dims):
 planning time, modeled step time and per-rank memory of both plans, each plan scored by our cost
-model (sharding/cost_model.py) and by torchrec's own estimator (EmbeddingPerfEstimator on the
+model (sharding/planner/cost/model.py) and by torchrec's own estimator (EmbeddingPerfEstimator on the
 default planner's topology, max over ranks of the shards' perf, as torchrec's NoopPerfModel),
-and a lower bound on the modeled step time of any plan (``sharding/bounds.py``): ``bound /
+and a lower bound on the modeled step time of any plan (``sharding/planner/bounds.py``): ``bound /
 default`` is the lowest ratio any planner could reach on that row, by our model.
 
     .venv/bin/python tools/bench_planner.py --quick      # 3 topologies x 2 models
@@ -51,12 +51,12 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig  # noqa: E402
 from torchrec.modules.embedding_modules import EmbeddingBagCollection  # noqa: E402
 
 from recsys.config import CARDINALITY_PRESETS  # noqa: E402
-from sharding.bounds import step_time_lower_bound  # noqa: E402
+from sharding.planner.bounds import step_time_lower_bound  # noqa: E402
 from sharding.constants import MODEL_PARALLEL_TYPES  # noqa: E402
 from sharding.compat import estimator_sharders  # noqa: E402
-from sharding.cost_model import TopologyCostModel  # noqa: E402
-from sharding.topology import load_topology, shipped_topologies  # noqa: E402
-from sharding.topology_planner import TopologyAwarePlanner, default_constraints  # noqa: E402
+from sharding.planner.cost.model import TopologyCostModel  # noqa: E402
+from sharding.topology.cluster import load_topology, shipped_topologies  # noqa: E402
+from sharding.planner.topology_planner import TopologyAwarePlanner, default_constraints  # noqa: E402
 
 KAGGLE = CARDINALITY_PRESETS["criteo_kaggle_raw"]
 CRITEO_1TB = [39884406, 39043, 17289, 7420, 20263, 3, 7120, 1543, 63, 38532951, 2953546, 403346, 10, 2208,

@@ -4,7 +4,7 @@ Two measurements, both on real process groups (gloo on CPU; NCCL when the ranks 
 
 1. collectives: the latency of a tiny ``all_to_all_single`` (8 bytes to each peer) and the
    bandwidth of a large one, against the model's collective latency and pair bandwidth
-   (``sharding/cost_model.py``, ``sharding/bandwidth.py`` on the topology);
+   (``sharding/planner/cost/model.py``, ``sharding/topology/bandwidth.py`` on the topology);
 2. plans: one EmbeddingBagCollection (Criteo-Kaggle-like: 26 tables of dim 16, rows capped at
    ``--max-rows``) sharded by several plans of the topology-aware planner, each restricted to one
    sharding type (and its unrestricted choice), trained with the fused optimizer; per plan the
@@ -65,8 +65,8 @@ def _cluster(args, world: int):
     NUMA nodes and NICs as the file says)."""
     import dataclasses
 
-    from sharding.topology import load_topology
-    from sharding.topology_planner import cluster_for
+    from sharding.topology.cluster import load_topology
+    from sharding.planner.topology_planner import cluster_for
 
     device = "cuda" if args.cuda else "cpu"
     name = args.topology if args.cuda else (args.topology or "cpu-gloo")
@@ -86,7 +86,7 @@ def _plan(args, world: int, which: str):
     from torchrec.distributed.planner import ParameterConstraints
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-    from sharding.topology_planner import TopologyAwarePlanner, default_constraints
+    from sharding.planner.topology_planner import TopologyAwarePlanner, default_constraints
 
     cluster = _cluster(args, world)
     module = EmbeddingBagCollection(tables=_tables(args.max_rows, args.dim), device=torch.device("meta"))
@@ -109,7 +109,7 @@ def _rank0_plan(args, cluster, module):
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
     from torchrec.distributed.types import ShardingPlan
 
-    from sharding.cost_model import TopologyCostModel
+    from sharding.planner.cost.model import TopologyCostModel
 
     per = {t.name: table_wise(rank=0, compute_kernel="fused") for t in _tables(args.max_rows, args.dim)}
     mplan = construct_module_sharding_plan(module, per_param_sharding=per,
@@ -226,7 +226,7 @@ def plot(path: str, names: list[str], modeled: list[float], measured: list[float
         ax.annotate(n, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
     hi = max(max(modeled), max(measured)) * 1.1
     ax.plot([0, hi], [0, hi], "k--", lw=0.8, label="measured = modeled")
-    ax.set(xlim=(0, hi), ylim=(0, hi), xlabel="modeled step ms (sharding/cost_model.py)", ylabel="measured sparse step ms",
+    ax.set(xlim=(0, hi), ylim=(0, hi), xlabel="modeled step ms (sharding/planner/cost/model.py)", ylabel="measured sparse step ms",
            title=title)
     ax.legend(loc="upper left")
     fig.tight_layout()
@@ -248,8 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     args.cuda = torch.cuda.is_available() and torch.cuda.device_count() >= args.nproc
     if args.cuda and not args.topology:
         ap.error("--topology is needed on GPUs (the machine's topology file)")
-    from sharding.bandwidth import bandwidth_matrix
-    from sharding.cost_model import TopologyCostModel
+    from sharding.topology.bandwidth import bandwidth_matrix
+    from sharding.planner.cost.model import TopologyCostModel
 
     cluster = _cluster(args, args.nproc)
     cm = TopologyCostModel(cluster, args.batch)

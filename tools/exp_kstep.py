@@ -227,15 +227,15 @@ def time_to_auc(curve: list[dict[str, float]], target: float) -> float | None:
 
 def sync_cross_host_bytes(plan_json: Path, summary: dict[str, Any]) -> dict[str, Any]:
     """Modelled cross-host bytes of the synchronous run (it has no merger to count them): the
-    plan's embedding traffic per step (sharding/plan_traffic.py: ids, pooled outputs and their
+    plan's embedding traffic per step (sharding/planner/cost/traffic.py: ids, pooled outputs and their
     gradients between ranks, batch per rank = global batch / world) between ranks of different
     hosts (host-major ranks), plus DDP's all-reduce of the dense parameters modelled as a ring in
     rank order (each rank sends 2(W-1)/W x P to its successor; the H edges between hosts carry it
     across), times the steps."""
     sys.path.insert(0, str(REPO))
-    from sharding.plan_io import read_plan_file
-    from sharding.plan_report import table_infos
-    from sharding.plan_traffic import traffic
+    from sharding.plan.io import read_plan_file
+    from sharding.plan.report import table_infos
+    from sharding.planner.cost.traffic import traffic
 
     plan, header = read_plan_file(plan_json)
     world = summary["world_size"]

@@ -1,6 +1,6 @@
 """The trainer's side of cache sizing: its data sources turned into per-table id counts.
 
-``sharding/cache_sizing.py`` (a library that never imports ``recsys``) takes counts or a JSON
+``sharding/planner/cache_sizing.py`` (a library that never imports ``recsys``) takes counts or a JSON
 histogram file; this adapter reads the samples that only the trainer knows how to read:
 
 - ``synthetic:N`` -- N rows drawn from the configured Criteo-like generator
@@ -8,14 +8,14 @@ histogram file; this adapter reads the samples that only the trainer knows how t
   source (generated, or preprocessed Criteo/Avazu shards);
 - a preprocessed shard directory (``recsys/data/shards.py``), optionally ``DIR:N`` for the first
   N rows;
-- anything else is a JSON histogram file (``sharding.cache_sizing.load_histogram``).
+- anything else is a JSON histogram file (``sharding.planner.cache_sizing.load_histogram``).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from sharding.cache_sizing import (
+from sharding.planner.cache_sizing import (
     IdFrequencyStats,
     SampleError,
     counts_from_rows,

@@ -38,8 +38,8 @@ from recsys.training.progress import Progress
 from recsys.training.run_dir import (
     RunDirError, RunFinished, RunLock, preflight, shard_world_size, state_shape, total_steps,
 )
-from sharding import plan_io
-from sharding.planner import allowed_sharding_types, build_planner, make_plan
+import sharding.plan.io as plan_io
+from sharding.planner.build import allowed_sharding_types, build_planner, make_plan
 
 log = logging.getLogger("recsys.train")
 

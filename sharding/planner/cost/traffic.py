@@ -3,7 +3,7 @@
 What it is for: reading a plan (`recsys-plan show`), not planning. Every number is per step and
 comes from the plan file alone (plus a topology for seconds); nothing is measured.
 
-Inputs: the plan's tables and shards (:func:`sharding.plan_report.table_infos`), ``B`` = the
+Inputs: the plan's tables and shards (:func:`sharding.plan.report.table_infos`), ``B`` = the
 batch size per rank (the plan's ``meta.batch_size_per_rank``, default 512) and a pooling factor of
 1 (one id per feature per sample, as in our Criteo-like data). Pooled embeddings are fp32 (4
 bytes), ids int64 (8 bytes). ``W`` is the world size.
@@ -31,13 +31,13 @@ Compute: a shard owner looks up every id routed to it, ``lookups * c * 4`` bytes
 and the same written backward (``2 * lookups * c * 4``), at its HBM bandwidth (``fused`` /
 ``dense``), or at its host-to-GPU bandwidth for ``fused_uvm`` (rows in host memory), or the HBM
 bandwidth for ``fused_uvm_caching`` and ``key_value`` (all hits assumed: the SSD traffic of a
-key_value table's misses is the planner's model, ``sharding/cost_model.py``, printed above this
+key_value table's misses is the planner's model, ``sharding/planner/cost/model.py``, printed above this
 view; here each host lists its SSD bytes against its SSD tier). Lookups per step: ``W * B`` for a column
 shard, ``W * B * rows_s / rows`` for a row shard, ``B`` for a DP replica.
 
 Time per rank (with a topology): ``comm = sum over peers p of (fwd[r, p] + bwd[r, p]) /
 pair_bandwidth(r, p)`` (the all-to-all view: links shared by the ranks that use them at once),
-split by link kind of the pair's path (:func:`sharding.bandwidth.pair_path`): NVLink, PCIe,
+split by link kind of the pair's path (:func:`sharding.topology.bandwidth.pair_path`): NVLink, PCIe,
 network (another host), or shared memory (CPU ranks); ``total = compute + comm`` (no overlap).
 The critical rank is the one with the largest total; "why" names its dominant term (compute, or
 one link kind towards one host).
@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from sharding.constants import ID_BYTES
-from sharding.plan_report import BYTES_PER_WEIGHT, TableInfo
+from sharding.plan.report import BYTES_PER_WEIGHT, TableInfo
 
 DEFAULT_BATCH_SIZE_PER_RANK = 512
 OUT_BYTES = 4
@@ -113,7 +113,7 @@ class Traffic:
                 d["total_s"] = float(self.total_s[r])
             ranks.append(d)
         out: dict[str, Any] = {
-            "model": "see sharding/plan_traffic.py", "batch_size_per_rank": self.batch_size_per_rank,
+            "model": "see sharding/planner/cost/traffic.py", "batch_size_per_rank": self.batch_size_per_rank,
             "forward_bytes": self.fwd.astype(np.int64).tolist(), "backward_bytes": self.bwd.astype(np.int64).tolist(),
             "ranks": ranks,
         }
@@ -177,7 +177,7 @@ def traffic(infos: list[TableInfo], world_size: int, batch_size_per_rank: int = 
 
 def link_kind(topo, a: int, b: int, path=None) -> str:
     """NVLink, PCIe, network or shm (CPU ranks) for the path between two different ranks."""
-    from sharding.bandwidth import pair_path
+    from sharding.topology.bandwidth import pair_path
 
     path = pair_path(topo, a, b) if path is None else path
     names = [link.name for link in path]
@@ -212,7 +212,7 @@ def _link_switch(topo, name: str, default_host: int) -> tuple[int, str] | None:
 
 def apply_topology(tr: Traffic, topo, infos: list[TableInfo] | None = None, rank_memory: list[dict] | None = None) -> Traffic:
     """Seconds per rank, split by link kind, the critical rank and why, and per-host loads."""
-    from sharding.bandwidth import host_to_gpu_bandwidth, pair_bandwidth, pair_path
+    from sharding.topology.bandwidth import host_to_gpu_bandwidth, pair_bandwidth, pair_path
 
     W = tr.world_size
     if topo.world_size != W:
@@ -289,7 +289,7 @@ def apply_topology(tr: Traffic, topo, infos: list[TableInfo] | None = None, rank
 def format_text(tr: Traffic) -> str:
     """The modeled time per rank and the critical rank (needs :func:`apply_topology`)."""
     lines = [f"traffic by link kind on {tr.topology} (batch {tr.batch_size_per_rank} per rank; pairwise view of "
-             "sharding/plan_traffic.py: bytes / pair bandwidth, no latency; the plan's step is the planner's, above)",
+             "sharding/planner/cost/traffic.py: bytes / pair bandwidth, no latency; the plan's step is the planner's, above)",
              f"{'rank':<6} {'sent':>12} {'compute ms':>11} " + " ".join(f"{LINK_LABELS[k] + ' ms':>11}" for k in LINK_KINDS) + f" {'total ms':>10}"]
     for r in range(tr.world_size):
         lines.append(f"{r:<6} {tr.sent[r] / 2**20:>9,.2f} MB {tr.compute_s[r] * 1e3:>11.4f} "

@@ -31,7 +31,7 @@ from torchrec.distributed.planner.types import ShardingOption, Storage, Topology
 from torchrec.distributed.types import CacheParams, ModuleSharder
 
 from sharding.constants import KEY_VALUE_START_LOAD_FACTOR, SSD_KERNELS
-from sharding.fit_report import TORCHREC_RESERVE
+from sharding.plan.fit_report import TORCHREC_RESERVE
 from sharding.optimizer_state import UnknownOptimizerError, optimizer_kind, state_bytes
 
 __all__ = ["has_ssd_tier", "key_value_tables", "key_value_storage", "apply_key_value_storage"]

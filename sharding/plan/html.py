@@ -11,10 +11,10 @@ tables on each GPU, and the per-table, per-rank and per-host tables (an SSD colu
 with key_value tables, as in the text report).
 
 Two models, each for what it is good at. Times come from the planner's own cost model
-(:class:`sharding.cost_model.PlanCost`, via :func:`sharding.plan_cost.modeled_step`): the step it
+(:class:`sharding.planner.cost.model.PlanCost`, via :func:`sharding.planner.cost.plan_cost.modeled_step`): the step it
 minimised, each rank's lookup / host io / ssd io / collective split, and every collective phase's
 busiest directed link; the same numbers as ``recsys-plan show --topology`` prints. Bytes come from
-``sharding/plan_traffic.py`` (heatmap, sent / received / lookups per rank, host and PCIe switch
+``sharding/planner/cost/traffic.py`` (heatmap, sent / received / lookups per rank, host and PCIe switch
 loads): where traffic goes. Its pairwise seconds are not the plan's step and are shown only when a
 caller passes a topology but no cost (the report as it was before the cost model).
 """
@@ -26,10 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from sharding.cost_model import PlanCost
-from sharding.plan_cost import step_line
-from sharding.plan_report import has_ssd
-from sharding.plan_traffic import LINK_KINDS, LINK_LABELS, Traffic
+from sharding.planner.cost.model import PlanCost
+from sharding.planner.cost.plan_cost import step_line
+from sharding.plan.report import has_ssd
+from sharding.planner.cost.traffic import LINK_KINDS, LINK_LABELS, Traffic
 
 WIDTH = 1200  # drawing width inside a 1280 px window
 
@@ -281,7 +281,7 @@ def ssd_note(report: dict[str, Any]) -> str:
 
 
 def _ms(seconds: float) -> str:
-    """Milliseconds as the text report prints them (sharding/plan_cost.py: 4 decimals)."""
+    """Milliseconds as the text report prints them (sharding/planner/cost/plan_cost.py: 4 decimals)."""
     return f"{seconds * 1e3:.4f}"
 
 
@@ -321,7 +321,7 @@ def phase_table(cost: PlanCost) -> str:
 
 def render_html(report: dict[str, Any], traffic: Traffic, topology=None, cost: PlanCost | None = None) -> str:
     """The whole report as one HTML string (see the module docstring). ``cost``: the planner's
-    modelled step of this plan on ``topology`` (:func:`sharding.plan_cost.modeled_step`); with it,
+    modelled step of this plan on ``topology`` (:func:`sharding.planner.cost.plan_cost.modeled_step`); with it,
     every time shown is the planner's, so the page agrees with the text report to the digit."""
     W = report["world_size"]
     meta = report.get("meta") or {}
@@ -343,7 +343,7 @@ def render_html(report: dict[str, Any], traffic: Traffic, topology=None, cost: P
         summary.append(f"topology <b>{_e(topology.name or topology.source)}</b>: {_e(len(topology.hosts))} host(s) x {_e(topology.local_world_size)} GPUs.")
     if cost is not None:
         summary.append(f'<span class="step">{_e(step_line(cost))}</span>, batch {_e(traffic.batch_size_per_rank)} per rank '
-                       "(the planner's model, sharding/cost_model.py: the step it minimised)")
+                       "(the planner's model, sharding/planner/cost/model.py: the step it minimised)")
         summary.append(f'<span class="crit">critical rank: {_e(critical_why(cost, ssd_time))}</span>')
     elif topology is not None and crit:
         summary.append(f'<span class="crit">critical rank: {_e(crit["why"])}</span>')
@@ -364,7 +364,7 @@ def render_html(report: dict[str, Any], traffic: Traffic, topology=None, cost: P
     parts += [
         "<h2>Traffic between ranks (bytes per step, forward + backward)</h2>",
         '<p class="note">Model: input ids (8 B each) to shard owners, pooled outputs (4 B per column per sample) back, '
-        "gradients the reverse; data-parallel tables all-reduce in a ring. See sharding/plan_traffic.py "
+        "gradients the reverse; data-parallel tables all-reduce in a ring. See sharding/planner/cost/traffic.py "
         "(bytes: where traffic goes; the step's times are the planner's cost model).</p>",
         heatmap(traffic, topology),
     ]
@@ -376,7 +376,7 @@ def render_html(report: dict[str, Any], traffic: Traffic, topology=None, cost: P
         latency = cost.comm_time - sum(secs for _, secs in cost.phases.values())
         parts += ["<h2>Busiest directed link per collective phase</h2>",
                   f'<p class="note">The collectives\' {_e(_ms(cost.comm_time))} ms in the step: the sum of these plus '
-                  f"{_e(_ms(max(latency, 0.0)))} ms latency (the planner's model, sharding/cost_model.py).</p>",
+                  f"{_e(_ms(max(latency, 0.0)))} ms latency (the planner's model, sharding/planner/cost/model.py).</p>",
                   phase_table(cost)]
     if traffic.hosts:
         parts += ["<h2>Hosts</h2>", _hosts_table(traffic)]

@@ -6,7 +6,7 @@ A link carries bytes in each direction at once: a GPU's NVLink port sends 300 GB
 of its busiest directed link: bytes on it / its bandwidth. Memory (a NUMA node's DDR, through
 which CPU ranks exchange data) is one resource for both directions: reads and writes share it.
 
-The path of a transfer ``a -> b`` (the rules of ``sharding/bandwidth.py``, with direction):
+The path of a transfer ``a -> b`` (the rules of ``sharding/topology/bandwidth.py``, with direction):
 
 - same host, NVSwitch or an NVLink island: ``a``'s NVLink egress, ``b``'s NVLink ingress (each
   GPU's links to the switch: ``links_per_gpu x link_bw`` per direction);
@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from sharding.bandwidth import nearest_nic
-from sharding.topology import ClusterTopology, Host
+from sharding.topology.bandwidth import nearest_nic
+from sharding.topology.cluster import ClusterTopology, Host
 
 
 @dataclass

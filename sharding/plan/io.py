@@ -20,7 +20,7 @@ so a plan can be validated and its memory counted with no model at hand. Version
 with shapes only) still load; their memory figures assume row-wise Adagrad.
 
 Public API: ``save_plan(plan, path, model=...)`` and ``load_plan(path) -> ShardingPlan`` (both
-validate: sharding/plan_validation.py); ``read_plan_file`` gives the header too.
+validate: sharding/plan/validation.py); ``read_plan_file`` gives the header too.
 Every problem with a file is a `PlanFileError` with one line naming the file and the key.
 Files are written atomically (temp file + rename): a crash never leaves half a plan.
 """
@@ -48,7 +48,7 @@ VERSION = 2
 READS = (1, 2)  # versions this module reads; version 1 files lack data types and optimizer state
 
 
-from sharding.plan_errors import PlanFileError  # noqa: E402 (defined there, raised and re-exported here)
+from sharding.plan.errors import PlanFileError  # noqa: E402 (defined there, raised and re-exported here)
 
 
 # -- enums that appear in ParameterSharding / CacheParams ---------------------------------------
@@ -97,7 +97,7 @@ def _dataclass_to_dict(obj: Any, where: str) -> dict[str, Any] | None:
         return None
     from torchrec.distributed.types import CacheStatistics
 
-    # CacheParams.stats (measured cache statistics, sharding/cache_sizing.py) are planning input,
+    # CacheParams.stats (measured cache statistics, sharding/planner/cache_sizing.py) are planning input,
     # not part of the placement: stored as null (the plan's meta keeps a summary)
     return {f.name: None if isinstance(getattr(obj, f.name), CacheStatistics) else _enc(getattr(obj, f.name), f"{where}.{f.name}")
             for f in dataclasses.fields(obj)}
@@ -394,7 +394,7 @@ def save_plan(
         ...
         plan = load_plan("plan.json")   # another job: DistributedModelParallel(model, plan=plan, ...)
     """
-    from sharding.plan_validation import validate_plan
+    from sharding.plan.validation import validate_plan
 
     inferred_world, inferred_device = _infer_world_and_device(plan)
     world = world_size or inferred_world
@@ -413,7 +413,7 @@ def load_plan(path: str | os.PathLike) -> ShardingPlan:
 
         plan = load_plan("runs/demo/plan.json")
     """
-    from sharding.plan_validation import validate_plan
+    from sharding.plan.validation import validate_plan
 
     plan, header = read_plan_file(path)
     validate_plan(plan, header, str(path))

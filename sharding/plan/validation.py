@@ -26,7 +26,7 @@ from typing import Any
 from torchrec.distributed.types import ParameterSharding, ShardingPlan, ShardingType
 
 from sharding.constants import SSD_KERNELS
-from sharding.plan_errors import PlanFileError
+from sharding.plan.errors import PlanFileError
 
 _ROWS = (ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value)
 _COLS = (ShardingType.COLUMN_WISE.value, ShardingType.TABLE_COLUMN_WISE.value)

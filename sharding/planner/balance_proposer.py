@@ -4,7 +4,7 @@ torchrec's proposers walk each table's options by torchrec's own per-shard estim
 first, then smaller ones for memory), one table at a time; none of them asks which rank sets the
 step. With whole tables, balance comes in table-sized steps (26 Criteo tables on 8 or 16 ranks
 leave some ranks a table more than others), and a column-wise variant of a table
-(``finer_column_splits`` in ``sharding/enumerator.py``) is what evens it out, but its
+(``finer_column_splits`` in ``sharding/planner/enumerators.py``) is what evens it out, but its
 per-shard estimate rarely makes a greedy proposer pick it.
 
 ``BalanceProposer`` runs after the others. It starts from the best plan found so far (recorded by
@@ -38,7 +38,7 @@ import numpy as np
 from torchrec.distributed.planner.types import Enumerator, Proposer, ShardingOption, Topology
 
 from sharding.constants import A2A_TYPES as _A2A
-from sharding.cost_model import TopologyCostModel
+from sharding.planner.cost.model import TopologyCostModel
 
 
 class BestPlanTracker:

@@ -23,10 +23,10 @@ from torchrec.distributed.planner.types import (
 from torchrec.distributed.types import ModuleSharder, ShardingPlan
 from typing import Protocol, Sequence
 
-from sharding.cache_sizing import DEFAULT_TARGET_HIT_RATE, apply_cache_stats
+from sharding.planner.cache_sizing import DEFAULT_TARGET_HIT_RATE, apply_cache_stats
 from sharding.constants import MODEL_PARALLEL_TYPES as _MODEL_PARALLEL_TYPES
 from sharding.tables import table_configs
-from sharding.topology_planner import TopologyAwarePlanner, cluster_for, default_constraints
+from sharding.planner.topology_planner import TopologyAwarePlanner, cluster_for, default_constraints
 
 
 class PlannerSettings(Protocol):
@@ -68,7 +68,7 @@ def build_planner(
 ) -> EmbeddingShardingPlanner:
     """torchrec's planner on a uniform topology; hbm/ddr capacities per rank (torchrec's
     defaults when None). ``cfg.planner == "topology"``: the topology-aware planner
-    (sharding/topology_planner.py) on ``cfg.topology`` (default for CPU runs: ``cpu-gloo``).
+    (sharding/planner/topology_planner.py) on ``cfg.topology`` (default for CPU runs: ``cpu-gloo``).
 
     ``cache_stats``: table -> torchrec ``CacheStatistics`` (``sharding.cache_sizing``; the trainer's ``recsys.data.id_histogram.load_sample``):
     UVM-caching tables get the smallest load factor reaching ``target_hit_rate`` (default 0.95)
@@ -104,7 +104,7 @@ def build_planner(
 
 class StorageExplainingPlanner(EmbeddingShardingPlanner):
     """torchrec's planner whose "insufficient storage" error is one line naming what the
-    embeddings need, the shortfall and the largest tables (sharding/fit_report.py)."""
+    embeddings need, the shortfall and the largest tables (sharding/plan/fit_report.py)."""
 
     def __init__(self, topology: Topology, **kwargs) -> None:
         super().__init__(topology=topology, **kwargs)
@@ -116,7 +116,7 @@ class StorageExplainingPlanner(EmbeddingShardingPlanner):
         except PlannerError as e:
             if e.error_type != PlannerErrorType.INSUFFICIENT_STORAGE:
                 raise
-            from sharding.fit_report import does_not_fit_message
+            from sharding.plan.fit_report import does_not_fit_message
 
             raise PlannerError(does_not_fit_message(module, self.topology, e), PlannerErrorType.INSUFFICIENT_STORAGE) from None
 

@@ -1,6 +1,6 @@
 """A lower bound on the modeled step time of any plan drawn from a search space.
 
-The modeled step (``sharding/cost_model.py``) is the slowest rank's lookups and host traffic
+The modeled step (``sharding/planner/cost/model.py``) is the slowest rank's lookups and host traffic
 plus, per collective phase, its busiest directed link, plus the sharding types' latency:
 
     step = max_r (lookup_r + host_r) + sum_phases max_k load[phase, k] + latency
@@ -34,7 +34,7 @@ import numpy as np
 from torchrec.distributed.planner.types import ShardingOption
 
 from sharding.constants import A2A_TYPES as _A2A, SSD_KERNELS, UVM_KERNELS
-from sharding.cost_model import TopologyCostModel, placed_from_option, with_all_ranks
+from sharding.planner.cost.model import TopologyCostModel, placed_from_option, with_all_ranks
 
 
 def step_time_lower_bound(model: TopologyCostModel, search_space: list[ShardingOption]) -> float:

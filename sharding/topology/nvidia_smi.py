@@ -1,10 +1,10 @@
 """Import a host's topology from ``nvidia-smi topo -m`` output, completed by capacities.
 
 The matrix says how devices connect, not how fast or how big. GPU memory and bandwidth, NVLink
-per-link speed and PCIe generation come from the GPU model's preset (``sharding/gpu_presets.py``):
+per-link speed and PCIe generation come from the GPU model's preset (``sharding/topology/gpu_presets.py``):
 the model is named with ``--gpu`` or read from ``nvidia-smi -L`` lines appended to the file;
 ``--hbm-gb`` / ``--hbm-bw-gb-s`` override the preset and are needed only for unknown GPUs. DDR,
-NIC speeds and the socket link always come from arguments. Text format: ``sharding/topo_matrix.py``.
+NIC speeds and the socket link always come from arguments. Text format: ``sharding/topology/topo_matrix.py``.
 What is read from the matrix:
 
 - NVLink: ``NV#`` cells give pairs with link counts; when every pair of 3+ GPUs has the same
@@ -25,8 +25,8 @@ What is read from the matrix:
 Command line::
 
     nvidia-smi topo -m > topo.txt; nvidia-smi -L >> topo.txt     # the model comes with the file
-    python -m sharding.topology_import topo.txt --ddr-gb 1024 --nic-gbit-s 200 -o mine.yaml
-    python -m sharding.topology_import topo.txt --gpu A100-SXM4-80GB -o mine.yaml  # or name it
+    python -m sharding.topology.nvidia_smi topo.txt --ddr-gb 1024 --nic-gbit-s 200 -o mine.yaml
+    python -m sharding.topology.nvidia_smi topo.txt --gpu A100-SXM4-80GB -o mine.yaml  # or name it
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from sharding.gpu_presets import PRESETS, GpuPreset, UnknownGpuError, find_preset, normalize, preset_names
-from sharding.topo_matrix import GPU, NV, TopoMatrix, parse_topo_matrix
-from sharding.topology import (
+from sharding.topology.gpu_presets import PRESETS, GpuPreset, UnknownGpuError, find_preset, normalize, preset_names
+from sharding.topology.topo_matrix import GPU, NV, TopoMatrix, parse_topo_matrix
+from sharding.topology.cluster import (
     GB,
     GB_S,
     GBIT_S,
@@ -386,7 +386,7 @@ def _import(path: str | Path, capacities: dict) -> tuple[ClusterTopology, str]:
                   args["host_name"], args["name"] or args["host_name"], source), specs.origin
 
 
-def yaml_header(source: str, origin: str, tool: str = "sharding.topology_import") -> str:
+def yaml_header(source: str, origin: str, tool: str = "sharding.topology.nvidia_smi") -> str:
     """The comment on top of an imported topology: the input's file name only (never its path, so
     the YAML is the same on every machine) and where the GPU capacities came from."""
     return f"imported from {Path(source).name} by {tool}; {origin}"

@@ -27,8 +27,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from sharding.gpu_presets import UnknownGpuError, find_preset
-from sharding.topology import TopologyError
+from sharding.topology.gpu_presets import UnknownGpuError, find_preset
+from sharding.topology.cluster import TopologyError
 
 PCIE_TOKENS = ("PIX", "PXB", "PHB", "NODE", "SYS")
 AFFINITY_COLUMNS = ("CPU Affinity", "NUMA Affinity", "GPU NUMA ID")

@@ -1,6 +1,6 @@
 """The topology-aware partitioner: shards placed greedily by the modelled step time of
-``sharding/cost_model.py`` under HBM per rank, host memory per host and SSD per host (the
-key_value kernel's rows, ``sharding/ssd_tier.py``), then a local search
+``sharding/planner/cost/model.py`` under HBM per rank, host memory per host and SSD per host (the
+key_value kernel's rows, ``sharding/planner/ssd_tier.py``), then a local search
 (``refine_placement``); torchrec's ``GreedyPerfPartitioner`` placement is kept when the model
 prefers it (``compare_with_default``). Given to torchrec's planner as ``partitioner=``.
 """
@@ -22,8 +22,8 @@ from torchrec.distributed.planner.types import (
 )
 
 from sharding.constants import A2A_TYPES, SSD_KERNELS, UNIFORM_TYPES, UVM_KERNELS
-from sharding.cost_model import CostState, PlacedShard, TopologyCostModel, placed_from_option
-from sharding.cost_model import with_all_ranks as _with_all_ranks
+from sharding.planner.cost.model import CostState, PlacedShard, TopologyCostModel, placed_from_option
+from sharding.planner.cost.model import with_all_ranks as _with_all_ranks
 
 UNIFORM = UNIFORM_TYPES
 

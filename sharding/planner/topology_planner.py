@@ -7,9 +7,9 @@ constraints depend on the model's tables; no private attribute is set from outsi
 
 - the ``Topology`` is built from a :class:`ClusterTopology` (HBM per GPU, host memory per rank =
   host memory / ranks per host, SSD per rank = a host's SSD tier / ranks per host, bandwidths
-  from the path model in ``sharding/bandwidth.py``);
+  from the path model in ``sharding/topology/bandwidth.py``);
 - :class:`TopologyPartitioner` places shards greedily by the modeled step time of
-  ``sharding/cost_model.py`` (rank-pair bandwidths, shared PCIe uplinks, NUMA placement) subject to
+  ``sharding/planner/cost/model.py`` (rank-pair bandwidths, shared PCIe uplinks, NUMA placement) subject to
   HBM per rank and host memory per host; row-wise-in-host groups stay inside one host (its NVLink
   domain); then a local search (``refine_placement``) moves and swaps table-/column-wise shards
   while the modeled step time drops. After the search it also runs torchrec's
@@ -23,23 +23,23 @@ constraints depend on the model's tables; no private attribute is set from outsi
   (``PerTableUniformProposer``: a table a constraint keeps off a type keeps its own choice);
 - the search space gets column-wise variants cut into 2 and 4 column shards
   (``finer_column_splits``; torchrec cuts columns in blocks of 128, so a dim-16 or dim-128 table
-  has no split of its own), and a last proposer (``sharding/balance_proposer.py``) starts from
+  has no split of its own), and a last proposer (``sharding/planner/balance_proposer.py``) starts from
   the best plan found and cuts the tables of its slowest rank finer while the model says it helps.
 
 On a topology with an SSD tier, tables that fit neither HBM nor host memory are also offered
-torchrec's ``key_value`` kernel (FBGEMM's SSD kernels, CUDA only; ``sharding/ssd_tier.py``): their
+torchrec's ``key_value`` kernel (FBGEMM's SSD kernels, CUDA only; ``sharding/planner/ssd_tier.py``): their
 rows live on the host's SSD behind an HBM cache, the partitioner checks SSD capacity per host and
 the cost model charges the cache misses' SSD reads and write-backs.
 
 After the search, a callback raises the cache load factor of ``fused_uvm_caching`` and
 ``key_value`` tables into the HBM left free on their ranks. With ``cache_stats`` (per-table id frequencies measured from
-data, ``sharding/cache_sizing.py``) each such table starts at the smallest load factor reaching
+data, ``sharding/planner/cache_sizing.py``) each such table starts at the smallest load factor reaching
 ``target_hit_rate``, the cost model charges its measured miss rate, and the callback stops where
 its hit-rate curve stops rising. A model that cannot fit raises :class:`ModelDoesNotFitError`
 (a torchrec ``PlannerError``) with a one-line message.
 
 Speed (500 tables on 128 GPUs in ~10 s of CPU): torchrec's enumerator runs with memoized
-estimator internals (``sharding/torchrec_speedups.py``, only while this planner plans); the
+estimator internals (``sharding/planner/torchrec_speedups.py``, only while this planner plans); the
 greedy proposers stop after ``greedy_patience_for(tables)`` fitting proposals that do not improve
 (deterministic, unlike the 20 s timeout, which stays as a safety net); the partitioner adds
 row-wise tables in bulk, scores table-row-wise hosts in closed form and memoizes option -> shards.
@@ -74,22 +74,22 @@ from torchrec.distributed.planner.types import (
 )
 from torchrec.distributed.types import CacheStatistics, ModuleSharder, ShardingPlan
 
-from sharding.balance_proposer import BalanceProposer
-from sharding.bandwidth import host_to_gpu_bandwidth
-from sharding.cache_sizing import DEFAULT_TARGET_HIT_RATE, apply_cache_stats, saturation_load_factor
+from sharding.planner.balance_proposer import BalanceProposer
+from sharding.topology.bandwidth import host_to_gpu_bandwidth
+from sharding.planner.cache_sizing import DEFAULT_TARGET_HIT_RATE, apply_cache_stats, saturation_load_factor
 from sharding.compat import keep_zero_capacities
 from sharding.constants import DEFAULT_LOAD_FACTOR, MAX_CACHE_LOAD_FACTOR, MODEL_PARALLEL_TYPES, SSD_KERNELS
-from sharding.cost_model import TopologyCostModel
-from sharding.constraints import default_constraints, merge_constraints, table_bytes
-from sharding.enumerator import DEFAULT_COLUMN_SPLITS, TopologyEnumerator, finer_column_splits
-from sharding.partitioner import TopologyPartitioner, refine_placement
-from sharding.perf_model import CachedPerfModel
-from sharding.plan_cost import modeled_step, step_line
-from sharding.proposers import PatientGreedyProposer, PerTableUniformProposer, default_proposers, greedy_patience_for
-from sharding.ssd_tier import key_value_tables
+from sharding.planner.cost.model import TopologyCostModel
+from sharding.planner.constraints import default_constraints, merge_constraints, table_bytes
+from sharding.planner.enumerators import DEFAULT_COLUMN_SPLITS, TopologyEnumerator, finer_column_splits
+from sharding.planner.partitioners import TopologyPartitioner, refine_placement
+from sharding.planner.cost.perf_model import CachedPerfModel
+from sharding.planner.cost.plan_cost import modeled_step, step_line
+from sharding.planner.proposers import PatientGreedyProposer, PerTableUniformProposer, default_proposers, greedy_patience_for
+from sharding.planner.ssd_tier import key_value_tables
 from sharding.tables import table_configs
-from sharding.topology import ClusterTopology, load_topology
-from sharding.torchrec_speedups import fast_planner_internals
+from sharding.topology.cluster import ClusterTopology, load_topology
+from sharding.planner.torchrec_speedups import fast_planner_internals
 
 __all__ = [
     "TopologyAwarePlanner", "ModelDoesNotFitError", "torchrec_topology", "remap_plan_to_host", "fit_message",
@@ -118,7 +118,7 @@ def torchrec_topology(
     from the path model; ``ssd_mem_bw`` is a host's SSD read bandwidth per rank. Without an SSD
     tier on every host ``ssd_cap`` is 0 (torchrec's default would be 2 TB per rank), so torchrec
     offers no key_value option either."""
-    from sharding.bandwidth import bandwidth_matrix
+    from sharding.topology.bandwidth import bandwidth_matrix
 
     cpu = topo.compute_device == "cpu"
     w, lw = topo.world_size, topo.local_world_size
@@ -283,7 +283,7 @@ class TopologyAwarePlanner(EmbeddingShardingPlanner):
             raise ModelDoesNotFitError(fit_message(self.cluster, module, self.torchrec_topology, e)) from None
         self.search_space = self.last_enumerator.last_search_space
         # The number the search minimised, for the plan it returns: the same function and inputs
-        # as `recsys-plan show --topology` (sharding/plan_cost.py), so the two always agree.
+        # as `recsys-plan show --topology` (sharding/planner/cost/plan_cost.py), so the two always agree.
         self.last_pooling = {c.name: float(sum(self.constraints[c.name].pooling_factors))
                              if c.name in self.constraints and self.constraints[c.name].pooling_factors
                              else POOLING_FACTOR for c in table_configs(module)}

@@ -1,11 +1,11 @@
 """The planner's modelled step of a finished plan, in one place: what the topology-aware planner
 logs for the plan it returns, and what `recsys-plan show --topology` and `diff --topology` print
 for a plan file. Both call :func:`modeled_step`, i.e. ``TopologyCostModel.score_sharding_plan``
-(sharding/cost_model.py: lookups, host traffic, each collective phase's busiest directed link plus
+(sharding/planner/cost/model.py: lookups, host traffic, each collective phase's busiest directed link plus
 latency), with the same inputs: the tables' shapes, the batch per rank and the pooling factors.
 So a report shows the number the planner minimised, not a second model's.
 
-``sharding/plan_traffic.py`` stays what it is for: bytes between ranks by link kind and host
+``sharding/planner/cost/traffic.py`` stays what it is for: bytes between ranks by link kind and host
 loads (what a person reads to see *where* traffic goes); its seconds are no longer reported as
 the plan's step.
 """
@@ -16,8 +16,8 @@ from typing import Any, Mapping
 
 from torchrec.distributed.types import ShardingPlan
 
-from sharding.cost_model import PlanCost, TopologyCostModel
-from sharding.topology import ClusterTopology
+from sharding.planner.cost.model import PlanCost, TopologyCostModel
+from sharding.topology.cluster import ClusterTopology
 
 __all__ = ["modeled_step", "plan_tables", "plan_pooling", "format_step", "step_line"]
 
@@ -55,7 +55,7 @@ def format_step(cost: PlanCost, topology: str, batch_size_per_rank: int) -> str:
     and the busiest directed link of every collective phase."""
     ssd = bool(cost.ssd_bytes.any())  # an SSD column only for plans with key_value tables
     lines = [f"{step_line(cost)} on {topology}, batch {batch_size_per_rank} per rank "
-             "(the planner's model: sharding/cost_model.py)",
+             "(the planner's model: sharding/planner/cost/model.py)",
              f"{'rank':<6} {'lookup ms':>10} {'host io ms':>11} " + (f"{'ssd io ms':>10} {'SSD':>12} " if ssd else "")
              + f"{'comm ms':>9} {'total ms':>9}"]
     for r in range(len(cost.rank_time)):

@@ -45,7 +45,7 @@ def table_bytes(tables: dict[str, dict[str, Any]]) -> dict[str, int]:
 
 def does_not_fit_message(module: nn.Module, topology: Topology, err: Exception) -> str:
     """One line: need vs what the ranks hold (after torchrec's reserve), shortfall, largest tables."""
-    from sharding.plan_io import model_tables
+    from sharding.plan.io import model_tables
 
     tables = model_tables(module)
     sizes = table_bytes(tables)

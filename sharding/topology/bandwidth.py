@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sharding.topology import ClusterTopology, Host, Nic
+from sharding.topology.cluster import ClusterTopology, Host, Nic
 
 
 @dataclass(frozen=True)

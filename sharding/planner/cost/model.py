@@ -13,12 +13,12 @@ the collectives, each phase as long as its busiest directed link:
 - ``host_io``: the same traffic for ``fused_uvm`` shards (all of it) and ``fused_uvm_caching``
   shards (the miss fraction: ``stats.expected_miss_rate(load_factor)`` when the table's
   ``CacheParams`` carry ``CacheStatistics``, e.g. measured from a data sample by
-  ``sharding/cache_sizing.py``; else ``1 - load_factor``, as torchrec's estimator assumes) goes to
+  ``sharding/planner/cache_sizing.py``; else ``1 - load_factor``, as torchrec's estimator assumes) goes to
   host memory over the GPU's PCIe path. Every link on that path is a shared resource: the GPU's port,
   its switch uplink (shared by the GPUs below the switch), the NUMA node's DDR and, when the
   memory lives on the other socket (its own node is full), the inter-socket link. A rank's
   ``host_io`` is the busiest resource on its paths (bytes on it / its bandwidth).
-- ``ssd_io``: ``key_value`` shards (FBGEMM's SSD kernels, ``sharding/ssd_tier.py``) keep their
+- ``ssd_io``: ``key_value`` shards (FBGEMM's SSD kernels, ``sharding/planner/ssd_tier.py``) keep their
   rows on the host's SSD behind an HBM cache. Hits are lookups as above (the hit fraction of
   the lookup bytes, over the device's memory bandwidth); every miss reads its row from SSD and,
   the cache being write-back and every looked-up row updated, evicts one updated row to SSD.
@@ -34,7 +34,7 @@ the collectives, each phase as long as its busiest directed link:
   like a NUMA node's DDR). ``ssd_io[r] = ssd[host(r)]`` for ranks holding a key_value shard, 0
   for the others. The missed rows' trip over PCIe and host memory is not charged (the SSD is
   the slower link), nor the SSD's page granularity (a row read costs a whole 4 KiB page).
-- the collectives, on **directed, full-duplex links** (``sharding/links.py``: a GPU's NVLink
+- the collectives, on **directed, full-duplex links** (``sharding/topology/links.py``: a GPU's NVLink
   egress and ingress, each PCIe port and switch uplink up and down, each NIC's send and receive
   side and its fabric port, the socket link per direction; DDR is one resource). Every transfer
   adds bytes / bandwidth to each directed link of its path; a phase (one collective of one
@@ -71,8 +71,8 @@ import numpy as np
 from torchrec.distributed.planner.types import PerfModel, ShardingOption
 from torchrec.distributed.types import ShardingPlan
 
-from sharding.bandwidth import bandwidth_matrix
-from sharding.links import build_links
+from sharding.topology.bandwidth import bandwidth_matrix
+from sharding.topology.links import build_links
 from sharding.constants import (
     A2A_TYPES,
     BYTES_PER_WEIGHT,
@@ -82,7 +82,7 @@ from sharding.constants import (
     SSD_KERNELS,
     UVM_KERNELS,
 )
-from sharding.topology import ClusterTopology
+from sharding.topology.cluster import ClusterTopology
 
 BYTES = BYTES_PER_WEIGHT
 # Latency of one collective (launch + synchronisation), not calibrated here (no GPU): nccl-tests'

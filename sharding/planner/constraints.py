@@ -33,7 +33,7 @@ def default_constraints(module: nn.Module, compute_device: str, sharding_types: 
                         key_value_tables: Collection[str] = ()) -> dict[str, ParameterConstraints]:
     """Model-parallel sharding types; fused kernels, plus UVM and UVM caching on GPUs, plus the
     SSD kernel (``key_value``, torchrec guards it: only where asked) for ``key_value_tables``,
-    the tables nothing else can hold (``sharding/ssd_tier.py``: ``key_value_tables``)."""
+    the tables nothing else can hold (``sharding/planner/ssd_tier.py``: ``key_value_tables``)."""
     types = list(sharding_types or MODEL_PARALLEL_TYPES)
     kernels = ["fused"] if compute_device == "cpu" else ["fused", "fused_uvm", "fused_uvm_caching"]
     if "data_parallel" in types:

@@ -1,6 +1,6 @@
 """The enumerator given to torchrec's planner as ``enumerator=``: torchrec's, with a model's
 constraints, column-wise variants cut finer (``finer_column_splits``), key_value (SSD) options
-sized by ``sharding/ssd_tier.py`` and a fixed order.
+sized by ``sharding/planner/ssd_tier.py`` and a fixed order.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.planner.types import ShardingOption, Topology
 from torchrec.distributed.types import ModuleSharder
 
-from sharding.ssd_tier import apply_key_value_storage
+from sharding.planner.ssd_tier import apply_key_value_storage
 
 # column-wise variants the planner adds: each device-resident table cut into 2 and 4 column shards
 DEFAULT_COLUMN_SPLITS = (2, 4)
@@ -98,7 +98,7 @@ class TopologyEnumerator(EmbeddingEnumerator):
     variants cut into ``column_splits`` shards (``finer_column_splits``), the storage of key_value
     options (the SSD tier, ``apply_key_value_storage``: torchrec's estimate counts no HBM cache),
     and a fixed order of the search space (``_sorted_enumeration``); the last search space is kept
-    (``last_search_space``) for bounds (``sharding/bounds.py``), with the seconds its enumeration
+    (``last_search_space``) for bounds (``sharding/planner/bounds.py``), with the seconds its enumeration
     took (``last_enumerate_s``). key_value options exist only where the constraints ask for them
     (torchrec guards the kernel) and torchrec's ``Topology`` has SSD capacity."""
 

@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING
 
 from torchrec.distributed.planner.types import ShardingOption
 
-from sharding.balance_proposer import BestPlanTracker
-from sharding.cost_model import TopologyCostModel, TopologyPerfModel
+from sharding.planner.balance_proposer import BestPlanTracker
+from sharding.planner.cost.model import TopologyCostModel, TopologyPerfModel
 
 if TYPE_CHECKING:
-    from sharding.partitioner import TopologyPartitioner
+    from sharding.planner.partitioners import TopologyPartitioner
 
 
 class CachedPerfModel(TopologyPerfModel):
