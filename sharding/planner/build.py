@@ -1,8 +1,9 @@
 """Planner seam: the one function the trainer calls to turn a model into a ShardingPlan.
 
-For now it is torchrec's own `EmbeddingShardingPlanner` on a `Topology` built from the process
-group; the topology-aware planner plugs in here (`sharding.planner=<name>`) with the same
-`plan()` / `collective_plan()` contract.
+Which planner is a setting (``sharding.planner``): ``torchrec``, torchrec's own
+`EmbeddingShardingPlanner` on a `Topology` built from the process group, or ``topology``, our
+`TopologyAwarePlanner` on a topology file; both answer the same `plan()` / `collective_plan()`
+contract.
 """
 
 from __future__ import annotations
