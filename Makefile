@@ -33,7 +33,7 @@ $(STAMP):
 	@# Builds the CowClip C++ op (setup.py, ~10 s) with the torch above instead of downloading one.
 	$(PIP) --no-deps --no-build-isolation -e .
 	@$(PY) -c "import torchrec, fbgemm_gpu, recsys; print('stack ok: torch', __import__('torch').__version__, 'torchrec', torchrec.__version__)"
-	@$(PY) -c "from recsys.optim import cowclip_kernel as k; k.load_extension(require=True); print('CowClip op:', k.fallback_reason())"
+	@$(PY) -c "import recsys.optim.cowclip.kernels.cpp_op as k; k.load_extension(require=True); print('CowClip op:', k.fallback_reason())"
 	@rm -f $(VENV)/.installed-* && touch $@
 
 demo: venv

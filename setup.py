@@ -12,12 +12,12 @@ stable ABI (``torch/csrc/stable``: the C shim, no ATen, no Python.h) and is comp
 (``py_limited_api``): one file for Python 3.11, 3.12 and 3.13.
 
 The op is ``recsys/optim/_cowclip_C*.so``. It registers ``torch.ops.recsys.*`` when
-``recsys.optim.cowclip_kernel`` loads it with ``torch.ops.load_library`` (it is not a Python
+``recsys.optim.cowclip.kernels.cpp_op`` loads it with ``torch.ops.load_library`` (it is not a Python
 module). Next to it goes ``_cowclip_C.sha256``, the hash of the C++ source it was built from: the
 loader uses the compiled op only while that matches the shipped source (an editable install whose
 source changed falls back to the JIT build instead of running stale code).
 
-Compile flags are those of the JIT build (``cowclip_kernel.CXX_FLAGS``), plus ``-fno-wrapv``
+Compile flags are those of the JIT build (``recsys/optim/cowclip/kernels/cpp_op.py``: ``CXX_FLAGS``), plus ``-fno-wrapv``
 (CPython's own CFLAGS, which setuptools puts first, carry ``-fwrapv``, which would forbid some loop
 optimisations the JIT build gets) and ``-g0`` (no debug info in the installed library).
 
@@ -40,7 +40,7 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension
 SOURCE = "recsys/optim/csrc/cowclip_adam.cpp"
 EXT_NAME = "recsys.optim._cowclip_C"
 HASH_FILE = "_cowclip_C.sha256"
-# Keep in sync with recsys/optim/cowclip_kernel.py (CXX_FLAGS, LD_FLAGS); tests/test_wheel.py checks.
+# Keep in sync with recsys/optim/cowclip/kernels/cpp_op.py (CXX_FLAGS, LD_FLAGS); tests/test_wheel.py checks.
 # TORCH_TARGET_VERSION 2.11 (0x020b...): only stable-ABI calls that torch 2.11 already has.
 CXX_FLAGS = ["-O3", "-DNDEBUG", "-fno-math-errno", "-DTORCH_TARGET_VERSION=0x020b000000000000"]
 LD_FLAGS: list[str] = []

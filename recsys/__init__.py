@@ -21,8 +21,8 @@ import sharding  # noqa: F401  - installs the version-compatibility log filters 
 
 # public name -> module that defines it
 _EXPORTS = {
-    "tag_cowclip_adam": "recsys.optim.cowclip_sharder",
-    "CowClipEmbeddingBagCollectionSharder": "recsys.optim.cowclip_sharder",
+    "tag_cowclip_adam": "recsys.optim.cowclip.sharder",
+    "CowClipEmbeddingBagCollectionSharder": "recsys.optim.cowclip.sharder",
     "KStepMergeHook": "recsys.training.merge",
     "KStepMerger": "recsys.training.merge",
 }

@@ -77,7 +77,7 @@ class OptimConfig:
     """Optimizers: embeddings are updated inside the backward (FBGEMM fused); dense by Adam."""
 
     # rowwise_adagrad | adagrad | sgd (FBGEMM fused); cowclip_adam | adam (our fused kernel,
-    # recsys/optim/cowclip_sharder.py); fbgemm_cowclip (FBGEMM's native COWCLIP on rowwise Adagrad)
+    # recsys/optim/cowclip/sharder.py); fbgemm_cowclip (FBGEMM's native COWCLIP on rowwise Adagrad)
     embedding: str = "rowwise_adagrad"
     embedding_lr: float = 0.005
     embedding_eps: float = 1e-8
@@ -453,7 +453,7 @@ def validate(cfg: ExperimentConfig, source: str = "config") -> None:
     if o.warmup_epochs < 0 and o.warmup_epochs != -1.0:
         bad("optim.warmup_epochs", "must be >= 0 (or -1: 1 epoch when scaling)")
     if effective_l2_scope(o) == "catchup" and o.embedding == "cowclip_adam" and t.batch_size > 0:
-        # the catch-up assumes absent rows are never clipped (recsys/optim/cowclip_catchup.py),
+        # the catch-up assumes absent rows are never clipped (recsys/optim/cowclip/catchup.py),
         # for the L2 the run trains with (the scaling rule's, as the trainer computes it)
         from recsys.optim.scaling import effective_optim
 

@@ -167,7 +167,7 @@ def _factory_inputs(args: argparse.Namespace, overrides: list[str]):
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 
     from recsys.config import ExperimentConfig
-    from recsys.optim.cowclip_sharder import CowClipEmbeddingBagCollectionSharder
+    from recsys.optim.cowclip.sharder import CowClipEmbeddingBagCollectionSharder
     from sharding.optimizer_state import table_optimizers
 
     if args.overrides or args.data_sample:

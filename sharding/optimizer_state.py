@@ -26,7 +26,7 @@ from typing import Any
 from torch import nn
 
 # Value of fused_params["optimizer"] that selects this project's CowClip-Adam kernel
-# (recsys/optim/cowclip_tbe.py COWCLIP_ADAM; duplicated because sharding/ never imports recsys/).
+# (recsys/optim/cowclip/tbe.py COWCLIP_ADAM; duplicated because sharding/ never imports recsys/).
 COWCLIP_ADAM_TAG = "recsys.cowclip_adam"
 
 
@@ -43,7 +43,7 @@ class OptimizerState:
 
 
 # FBGEMM keeps optimizer state in fp32 whatever the weights' precision; CowClip-Adam (recsys/optim/
-# cowclip_tbe.py) registers momentum1 and momentum2 like the weights (fp32) and row_step (int64).
+# recsys/optim/cowclip/tbe.py) registers momentum1 and momentum2 like the weights (fp32) and row_step (int64).
 KINDS: dict[str, OptimizerState] = {s.kind: s for s in (
     OptimizerState("sgd", 0, 0),
     OptimizerState("rowwise_adagrad", 0, 4),  # momentum1: one float per row

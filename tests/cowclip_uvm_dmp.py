@@ -39,8 +39,8 @@ def build(world: int, device: torch.device):
     from torchrec.optim import Adam as TrecAdam
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
-    from recsys.optim.cowclip_sharder import CowClipEmbeddingBagCollectionSharder
-    from recsys.optim.cowclip_tbe import CowClipHyper, cowclip_fused_params
+    from recsys.optim.cowclip.sharder import CowClipEmbeddingBagCollectionSharder
+    from recsys.optim.cowclip.tbe import CowClipHyper, cowclip_fused_params
 
     ebc = EmbeddingBagCollection(
         tables=[EmbeddingBagConfig(name=n, embedding_dim=DIMS[n], num_embeddings=ROWS[n], feature_names=[n]) for n in NAMES],
@@ -64,7 +64,7 @@ def build(world: int, device: torch.device):
 def placement(dmp) -> dict[str, tuple[str, tuple[bool, ...] | None]]:
     """Table -> (its TBE's location, on CUDA whether weights, momentum1, momentum2 and row_step
     are unified memory (``is_uvm_tensor``; None on CPU, where FBGEMM has no such op))."""
-    from recsys.optim.cowclip_sharder import cowclip_tbes
+    from recsys.optim.cowclip.sharder import cowclip_tbes
 
     out = {}
     for tbe in cowclip_tbes(dmp):

@@ -8,8 +8,8 @@ import sys
 import torch
 
 import recsys
-from recsys.optim import cowclip_kernel as ck
-from recsys.optim.cowclip import CowClipAdamState, cowclip_adam_step
+import recsys.optim.cowclip.kernels.cpp_op as ck
+from recsys.optim.cowclip.reference import CowClipAdamState, cowclip_adam_step
 
 print("MODULE", recsys.__file__)
 ck.load_extension(require=True)

@@ -35,7 +35,7 @@ def dlrm() -> DLRM:
 
 def mixed_dlrm() -> DLRM:
     """The same DLRM with one table per optimizer: CowClip-Adam, row-wise Adagrad, SGD."""
-    from recsys.optim.cowclip_sharder import tag_cowclip_adam
+    from recsys.optim.cowclip.sharder import tag_cowclip_adam
 
     model = _dlrm(_ebc(ROWS))
     bags = model.sparse_arch.embedding_bag_collection.embedding_bags

@@ -1,4 +1,4 @@
-"""Catch-up of absent rows (recsys/optim/cowclip_catchup.py, CowClipAdamTBE update_scope="catchup")
+"""Catch-up of absent rows (recsys/optim/cowclip/catchup.py, CowClipAdamTBE update_scope="catchup")
 against the reference's dense semantics: the project's dense formula
 (``cowclip_adam_step(update_scope="all", l2_scope="all")``, itself tested against a per-row loop in
 test_cowclip_math.py) and the TBE's dense pass (``update_scope="all"``)."""
@@ -10,11 +10,11 @@ import itertools
 import pytest
 import torch
 
-from recsys.optim.cowclip import CowClipAdamState, cowclip_adam_step
-from recsys.optim.cowclip_catchup import (
+from recsys.optim.cowclip.reference import CowClipAdamState, cowclip_adam_step
+from recsys.optim.cowclip.catchup import (
     ERR_M_CLR, ERR_M_REL, ERR_V_C2LR2, ERR_V_REL, ERR_W_LR, ERR_W_REL, catch_up, dense_l2_steps,
 )
-from recsys.optim.cowclip_tbe import CowClipAdamTBE, CowClipHyper
+from recsys.optim.cowclip.tbe import CowClipAdamTBE, CowClipHyper
 
 B1, B2 = 0.9, 0.999
 D = 8
@@ -198,7 +198,7 @@ def test_fused_catch_up_equals_the_torch_catch_up(lr, l2, eps_mode, growth):
     catch_up_all, every weight and moment to float32 rounding (the two round the same float64
     factors; they differ in the order of a few float operations, which 300 steps accumulate to
     at most 1.6e-5 relative, measured)."""
-    from recsys.optim.cowclip_kernel import fused_available
+    from recsys.optim.cowclip.kernels.cpp_op import fused_available
 
     if not fused_available():
         pytest.skip("the C++ op is not built here")
@@ -221,7 +221,7 @@ def test_fused_catch_up_equals_the_torch_catch_up(lr, l2, eps_mode, growth):
 def test_fused_catch_up_advances_each_row_once_and_leaves_current_rows_alone():
     """Gaps 1 .. 3000 in one call, a row repeated in the lookup, rows already current: the op equals
     `catch_up` on the distinct rows behind, counts each once, and writes nothing else."""
-    from recsys.optim.cowclip_kernel import fused_available, fused_catch_up_tables
+    from recsys.optim.cowclip.kernels.cpp_op import fused_available, fused_catch_up_tables
 
     if not fused_available():
         pytest.skip("the C++ op is not built here")
@@ -252,7 +252,7 @@ def test_fused_catch_up_equals_the_torch_catch_up_per_call_for_each_hyper(lr, l2
     against ``catch_up`` on gaps 1 .. 3000, rows holding data momenta and rows at the L2
     equilibrium, 16 columns, both eps modes; then the same rows again from a later start step
     in a second call (the constants are reused, the bias corrections are not)."""
-    from recsys.optim.cowclip_kernel import fused_available, fused_catch_up_tables
+    from recsys.optim.cowclip.kernels.cpp_op import fused_available, fused_catch_up_tables
 
     if not fused_available():
         pytest.skip("the C++ op is not built here")
@@ -468,7 +468,7 @@ def _sh_build(world: int):
     )
     from torchrec.distributed.types import ShardingEnv, ShardingPlan
 
-    from recsys.optim.cowclip_sharder import CowClipEmbeddingBagCollectionSharder, tag_cowclip_adam
+    from recsys.optim.cowclip.sharder import CowClipEmbeddingBagCollectionSharder, tag_cowclip_adam
 
     names = list(SH_TABLES)
     ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name=n, embedding_dim=D, num_embeddings=SH_TABLES[n][0],
@@ -510,7 +510,7 @@ def _sh_worker(rank: int, world: int, port: int, out: str, explicit: bool = True
     import torch.distributed.checkpoint as dcp
     from torchrec import KeyedJaggedTensor
 
-    from recsys.optim.cowclip_catchup import catch_up_all_tables
+    from recsys.optim.cowclip.catchup import catch_up_all_tables
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)

@@ -5,7 +5,7 @@ A stock ``torchrec.models.dlrm.DLRM`` (through ``DLRMTrain``), sharded by
 sharding type (TW, RW, TWRW, CW, TWCW, DP), trained on 2 gloo ranks by ``TrainPipelineSparseDist``
 handed ONLY the dense optimizer, as torchrec's ``examples/golden_training/train_dlrm.py`` does:
 no ``CombinedOptimizer``, no ``fused_optimizer.step()``. Every table must train, and match the
-per-table formula of ``recsys.optim.cowclip`` computed here, in one process, on the global batch
+per-table formula of ``recsys.optim.cowclip.reference`` computed here, in one process, on the global batch
 with an unsharded copy of the model (its dense part trained by the same torch Adam).
 """
 
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from recsys.optim.cowclip import CowClipAdamState, cowclip_adam_step
+from recsys.optim.cowclip.reference import CowClipAdamState, cowclip_adam_step
 from recsys.training.distributed import free_port
 
 WORLD = 2
@@ -125,7 +125,7 @@ def _train(rank: int, out: Path) -> None:
     from torchrec.optim.keyed import KeyedOptimizerWrapper
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-    from recsys.optim.cowclip_sharder import CowClipEmbeddingBagCollectionSharder, tag_cowclip_adam, take_update_stats
+    from recsys.optim.cowclip.sharder import CowClipEmbeddingBagCollectionSharder, tag_cowclip_adam, take_update_stats
 
     ebc = EmbeddingBagCollection(tables=_configs(), device=torch.device("meta"))
     model = _dlrm(ebc)
@@ -248,7 +248,7 @@ def test_stock_dlrm_pipeline_with_dense_optimizer_only_trains_every_sharding_typ
 def test_forward_after_a_missed_update_raises():
     """A deferred kernel whose staged rows never reached an exchange (here: called outside its
     lookup) refuses the next forward, eval included, instead of reading stale weights."""
-    from recsys.optim.cowclip_tbe import CowClipAdamTBE, CowClipHyper
+    from recsys.optim.cowclip.tbe import CowClipAdamTBE, CowClipHyper
 
     tbe = CowClipAdamTBE([(10, 8)], [0], CowClipHyper(), full_dims=[8], mode="deferred")
     tbe.table_names = ["t_cw"]

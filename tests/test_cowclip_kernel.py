@@ -1,4 +1,4 @@
-"""The fused C++ CowClip-Adam op (recsys/optim/csrc/cowclip_adam.cpp via recsys/optim/cowclip_kernel.py)
+"""The fused C++ CowClip-Adam op (recsys/optim/csrc/cowclip_adam.cpp via recsys/optim/cowclip/kernels/cpp_op.py)
 against the torch-ops reference ``cowclip_adam_step(update_scope="batch", l2_scope="batch",
 bias_correction="row")``, which tests/test_cowclip_math.py checks against a per-row loop.
 
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from recsys.optim import cowclip_kernel as ck
-from recsys.optim.cowclip import CowClipAdamState, cowclip_adam_step
+import recsys.optim.cowclip.kernels.cpp_op as ck
+from recsys.optim.cowclip.reference import CowClipAdamState, cowclip_adam_step
 
 NO_CPP = os.environ.get("RECSYS_NO_CPP", "") not in ("", "0")
 REPO = Path(__file__).resolve().parents[1]
@@ -226,7 +226,7 @@ def test_clean_build_two_processes(tmp_path):
     if NO_CPP:
         pytest.skip("RECSYS_NO_CPP=1")
     code = textwrap.dedent("""
-        from recsys.optim import cowclip_kernel as ck
+        import recsys.optim.cowclip.kernels.cpp_op as ck
         ck.load_extension(require=True)
         print("ok")
     """)
@@ -395,7 +395,7 @@ def test_tables_op_bad_inputs(ext):
 def test_tbe_inline_backward_uses_tables_op(ext):
     """CowClipAdamTBE inline backward (one multi-table call) == its per-table fallback loop
     (``tables_op=None``); the op is injected through the constructor."""
-    from recsys.optim import cowclip_tbe as ct
+    import recsys.optim.cowclip.tbe as ct
 
     gen = torch.Generator().manual_seed(11)
     specs = [(40, 8), (25, 16), (30, 4)]

@@ -1,4 +1,4 @@
-"""CowClip-Adam math (recsys/optim/cowclip.py) against an independent per-row Python loop in
+"""CowClip-Adam math (recsys/optim/cowclip/reference.py) against an independent per-row Python loop in
 float64, plus torch.optim.Adam / SparseAdam where the no-clip cases coincide with them."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from recsys.optim.cowclip import (
+from recsys.optim.cowclip.reference import (
     CowClipAdamState,
     batch_row_gradients,
     cowclip_adam_step,

@@ -1,5 +1,5 @@
 """CowClip-Adam inside TorchRec sharding: the sharded kernel against the plain per-table formula
-(``recsys.optim.cowclip.cowclip_adam_step``, itself tested against a per-row loop in
+(``recsys.optim.cowclip.reference.cowclip_adam_step``, itself tested against a per-row loop in
 test_cowclip_math.py), for every sharding type, 1 process vs 2 processes on the same global
 batch, the DCP checkpoint round trip of the optimizer state, and the planner's storage count."""
 
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from recsys.optim.cowclip import CowClipAdamState, cowclip_adam_step
+from recsys.optim.cowclip.reference import CowClipAdamState, cowclip_adam_step
 
 DIM = 16
 B = 12  # global batch
@@ -123,7 +123,7 @@ def _build(world, specs, names, rows, dims):
     )
     from torchrec.distributed.types import ShardingEnv, ShardingPlan
 
-    from recsys.optim.cowclip_sharder import CowClipEmbeddingBagCollectionSharder, tag_cowclip_adam
+    from recsys.optim.cowclip.sharder import CowClipEmbeddingBagCollectionSharder, tag_cowclip_adam
 
     tables = [EmbeddingBagConfig(name=n, embedding_dim=dims[n], num_embeddings=rows[n], feature_names=[n]) for n in names]
     ebc = EmbeddingBagCollection(tables=tables, is_weighted=True, device=torch.device("meta"))
@@ -304,7 +304,7 @@ def test_planner_counts_adam_state_for_cowclip_tables():
     from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
-    from recsys.optim.cowclip_sharder import CowClipEmbeddingBagCollectionSharder, tag_cowclip_adam
+    from recsys.optim.cowclip.sharder import CowClipEmbeddingBagCollectionSharder, tag_cowclip_adam
 
     def storage(tag) -> int:
         ebc = EmbeddingBagCollection(
@@ -376,7 +376,7 @@ def test_fbgemm_native_cowclip_is_clip_by_lifetime_count_then_rowwise_adagrad():
 def test_all_rows_scope_equals_the_dense_reference():
     """embedding_l2_scope=all (the TF reference's dense L2 + Adam on every row) in the kernel's
     in-place form equals the reference formula's dense mode over several steps."""
-    from recsys.optim.cowclip_tbe import CowClipAdamTBE, CowClipHyper
+    from recsys.optim.cowclip.tbe import CowClipAdamTBE, CowClipHyper
 
     hp = CowClipHyper(learning_rate=0.01, l2=0.05, cowclip_r=1.0, cowclip_zeta=0.05, update_scope="all")
     tbe = CowClipAdamTBE([(30, 8), (20, 8)], [0, 1], hp, full_dims=[8, 8], mode="inline")

@@ -1,4 +1,4 @@
-"""The Triton CowClip-Adam kernel (recsys/optim/cowclip_triton.py) against the torch-ops reference
+"""The Triton CowClip-Adam kernel (recsys/optim/cowclip/kernels/triton_update.py) against the torch-ops reference
 ``cowclip_adam_step(update_scope="batch", l2_scope="batch", bias_correction="row")`` (itself checked
 against a per-row loop in tests/test_cowclip_math.py), and against counts and norms computed here.
 
@@ -36,8 +36,8 @@ if HAVE_TRITON and DEV.type == "cpu" and "triton" not in sys.modules:
         else:
             os.environ["TRITON_INTERPRET"] = _old
 
-from recsys.optim import cowclip_triton as ctr  # noqa: E402
-from recsys.optim.cowclip import CowClipAdamState, cowclip_adam_step  # noqa: E402
+import recsys.optim.cowclip.kernels.triton_update as ctr  # noqa: E402
+from recsys.optim.cowclip.reference import CowClipAdamState, cowclip_adam_step  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 if not HAVE_TRITON:
@@ -368,11 +368,11 @@ CATCHUP_GAPS = [1, 2, 3, 5, 17, 100, 333, 1000, 3000]
 @pytest.mark.parametrize("lr,l2,eps_mode,growth", [(1e-3, 1e-4, "torch", 2.0), (1e-4, 1.28e-3, "keras", 2.0),
                                                    (1e-2, 0.0, "torch", 2.0), (1e-3, 1e-4, "keras", 3.0)])
 def test_catch_up_kernel_matches_the_torch_catch_up(lr, l2, eps_mode, growth):
-    """``triton_catch_up_rows`` against ``catch_up`` (recsys/optim/cowclip_catchup.py) on gaps 1 ..
+    """``triton_catch_up_rows`` against ``catch_up`` (recsys/optim/cowclip/catchup.py) on gaps 1 ..
     3000 with data momenta, rows of dims 16 and 8 in one launch at scattered offsets and permuted
     ``row_step`` slots, a row already current (left bit-identical), then again from a later step."""
-    from recsys.optim.cowclip_catchup import catch_up
-    from recsys.optim.cowclip_catchup_triton import triton_catch_up_rows
+    from recsys.optim.cowclip.catchup import catch_up
+    from recsys.optim.cowclip.kernels.triton_catchup import triton_catch_up_rows
 
     gen = torch.Generator().manual_seed(5)
     kw = dict(lr=lr, betas=(0.9, 0.999), eps=1e-7 if eps_mode == "keras" else 1e-8, eps_mode=eps_mode, l2=l2)
@@ -420,8 +420,8 @@ def test_catch_up_lookup_kernel_matches_the_torch_catch_up(index_dtype, eps_mode
     two features (the same row from two features and repeated inside bags), gaps up to 3000, an id
     outside its table and a row already current. Every row behind that the lookup reads is advanced
     exactly once and gets ``row_step = step``; nothing else is written (bit-identical)."""
-    from recsys.optim.cowclip_catchup import catch_up
-    from recsys.optim.cowclip_catchup_triton import triton_catch_up_lookup
+    from recsys.optim.cowclip.catchup import catch_up
+    from recsys.optim.cowclip.kernels.triton_catchup import triton_catch_up_lookup
 
     gen = torch.Generator().manual_seed(11)
     kw = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-7 if eps_mode == "keras" else 1e-8, eps_mode=eps_mode, l2=1e-4)
@@ -479,7 +479,7 @@ def test_catch_up_kernel_in_the_tbe_equals_the_torch_catch_up():
     with long gaps (two tables of dims 8 and 4), every lookup, then ``catch_up_all`` and every
     weight and moment."""
     pytest.importorskip("fbgemm_gpu")
-    from recsys.optim.cowclip_tbe import CowClipAdamTBE, CowClipHyper
+    from recsys.optim.cowclip.tbe import CowClipAdamTBE, CowClipHyper
 
     def tbe(op):
         hp = CowClipHyper(learning_rate=0.01, l2=0.05, cowclip_r=1.0, cowclip_zeta=0.05, update_scope="catchup")
@@ -519,7 +519,7 @@ import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from recsys.optim import cowclip_triton as ctr
+import recsys.optim.cowclip.kernels.triton_update as ctr
 fn = ctr._kernel()
 assert type(fn).__name__ == "JITFunction", type(fn)
 sig = {"W": "*fp32", "M1": "*fp32", "M2": "*fp32", "RS": "*i64", "G": "*fp32", "stride_g": "i64",
@@ -536,7 +536,7 @@ for cap in (80, 90):
         # deterministic: no atomic instruction (optionally predicated: "@%p1 atom.global...")
         assert not re.search(r"^\\s*(@!?%p\\d+\\s+)?(atom|red)\\.", k.asm["ptx"], re.M)
         print(cap, psw, l2, keras, bd, "ok")
-from recsys.optim import cowclip_catchup_triton as cct
+import recsys.optim.cowclip.kernels.triton_catchup as cct
 fn = cct._kernel()
 sig = {"W": "*fp32", "M": "*fp32", "V": "*fp32", "RS": "*i64", "WOFF": "*i64", "RSI": "*i64", "DIMS": "*i32",
        "HP": "*fp64", "CONST": "*fp64", "n_const": "i32", "step": "i64", **{k: "fp32" for k in "b1f b2f c_m c_v c2 epsf".split()},
@@ -581,7 +581,7 @@ def test_cpu_install_without_triton_keeps_working():
     tensors to the per-table path (None) and one-table calls to ``fused_cowclip_adam_step``."""
     code = (
         "import sys; sys.modules['triton'] = None\n"
-        "from recsys.optim import cowclip_triton as c, cowclip_kernel as k\n"
+        "import recsys.optim.cowclip.kernels.triton_update as c, recsys.optim.cowclip.kernels.cpp_op as k\n"
         "assert not c.triton_available() and not c.triton_available('cuda')\n"
         "assert c.cowclip_update_for('cuda') is None\n"
         "assert c.cowclip_table_update_for('cuda') is k.fused_cowclip_adam_step\n"
@@ -598,7 +598,7 @@ def test_importing_the_module_does_not_import_triton():
     the TBE does) must leave that to whoever runs a kernel first; the CPU dispatch never imports it."""
     code = (
         "import sys\n"
-        "from recsys.optim import cowclip_triton as c\n"
+        "import recsys.optim.cowclip.kernels.triton_update as c\n"
         "assert c.cowclip_table_update_for('cpu') is not None\n"
         "assert 'triton' not in sys.modules, 'imported'\n"
         "print('ok')\n"

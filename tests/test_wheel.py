@@ -46,7 +46,7 @@ def _setup_flags() -> dict[str, list[str]]:
 
 def test_install_build_uses_the_jit_flags():
     """setup.py and the JIT fallback compile with the same flags (so the same speed)."""
-    from recsys.optim import cowclip_kernel as ck
+    import recsys.optim.cowclip.kernels.cpp_op as ck
 
     assert _setup_flags() == {"CXX_FLAGS": ck.CXX_FLAGS, "LD_FLAGS": ck.LD_FLAGS}
 
@@ -235,7 +235,7 @@ import site, sys
 sys.path.append(sys.argv[1])  # the venv's packages, without its .pth files (its editable recsys)
 site.addsitedir(sys.argv[2])  # the editable install under test (its .pth maps recsys to the copy)
 import recsys
-from recsys.optim import cowclip_kernel as ck
+import recsys.optim.cowclip.kernels.cpp_op as ck
 ck.load_extension(require=True)
 print(recsys.__file__)
 print(ck.fallback_reason())

@@ -52,7 +52,7 @@ DIM = 16
 ZIPF = 1.05
 HP = dict(learning_rate=1e-4, l2=1e-5 * 8, cowclip_r=1.0, cowclip_zeta=1e-5, eps=1e-8)  # paper's 1K values, l2 x 8
 # catchup: the fused C++ op (rows found, read and advanced once); catchup_torch: the same block
-# scheme as torch ops (recsys/optim/cowclip_catchup.py), the peer the C++ op replaces on CPU
+# scheme as torch ops (recsys/optim/cowclip/catchup.py), the peer the C++ op replaces on CPU
 METHODS = ("batch", "catchup", "catchup_torch", "all")
 
 
@@ -113,7 +113,7 @@ def run(args) -> dict:
     import torch
 
     from recsys.config import CARDINALITY_PRESETS
-    from recsys.optim.cowclip_tbe import CowClipAdamTBE, CowClipHyper
+    from recsys.optim.cowclip.tbe import CowClipAdamTBE, CowClipHyper
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -197,7 +197,7 @@ def run_all_rows(args) -> dict:
     import torch
 
     from recsys.config import CARDINALITY_PRESETS
-    from recsys.optim.cowclip_tbe import CowClipAdamTBE, CowClipHyper
+    from recsys.optim.cowclip.tbe import CowClipAdamTBE, CowClipHyper
 
     torch.set_num_threads(args.threads)
     full = CARDINALITY_PRESETS["criteo_kaggle_raw"]

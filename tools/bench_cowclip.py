@@ -6,14 +6,14 @@ hash), dim 16, one KJT-shaped lookup (feature-major ``indices``/``offsets`` [26*
 fixed random upstream gradient [B, 26*16] (only the embedding part of a training step is timed).
 Methods:
 
-  ours      CowClipAdamTBE (recsys/optim/cowclip_tbe.py, inline mode, as the sharded kernel uses it):
+  ours      CowClipAdamTBE (recsys/optim/cowclip/tbe.py, inline mode, as the sharded kernel uses it):
             FBGEMM's dense TBE forward + autograd backward = ONE call of the multi-table C++ op
             torch.ops.recsys.cowclip_adam_tables_ for all 26 tables
   pertable  the same forward, then the single-table op torch.ops.recsys.cowclip_adam_step_ once per
             table from Python (how CowClipAdamTBE.backward_update worked before the multi-table op)
   fbgemm    FBGEMM CPU TBE (SplitTableBatchedEmbeddingBagsCodegen, HOST/CPU) with fused
             EXACT_ROWWISE_ADAGRAD: forward + autograd backward (update fused in the backward)
-  torchref  the same forward as ours; update: recsys.optim.cowclip.cowclip_adam_step (torch ops)
+  torchref  the same forward as ours; update: recsys.optim.cowclip.reference.cowclip_adam_step (torch ops)
             per table
   dense     nn.EmbeddingBag(mode="sum") per table, dense gradients + torch.optim.Adam (defaults)
 
@@ -167,9 +167,9 @@ def _run_sparse(methods, rows, batch, iters, warmup, threads, thp=False, nsteps_
     if {"ours", "pertable", "torchref"} & set(methods):
         from fbgemm_gpu.split_table_batched_embeddings_ops_training import DenseTableBatchedEmbeddingBagsCodegen
 
-        from recsys.optim.cowclip import cowclip_adam_step
-        from recsys.optim.cowclip_kernel import fused_available, fused_cowclip_adam_step
-        from recsys.optim.cowclip_tbe import CowClipAdamTBE, CowClipHyper
+        from recsys.optim.cowclip.reference import cowclip_adam_step
+        from recsys.optim.cowclip.kernels.cpp_op import fused_available, fused_cowclip_adam_step
+        from recsys.optim.cowclip.tbe import CowClipAdamTBE, CowClipHyper
 
         if not fused_available():
             raise RuntimeError("C++ extension unavailable")
@@ -234,7 +234,7 @@ def _run_sparse(methods, rows, batch, iters, warmup, threads, thp=False, nsteps_
                 bufs += [tb.weights, tb.momentum1, tb.momentum2, tb.row_step]
         if fb is not None:
             bufs += [fb.weights_host, fb.momentum1_host]
-        from recsys.optim.cowclip_kernel import advise_huge_pages
+        from recsys.optim.cowclip.kernels.cpp_op import advise_huge_pages
 
         info["thp_advised_mb"] = advise_huge_pages(bufs) / 2**20
         info["anon_huge_mb"] = _anon_huge_mb()
@@ -316,7 +316,7 @@ def run_gpu(rows: int, batch: int, iters: int, warmup: int, device: str, profile
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen
 
-    from recsys.optim.cowclip_tbe import CowClipAdamTBE, CowClipHyper
+    from recsys.optim.cowclip.tbe import CowClipAdamTBE, CowClipHyper
 
     dev = torch.device(device)
     torch.manual_seed(0)
@@ -447,7 +447,7 @@ def main(argv=None) -> int:
     # build the extension once, before the timed subprocesses (they only load it)
     import torch
 
-    from recsys.optim import cowclip_kernel as ck
+    import recsys.optim.cowclip.kernels.cpp_op as ck
 
     t0 = time.perf_counter()
     avail = ck.fused_available()

@@ -79,8 +79,8 @@ def table_rows(args) -> list[int]:
 def run(args) -> dict:
     import torch
 
-    from recsys.optim import cowclip_triton as ctr
-    from recsys.optim.cowclip import CowClipAdamState, cowclip_adam_step
+    import recsys.optim.cowclip.kernels.triton_update as ctr
+    from recsys.optim.cowclip.reference import CowClipAdamState, cowclip_adam_step
 
     dev = torch.device(args.device)
     if not ctr.triton_available(dev):
@@ -119,8 +119,8 @@ def run(args) -> dict:
 
     steps = {"triton": triton_step, "torch": torch_step}
     if args.catchup:  # the reference semantics on the GPU: rows behind caught up, then the same kernel
-        from recsys.optim.cowclip_catchup import catch_up
-        from recsys.optim.cowclip_catchup_triton import triton_catch_up_lookup, triton_catch_up_rows
+        from recsys.optim.cowclip.catchup import catch_up
+        from recsys.optim.cowclip.kernels.triton_catchup import triton_catch_up_lookup, triton_catch_up_rows
         from tools.bench_catchup import steady_state_row_step
 
         rs0 = steady_state_row_step(cards, B, args.trained_steps).to(dev)
@@ -251,7 +251,7 @@ def host_time(args) -> dict:
     in between (the new way has none), so it is what the host spends per call."""
     import torch
 
-    from recsys.optim import cowclip_catchup_triton as cct
+    import recsys.optim.cowclip.kernels.triton_catchup as cct
 
     dev = torch.device(args.device)
     cards, B = table_rows(args), args.batch

@@ -88,7 +88,7 @@ try:
     import torchrec; res["torchrec"] = torchrec.__version__
 except Exception as e: res["torchrec"] = f"failed: {type(e).__name__}: {e}"[:400]
 t2 = time.perf_counter()
-from recsys.optim import cowclip_kernel as ck
+import recsys.optim.cowclip.kernels.cpp_op as ck
 res["cowclip_op"] = ck.fused_available(); res["cowclip_op_how"] = ck.fallback_reason()
 res["cowclip_op_s"] = round(time.perf_counter() - t2, 1)
 print(json.dumps(res))

@@ -101,7 +101,7 @@ op_loads() {  # tests/op_check.py: the installed recsys and its prebuilt op, aga
 
 jit_builds() {  # the fallback build, against this stack's torch, in a cache of its own
     RECSYS_CPP_JIT=1 RECSYS_EXT_DIR=$WORK/jit "$PY" -c "
-from recsys.optim import cowclip_kernel as ck
+import recsys.optim.cowclip.kernels.cpp_op as ck
 ck.load_extension(require=True)
 print(ck.fallback_reason(), f'({ck.build_seconds():.1f} s)')
 "

@@ -6,7 +6,7 @@ the batch during backward. Tagging (rather than sharder fused_params) also lets 
 the optimizer state in its memory estimate.
 
 * ``rowwise_adagrad`` / ``adagrad`` / ``sgd``: FBGEMM's fused CPU/GPU kernels.
-* ``cowclip_adam`` / ``adam``: our CowClip-Adam kernel (``recsys/optim/cowclip_sharder.py``); ``adam``
+* ``cowclip_adam`` / ``adam``: our CowClip-Adam kernel (``recsys/optim/cowclip/sharder.py``); ``adam``
   is the same lazy Adam without clipping. The wide/linear tables are not clipped unless
   ``optim.cowclip_wide`` (the paper leaves its dimension-1 tables unclipped).
 * ``fbgemm_cowclip``: FBGEMM's native ``WeightDecayMode.COWCLIP`` on EXACT_ROWWISE_ADAGRAD, fully
@@ -27,8 +27,8 @@ from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
 from recsys.config import OptimConfig, effective_l2_scope
-from recsys.optim.cowclip_sharder import CowClipEmbeddingBagCollectionSharder, tag_cowclip_adam
-from recsys.optim.cowclip_tbe import CowClipHyper
+from recsys.optim.cowclip.sharder import CowClipEmbeddingBagCollectionSharder, tag_cowclip_adam
+from recsys.optim.cowclip.tbe import CowClipHyper
 
 OUR_KERNEL = ("cowclip_adam", "adam")
 

@@ -25,8 +25,8 @@ from recsys.data.source import TRAIN, DataSource, build_source, epoch_order, pre
 from recsys.models.ctr import TrainModule, build_model
 from recsys.optim.dense import DenseLrWarmup, combined_optimizer, dense_optimizer
 from recsys.optim.scaling import effective_optim
-from recsys.optim.cowclip_catchup import catch_up_all_tables
-from recsys.optim.cowclip_sharder import take_update_stats
+from recsys.optim.cowclip.catchup import catch_up_all_tables
+from recsys.optim.cowclip.sharder import take_update_stats
 from recsys.optim.embedding import attach_embedding_optimizer, embedding_sharders
 from recsys.training.checkpoint import Checkpointer, CheckpointError, describe_failure
 from recsys.training.comm_failure import HostLostError, host_lost, register_peers

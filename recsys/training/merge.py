@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from recsys.optim.cowclip_catchup import catch_up_all_tables
+from recsys.optim.cowclip.catchup import catch_up_all_tables
 from recsys.training.distributed import collective_device
 
 log = logging.getLogger(__name__)

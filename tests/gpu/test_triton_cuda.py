@@ -28,7 +28,7 @@ def test_triton_kernel_suite_compiled_on_cuda(tmp_path):
 
 
 def _tbe(device: torch.device):
-    from recsys.optim.cowclip_tbe import CowClipAdamTBE, CowClipHyper
+    from recsys.optim.cowclip.tbe import CowClipAdamTBE, CowClipHyper
 
     hp = CowClipHyper(learning_rate=0.05, l2=1e-3, cowclip_zeta=0.05, update_scope="batch")  # the update op alone
     specs = [(500, 16), (40, 8), (3000, 32)]
@@ -39,8 +39,8 @@ def test_cowclip_tbe_on_cuda_matches_the_cpu_op():
     """Three tables in one TBE, weighted multi-hot bags with repeats, 6 steps: the CUDA TBE
     (FBGEMM's dense CUDA forward, the Triton update in backward) against the same TBE on CPU
     (FBGEMM's CPU forward, the C++ op)."""
-    from recsys.optim import cowclip_triton as ctr
-    from recsys.optim.cowclip_kernel import fused_available
+    import recsys.optim.cowclip.kernels.triton_update as ctr
+    from recsys.optim.cowclip.kernels.cpp_op import fused_available
 
     assert fused_available(), "the C++ CowClip op did not load: nothing to compare against"
     cpu, cuda = _tbe(torch.device("cpu")), _tbe(torch.device("cuda"))

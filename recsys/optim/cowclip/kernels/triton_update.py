@@ -2,7 +2,7 @@
 ``torch.ops.recsys.cowclip_adam_tables_`` (``recsys/optim/csrc/cowclip_adam.cpp``).
 
 ``triton_cowclip_adam_tables`` has exactly the contract of
-``recsys.optim.cowclip_kernel.fused_cowclip_adam_tables`` (same arguments, same in-place effect on the
+``recsys.optim.cowclip.kernels.cpp_op.fused_cowclip_adam_tables`` (same arguments, same in-place effect on the
 flat ``weights``/``momentum1``/``momentum2``/``row_step`` buffers, same int64 [F, 2] result of
 (unique rows, clipped rows) per feature), so the caller picks one by device:
 ``cowclip_update_for(weights.device)``. Per table it is the update of
@@ -49,7 +49,7 @@ from typing import Callable, Iterator
 import torch
 from torch import Tensor
 
-from recsys.optim.cowclip import CowClipAdamState, CowClipStats
+from recsys.optim.cowclip.reference import CowClipAdamState, CowClipStats
 
 # Optional dependency, imported on first use (``_import_triton``), not with this module: importing
 # the TBE must not import triton, because triton fixes interpreter vs compiled mode when it is first
@@ -458,7 +458,7 @@ def cowclip_update_for(device: torch.device | str) -> Callable[..., Tensor] | No
     if dev.type == "cuda":
         return triton_cowclip_adam_tables if triton_available(dev) else None
     if dev.type == "cpu":
-        from recsys.optim.cowclip_kernel import fused_available, fused_cowclip_adam_tables
+        from recsys.optim.cowclip.kernels.cpp_op import fused_available, fused_cowclip_adam_tables
 
         return fused_cowclip_adam_tables if fused_available() else None
     return None
@@ -470,6 +470,6 @@ def cowclip_table_update_for(device: torch.device | str) -> Callable[..., CowCli
     dev = torch.device(device)
     if dev.type == "cuda" and triton_available(dev):
         return triton_cowclip_adam_step
-    from recsys.optim.cowclip_kernel import fused_cowclip_adam_step
+    from recsys.optim.cowclip.kernels.cpp_op import fused_cowclip_adam_step
 
     return fused_cowclip_adam_step

@@ -14,7 +14,7 @@ its rows, with whole rows), so they update in backward. Two sharding types do no
 
 Both run inside backward, in the lookup's exchange node after all of its kernels staged their
 rows, on every rank of the sharding's process group at the same point of the collective order
-(``recsys.optim.cowclip_sharder`` says why that order holds). Every rank knows, from the plan,
+(``recsys.optim.cowclip.sharder`` says why that order holds). Every rank knows, from the plan,
 which tables take part, so ranks that hold none still join.
 """
 
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from recsys.optim.cowclip_tbe import CowClipAdamTBE, StagedRows
+from recsys.optim.cowclip.tbe import CowClipAdamTBE, StagedRows
 
 
 @dataclass(frozen=True)

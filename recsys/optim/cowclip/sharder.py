@@ -1,6 +1,6 @@
 """CowClip-Adam as a drop-in for TorchRec pipelines: one sharder, one per-table tag.
 
-    from recsys.optim.cowclip_sharder import CowClipEmbeddingBagCollectionSharder, tag_cowclip_adam
+    from recsys.optim.cowclip.sharder import CowClipEmbeddingBagCollectionSharder, tag_cowclip_adam
     tag_cowclip_adam(ebc.parameters(), lr=1e-4)                  # which tables, which hyperparameters
     dmp = DistributedModelParallel(model, sharders=[CowClipEmbeddingBagCollectionSharder()], ...)
 
@@ -24,7 +24,7 @@ has nothing left to do for them (it only passes the param group's lr on). Table-
 table-row-wise kernels update in their own backward. Column-wise, table-column-wise and
 data-parallel kernels stage their rows there, and the lookup's exchange node
 (``_ExchangeAfterBackward``) runs the cross-rank exchange and the update right after them, in the
-same backward (``recsys.optim.cowclip_exchange``).
+same backward (``recsys.optim.cowclip.exchange``).
 
 Why a collective inside backward is sound here (gloo matches collectives by their order per
 process group, so every rank of the group must issue them in the same order):
@@ -64,7 +64,7 @@ allocator, ``CowClipAdamTBE(location="managed")``, or ``"host_mapped"`` with the
 ``uvm_host_mapped``; torchrec groups fused and fused_uvm tables together, ``split_by_location``
 cuts CowClip groups by location); ``dense`` for data-parallel. Never ``fused_uvm_caching``: FBGEMM's cache of
 hot weight rows cannot be kept coherent with an update that is not FBGEMM's own backward (see
-``recsys.optim.cowclip_tbe``). torchrec asks a sharder per sharding type, not per table, so the
+``recsys.optim.cowclip.tbe``). torchrec asks a sharder per sharding type, not per table, so the
 untagged tables of these EBCs get the same choice.
 
 Relies on private torchrec 1.8 attributes of the sharding objects (``_grouped_embedding_configs``,
@@ -101,8 +101,8 @@ from torchrec.optim import Adam as TrecAdam
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizer, FusedOptimizerModule
 
-from recsys.optim.cowclip_exchange import ExchangeTable, column_wise_step, data_parallel_step
-from recsys.optim.cowclip_tbe import (
+from recsys.optim.cowclip.exchange import ExchangeTable, column_wise_step, data_parallel_step
+from recsys.optim.cowclip.tbe import (
     COWCLIP_ADAM,
     CowClipAdamTBE,
     CowClipHyper,

@@ -1,7 +1,7 @@
 """The catch-up of rows behind the global step as a Triton kernel: the CUDA twin of the C++ op
 ``torch.ops.recsys.cowclip_catch_up_tables_`` (``update_scope="catchup"``, issue 14).
 
-``recsys/optim/cowclip_catchup.py`` has the math (the block scheme and its measured error bound)
+``recsys/optim/cowclip/catchup.py`` has the math (the block scheme and its measured error bound)
 and the torch version, which CUDA runs used before this kernel: on an H200, 26 tables of 1.3M rows
 (the raw Criteo total), batch 8K, it cost 22x the lazy Triton update per step, a few hundred
 small torch ops per lookup; with this kernel catch-up plus update cost 1.7x (docs/benchmarks.md,
@@ -24,7 +24,7 @@ Two entry points share that row body (``_advance_row``):
   ``row_step`` and its dim.
 
 Rows of several dims share a launch, masked to ``BLOCK_D``. Triton is imported on first use, as in
-``recsys.optim.cowclip_triton``; under ``TRITON_INTERPRET=1`` the kernel runs on CPU tensors, which
+``recsys.optim.cowclip.kernels.triton_update``; under ``TRITON_INTERPRET=1`` the kernel runs on CPU tensors, which
 is how CI checks it against the torch version.
 """
 
@@ -36,7 +36,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from recsys.optim import cowclip_triton as _ct
+import recsys.optim.cowclip.kernels.triton_update as _ct
 
 __all__ = ["triton_catch_up_lookup", "triton_catch_up_rows"]
 
@@ -350,7 +350,7 @@ def triton_catch_up_rows(weights: Tensor, momentum1: Tensor, momentum2: Tensor, 
                          betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, eps_mode: str = "torch",
                          l2: float = 0.0, growth: float = 2.0, max_dim: int | None = None) -> None:
     """Advance rows to global step ``step`` in place, by the block scheme of
-    ``recsys.optim.cowclip_catchup.catch_up``: row i starts at ``weights[elem_offset[i]:+dims[i]]``
+    ``recsys.optim.cowclip.catchup.catch_up``: row i starts at ``weights[elem_offset[i]:+dims[i]]``
     (likewise in the moments) and is current at ``row_step[row_index[i]]``, which becomes ``step``
     (a row already current is left as it is). Rows must be distinct. Everything on one device
     (CUDA, or CPU under ``TRITON_INTERPRET=1``). ``max_dim``: the largest of ``dims`` when the caller

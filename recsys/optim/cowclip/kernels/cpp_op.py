@@ -1,6 +1,6 @@
 """Fused CowClip-Adam embedding backward + update: the C++ CPU op ``torch.ops.recsys.cowclip_adam_step_``
 (``recsys/optim/csrc/cowclip_adam.cpp``), built when the package is installed (else just in time),
-with the torch-ops reference (``recsys.optim.cowclip.cowclip_adam_step``) as the last resort.
+with the torch-ops reference (``recsys.optim.cowclip.reference.cowclip_adam_step``) as the last resort.
 
 ``fused_cowclip_adam_step`` updates ONE table in place, given the FBGEMM-style lookup of the batch
 (``indices`` [L], ``offsets`` [B+1]) and ``grad_output`` [B, D], the gradient of the pooled (summed)
@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from recsys.optim.cowclip import CowClipAdamState, CowClipStats, cowclip_adam_step
+from recsys.optim.cowclip.reference import CowClipAdamState, CowClipStats, cowclip_adam_step
 
 __all__ = [
     "advise_huge_pages",
@@ -361,7 +361,7 @@ def fused_catch_up_tables(
     eps_mode: str = "torch",
     growth: float = 2.0,
 ) -> Tensor:
-    """The catch-up of ``recsys.optim.cowclip_catchup.catch_up`` for every row a lookup reads, in
+    """The catch-up of ``recsys.optim.cowclip.catchup.catch_up`` for every row a lookup reads, in
     place, in one C++ call: rows whose ``row_step`` is behind ``step`` get the block scheme's
     dense L2-only steps up to ``step`` and ``row_step = step``. Buffers and ``feature_meta`` as in
     ``fused_cowclip_adam_tables`` (its clip and grad-column fields are not used). Rows are found,

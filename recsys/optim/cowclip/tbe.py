@@ -1,5 +1,5 @@
 """Table-batched CowClip-Adam embedding bags: the storage, forward and in-backward update that
-the sharded CowClip kernel (``recsys.optim.cowclip_sharder``) wraps.
+the sharded CowClip kernel (``recsys.optim.cowclip.sharder``) wraps.
 
 Why a subclass of FBGEMM's ``DenseTableBatchedEmbeddingBagsCodegen``: it already lays out T
 tables in one flat buffer (``weights``, ``weights_offsets``, ``D_offsets``) and has a CPU and
@@ -12,11 +12,11 @@ Two update modes, chosen by the sharding type (docs/design/cowclip.md section 3)
 
 * ``inline`` (table-wise, row-wise, table-row-wise): the rank sees every sample that touches its
   rows, with full rows, so counts and norms are global already; the update runs in backward,
-  with one call of the fused multi-table C++ op (``recsys.optim.cowclip_kernel``) per group.
+  with one call of the fused multi-table C++ op (``recsys.optim.cowclip.kernels.cpp_op``) per group.
 * ``deferred`` (column-wise, data-parallel): backward only stages per-row gradients and counts;
   the cross-rank exchange (norms of column shards, union of replicas' rows) and the update run
   later in the same backward, in one autograd node of the lookup that runs after every kernel of
-  it (``recsys.optim.cowclip_sharder.CowClipExchangeLookup``, ``recsys.optim.cowclip_exchange``).
+  it (``recsys.optim.cowclip.sharder.CowClipExchangeLookup``, ``recsys.optim.cowclip.exchange``).
   The lookup hands that node's output to the kernels as ``autograd_anchor``; staged rows still
   present at the next forward mean an update was missed, and the forward raises.
 
@@ -49,10 +49,10 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import DenseTableBatchedEmbeddingBagsCodegen
 from torch import Tensor
 
-from recsys.optim.cowclip import CowClipAdamState, _adam_rows, _clip_scale, batch_row_gradients
-from recsys.optim.cowclip_catchup import catch_up, check_catchup_hyper
-from recsys.optim.cowclip_kernel import advise_huge_pages, fused_available, fused_catch_up_tables
-from recsys.optim.cowclip_triton import cowclip_table_update_for, cowclip_update_for, triton_available
+from recsys.optim.cowclip.reference import CowClipAdamState, _adam_rows, _clip_scale, batch_row_gradients
+from recsys.optim.cowclip.catchup import catch_up, check_catchup_hyper
+from recsys.optim.cowclip.kernels.cpp_op import advise_huge_pages, fused_available, fused_catch_up_tables
+from recsys.optim.cowclip.kernels.triton_update import cowclip_table_update_for, cowclip_update_for, triton_available
 
 HUGE_PAGE_MIN_BYTES = 64 << 20  # tables smaller than this stay on whatever pages they got
 # where weights + optimizer state live; the values the sharder maps the plan's kernels to
@@ -81,7 +81,7 @@ class CowClipHyper:
     cowclip_zeta: float = 1e-5
     l2: float = 0.0  # lambda of a Keras l2(lambda) regulariser
     # "catchup" (the default): the reference's dense semantics in O(batch): rows absent for n steps
-    # are advanced by n dense steps when next read (recsys/optim/cowclip_catchup.py; every sharding
+    # are advanced by n dense steps when next read (recsys/optim/cowclip/catchup.py; every sharding
     # type, docs/cowclip.md); the better of the two in the paper-scale grid (docs/large_batch.md).
     # "batch": lazy Adam, only the batch's rows move (L2 on them only; bit-identical rows outside
     # the batch). "all": the dense semantics as a pass over the whole table each step (O(table)
@@ -260,7 +260,7 @@ class _CowClipLookup(torch.autograd.Function):
 
 class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
     """T local table (shards) in one flat buffer, with Adam moments of the same layout and a
-    per-row update counter (lazy Adam's bias-correction step, see ``recsys.optim.cowclip``).
+    per-row update counter (lazy Adam's bias-correction step, see ``recsys.optim.cowclip.reference``).
 
     ``full_dims[t]``: the table's full embedding dim (zeta' uses it; a column shard holds fewer).
     ``clip[t]``: whether table t is clipped. ``mode``: ``inline`` or ``deferred`` (module doc).
@@ -286,8 +286,8 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
         ``None`` forces the per-table path. ``catchup_growth``: block growth of the catch-up
         (``update_scope="catchup"``; 2: O(log gap) blocks, 1: the exact step-by-step iteration).
         ``catchup_op``: how a lookup catches its rows up: ``fused`` (the C++ op, CPU), ``triton``
-        (recsys/optim/cowclip_catchup_triton.py: CUDA, or CPU under ``TRITON_INTERPRET=1``), ``torch``
-        (recsys/optim/cowclip_catchup.py, any device), ``auto`` (fused on CPU, triton on CUDA, where
+        (recsys/optim/cowclip/kernels/triton_catchup.py: CUDA, or CPU under ``TRITON_INTERPRET=1``), ``torch``
+        (recsys/optim/cowclip/catchup.py, any device), ``auto`` (fused on CPU, triton on CUDA, where
         they can run; else torch)."""
         device = torch.device(device or "cpu")
         if location not in STATE_LOCATIONS:
@@ -554,7 +554,7 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
             st.row_step.index_fill_(0, rows, step - 1)
             self.apply_rows(t, rows, g, cnt, add_l2=True)
 
-    # ---- update_scope="catchup" (recsys/optim/cowclip_catchup.py) ------------------------------
+    # ---- update_scope="catchup" (recsys/optim/cowclip/catchup.py) ------------------------------
     def dense_step(self, cache: bool = True) -> int:
         """Global step (updates done) of the catch-up mode; first derived from ``row_step``.
         ``cache=False`` derives it without keeping it: what a state_dict taken before a checkpoint
@@ -592,7 +592,7 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
                                   l2=hp.l2, eps_mode=hp.eps_mode, growth=self.catchup_growth)
             return
         if self.catchup_op == "triton":  # the same in one launch, no host synchronisation
-            from recsys.optim.cowclip_catchup_triton import triton_catch_up_lookup
+            from recsys.optim.cowclip.kernels.triton_catchup import triton_catch_up_lookup
 
             hp = self.hyper
             triton_catch_up_lookup(self.weights, self.momentum1, self.momentum2, self.row_step,
@@ -657,7 +657,7 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
         phys = torch.tensor(self.weights_physical_offsets[: len(self.embedding_specs)], dtype=torch.long, device=dev)
         row_dim = dims[table]
         if self.catchup_op == "triton":
-            from recsys.optim.cowclip_catchup_triton import triton_catch_up_rows
+            from recsys.optim.cowclip.kernels.triton_catchup import triton_catch_up_rows
 
             triton_catch_up_rows(self.weights, self.momentum1, self.momentum2, self.row_step,
                                  phys[table] + (grows - starts[table]) * row_dim, grows, row_dim, step, lr=self.lr,
