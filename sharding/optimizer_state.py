@@ -145,3 +145,19 @@ def table_optimizers(model: nn.Module, fused_params: Mapping[str, Any] | None = 
         except UnknownOptimizerError as e:
             raise UnknownOptimizerError(f"table {c.name}: {e}") from None
     return out
+
+
+def table_bytes(model: nn.Module, fused_params: Mapping[str, Any] | None = None) -> dict[str, int]:
+    """Table name -> bytes of its weights (in its data type) plus the state of the optimizer it
+    trains with, for every embedding table of ``model``: the one count behind the planner's SSD
+    tier, its "does not fit" lines and the plan reports. A table whose optimizer has no known state
+    layout is counted as row-wise Adagrad (one float per row, FBGEMM's usual choice)."""
+    out = {}
+    for c, p in table_parameters(model):
+        try:
+            kind = optimizer_kind(p, fused_params)
+        except UnknownOptimizerError:
+            kind = "rowwise_adagrad"
+        dtype = getattr(c.data_type, "value", str(c.data_type))
+        out[c.name] = weight_bytes(dtype, c.num_embeddings, c.embedding_dim) + state_bytes(kind, c.num_embeddings, c.embedding_dim)
+    return out

@@ -366,3 +366,60 @@ def test_key_value_plan_for_cpu_is_one_line_error(ssd_plan_file):
     kv_key = next(f"modules.{p}.t_0" for p, m in plan.plan.items() if "t_0" in m)
     assert f"plan.json: key '{kv_key}.compute_kernel': 'key_value' keeps the table on SSD with FBGEMM's SSD kernels, " \
            "which run on CUDA only; this plan is for cpu (use fused there, or plan for a cuda topology with an SSD tier)" in problems
+
+
+# ---- one count of a table's bytes: weights plus the state of the optimizer it trains with ----
+def _tagged_ebc(specs: dict[str, tuple[int, int, str]]):
+    """EBC on meta: name -> (rows, dim, optimizer: cowclip | rowwise | none | fp16)."""
+    from torchrec.modules.embedding_configs import DataType
+
+    from recsys import tag_cowclip_adam
+
+    ebc = EmbeddingBagCollection(tables=[
+        EmbeddingBagConfig(name=n, embedding_dim=d, num_embeddings=r, feature_names=[f"f_{n}"],
+                           data_type=DataType.FP16 if opt == "fp16" else DataType.FP32)
+        for n, (r, d, opt) in specs.items()], device=torch.device("meta"))
+    for n, (_, _, opt) in specs.items():
+        w = ebc.embedding_bags[n].weight
+        if opt == "cowclip":
+            tag_cowclip_adam([w], lr=1e-3)
+        elif opt == "rowwise":
+            apply_optimizer_in_backward(RowWiseAdagrad, [w], {"lr": 0.01})
+    return ebc
+
+
+def test_table_bytes_counts_each_tables_own_optimizer_state():
+    """CowClip-Adam keeps two fp32 moments and an int64 step per row (~3x the weights); row-wise
+    Adagrad one float per row; plain SGD nothing; FP16 weights take 2 bytes. Untagged tables take
+    the sharder's fused_params."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    from sharding.optimizer_state import table_bytes
+
+    R, D = 1000, 16
+    ebc = _tagged_ebc({"cow": (R, D, "cowclip"), "ada": (R, D, "rowwise"), "plain": (R, D, "none"),
+                       "fp16_t": (R, D, "fp16")})
+    got = table_bytes(ebc)
+    assert got == {"cow": R * D * 4 + R * D * 8 + R * 8, "ada": R * D * 4 + R * 4, "plain": R * D * 4,
+                   "fp16_t": R * D * 2}
+    with_fp = table_bytes(ebc, {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD})
+    assert with_fp["plain"] == R * D * 4 + R * 4 and with_fp["fp16_t"] == R * D * 2 + R * 4
+    assert with_fp["cow"] == got["cow"]  # the table's own tag wins over the sharder's
+
+
+def test_ssd_tier_is_offered_to_a_cowclip_table_whose_state_does_not_fit():
+    """A table whose weights take 40% of the cluster's usable HBM + host memory: with row-wise
+    Adagrad it fits (no key_value offered); with CowClip-Adam its state makes it ~1.2x of what the
+    cluster holds, so the SSD tier is offered to it. (Counting fp32 weights + 4 B/row for every
+    optimizer, as the planner once did, offered it to neither.)"""
+    from sharding.planner.ssd_tier import TORCHREC_RESERVE
+
+    topo = torchrec_topology(load_topology("dgx-a100-ssd"))
+    usable = (1 - TORCHREC_RESERVE) * sum(d.storage.hbm + d.storage.ddr for d in topo.devices)
+    dim = 128
+    rows = int(0.4 * usable / (dim * 4))
+    planner = TopologyAwarePlanner("dgx-a100-ssd", 512, timeout_seconds=10)
+    ada = planner.constraints_for(_tagged_ebc({"big": (rows, dim, "rowwise"), "small": (1000, 16, "rowwise")}))
+    cow = planner.constraints_for(_tagged_ebc({"big": (rows, dim, "cowclip"), "small": (1000, 16, "rowwise")}))
+    assert "key_value" not in ada["big"].compute_kernels
+    assert "key_value" in cow["big"].compute_kernels and "key_value" not in cow["small"].compute_kernels

@@ -40,9 +40,4 @@ def default_constraints(module: nn.Module, compute_device: str, sharding_types: 
         kernels.append("dense")
     ssd = set(key_value_tables) if compute_device == "cuda" else set()
     return {name: ParameterConstraints(sharding_types=types, compute_kernels=kernels + list(SSD_KERNELS) if name in ssd else kernels)
-            for name in table_bytes(module)}
-
-
-def table_bytes(module: nn.Module) -> dict[str, int]:
-    """Table -> weights + row-wise optimizer state bytes (fp32)."""
-    return {c.name: c.num_embeddings * c.embedding_dim * 4 + c.num_embeddings * 4 for c in table_configs(module)}
+            for name in (c.name for c in table_configs(module))}

@@ -55,7 +55,7 @@ import dataclasses
 import logging
 import math
 import os
-from typing import Mapping
+from typing import Any, Mapping
 
 import numpy as np
 from torch import nn
@@ -80,7 +80,8 @@ from sharding.planner.cache_sizing import DEFAULT_TARGET_HIT_RATE, apply_cache_s
 from sharding.compat import keep_zero_capacities
 from sharding.constants import DEFAULT_LOAD_FACTOR, MAX_CACHE_LOAD_FACTOR, MODEL_PARALLEL_TYPES, SSD_KERNELS
 from sharding.planner.cost.model import TopologyCostModel
-from sharding.planner.constraints import default_constraints, merge_constraints, table_bytes
+from sharding.optimizer_state import table_bytes
+from sharding.planner.constraints import default_constraints, merge_constraints
 from sharding.planner.enumerators import DEFAULT_COLUMN_SPLITS, TopologyEnumerator, finer_column_splits
 from sharding.planner.partitioners import TopologyPartitioner, refine_placement
 from sharding.planner.cost.perf_model import CachedPerfModel
@@ -254,11 +255,15 @@ class TopologyAwarePlanner(EmbeddingShardingPlanner):
         """The sharding options of the latest plan (torchrec's planner keeps them as its best plan)."""
         return None if self.last_planner is None else self.last_planner._best_plan
 
-    def constraints_for(self, module: nn.Module) -> dict[str, ParameterConstraints]:
+    def constraints_for(self, module: nn.Module, fused_params: Mapping[str, Any] | None = None
+                        ) -> dict[str, ParameterConstraints]:
         """The constraints a plan of ``module`` uses: the planner's defaults for every table,
-        merged per table with the user's (``merge_constraints``), plus measured cache statistics."""
+        merged per table with the user's (``merge_constraints``), plus measured cache statistics.
+        The SSD tier is offered to the tables that HBM and host memory cannot hold, each counted
+        with the state of the optimizer it trains with (``fused_params``: the sharders', for
+        tables the model does not tag)."""
         types = [t for t in MODEL_PARALLEL_TYPES if self.hosts == 1 or t != "table_row_wise"]
-        ssd = key_value_tables(table_bytes(module), self.torchrec_topology)
+        ssd = key_value_tables(table_bytes(module, fused_params), self.torchrec_topology)
         merged = merge_constraints(default_constraints(module, self.cluster.compute_device, types, ssd), self.user_constraints)
         if self.cache_stats:
             apply_cache_stats(merged, self.cache_stats, self.target_hit_rate)
@@ -269,7 +274,8 @@ class TopologyAwarePlanner(EmbeddingShardingPlanner):
         with host-local placements; ``collective_plan`` moves them to the caller's host)."""
         # torchrec's planner, configured through its constructor for this model: our enumerator
         # (holding this model's constraints), partitioner, perf model, proposers and callbacks
-        self.constraints = self.constraints_for(module)
+        fused_params = sharders_fused_params(sharders)
+        self.constraints = self.constraints_for(module, fused_params)
         args = self._torchrec_planner_args(self.constraints)
         self.last_enumerator = args["enumerator"]
         self.last_planner = EmbeddingShardingPlanner(**args)
@@ -280,7 +286,8 @@ class TopologyAwarePlanner(EmbeddingShardingPlanner):
         except ModelDoesNotFitError:
             raise
         except PlannerError as e:
-            raise ModelDoesNotFitError(fit_message(self.cluster, module, self.torchrec_topology, e)) from None
+            raise ModelDoesNotFitError(
+                fit_message(self.cluster, module, self.torchrec_topology, e, fused_params)) from None
         self.search_space = self.last_enumerator.last_search_space
         # The number the search minimised, for the plan it returns: the same function and inputs
         # as `recsys-plan show --topology` (sharding/planner/cost/plan_cost.py), so the two always agree.
@@ -409,10 +416,21 @@ def _gib(n: float) -> str:
     return f"{n / GIB:,.1f} GiB"
 
 
-def fit_message(cluster: ClusterTopology, module: nn.Module, topo: Topology, err: Exception) -> str:
-    """One line: what the model needs, what the cluster has (its SSD tier too), the largest
-    tables, what would fit."""
-    tables = table_bytes(module)
+def sharders_fused_params(sharders: list[ModuleSharder[nn.Module]] | None) -> dict[str, Any]:
+    """The fused params the sharders give tables the model does not tag (the first sharder that
+    has any: torchrec applies one sharder's per module type, and models here hold one kind)."""
+    for sh in sharders or []:
+        fp = getattr(sh, "fused_params", None)
+        if fp:
+            return dict(fp)
+    return {}
+
+
+def fit_message(cluster: ClusterTopology, module: nn.Module, topo: Topology, err: Exception,
+                fused_params: Mapping[str, Any] | None = None) -> str:
+    """One line: what the model needs (weights plus each table's real optimizer state), what the
+    cluster has (its SSD tier too), the largest tables, what would fit."""
+    tables = table_bytes(module, fused_params)
     need = sum(tables.values())
     top = sorted(tables.items(), key=lambda kv: (-kv[1], kv[0]))[:3]
     w = cluster.world_size
