@@ -68,11 +68,15 @@ def test_show_topology_text_json_and_errors(report16, tmp_path):
 
     plan, _ = report16
     r = tool("show", str(plan), "--topology", TOPO)
-    assert r.returncode == 0 and "critical: rank " in r.stdout and "network ms" in r.stdout
+    # one step model: the planner's (its slowest rank), then the bytes by link kind, no second time
+    assert r.returncode == 0 and re.search(r"modeled step [0-9.]+ ms \(slowest rank \d+: ", r.stdout)
+    assert "traffic by link kind" in r.stdout and "network ms" not in r.stdout and "critical: rank" not in r.stdout
     rep = json.loads(tool("show", str(plan), "--topology", str(REPO / "configs/topologies/dgx-a100-2host.yaml"), "--format", "json").stdout)
     tr = rep["traffic"]
-    assert len(tr["ranks"]) == 16 and tr["critical"]["rank"] in range(16)
-    assert max(tr["ranks"], key=lambda x: x["total_s"])["rank"] == tr["critical"]["rank"]
+    assert len(tr["ranks"]) == 16 and "critical" not in tr and all("total_s" not in x for x in tr["ranks"])
+    # bytes by link kind add up to what each rank sends; the step's times are the planner's
+    assert all(sum(x["sent_bytes_by_link"].values()) == x["sent_bytes"] for x in tr["ranks"])
+    assert rep["modeled_step"]["step_time_ms"] > 0 and len(rep["modeled_step"]["rank_time_ms"]) == 16
     assert "traffic" not in json.loads(tool("show", str(plan), "--format", "json").stdout)  # unchanged without --topology
     out = tmp_path / "r.html"
     for args, msg in ((["--format", "html"], "needs --out"), (["--topology", "dgx-a100", "--out", str(out)], "8 ranks"),
@@ -129,8 +133,7 @@ def test_traffic_row_wise_and_data_parallel_by_hand():
     assert tr.bwd.tolist() == [[0, 32768 + 1600], [32768 + 1600, 0]]
 
 
-def test_topology_time_model_on_two_cpu_ranks():
-    from sharding.topology.bandwidth import pair_bandwidth
+def test_topology_bytes_by_link_on_two_cpu_ranks():
     from sharding.topology.cluster import load_topology
 
     topo = load_topology("cpu-gloo")
@@ -139,11 +142,10 @@ def test_topology_time_model_on_two_cpu_ranks():
     infos = plan_report.table_infos(plan, header)
     rep = plan_report.report(plan, header)
     tr = plan_traffic.apply_topology(plan_traffic.traffic(infos, 2, 512), topo, infos, rep["ranks"])
-    for r in (0, 1):
-        assert tr.comm_s["shm"][r] == pytest.approx(45056 / pair_bandwidth(topo, r, 1 - r))
-        assert tr.comm_s["network"][r] == tr.comm_s["nvlink"][r] == 0
-    assert tr.critical["rank"] == int(tr.total_s.argmax())
-    assert tr.critical["why"].startswith(f"rank {tr.critical['rank']}: ")
+    for r in (0, 1):  # two CPU ranks of one host talk through shared memory only
+        assert tr.bytes_by_kind["shm"][r] == tr.sent[r] == 45056
+        assert tr.bytes_by_kind["network"][r] == tr.bytes_by_kind["nvlink"][r] == tr.bytes_by_kind["pcie"][r] == 0
+    assert not hasattr(tr, "critical") and not hasattr(tr, "total_s")  # times are the planner's alone
     from sharding.plan.html import render_html
 
     text = render_html(rep, tr, topo)

@@ -1,11 +1,11 @@
 """`recsys-plan show --format html --topology T` shows the planner's modelled step (the same
-PlanCost as the text report, sharding/planner/cost/plan_cost.py), not plan_traffic's pairwise seconds, and an
-SSD column for plans with key_value tables (FBGEMM's SSD kernel) only.
+PlanCost as the text report, sharding/planner/cost/plan_cost.py), the only step time of every
+report, and an SSD column for plans with key_value tables (FBGEMM's SSD kernel) only.
 
 The plans are written by hand (no planner run): on dgx-a100-ssd, a 6e9 x 128 key_value table on
-rank 3 and a wide fused table on rank 5. plan_traffic assumes every key_value lookup hits the HBM
-cache, so its critical rank is rank 5 (the widest pooled outputs); the planner's model charges
-rank 3 for its SSD misses, so its bottleneck is rank 3. The report must follow the planner.
+rank 3 and a wide fused table on rank 5. Rank 5 sends the most bytes (the widest pooled outputs);
+the planner's model charges rank 3 for its SSD misses, so its bottleneck is rank 3, and the
+report's critical rank is rank 3.
 """
 
 from __future__ import annotations
@@ -132,10 +132,10 @@ def ssd_page():
     return rendered(plan_dict(ssd=True), "dgx-a100-ssd")
 
 
-def test_html_shows_the_planners_step_not_the_pairwise_view(ssd_page):
+def test_html_shows_the_planners_step(ssd_page):
     text, cost, tr = ssd_page
-    # the plan is made so that the two models disagree on the critical rank
-    assert cost.bottleneck_rank == KV_RANK and tr.critical["rank"] == WIDE_RANK
+    # the plan is made so that the most bytes and the slowest rank differ: the report follows the model
+    assert cost.bottleneck_rank == KV_RANK and int(tr.sent.argmax()) == WIDE_RANK
     line = step_line(cost)
     assert re.fullmatch(STEP_RE, line) and line in text  # no character in it needs escaping
     assert f"modeled step {cost.step_time * 1e3:.4f} ms (slowest rank {KV_RANK}:" in text
@@ -205,7 +205,7 @@ def test_plan_without_key_value_tables_has_no_ssd_column():
     assert step_line(cost) in text
 
 
-def test_without_a_cost_the_report_is_as_before():
+def test_without_a_cost_the_report_has_bytes_and_no_times():
     d = plan_dict(ssd=True)
     plan, header = plan_io.plan_from_dict(d)
     rep = plan_report.report(plan, header)
@@ -216,8 +216,10 @@ def test_without_a_cost_the_report_is_as_before():
     assert column(sections(text)["Ranks"], "SSD")[KV_RANK] == gb(SSD_BYTES)
     topo = load_topology("dgx-a100-ssd")
     tr = plan_traffic.apply_topology(plan_traffic.traffic(infos, W, B), topo, infos, rep["ranks"])
-    old = render_html(rep, tr, topo)  # a caller without the cost: plan_traffic's pairwise view, labelled
-    assert "compute ms" in sections(old)["Ranks"][0] and "(pairwise view)" in old and "modeled step" not in old
+    page = render_html(rep, tr, topo)  # a caller with a topology but no cost: still no second time model
+    heads = sections(page)["Ranks"][0]
+    assert "no modeled step given" in page and "modeled step " not in page.replace("no modeled step given", "")
+    assert not any(h.endswith(" ms") for h in heads) and "sent / step" in heads
 
 
 def test_show_html_prints_the_text_reports_step(tmp_path):

@@ -114,7 +114,7 @@ def test_make_with_topology_from_nvidia_smi_text(tmp_path):
     imported = tmp_path / "p.topology.yaml"
     assert plan["meta"]["topology"] == str(imported) and imported.is_file()
     shown = tool("show", str(out), "--topology", str(imported))
-    assert shown.returncode == 0 and "critical: rank" in shown.stdout
+    assert shown.returncode == 0 and "(slowest rank " in shown.stdout and "traffic by link kind" in shown.stdout
     bad = tmp_path / "bad.txt"
     bad.write_text(SHARED_TOPO.read_text().replace("NV18", "NVX", 1))
     r = tool("make", "--config", DEMO, "--topology", str(bad), "--out", str(tmp_path / "q.json"))

@@ -10,13 +10,12 @@ chart), a rank x rank traffic heatmap (bytes per step, forward + backward), the 
 tables on each GPU, and the per-table, per-rank and per-host tables (an SSD column only for plans
 with key_value tables, as in the text report).
 
-Two models, each for what it is good at. Times come from the planner's own cost model
-(:class:`sharding.planner.cost.model.PlanCost`, via :func:`sharding.planner.cost.plan_cost.modeled_step`): the step it
-minimised, each rank's lookup / host io / ssd io / collective split, and every collective phase's
-busiest directed link; the same numbers as ``recsys-plan show --topology`` prints. Bytes come from
-``sharding/planner/cost/traffic.py`` (heatmap, sent / received / lookups per rank, host and PCIe switch
-loads): where traffic goes. Its pairwise seconds are not the plan's step and are shown only when a
-caller passes a topology but no cost (the report as it was before the cost model).
+Times come from one model, the planner's own (:class:`sharding.planner.cost.model.PlanCost`, via
+:func:`sharding.planner.cost.plan_cost.modeled_step`): the step it minimised, each rank's lookup /
+host io / ssd io / collective split, and every collective phase's busiest directed link; the same
+numbers as ``recsys-plan show --topology`` prints. Bytes come from
+``sharding/planner/cost/traffic.py`` (heatmap, sent / received / lookups per rank, host and PCIe
+switch loads): where traffic goes. Without a cost the report has no times.
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ import numpy as np
 from sharding.planner.cost.model import PlanCost
 from sharding.planner.cost.plan_cost import step_line
 from sharding.plan.report import has_ssd
-from sharding.planner.cost.traffic import LINK_KINDS, LINK_LABELS, Traffic
+from sharding.planner.cost.traffic import Traffic
 
 WIDTH = 1200  # drawing width inside a 1280 px window
 
@@ -333,23 +332,21 @@ def render_html(report: dict[str, Any], traffic: Traffic, topology=None, cost: P
             tables_by_rank.setdefault(s["rank"], [])
             if t["table"] not in tables_by_rank[s["rank"]]:
                 tables_by_rank[s["rank"]].append(t["table"])
-    crit = traffic.critical
-    crit_rank = cost.bottleneck_rank if cost is not None else (crit["rank"] if crit else None)
+    crit_rank = cost.bottleneck_rank if cost is not None else None
     summary = [f"<b>{_e(len(report['tables']))}</b> tables on <b>{_e(W)}</b> ranks, compute device <b>{_e(report['compute_device'])}</b>; "
                f"batch {_e(traffic.batch_size_per_rank)} per rank, pooling factor 1."]
     if meta:
         summary.append("plan: " + _e(", ".join(f"{k}={v}" for k, v in meta.items() if v not in (None, "", [], 0.0))))
-    if topology is not None and (cost is not None or crit):
+    if topology is not None:
         summary.append(f"topology <b>{_e(topology.name or topology.source)}</b>: {_e(len(topology.hosts))} host(s) x {_e(topology.local_world_size)} GPUs.")
     if cost is not None:
         summary.append(f'<span class="step">{_e(step_line(cost))}</span>, batch {_e(traffic.batch_size_per_rank)} per rank '
                        "(the planner's model, sharding/planner/cost/model.py: the step it minimised)")
         summary.append(f'<span class="crit">critical rank: {_e(critical_why(cost, ssd_time))}</span>')
-    elif topology is not None and crit:
-        summary.append(f'<span class="crit">critical rank: {_e(crit["why"])}</span>')
     else:
         busiest = int(np.argmax(traffic.sent)) if W else 0
-        summary.append(f"no topology given (use --topology): no modeled times; rank {busiest} sends the most, "
+        why = "no topology given (use --topology)" if topology is None else "no modeled step given"
+        summary.append(f"{why}: no modeled times; rank {busiest} sends the most, "
                        f"{_e(_bytes(float(traffic.sent[busiest]) if W else 0))} per step.")
     parts = [
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
@@ -399,16 +396,13 @@ def _tables_table(report: dict[str, Any], ssd: bool) -> str:
 
 def _ranks_table(report: dict[str, Any], traffic: Traffic, topology, cost: PlanCost | None, ssd: bool, ssd_time: bool,
                  crit_rank: int | None) -> str:
-    """Per rank: memory, plan_traffic's bytes (where traffic goes) and, with a cost, the planner's
-    per-rank times; with a topology but no cost, plan_traffic's pairwise seconds as before."""
+    """Per rank: memory, the traffic view's bytes (where traffic goes) and, with a cost, the
+    planner's per-rank times."""
     heads = ["rank", "tables", "HBM", "host"] + (["SSD"] if ssd else []) + ["sent / step", "received / step", "lookups / step"]
-    timed = cost is not None or traffic.compute_s is not None
-    caps = timed and topology is not None and topology.world_size == report["world_size"]
+    caps = cost is not None and topology is not None and topology.world_size == report["world_size"]
     heads += ["HBM cap"] if caps else []
     if cost is not None:
         heads += ["lookup ms", "host io ms"] + (["ssd io ms"] if ssd_time else []) + ["comm ms", "total ms"]
-    elif timed:
-        heads += ["compute ms"] + [f"{LINK_LABELS[k]} ms" for k in LINK_KINDS] + ["total ms"]
     rrows, classes = [], []
     for r in report["ranks"]:
         i = r["rank"]
@@ -420,9 +414,6 @@ def _ranks_table(report: dict[str, Any], traffic: Traffic, topology, cost: PlanC
         if cost is not None:
             row += [_ms(cost.lookup[i]), _ms(cost.host_io[i])] + ([_ms(cost.ssd_io[i])] if ssd_time else [])
             row += [_ms(cost.comm[i]), _ms(cost.rank_time[i])]
-        elif timed:
-            row.append(_ms(traffic.compute_s[i]))
-            row += [_ms(traffic.comm_s[k][i]) for k in LINK_KINDS] + [_ms(traffic.total_s[i])]
         rrows.append(row)
         classes.append("critical" if crit_rank == i else "")
     return _table(heads, rrows, row_class=classes)
@@ -434,7 +425,7 @@ def _hosts_table(traffic: Traffic) -> str:
     ssd = any(h.get("ssd_bytes") or h.get("ssd_capacity") for h in traffic.hosts)
     hrows = []
     for h in traffic.hosts:
-        sw = ", ".join(f"{s['switch']}: {_bytes(s['bytes_per_step'])} ({s['uplink_s'] * 1e3:.4f} ms at uplink rate)" for s in h["pcie_switches"]) or "-"
+        sw = ", ".join(f"{s['switch']}: {_bytes(s['bytes_per_step'])}" for s in h["pcie_switches"]) or "-"
         hrows.append([h["host"], h["name"], _ranks(h["ranks"]), f"{_mb(h['hbm_bytes'])} / {_mb(h['hbm_capacity'])}",
                       f"{_mb(h['host_bytes'])} / {_mb(h['host_capacity'])}"]
                      + ([f"{_mb(h.get('ssd_bytes', 0))} / {_mb(h.get('ssd_capacity', 0))}"] if ssd else []) + [sw])

@@ -1,7 +1,10 @@
-"""A simple traffic and time model of one training step of a sharding plan.
+"""Where a sharding plan's bytes go in one training step: between ranks, by link kind, through
+each PCIe switch, and into each host's memory.
 
-What it is for: reading a plan (`recsys-plan show`), not planning. Every number is per step and
-comes from the plan file alone (plus a topology for seconds); nothing is measured.
+What it is for: reading a plan (`recsys-plan show`), not planning. Every number is bytes per step
+and comes from the plan file alone (plus a topology for the link kinds and hosts); nothing is
+measured, and no time is computed here: the step's times in every report are the planner's model
+(``sharding/planner/cost/plan_cost.py``), so that a plan has one step time wherever it is read.
 
 Inputs: the plan's tables and shards (:func:`sharding.plan.report.table_infos`), ``B`` = the
 batch size per rank (the plan's ``meta.batch_size_per_rank``, default 512) and a pooling factor of
@@ -27,20 +30,15 @@ output came, ``bwd = fwd_pooled.T`` (the ids are not sent again). DP tables all-
 gradient (``rows * cols * 4`` bytes) in a ring over their ranks: each rank sends
 ``2 * (n - 1) / n * table bytes`` to its ring successor.
 
-Compute: a shard owner looks up every id routed to it, ``lookups * c * 4`` bytes read forward
-and the same written backward (``2 * lookups * c * 4``), at its HBM bandwidth (``fused`` /
-``dense``), or at its host-to-GPU bandwidth for ``fused_uvm`` (rows in host memory), or the HBM
-bandwidth for ``fused_uvm_caching`` and ``key_value`` (all hits assumed: the SSD traffic of a
-key_value table's misses is the planner's model, ``sharding/planner/cost/model.py``, printed above this
-view; here each host lists its SSD bytes against its SSD tier). Lookups per step: ``W * B`` for a column
-shard, ``W * B * rows_s / rows`` for a row shard, ``B`` for a DP replica.
+Lookups: a shard owner looks up every id routed to it, ``lookups * c * 4`` bytes read forward
+and the same written backward (``compute_bytes = 2 * lookups * c * 4``), from host memory for
+``fused_uvm`` (``uvm_bytes``). Lookups per step: ``W * B`` for a column shard,
+``W * B * rows_s / rows`` for a row shard, ``B`` for a DP replica.
 
-Time per rank (with a topology): ``comm = sum over peers p of (fwd[r, p] + bwd[r, p]) /
-pair_bandwidth(r, p)`` (the all-to-all view: links shared by the ranks that use them at once),
-split by link kind of the pair's path (:func:`sharding.topology.bandwidth.pair_path`): NVLink, PCIe,
-network (another host), or shared memory (CPU ranks); ``total = compute + comm`` (no overlap).
-The critical rank is the one with the largest total; "why" names its dominant term (compute, or
-one link kind towards one host).
+With a topology (:func:`apply_topology`): each rank's sent bytes split by the link kind of the
+pair's path (:func:`sharding.topology.bandwidth.pair_path`): NVLink, PCIe, network (another host),
+or shared memory (CPU ranks); the bytes crossing each PCIe switch (peer traffic and UVM reads);
+each host's memory against its capacity.
 """
 
 from __future__ import annotations
@@ -74,11 +72,7 @@ class Traffic:
     uvm_bytes: np.ndarray  # [W] of compute_bytes, those read from / written to host memory (fused_uvm)
     # filled by apply_topology
     topology: str | None = None
-    compute_s: np.ndarray | None = None  # [W]
-    comm_s: dict[str, np.ndarray] = field(default_factory=dict)  # kind -> [W] seconds
     bytes_by_kind: dict[str, np.ndarray] = field(default_factory=dict)  # kind -> [W] bytes sent
-    terms: list[dict[tuple[str, int | None], float]] = field(default_factory=list)  # per rank
-    critical: dict[str, Any] | None = None
     hosts: list[dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -93,12 +87,6 @@ class Traffic:
     def received(self) -> np.ndarray:
         return self.total.sum(axis=0)
 
-    @property
-    def total_s(self) -> np.ndarray | None:
-        if self.compute_s is None:
-            return None
-        return self.compute_s + sum(self.comm_s.values())
-
     def to_dict(self) -> dict[str, Any]:
         ranks = []
         for r in range(self.world_size):
@@ -106,11 +94,8 @@ class Traffic:
                 "rank": r, "sent_bytes": int(self.sent[r]), "received_bytes": int(self.received[r]),
                 "lookups": int(self.lookups[r]), "compute_bytes": int(self.compute_bytes[r]),
             }
-            if self.compute_s is not None:
-                d["compute_s"] = float(self.compute_s[r])
-                d["comm_s"] = {k: float(v[r]) for k, v in self.comm_s.items()}
+            if self.bytes_by_kind:
                 d["sent_bytes_by_link"] = {k: int(v[r]) for k, v in self.bytes_by_kind.items()}
-                d["total_s"] = float(self.total_s[r])
             ranks.append(d)
         out: dict[str, Any] = {
             "model": "see sharding/planner/cost/traffic.py", "batch_size_per_rank": self.batch_size_per_rank,
@@ -119,7 +104,6 @@ class Traffic:
         }
         if self.topology is not None:
             out["topology"] = self.topology
-            out["critical"] = self.critical
             out["hosts"] = self.hosts
         return out
 
@@ -211,17 +195,14 @@ def _link_switch(topo, name: str, default_host: int) -> tuple[int, str] | None:
 
 
 def apply_topology(tr: Traffic, topo, infos: list[TableInfo] | None = None, rank_memory: list[dict] | None = None) -> Traffic:
-    """Seconds per rank, split by link kind, the critical rank and why, and per-host loads."""
-    from sharding.topology.bandwidth import host_to_gpu_bandwidth, pair_bandwidth, pair_path
+    """Bytes per rank by link kind, per PCIe switch and per host (memory against capacity)."""
+    from sharding.topology.bandwidth import pair_path
 
     W = tr.world_size
     if topo.world_size != W:
         raise ValueError(f"topology {topo.name or topo.source}: {topo.world_size} ranks, the plan has {W}")
     tr.topology = topo.name or topo.source
-    tr.comm_s = {k: np.zeros(W) for k in LINK_KINDS}
     tr.bytes_by_kind = {k: np.zeros(W) for k in LINK_KINDS}
-    tr.compute_s = np.zeros(W)
-    tr.terms = [dict() for _ in range(W)]
     switch_bytes: dict[tuple[int, str], float] = {}
     total = tr.total
     for a in range(W):
@@ -230,38 +211,14 @@ def apply_topology(tr: Traffic, topo, infos: list[TableInfo] | None = None, rank
             if a == b or total[a, b] == 0:
                 continue
             path = pair_path(topo, a, b)
-            kind = link_kind(topo, a, b, path)
-            secs = total[a, b] / pair_bandwidth(topo, a, b)
-            tr.comm_s[kind][a] += secs
-            tr.bytes_by_kind[kind][a] += total[a, b]
-            key = (kind, topo.locate(b)[0])
-            tr.terms[a][key] = tr.terms[a].get(key, 0.0) + secs
+            tr.bytes_by_kind[link_kind(topo, a, b, path)][a] += total[a, b]
             for sw in {x for x in (_link_switch(topo, link.name, ha) for link in path) if x is not None}:
                 switch_bytes[sw] = switch_bytes.get(sw, 0.0) + total[a, b]
     for r in range(W):
         h, i = topo.locate(r)
         g = topo.hosts[h].gpus[i]
-        uvm = tr.uvm_bytes[r]
-        mem_bw = g.hbm_bw if topo.compute_device == "cuda" else pair_bandwidth(topo, r, r)
-        secs = (tr.compute_bytes[r] - uvm) / mem_bw
-        if uvm:
-            secs += uvm / host_to_gpu_bandwidth(topo, r)
-            if g.pcie_switch is not None:
-                switch_bytes[(h, g.pcie_switch)] = switch_bytes.get((h, g.pcie_switch), 0.0) + uvm
-        tr.compute_s[r] = secs
-        tr.terms[r][("compute", None)] = secs
-    tot = tr.total_s
-    crit = int(np.argmax(tot))
-    key, secs = max(tr.terms[crit].items(), key=lambda kv: kv[1])
-    share = secs / tot[crit] if tot[crit] > 0 else 0.0
-    if key[0] == "compute":
-        what = "embedding lookups (compute)"
-    else:
-        what = f"{LINK_LABELS[key[0]]} all-to-all to host {key[1]} ({topo.hosts[key[1]].name})"
-    tr.critical = {
-        "rank": crit, "total_s": float(tot[crit]), "dominant": key[0], "dominant_host": key[1], "share": float(share),
-        "why": f"rank {crit}: {share:.0%} of its {tot[crit] * 1e3:.3f} ms per step (pairwise view) is {what}",
-    }
+        if tr.uvm_bytes[r] and g.pcie_switch is not None:
+            switch_bytes[(h, g.pcie_switch)] = switch_bytes.get((h, g.pcie_switch), 0.0) + tr.uvm_bytes[r]
     tr.hosts = []
     for h, host in enumerate(topo.hosts):
         rs = [topo.rank(h, i) for i in range(len(host.gpus))]
@@ -278,8 +235,7 @@ def apply_topology(tr: Traffic, topo, infos: list[TableInfo] | None = None, rank
             "ssd_bytes": mem["ssd_bytes"], "ssd_capacity": host.ssd_bytes,
             "pcie_switches": [
                 {"switch": s.name, "numa": s.numa, "gpus": [topo.rank(h, i) for i in s.gpus],
-                 "bytes_per_step": int(switch_bytes.get((h, s.name), 0.0)),
-                 "uplink_s": switch_bytes.get((h, s.name), 0.0) / s.uplink_bw}
+                 "bytes_per_step": int(switch_bytes.get((h, s.name), 0.0))}
                 for s in host.pcie_switches
             ],
         })
@@ -287,13 +243,13 @@ def apply_topology(tr: Traffic, topo, infos: list[TableInfo] | None = None, rank
 
 
 def format_text(tr: Traffic) -> str:
-    """The modeled time per rank and the critical rank (needs :func:`apply_topology`)."""
-    lines = [f"traffic by link kind on {tr.topology} (batch {tr.batch_size_per_rank} per rank; pairwise view of "
-             "sharding/planner/cost/traffic.py: bytes / pair bandwidth, no latency; the plan's step is the planner's, above)",
-             f"{'rank':<6} {'sent':>12} {'compute ms':>11} " + " ".join(f"{LINK_LABELS[k] + ' ms':>11}" for k in LINK_KINDS) + f" {'total ms':>10}"]
+    """Bytes per rank by link kind, per host and per PCIe switch (needs :func:`apply_topology`)."""
+    lines = [f"traffic by link kind on {tr.topology} (MB per step, forward + backward, batch {tr.batch_size_per_rank} "
+             "per rank; sharding/planner/cost/traffic.py; the step's times are the planner's, above)",
+             f"{'rank':<6} {'sent MB':>10} " + " ".join(f"{LINK_LABELS[k]:>13}" for k in LINK_KINDS) + f" {'lookups':>10}"]
     for r in range(tr.world_size):
-        lines.append(f"{r:<6} {tr.sent[r] / 2**20:>9,.2f} MB {tr.compute_s[r] * 1e3:>11.4f} "
-                     + " ".join(f"{tr.comm_s[k][r] * 1e3:>11.4f}" for k in LINK_KINDS) + f" {tr.total_s[r] * 1e3:>10.4f}")
+        lines.append(f"{r:<6} {tr.sent[r] / 2**20:>10,.2f} "
+                     + " ".join(f"{tr.bytes_by_kind[k][r] / 2**20:>13,.2f}" for k in LINK_KINDS) + f" {tr.lookups[r]:>10,.0f}")
     for h in tr.hosts:
         loads = ", ".join(f"{s['switch']} {s['bytes_per_step'] / 2**20:,.1f} MB" for s in h["pcie_switches"])
         ssd = (f", SSD {h['ssd_bytes'] / 2**30:,.2f} / {h['ssd_capacity'] / 2**30:,.0f} GB"
@@ -301,5 +257,4 @@ def format_text(tr: Traffic) -> str:
         lines.append(f"host {h['host']} ({h['name']}): HBM {h['hbm_bytes'] / 2**30:,.2f} / {h['hbm_capacity'] / 2**30:,.0f} GB, "
                      f"host {h['host_bytes'] / 2**30:,.2f} / {h['host_capacity'] / 2**30:,.0f} GB{ssd}"
                      + (f"; PCIe switch load per step: {loads}" if loads else ""))
-    lines.append(f"critical: {tr.critical['why']}")
     return "\n".join(lines)
