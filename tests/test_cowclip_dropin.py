@@ -1,4 +1,4 @@
-"""CowClip-Adam as a drop-in inside a stock TorchRec training loop (issue 12, item 1).
+"""CowClip-Adam as a drop-in inside a stock TorchRec training loop.
 
 A stock ``torchrec.models.dlrm.DLRM`` (through ``DLRMTrain``), sharded by
 ``DistributedModelParallel`` with ``CowClipEmbeddingBagCollectionSharder``, one CowClip table per

@@ -1,4 +1,4 @@
-"""Run integrity, data and config side (issue 13): never train on stale data, and every broken
+"""Run integrity, data and config side: never train on stale data, and every broken
 input stops `recsys train` before any worker starts with one line naming the file, exit 2, and
 nothing half-written (a cache directory is complete or absent, no temp directory stays).
 

@@ -1,4 +1,4 @@
-"""Run integrity (issue 13): run directories own their runs, no orphaned workers, resume only what
+"""Run integrity: run directories own their runs, no orphaned workers, resume only what
 is compatible, broken checkpoints and full disks. Real `recsys train` launches (torchrun, gloo,
 DMP, FBGEMM) on configs/experiments/smoke.yaml with tiny step counts; the unit tests at the top
 need no processes."""

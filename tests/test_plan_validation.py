@@ -1,4 +1,4 @@
-"""Plans are validated for real (issue 13 row 7, issue 12 "recsys-plan for any model"): one check
+"""Plans are validated for real, for any model: one check
 of sharding types, kernels, shards and ranks shared by `recsys-plan validate`/`show`, load_plan and
 the pre-launch check of `recsys train`; plan files carry each table's optimizer state, so memory
 figures need no model and count CowClip-Adam, row-wise Adagrad and SGD state as they really are."""
@@ -230,7 +230,7 @@ def smoke_plan(tmp_path_factory):
     return out
 
 
-ISSUE_CASES = {  # issue 13 row 7, on the smoke model's t_C1 (100 rows, dim 8)
+ISSUE_CASES = {  # broken plans, on the smoke model's t_C1 (100 rows, dim 8)
     "diagonal_wise": (lambda p: p.update(sharding_type="diagonal_wise"), "'diagonal_wise' is not a torchrec sharding type"),
     "bogus_kernel": (lambda p: p.update(compute_kernel="bogus_kernel"), "'bogus_kernel' is not a torchrec compute kernel"),
     "sizes [7,4]": (lambda p: p.update(sharding_type="table_wise", compute_kernel="fused", ranks=[0], shards=[_shard([0, 0], [7, 4], 0)]),
@@ -264,7 +264,7 @@ def test_issue_cases_fail_validate_show_and_train_before_workers_start(smoke_pla
 
 
 def test_torchrec_planner_out_of_memory_names_need_shortfall_and_largest_tables():
-    """torchrec's planner alone says "insufficient storage"; ours adds the figures (issue 13)."""
+    """torchrec's planner alone says "insufficient storage"; ours adds the figures."""
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.planner.types import PlannerError
 

@@ -190,7 +190,7 @@ def test_bad_data_sample_is_one_line_exit_2_and_writes_nothing(tmp_path):
 
 
 def test_cowclip_plan_memory_counts_two_moments_and_a_step_per_row(tmp_path):
-    """A CowClip-Adam plan (issue 12: `show` assumed row-wise Adagrad for every table): each shard
+    """A CowClip-Adam plan (`show` must not assume row-wise Adagrad for every table): each shard
     holds 4 B weights + two 4 B moments per weight + an 8 B step per row, counted from the file
     alone (no config), on CPU ranks all in host memory."""
     out = tmp_path / "cowclip.json"

@@ -1,4 +1,4 @@
-"""tools/simnet.py: simulated hosts (network namespaces) behind a tc-shaped link (issue 17).
+"""tools/simnet.py: simulated hosts (network namespaces) behind a tc-shaped link.
 
 The parsing and refusal tests run everywhere. The namespace tests need root, `ip`, `tc`, netns
 and tbf; without them they are skipped with a loud `SIMNET NOT TESTED: <reason>` (and a warning

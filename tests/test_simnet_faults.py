@@ -1,4 +1,4 @@
-"""Faults on a real, shaped link between two simulated hosts (issue 17; tools/simnet.py).
+"""Faults on a real, shaped link between two simulated hosts (tools/simnet.py).
 
 2 hosts x 2 ranks on the smoke config, k=4, 48 steps, checkpoints at merge steps (12, 24, 36, 48),
 gloo between hosts over a 1 Gbit/s veth link. Each fault ends in one of the two allowed ways, and

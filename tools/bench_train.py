@@ -797,7 +797,7 @@ def report(
 
 def report_micro_batching(results: list[RunResult], settings: Sequence[str], batches: Sequence[int],
                           procs: Sequence[int]) -> dict[str, Any]:
-    """Large batches against the 8K batch (issue 14: samples/s at 64K and 128K at least the 8K
+    """Large batches against the 8K batch (target: samples/s at 64K and 128K at least the 8K
     figure, best of the process counts), and, with --whole-batch-peer, each of ours' rows against
     the same run with whole batches."""
     out: dict[str, Any] = {}

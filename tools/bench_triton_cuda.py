@@ -1,7 +1,7 @@
 """Step time of our Triton CowClip-Adam update on a CUDA device against the torch reference on the
-same device (issue 16): one kernel launch for all tables against ``cowclip_adam_step`` per table
+same device: one kernel launch for all tables against ``cowclip_adam_step`` per table
 (the chain of torch ops CUDA runs used before the kernel). With ``--catchup`` also the reference
-semantics (issue 14): the rows behind caught up, then the same update kernel, against the lazy
+semantics: the rows behind caught up, then the same update kernel, against the lazy
 update alone, three ways: ``catchup_triton``, the lookup kernel ``triton_catch_up_lookup`` the TBE
 runs (one launch over the ids, no host synchronisation); ``catchup_triton_rows``, the way before it (the rows
 behind found by a mask and ``torch.unique``, then the per-row kernel); ``catchup_torch``, the torch

@@ -18,7 +18,7 @@ hosts goes over the link, inside a host over that host's loopback, and each row 
 bytes the hosts sent into the link (veth counters, launch to exit) next to the modelled bytes,
 plus training time and samples/s. Without --net both hosts share loopback (the default).
 
-The network experiment (issue 17; docs/kstep.md, "Measured: time vs k on a shaped link") adds
+The network experiment (docs/kstep.md, "Measured: time vs k on a shaped link") adds
 `--sync`, a synchronous baseline arm (one torchrec DMP sharded over all 4 ranks, `train.hosts=1`,
 no merges; its cross-host bytes are modelled from its plan, `sync_cross_host_bytes`), and
 `--eval-every N` for AUC-vs-training-time curves (time to reach the synchronous run's AUC). One

@@ -1,7 +1,7 @@
 """Experiment: does CowClip keep AUC when the batch grows, where sqrt / linear scaling do not?
 
 DeepFM on generated Criteo-like data, the same number of epochs at every batch size. The default
-is the paper-scale grid of issue 14 (configs/experiments/large_batch_paper.yaml: the raw
+is the paper-scale grid (configs/experiments/large_batch_paper.yaml: the raw
 Criteo-Kaggle table sizes, 12M rows x 5 epochs, the paper's Criteo hyperparameters at batch 1K),
 batches 1K, 8K, 64K and 128K, an eval after every epoch. Arms (`ARMS`):
 
@@ -92,7 +92,7 @@ DEFAULT_ARMS = ["cowclip", "cowclip_lazy", "noclip_rule", "sqrt", "linear", "cow
 # so arms that differ only in their rule are the same run there: one run per group, the first arm of
 # the group that the grid has, and the others share it.
 SAME_AT_BASE_GROUPS = (("noclip_rule", "sqrt", "linear"), ("b", "c"))
-# The order the grid runs in, so that a grid cut short has issue 14's decisive cells: a run's
+# The order the grid runs in, so that a grid cut short has the decisive cells: a run's
 # priority is its arm's tier (a shared base run takes its best arm's), plus 2 for a batch between
 # the base and the targets' batches (>= TARGET_BATCH); within a priority, base runs first, then the
 # largest batch. The 4-batch paper grid thus starts with CowClip and sqrt at 128K and 64K, then no

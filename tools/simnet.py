@@ -1,4 +1,4 @@
-"""Simulated hosts behind a real, throttled network: Linux network namespaces on a bridge (issue 17).
+"""Simulated hosts behind a real, throttled network: Linux network namespaces on a bridge.
 
 Why: two torchrun launches joined on loopback have effectively unlimited bandwidth, so k-step
 merges could only be measured in bytes. Here every simulated host is a network namespace with

@@ -46,7 +46,7 @@ class PerTableUniformProposer(UniformProposer):
 
     torchrec proposes a type's uniform plan only if every table offers it, so constraining one
     table to ``column_wise`` removed the "all table-column-wise" plan the planner chose without
-    constraints, and the other tables' choice changed with it (issue 12, "constraints leak")."""
+    constraints, and the other tables' choice changed with it (a constraint leaking to other tables)."""
 
     def load(self, search_space: list[ShardingOption], enumerator=None) -> None:
         from torchrec.distributed.planner.proposers import _sharding_option_score

@@ -1,8 +1,8 @@
 """The training job on the GPU: ``recsys train`` with ``train.device=cuda`` (one process, NCCL),
 the smoke DeepFM with CowClip-Adam embeddings (the Triton kernel in the sharded lookup's
 backward), 200 steps with checkpoints at 100 and 200; resumed from the step-100 checkpoint it
-ends where the straight run ends; and it reaches the AUC of the same run on CPU (issue 16's
-target: within 0.002)."""
+ends where the straight run ends; and it reaches the AUC of the same run on CPU (target:
+within 0.002)."""
 
 from __future__ import annotations
 

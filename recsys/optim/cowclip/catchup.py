@@ -1,5 +1,5 @@
 """Catch-up of rows absent from batches: the reference's dense CowClip-Adam semantics at the cost
-of the lazy kernel (issue 14).
+of the lazy kernel.
 
 The reference (bytedance/LargeBatchCTR) puts ``l2 * sum ||w||^2`` into the loss and runs a dense
 tf.keras Adam, so EVERY row moves at EVERY step. For a row absent from the batch the gradient is

@@ -1,5 +1,5 @@
 """The catch-up of rows behind the global step as a Triton kernel: the CUDA twin of the C++ op
-``torch.ops.recsys.cowclip_catch_up_tables_`` (``update_scope="catchup"``, issue 14).
+``torch.ops.recsys.cowclip_catch_up_tables_`` (``update_scope="catchup"``).
 
 ``recsys/optim/cowclip/catchup.py`` has the math (the block scheme and its measured error bound)
 and the torch version, which CUDA runs used before this kernel: on an H200, 26 tables of 1.3M rows
