@@ -39,9 +39,10 @@ $(STAMP):
 demo: venv
 	$(VENV)/bin/recsys train --config configs/experiments/demo.yaml
 
-# pytest exits 5 when it collects no tests; that is not a failure of the suite.
+# pytest exits 5 when it collects no tests; that is not a failure of the suite. The 40 slowest
+# tests are listed at the end (where the suite's time goes).
 test: venv test-deps
-	$(VENV)/bin/pytest -q || [ $$? -eq 5 ]
+	$(VENV)/bin/pytest -q --durations=40 || [ $$? -eq 5 ]
 
 test-fast: venv test-deps
 	$(VENV)/bin/pytest -q -m "not slow"
