@@ -437,3 +437,50 @@ def test_tables_op_rejects_shared_tables(ext):
     meta[1, 1] = meta[0, 1]
     with pytest.raises(RuntimeError, match="distinct"):
         _tables_fused(dict(c, meta=meta), lr=1e-2)
+
+
+@pytest.mark.parametrize("scope", ["batch", "catchup", "all"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_tbe_mean_pooling_is_sum_pooling_with_weights_one_over_the_bag(ext, scope, weighted):
+    """A MEAN table: its forward is ``F.embedding_bag(mode="mean")`` (per-sample weights: the
+    weighted sum over the bag's length), and its update is exactly that of the same SUM table fed
+    per-sample weights ``1 / len(bag)`` (times the user's), under every update scope; empty bags
+    are fine."""
+    import torch.nn.functional as F
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
+
+    from recsys.optim.cowclip.tbe import CowClipAdamTBE, CowClipHyper
+
+    hp = CowClipHyper(learning_rate=0.05, l2=1e-3, cowclip_zeta=0.05, update_scope=scope)
+    specs = [(60, 8), (25, 4)]  # features read tables 1, 0
+    mean = CowClipAdamTBE(specs, [1, 0], hp, [8, 4], mode="inline", pooling_mode=PoolingMode.MEAN)
+    summ = CowClipAdamTBE(specs, [1, 0], hp, [8, 4], mode="inline")
+    with torch.no_grad():
+        summ.weights.copy_(mean.weights)
+    g = torch.Generator().manual_seed(7)
+    B, F_ = 32, 2
+    for _ in range(4):
+        lengths = torch.randint(0, 5, (F_ * B,), generator=g)  # some empty bags
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+        ids = torch.randint(0, 25, (int(lengths.sum()),), generator=g)  # table 0's rows: repeats
+        psw = torch.rand(ids.numel(), generator=g) + 0.5 if weighted else None
+        grad = torch.randn(B, 4 + 8, generator=g)  # feature 0 reads table 1 (dim 4), feature 1 table 0 (dim 8)
+        out = mean(ids, offsets, psw)
+        # forward: per feature, the bag mean of its table's rows (FBGEMM's pooled output order)
+        w_all = mean.split_embedding_weights()
+        cols = 0
+        for f, t in enumerate([1, 0]):
+            lo, hi = int(offsets[f * B]), int(offsets[(f + 1) * B])
+            offs = offsets[f * B : (f + 1) * B] - lo
+            want = F.embedding_bag(ids[lo:hi], w_all[t].detach(), offs, mode="sum",
+                                   per_sample_weights=None if psw is None else psw[lo:hi])
+            n = lengths[f * B : (f + 1) * B].clamp(min=1).unsqueeze(1).float()
+            d = specs[t][1]
+            torch.testing.assert_close(out[:, cols : cols + d], want / n, rtol=1e-6, atol=1e-7)
+            cols += d
+        out.backward(grad[:, : out.shape[1]])
+        inv = (1.0 / lengths.clamp(min=1).float()).repeat_interleave(lengths)
+        summ(ids, offsets, inv if psw is None else inv * psw).backward(grad[:, : out.shape[1]])
+    for name in ("weights", "momentum1", "momentum2", "row_step"):
+        assert torch.equal(getattr(mean, name), getattr(summ, name)), name
+    assert int(mean.row_step.sum()) > 0

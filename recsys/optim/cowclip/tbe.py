@@ -231,6 +231,14 @@ class UpdateStats:
         self._pending, self._clipped = None, value
 
 
+def mean_pooling_weights(offsets: Tensor, n: int, psw: Tensor | None = None) -> Tensor:
+    """Per-occurrence weights that make a SUM bag a MEAN one: ``1 / len(bag)`` (times ``psw``)."""
+    lengths = offsets[1:] - offsets[:-1]
+    inv = 1.0 / lengths.clamp(min=1).to(torch.float32)
+    w = torch.repeat_interleave(inv, lengths, output_size=n)
+    return w if psw is None else w * psw.to(torch.float32)
+
+
 class _CowClipLookup(torch.autograd.Function):
     """Pooled forward with FBGEMM; backward = CowClip-Adam row update, no gradient returned."""
 
@@ -247,6 +255,11 @@ class _CowClipLookup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: Tensor):  # type: ignore[override]
         indices, offsets, psw = ctx.saved_tensors
+        if ctx.tbe.pooling_mode == PoolingMode.MEAN:
+            # a bag's mean is its sum with every id weighted 1/len(bag): the same row gradients as a
+            # weighted SUM bag, so every kernel (they all take per-sample weights) serves MEAN too
+            psw = mean_pooling_weights(offsets, indices.numel(), psw if ctx.has_psw else None)
+            ctx.has_psw = True
         if ctx.tbe.hyper.update_scope == "all":
             ctx.tbe.backward_update_all_rows(grad_out, indices, offsets, psw if ctx.has_psw else None)
         elif ctx.tbe.hyper.update_scope == "catchup":
@@ -292,8 +305,8 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
         device = torch.device(device or "cpu")
         if location not in STATE_LOCATIONS:
             raise ValueError(f"CowClip-Adam kernel: location must be {'|'.join(STATE_LOCATIONS)}, got {location!r}")
-        if pooling_mode != PoolingMode.SUM:
-            raise NotImplementedError(f"CowClip-Adam kernel supports SUM pooling only, got {pooling_mode}")
+        if pooling_mode not in (PoolingMode.SUM, PoolingMode.MEAN):
+            raise NotImplementedError(f"CowClip-Adam kernel: pooled lookups only (SUM or MEAN), got {pooling_mode}")
         if mode not in ("inline", "deferred"):
             raise ValueError(f"mode must be inline|deferred, got {mode!r}")
         if len(set(feature_table_map)) != len(feature_table_map):
