@@ -298,7 +298,7 @@ def _options(planner):
 
 @pytest.mark.parametrize("name,types", [("cpu-gloo", ["table_column_wise", "column_wise"]), ("dgx-a100", ["column_wise", "row_wise"])])
 def test_constraint_on_one_table_leaves_the_others_alone(name, types):
-    """Issue 12: a constraint on t_0 made every table follow it (on cpu-gloo all 12 tables went
+    """A constraint on t_0 must not make every table follow it (on cpu-gloo all 12 tables once went
     table-column-wise -> column-wise). The constraint merges per table with the planner's defaults."""
     from torchrec.distributed.planner import ParameterConstraints
 
@@ -318,6 +318,19 @@ def test_constraint_on_one_table_leaves_the_others_alone(name, types):
     for t in fa:  # and the others keep the planner's unconstrained choice
         if t != "t_0":
             assert (fb[t].sharding_type, fb[t].compute_kernel) == (fa[t].sharding_type, fa[t].compute_kernel), t
+
+
+def test_data_parallel_constraint_without_kernels_plans_the_dense_kernel():
+    """``ParameterConstraints(sharding_types=["data_parallel"])`` on one table, kernels left open:
+    torchrec's planner plans it data_parallel / dense, and so does ours (the planner's default
+    kernels, fused ones, gain ``dense``); the other tables keep model-parallel options."""
+    from torchrec.distributed.planner import ParameterConstraints
+
+    for name in ("cpu-gloo", "dgx-a100"):
+        planner, plan = plan_for(load_topology(name), constraints={"t_1": ParameterConstraints(sharding_types=["data_parallel"])})
+        got = shards_of(plan)
+        assert (got["t_1"].sharding_type, got["t_1"].compute_kernel) == ("data_parallel", "dense"), name
+        assert all(ps.sharding_type != "data_parallel" for t, ps in got.items() if t != "t_1"), name
 
 
 def test_planner_takes_a_name_a_path_or_a_cluster_topology():

@@ -25,6 +25,10 @@ def merge_constraints(
     for name, c in (user or {}).items():
         d = defaults.get(name)
         fill = {} if d is None else {f: getattr(d, f) for f in ("sharding_types", "compute_kernels") if getattr(c, f) is None}
+        if "compute_kernels" in fill and "data_parallel" in (c.sharding_types or []) and "dense" not in fill["compute_kernels"]:
+            # data_parallel runs on the dense kernel alone (torchrec's own default for it): a user who
+            # asks for it and leaves the kernels open must get it, not "no combination" for the table
+            fill["compute_kernels"] = [*fill["compute_kernels"], "dense"]
         out[name] = dataclasses.replace(c, **fill)
     return out
 
