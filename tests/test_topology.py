@@ -236,7 +236,7 @@ def test_multi_host_needs_nics(tmp_path):
 
 
 def test_binary_topology_file_is_one_line_naming_it(tmp_path):
-    """Issue 13: a binary file given as a topology said only "'utf-8' codec can't decode"."""
+    """A binary file given as a topology once said only "'utf-8' codec can't decode"."""
     f = tmp_path / "topo.yaml"
     f.write_bytes(b"hosts:\n  - \xff\xfe\x00binary")
     with pytest.raises(TopologyError) as e:

@@ -375,7 +375,7 @@ def _torchrec_default_step(topo, specs, batch: int, constraints) -> float:
 
 
 def test_tiny_tables_go_data_parallel_when_allowed_and_beat_the_default_on_two_hosts():
-    """Issue 15's 2-host target. With the model-parallel types the plan's busiest NIC direction
+    """The 2-host target. With the model-parallel types the plan's busiest NIC direction
     still carries 28 of the default's 32 columns (0.986x). Allowed data_parallel (the user's
     opt-in), the balance proposer makes the smallest tables data-parallel: their ring all-reduce
     (rows x 16 columns) costs less than their all-to-all share (4096 x 16 columns to every
