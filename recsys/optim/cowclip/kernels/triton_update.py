@@ -30,8 +30,9 @@ Host synchronisation: one, small: the offsets and id bounds checks together (ids
 are an error naming the feature and the id, raised before anything is written). The number of
 unique rows U stays on the device: the grid has one program per occurrence (an upper bound on U)
 and the programs past U return at once, and the per-feature counts are returned as a device
-tensor. (Each synchronisation costs a step its host/device overlap: on an H100 at 26 tables x
-batch 8K, three of them made the step host-bound, 2.7 ms against 0.4 ms of device time.)
+tensor. (A synchronisation stops the host from queueing ahead of the device. On an H100 at 26
+tables x batch 8K the step is host-bound either way, 2.6 ms against 0.4 ms of device time: its
+kernel launches, not its waits, are what costs; docs/install.md "What the GPU run shows".)
 
 Triton is optional and imported on first use: without it this module imports,
 ``triton_available()`` is False and ``cowclip_update_for`` never returns the Triton op. With ``TRITON_INTERPRET=1`` (set before triton
