@@ -19,7 +19,7 @@ the CowClip-Adam kernel is recognised by the fused-param value it is tagged with
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,17 +95,31 @@ def state_bytes(kind: str, rows: int, cols: int) -> int:
     return rows * cols * s.bytes_per_weight + rows * s.bytes_per_row
 
 
-def table_parameters(model: nn.Module) -> Iterator[tuple[Any, nn.Parameter]]:
-    """(table config, weight parameter) for every table of every EBC / EC in ``model``."""
+def _module_tables(m: nn.Module) -> Iterator[tuple[Any, nn.Parameter]]:
+    """(table config, weight parameter) of ``m`` itself when it is an EBC / EC; nothing else."""
     from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
+    if isinstance(m, EmbeddingBagCollection):
+        for c in m.embedding_bag_configs():
+            yield c, m.embedding_bags[c.name].weight
+    elif isinstance(m, EmbeddingCollection):
+        for c in m.embedding_configs():
+            yield c, m.embeddings[c.name].weight
+
+
+def table_parameters(model: nn.Module) -> Iterator[tuple[Any, nn.Parameter]]:
+    """(table config, weight parameter) for every table of every EBC / EC in ``model``."""
     for m in model.modules():
-        if isinstance(m, EmbeddingBagCollection):
-            for c in m.embedding_bag_configs():
-                yield c, m.embedding_bags[c.name].weight
-        elif isinstance(m, EmbeddingCollection):
-            for c in m.embedding_configs():
-                yield c, m.embeddings[c.name].weight
+        yield from _module_tables(m)
+
+
+def sharder_fused_params(sharders: Sequence[Any] | None, module: nn.Module) -> Mapping[str, Any] | None:
+    """The fused params of the sharder that shards ``module`` (the first whose ``module_type`` it
+    is, as DistributedModelParallel picks one): what untagged tables of it train with."""
+    for sharder in sharders or ():
+        if isinstance(module, sharder.module_type):
+            return getattr(sharder, "fused_params", None)
+    return None
 
 
 def optimizer_kind(param: nn.Parameter, fused_params: Mapping[str, Any] | None = None) -> str:
@@ -147,17 +161,21 @@ def table_optimizers(model: nn.Module, fused_params: Mapping[str, Any] | None = 
     return out
 
 
-def table_bytes(model: nn.Module, fused_params: Mapping[str, Any] | None = None) -> dict[str, int]:
+def table_bytes(model: nn.Module, sharders: Sequence[Any] | None = None) -> dict[str, int]:
     """Table name -> bytes of its weights (in its data type) plus the state of the optimizer it
-    trains with, for every embedding table of ``model``: the one count behind the planner's SSD
-    tier, its "does not fit" lines and the plan reports. A table whose optimizer has no known state
-    layout is counted as row-wise Adagrad (one float per row, FBGEMM's usual choice)."""
+    trains with (its tag, else the fused params of the sharder of its module), for every embedding
+    table of ``model``: the one count behind the planner's SSD tier and its "does not fit" lines.
+    A table whose optimizer has no known state layout is counted as row-wise Adagrad (one float
+    per row, FBGEMM's usual choice)."""
     out = {}
-    for c, p in table_parameters(model):
-        try:
-            kind = optimizer_kind(p, fused_params)
-        except UnknownOptimizerError:
-            kind = "rowwise_adagrad"
-        dtype = getattr(c.data_type, "value", str(c.data_type))
-        out[c.name] = weight_bytes(dtype, c.num_embeddings, c.embedding_dim) + state_bytes(kind, c.num_embeddings, c.embedding_dim)
+    for m in model.modules():
+        fused_params = None
+        for c, p in _module_tables(m):
+            fused_params = fused_params or sharder_fused_params(sharders, m)
+            try:
+                kind = optimizer_kind(p, fused_params)
+            except UnknownOptimizerError:
+                kind = "rowwise_adagrad"
+            dtype = getattr(c.data_type, "value", str(c.data_type))
+            out[c.name] = weight_bytes(dtype, c.num_embeddings, c.embedding_dim) + state_bytes(kind, c.num_embeddings, c.embedding_dim)
     return out

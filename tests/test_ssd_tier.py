@@ -391,7 +391,7 @@ def _tagged_ebc(specs: dict[str, tuple[int, int, str]]):
 def test_table_bytes_counts_each_tables_own_optimizer_state():
     """CowClip-Adam keeps two fp32 moments and an int64 step per row (~3x the weights); row-wise
     Adagrad one float per row; plain SGD nothing; FP16 weights take 2 bytes. Untagged tables take
-    the sharder's fused_params."""
+    the fused_params of the sharder of their module."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
     from sharding.optimizer_state import table_bytes
@@ -402,7 +402,7 @@ def test_table_bytes_counts_each_tables_own_optimizer_state():
     got = table_bytes(ebc)
     assert got == {"cow": R * D * 4 + R * D * 8 + R * 8, "ada": R * D * 4 + R * 4, "plain": R * D * 4,
                    "fp16_t": R * D * 2}
-    with_fp = table_bytes(ebc, {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD})
+    with_fp = table_bytes(ebc, [EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD})])
     assert with_fp["plain"] == R * D * 4 + R * 4 and with_fp["fp16_t"] == R * D * 2 + R * 4
     assert with_fp["cow"] == got["cow"]  # the table's own tag wins over the sharder's
 

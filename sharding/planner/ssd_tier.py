@@ -32,7 +32,7 @@ from torchrec.distributed.types import CacheParams, ModuleSharder
 
 from sharding.constants import KEY_VALUE_START_LOAD_FACTOR, SSD_KERNELS
 from sharding.plan.fit_report import TORCHREC_RESERVE
-from sharding.optimizer_state import UnknownOptimizerError, optimizer_kind, state_bytes
+from sharding.optimizer_state import UnknownOptimizerError, optimizer_kind, sharder_fused_params, state_bytes
 
 __all__ = ["has_ssd_tier", "key_value_tables", "key_value_storage", "apply_key_value_storage"]
 
@@ -64,13 +64,6 @@ def key_value_tables(table_bytes: Mapping[str, int], topology: Topology, reserve
     return out
 
 
-def _fused_params(sharders: list[ModuleSharder], module: Any) -> Mapping[str, Any] | None:
-    for sharder in sharders:
-        if isinstance(module, sharder.module_type):
-            return getattr(sharder, "fused_params", None)
-    return None
-
-
 def key_value_storage(so: ShardingOption, fused_params: Mapping[str, Any] | None = None,
                       start_load_factor: float = KEY_VALUE_START_LOAD_FACTOR) -> None:
     """Sets the storage of a key_value option's shards (module docstring) and, when its
@@ -98,4 +91,4 @@ def apply_key_value_storage(space: list[ShardingOption], sharders: list[ModuleSh
     """``key_value_storage`` for every key_value option of an enumerated search space."""
     for so in space:
         if so.compute_kernel in SSD_KERNELS:
-            key_value_storage(so, _fused_params(sharders, so.module[1]))
+            key_value_storage(so, sharder_fused_params(sharders, so.module[1]))

@@ -55,7 +55,7 @@ import dataclasses
 import logging
 import math
 import os
-from typing import Any, Mapping
+from typing import Mapping
 
 import numpy as np
 from torch import nn
@@ -255,15 +255,14 @@ class TopologyAwarePlanner(EmbeddingShardingPlanner):
         """The sharding options of the latest plan (torchrec's planner keeps them as its best plan)."""
         return None if self.last_planner is None else self.last_planner._best_plan
 
-    def constraints_for(self, module: nn.Module, fused_params: Mapping[str, Any] | None = None
+    def constraints_for(self, module: nn.Module, sharders: list[ModuleSharder[nn.Module]] | None = None
                         ) -> dict[str, ParameterConstraints]:
         """The constraints a plan of ``module`` uses: the planner's defaults for every table,
         merged per table with the user's (``merge_constraints``), plus measured cache statistics.
         The SSD tier is offered to the tables that HBM and host memory cannot hold, each counted
-        with the state of the optimizer it trains with (``fused_params``: the sharders', for
-        tables the model does not tag)."""
+        with the state of the optimizer it trains with (its tag, else its sharder's fused params)."""
         types = [t for t in MODEL_PARALLEL_TYPES if self.hosts == 1 or t != "table_row_wise"]
-        ssd = key_value_tables(table_bytes(module, fused_params), self.torchrec_topology)
+        ssd = key_value_tables(table_bytes(module, sharders), self.torchrec_topology)
         merged = merge_constraints(default_constraints(module, self.cluster.compute_device, types, ssd), self.user_constraints)
         if self.cache_stats:
             apply_cache_stats(merged, self.cache_stats, self.target_hit_rate)
@@ -274,8 +273,7 @@ class TopologyAwarePlanner(EmbeddingShardingPlanner):
         with host-local placements; ``collective_plan`` moves them to the caller's host)."""
         # torchrec's planner, configured through its constructor for this model: our enumerator
         # (holding this model's constraints), partitioner, perf model, proposers and callbacks
-        fused_params = sharders_fused_params(sharders)
-        self.constraints = self.constraints_for(module, fused_params)
+        self.constraints = self.constraints_for(module, sharders)
         args = self._torchrec_planner_args(self.constraints)
         self.last_enumerator = args["enumerator"]
         self.last_planner = EmbeddingShardingPlanner(**args)
@@ -287,7 +285,7 @@ class TopologyAwarePlanner(EmbeddingShardingPlanner):
             raise
         except PlannerError as e:
             raise ModelDoesNotFitError(
-                fit_message(self.cluster, module, self.torchrec_topology, e, fused_params)) from None
+                fit_message(self.cluster, module, self.torchrec_topology, e, sharders)) from None
         self.search_space = self.last_enumerator.last_search_space
         # The number the search minimised, for the plan it returns: the same function and inputs
         # as `recsys-plan show --topology` (sharding/planner/cost/plan_cost.py), so the two always agree.
@@ -416,21 +414,11 @@ def _gib(n: float) -> str:
     return f"{n / GIB:,.1f} GiB"
 
 
-def sharders_fused_params(sharders: list[ModuleSharder[nn.Module]] | None) -> dict[str, Any]:
-    """The fused params the sharders give tables the model does not tag (the first sharder that
-    has any: torchrec applies one sharder's per module type, and models here hold one kind)."""
-    for sh in sharders or []:
-        fp = getattr(sh, "fused_params", None)
-        if fp:
-            return dict(fp)
-    return {}
-
-
 def fit_message(cluster: ClusterTopology, module: nn.Module, topo: Topology, err: Exception,
-                fused_params: Mapping[str, Any] | None = None) -> str:
+                sharders: list[ModuleSharder[nn.Module]] | None = None) -> str:
     """One line: what the model needs (weights plus each table's real optimizer state), what the
     cluster has (its SSD tier too), the largest tables, what would fit."""
-    tables = table_bytes(module, fused_params)
+    tables = table_bytes(module, sharders)
     need = sum(tables.values())
     top = sorted(tables.items(), key=lambda kv: (-kv[1], kv[0]))[:3]
     w = cluster.world_size
