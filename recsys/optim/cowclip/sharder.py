@@ -651,7 +651,6 @@ def take_update_stats(model: nn.Module) -> tuple[int, int]:
     rank's CowClip kernels; resets the counters. (0, 0) when the model has none."""
     unique = clipped = 0
     for m in cowclip_tbes(model):
-        unique += m.stats.unique_rows
-        clipped += m.stats.clipped_rows
-        m.stats.unique_rows = m.stats.clipped_rows = m.stats.calls = 0
+        u, c = m.stats.take()
+        unique, clipped = unique + u, clipped + c
     return unique, clipped

@@ -184,7 +184,7 @@ class StagedRows:
 
 @dataclass
 class UpdateStats:
-    """Rows touched and clipped since the last ``take_stats`` (for logging; summed over tables).
+    """Rows touched and clipped since the last ``take`` (for logging; summed over tables).
 
     Counts that a kernel returns as a device tensor are added on the device (``add_counts``) and
     read when the fields are: a training step does not wait for the GPU to learn them."""
@@ -217,18 +217,17 @@ class UpdateStats:
         self._fold()
         return self._unique
 
-    @unique_rows.setter
-    def unique_rows(self, value: int) -> None:
-        self._pending, self._unique = None, value
-
     @property
     def clipped_rows(self) -> int:
         self._fold()
         return self._clipped
 
-    @clipped_rows.setter
-    def clipped_rows(self, value: int) -> None:
-        self._pending, self._clipped = None, value
+    def take(self) -> tuple[int, int]:
+        """(unique rows, clipped rows) since the last ``take``; resets the counters."""
+        self._fold()
+        out = (self._unique, self._clipped)
+        self._unique = self._clipped = self.calls = 0
+        return out
 
 
 def mean_pooling_weights(offsets: Tensor, n: int, psw: Tensor | None = None) -> Tensor:
