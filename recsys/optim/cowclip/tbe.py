@@ -254,17 +254,14 @@ class _CowClipLookup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: Tensor):  # type: ignore[override]
         indices, offsets, psw = ctx.saved_tensors
+        w = psw if ctx.has_psw else None
         if ctx.tbe.pooling_mode == PoolingMode.MEAN:
             # a bag's mean is its sum with every id weighted 1/len(bag): the same row gradients as a
             # weighted SUM bag, so every kernel (they all take per-sample weights) serves MEAN too
-            psw = mean_pooling_weights(offsets, indices.numel(), psw if ctx.has_psw else None)
-            ctx.has_psw = True
-        if ctx.tbe.hyper.update_scope == "all":
-            ctx.tbe.backward_update_all_rows(grad_out, indices, offsets, psw if ctx.has_psw else None)
-        elif ctx.tbe.hyper.update_scope == "catchup":
-            ctx.tbe.backward_update_catchup(grad_out, indices, offsets, psw if ctx.has_psw else None)
-        else:
-            ctx.tbe.backward_update(grad_out, indices, offsets, psw if ctx.has_psw else None)
+            w = mean_pooling_weights(offsets, indices.numel(), w)
+        update = {"all": ctx.tbe.backward_update_all_rows, "catchup": ctx.tbe.backward_update_catchup}.get(
+            ctx.tbe.hyper.update_scope, ctx.tbe.backward_update)
+        update(grad_out, indices, offsets, w)
         shape, dtype, device = ctx.anchor_meta
         # an (empty) gradient for the anchor: the node that produced it (the exchange) waits for it
         return torch.zeros(shape, dtype=dtype, device=device), None, None, None, None
