@@ -52,6 +52,9 @@ class DataConfig:
     cache_dir: str = ""  # default: data_cache/<source>-<name of path>-<hash of its absolute path> (docs/data.md)
     eval_fraction: float = 0.1  # criteo/avazu: the last fraction of rows is the eval split
     max_bad_fraction: float = 0.01
+    # How a shard cache that matches its inputs' names, sizes, mtimes and first/last MiB is checked
+    # before reuse: full (every byte hashed again, ~0.6 s/GB) | quick (trust those; said in the log)
+    verify: str = "full"
     # Training epochs in a seeded, shuffled order (recsys/data/order.py, docs/data.md): blocks of
     # shuffle_block_rows consecutive rows permuted per epoch, rows permuted again inside windows
     # of shuffle_buffer_rows (0: blocks only). Eval always reads its split in order.
@@ -413,6 +416,8 @@ def validate(cfg: ExperimentConfig, source: str = "config") -> None:
             bad("data.cardinalities", f"Avazu has 22 categorical fields, got {len(cards)} sizes (use the 'avazu' preset)")
         if not 0.0 < d.eval_fraction < 1.0:
             bad("data.eval_fraction", f"{d.eval_fraction} is not in (0, 1)")
+        if d.verify not in ("full", "quick"):
+            bad("data.verify", f"unknown verification '{d.verify}' (full or quick)")
         if d.cache_dir and os.path.exists(d.cache_dir) and not os.path.isdir(d.cache_dir):
             bad("data.cache_dir", f"{d.cache_dir} is an existing file, not a directory")
     if not 0.0 <= d.max_bad_fraction <= 1.0:

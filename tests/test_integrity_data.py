@@ -9,6 +9,7 @@ corrupted, compressed and truncated here. Expected messages are spelled out in f
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import logging
 import os
@@ -173,6 +174,69 @@ def test_same_size_and_mtime_with_other_content_rebuilds(tmp_path, kaggle_lines,
     assert m2["cache_key"] != m["cache_key"] and m2["num_rows"] == 200
 
 
+def _edit_middle_keep_size_and_mtime(path: Path, block: int = 1 << 20) -> None:
+    """Swap two label characters past the first and before the last MiB (both keep the
+    head/tail hashes), then restore the mtime: only a whole-file hash can see it."""
+    st = path.stat()
+    data = bytearray(path.read_bytes())
+    assert len(data) > 3 * block
+    lo = data.index(b"\n", block + 1) + 1  # the start of a line in the middle
+    hi = data.index(b"\n", lo) + 1
+    while data[hi:hi + 1] == data[lo:lo + 1]:  # a line whose label differs
+        hi = data.index(b"\n", hi) + 1
+    data[lo], data[hi] = data[hi], data[lo]
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert path.stat().st_size == st.st_size and path.stat().st_mtime_ns == st.st_mtime_ns
+
+
+@pytest.mark.slow
+def test_an_edit_in_the_middle_with_size_and_mtime_kept_is_found_by_the_full_hash(tmp_path, kaggle_lines, caplog):
+    """The head/tail key cannot see it; data.verify=full (the default) rehashes every byte and
+    rebuilds; data.verify=quick reuses the cache and says what it trusted."""
+    lines = [line if line.endswith("\n") else line + "\n" for line in kaggle_lines]
+    big = write(tmp_path / "day.tsv", lines * 15)  # ~3.6 MB: a middle outside the first/last MiB
+    out = tmp_path / "cache"
+    m = rf.preprocess_criteo(big, out)
+    assert m["sources"][0]["sha256"] == hashlib.sha256(big.read_bytes()).hexdigest()
+    labels_before = ShardedDataset.open(out).read(0, m["num_rows"])[2].copy()
+    _edit_middle_keep_size_and_mtime(big)
+    caplog.set_level(logging.INFO, logger="recsys.data.raw_formats")
+    reused = rf.preprocess_criteo(big, out, verify="quick")
+    assert reused["sources"][0]["sha256"] == m["sources"][0]["sha256"]  # stale, as announced:
+    assert caplog.records[-1].getMessage() == (
+        f"{out}: shard cache is up to date ({m['num_rows']} rows; data.verify=quick: inputs matched by size, "
+        "modification time and first and last MiB, not every byte); skipping preprocessing")
+    caplog.clear()
+    rebuilt = rf.preprocess_criteo(big, out)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [
+        f"{out}: rebuilding the shard cache: {big} changed (same size and modification time, other content: "
+        "its SHA-256 differs)"
+    ]
+    labels_after = ShardedDataset.open(out).read(0, rebuilt["num_rows"])[2]
+    assert (labels_after != labels_before).sum() == 2  # the two swapped labels, now as in the file
+    caplog.clear()
+    rf.preprocess_criteo(big, out)
+    assert caplog.records[-1].getMessage().endswith("rows; every byte of the inputs verified); skipping preprocessing")
+
+
+def test_a_cache_without_content_hashes_is_reused_with_a_warning(tmp_path, kaggle_lines, caplog):
+    day = write(tmp_path / "day.tsv", kaggle_lines[:200])
+    out = tmp_path / "cache"
+    m = rf.preprocess_criteo(day, out)
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    for src in manifest["sources"]:
+        del src["sha256"]
+    (out / MANIFEST_NAME).write_text(json.dumps(manifest))
+    caplog.set_level(logging.WARNING, logger="recsys.data.raw_formats")
+    assert rf.preprocess_criteo(day, out)["num_rows"] == m["num_rows"]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{out}: {day} predates whole-file hashes: reused as matched by size, modification time and first and "
+        "last MiB only (delete the cache to rebuild it with them)"
+    ]
+
+
+@pytest.mark.slow
 def test_new_or_removed_file_in_a_directory_input_rebuilds(tmp_path, kaggle_lines, caplog):
     d = tmp_path / "days"
     write(d / "day_0.tsv", kaggle_lines[:500])
@@ -183,7 +247,7 @@ def test_new_or_removed_file_in_a_directory_input_rebuilds(tmp_path, kaggle_line
     caplog.clear()
     assert prepare_data(cfg)["num_rows"] == 800  # unchanged: reused
     assert [r.getMessage() for r in caplog.records] == [
-        f"{tmp_path / 'cache'}: shard cache is up to date (800 rows); skipping preprocessing"
+        f"{tmp_path / 'cache'}: shard cache is up to date (800 rows; every byte of the inputs verified); skipping preprocessing"
     ]
     write(d / "day_2.tsv", kaggle_lines[800:])
     caplog.clear()

@@ -186,9 +186,10 @@ def _preprocessing(cfg: ExperimentConfig) -> tuple[Callable[[list[Path], Path], 
 
     d = cfg.data
     if d.source == "criteo":
-        return (lambda files, out: raw_formats.preprocess_criteo(files, out, fmt=d.format, max_bad_fraction=d.max_bad_fraction),
+        return (lambda files, out: raw_formats.preprocess_criteo(files, out, fmt=d.format, max_bad_fraction=d.max_bad_fraction,
+                                                                 verify=d.verify),
                 lambda files: raw_formats.criteo_key(files, d.format, max_bad_fraction=d.max_bad_fraction))
-    return (lambda files, out: raw_formats.preprocess_avazu(files, out, max_bad_fraction=d.max_bad_fraction),
+    return (lambda files, out: raw_formats.preprocess_avazu(files, out, max_bad_fraction=d.max_bad_fraction, verify=d.verify),
             lambda files: raw_formats.avazu_key(files, max_bad_fraction=d.max_bad_fraction))
 
 
