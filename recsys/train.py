@@ -5,7 +5,7 @@
 `recsys train` (recsys/cli.py) validates the config and launches this for you.
 
 Expected failures (a locked or foreign run directory, an incompatible checkpoint, a full disk
-during a checkpoint, ...) end every rank with exit code 2; rank 0 prints one `error: ...` line,
+during a checkpoint, a non-finite loss or weight, ...) end every rank with exit code 2; rank 0 prints one `error: ...` line,
 the others nothing. A host lost during training (killed, frozen, its link cut) ends every
 surviving rank with exit code 2 and one `error: ...` line per surviving host that names the lost
 host (recsys/training/comm_failure.py). A resume of a finished run prints one line and exits 0. Interrupted
@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from recsys.training.checkpoint import CheckpointError
     from recsys.training.comm_failure import HostLostError, end_stuck_launcher, first_to_report
+    from recsys.training.finite import NonFiniteError
     from recsys.training.loop import run
     from recsys.training.run_dir import RunDirError, RunFinished
 
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(str(e), file=sys.stderr)
         return 0
-    except (RunDirError, CheckpointError, ConfigError, FileNotFoundError, FileExistsError) as e:
+    except (RunDirError, CheckpointError, NonFiniteError, ConfigError, FileNotFoundError, FileExistsError) as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         os._exit(2)  # peers may be blocked in a collective on a dead group: no teardown

@@ -31,9 +31,10 @@ from recsys.optim.embedding import attach_embedding_optimizer, embedding_sharder
 from recsys.training.checkpoint import Checkpointer, CheckpointError, describe_failure
 from recsys.training.comm_failure import HostLostError, host_lost, register_peers
 from recsys.training.distributed import DistEnv, collective_device, init_distributed
+from recsys.training.finite import FiniteGuard
 from recsys.training.hierarchy import HostGroups, build_host_groups, pg_timeout_from_env, remap_plan_to_host, resolve_hosts
 from recsys.training.merge import KStepMerger
-from recsys.training.metrics import MetricsWriter, evaluate, write_json_atomic
+from recsys.training.metrics import MetricsWriter, evaluate, format_metric, write_json_atomic
 from recsys.training.progress import Progress
 from recsys.training.run_dir import (
     RunDirError, RunFinished, RunLock, preflight, shard_world_size, state_shape, total_steps,
@@ -290,17 +291,25 @@ def _run(cfg: ExperimentConfig, model_factory: ModelFactory | None) -> dict[str,
     if job.merger is not None and ckpt_every:  # checkpoints only at merge steps (docs/kstep.md)
         ckpt_every = -(-ckpt_every // job.merger.every_k) * job.merger.every_k
     last_eval: dict[str, Any] = {}
+    guard = FiniteGuard(env.rank)  # a non-finite loss or weight stops the run (recsys/training/finite.py)
+
+    def last_checkpoint() -> str | None:
+        latest = job.checkpointer.latest()
+        return str(latest) if latest is not None else None
 
     def eval_now(step: int) -> dict[str, Any]:
         train_s = progress.train_s()
+        guard.check(step, last_checkpoint=last_checkpoint)
         with progress.pause():
             pipeline.detach()
             result = evaluate(job.dmp, job.source, t.eval_batch_size, env.rank, env.world_size, env.device)
             record = {"kind": "eval", "step": step, "epoch": step / per_epoch, "train_s": train_s, **result}
             writer.log(record)
             if env.is_main:
-                oracle = f" (oracle {result['oracle_auc']:.4f})" if "oracle_auc" in result else ""
-                log.info("eval step %d: auc %.4f%s logloss %.4f", step, result["auc"], oracle, result["logloss"])
+                oracle = f" (oracle {format_metric(result['oracle_auc'])})" if "oracle_auc" in result else ""
+                why = f" ({result['auc_undefined']})" if "auc_undefined" in result else ""
+                log.info("eval step %d: auc %s%s%s logloss %.4f", step, format_metric(result["auc"]), why, oracle,
+                         result["logloss"])
             pipeline.attach(job.dmp)
         return record
 
@@ -308,6 +317,7 @@ def _run(cfg: ExperimentConfig, model_factory: ModelFactory | None) -> dict[str,
         rank_state = {"merger": job.merger.state_dict()} if job.merger is not None else None
         with progress.pause():
             catch_up_all_tables(job.dmp)  # embedding_l2_scope=catchup: every row at this step
+            guard.check(step, job.dmp, last_checkpoint)
             job.checkpointer.save(step, job.dmp, job.optimizer, {"samples": step * t.batch_size}, rank_state)
 
     for step in range(start_step + 1, total + 1):
@@ -316,9 +326,12 @@ def _run(cfg: ExperimentConfig, model_factory: ModelFactory | None) -> dict[str,
         step_loss, _, _ = pipeline.progress(batches)
         if job.merger is not None and not job.merger.step(step) and step == total:
             job.merger.merge()  # the final model is the merged one
-        loss_sum += float(step_loss)
+        step_loss = float(step_loss)
+        guard.see_loss(step, step_loss)
+        loss_sum += step_loss
         loss_n += 1
         if step % t.log_every == 0 or step == total:
+            guard.check(step, last_checkpoint=last_checkpoint)
             loss = _mean_across_ranks(loss_sum / loss_n)
             stats = progress.update(step)
             if job.merger is not None:  # bytes that crossed hosts, all ranks, per step of this window
@@ -371,7 +384,7 @@ def _run(cfg: ExperimentConfig, model_factory: ModelFactory | None) -> dict[str,
             replica_divergence=m.max_divergence(),
         )
         summary["cross_host_bytes_per_step"] = summary["cross_host_bytes_total"] / max(total - bytes_from_step, 1)
-    if "oracle_auc" in summary:
+    if summary.get("oracle_auc") is not None and summary.get("auc") is not None:
         summary["auc_gap_to_oracle"] = summary["oracle_auc"] - summary["auc"]
     writer.close()
     if env.is_main:

@@ -4,6 +4,7 @@ TensorBoard event files in the run directory. Only rank 0 writes."""
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any, Iterable
@@ -18,8 +19,28 @@ from recsys.data.batching import eval_blocks, to_batch
 from recsys.data.source import DataSource
 
 
-def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
+def auc(scores: torch.Tensor, labels: torch.Tensor) -> float | None:
+    """ROC AUC, or None when it is undefined: with one class among the labels there is no
+    positive/negative pair to rank (torchmetrics then returns 0.0, which reads as a perfectly
+    inverted model)."""
+    if one_class(labels) is not None:
+        return None
     return float(binary_auroc(scores.float(), labels.long()))
+
+
+def one_class(labels: torch.Tensor) -> str | None:
+    """Why AUC is undefined for these labels ("every eval label is 0"), or None when both occur."""
+    positives = int((labels > 0.5).sum())
+    if labels.numel() and 0 < positives < labels.numel():
+        return None
+    if not labels.numel():
+        return "the eval split is empty"
+    return f"every eval label is {1 if positives else 0}"
+
+
+def format_metric(value: float | None, undefined: str = "undefined") -> str:
+    """A metric for a log line: 4 decimals, or the word when it is undefined."""
+    return undefined if value is None else f"{value:.4f}"
 
 
 def logloss(logits: torch.Tensor, labels: torch.Tensor) -> float:
@@ -59,6 +80,9 @@ def evaluate(model: nn.Module, source: DataSource, global_batch: int, rank: int,
         "logloss": logloss(all_logits, all_labels),
         "eval_rows": int(all_labels.numel()),
     }
+    why = one_class(all_labels)
+    if why is not None:  # null in JSON, a word in the log, and the reason beside it
+        out["auc_undefined"] = why
     if probs:
         p = _gather(torch.cat(probs)).double().clamp(1e-7, 1 - 1e-7)
         out["oracle_auc"] = auc(p, all_labels)
@@ -95,13 +119,13 @@ class MetricsWriter:
         if not self.enabled:
             return
         with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json.dumps(finite_or_null(record), allow_nan=False) + "\n")
         if self.tb is None:
             return
         step = int(record.get("step", 0))
         kind = record.get("kind", "train")
         for key, value in record.items():
-            if isinstance(value, (int, float)) and key not in ("step", "epoch"):
+            if isinstance(value, (int, float)) and math.isfinite(value) and key not in ("step", "epoch"):
                 self.tb.add_scalar(f"{kind}/{key}", value, step)
         self.tb.flush()
 
@@ -110,7 +134,19 @@ class MetricsWriter:
             self.tb.close()
 
 
+def finite_or_null(obj: Any) -> Any:
+    """`obj` with every NaN or infinite float replaced by None: JSON has no NaN (Python writes a
+    bare `NaN` that other readers reject), and null says "no number" where a value is undefined."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: finite_or_null(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_or_null(v) for v in obj]
+    return obj
+
+
 def write_json_atomic(path: Path, obj: Any) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    tmp.write_text(json.dumps(finite_or_null(obj), indent=2, allow_nan=False) + "\n")
     os.replace(tmp, path)

@@ -28,12 +28,12 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     ax = axes[0]
     if evals:
         steps = [r["step"] for r in evals]
-        ax.plot(steps, [r["auc"] for r in evals], "o-", label="model")
+        ax.plot(steps, [_num(r["auc"]) for r in evals], "o-", label="model")  # undefined AUC: a gap
         if "oracle_auc" in evals[0]:
-            ax.plot(steps, [r["oracle_auc"] for r in evals], "--", color="gray", label="oracle (teacher)")
+            ax.plot(steps, [_num(r["oracle_auc"]) for r in evals], "--", color="gray", label="oracle (teacher)")
         ax.legend()
     ax.set(title="eval AUC", xlabel="step")
-    axes[1].plot([r["step"] for r in train], [r["loss"] for r in train])
+    axes[1].plot([r["step"] for r in train], [_num(r["loss"]) for r in train])
     if evals:
         axes[1].plot([r["step"] for r in evals], [r["logloss"] for r in evals], "o-", label="eval logloss")
         axes[1].legend()
@@ -50,3 +50,8 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     plt.close(fig)
     tmp.replace(out)
     return out
+
+
+def _num(value: float | None) -> float:
+    """A metrics.jsonl value for plotting: null (undefined, or non-finite) becomes NaN, a gap."""
+    return float("nan") if value is None else value

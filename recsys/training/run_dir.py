@@ -201,7 +201,9 @@ def preflight(cfg, total_steps: int, shape: dict, warn: bool = True) -> Path | N
     """The run-directory checks, before anything is written (the launcher, then rank 0 of the
     workers): a fresh run refuses (or with `overwrite` moves aside) earlier checkpoints; a
     resume picks the newest complete checkpoint, stops with RunFinished if the run already
-    finished, and with CheckpointError if the config changed. Returns the checkpoint to resume
+    finished, with RunDirError if the checkpoint is past this run's last step (the run would
+    otherwise log and save later weights under earlier step names), and with CheckpointError if
+    the config changed. Returns the checkpoint to resume
     from (None: start from scratch). The caller holds the run lock."""
     from recsys.training.checkpoint import Checkpointer, step_of
 
@@ -219,12 +221,24 @@ def preflight(cfg, total_steps: int, shape: dict, warn: bool = True) -> Path | N
     if path is None:
         return None
     ckpt.check_compatible(path)
-    if step_of(path) == total_steps and finished_step(run_dir, total_steps) is not None:
+    saved_step = step_of(path)
+    if saved_step is not None and saved_step > total_steps:  # continuing would save a step-N name on later weights
+        raise RunDirError(
+            f"cannot resume from {path}: the run is already at step {saved_step}, past {_length_option(cfg, total_steps)}; "
+            f"nothing written (raise it above {saved_step} to train on, or start a new run: another run_dir, or overwrite=true)"
+        )
+    if saved_step == total_steps and finished_step(run_dir, total_steps) is not None:
         raise RunFinished(
             f"the run in {run_dir} already finished at step {total_steps} ({path.name}, summary.json); nothing to do "
             "(raise train.max_steps or train.epochs to train on)"
         )
     return path
+
+
+def _length_option(cfg, total: int) -> str:
+    """The option that set the run's length, as the user gave it."""
+    t = cfg.train
+    return f"train.max_steps={t.max_steps}" if t.max_steps else f"train.epochs={t.epochs} ({total} steps)"
 
 
 def total_steps(cfg, source) -> int:
