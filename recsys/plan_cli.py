@@ -24,6 +24,7 @@ is left as it was).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -127,9 +128,30 @@ def _write_atomic(path: Path, text: str) -> None:
 
 def _emit(text: str, out: str | None) -> None:
     if out:
-        _write_atomic(Path(out), text if text.endswith("\n") else text + "\n")
+        with _writing(out):
+            _write_atomic(Path(out), text if text.endswith("\n") else text + "\n")
     else:
         print(text)
+
+
+@contextlib.contextmanager
+def _writing(out: str):
+    """A failed write of --out (a directory, a full disk, no permission) as one line; the atomic
+    writers leave the previous file as it was and no temp file behind."""
+    if Path(out).is_dir():
+        raise UsageError(f"--out {out} is a directory; give a file name, e.g. {Path(out) / 'plan.json'}")
+    existed = Path(out).exists()
+    try:
+        yield
+    except OSError as e:
+        kept = "the previous file is unchanged" if existed else "nothing was written"
+        raise UsageError(f"cannot write --out {out}: {e.strerror or e}; {kept}") from None
+
+
+def _capacity(option: str, gb: float | None) -> None:
+    """--hbm-gb / --ddr-gb: 0 (or absent) means the default; a negative size is a typo."""
+    if gb is not None and (gb < 0 or gb != gb):
+        raise UsageError(f"{option} {gb:g}: expected a size in GiB > 0 (leave it out for the default)")
 
 
 def _load_cluster(name: str):
@@ -189,6 +211,8 @@ def cmd_make(args: argparse.Namespace) -> int:
     import sharding.plan.io as plan_io
     from sharding.planner.build import build_planner
 
+    for option, gb in (("--hbm-gb", args.hbm_gb), ("--ddr-gb", args.ddr_gb), ("--hbm-bw-gb-s", args.hbm_bw_gb_s)):
+        _capacity(option, gb)
     overrides = list(args.overrides)
     cluster = None
     if args.topology:  # the topology-aware planner on this hardware description
@@ -203,7 +227,10 @@ def cmd_make(args: argparse.Namespace) -> int:
     world = args.world_size or (cluster.world_size if cluster else cfg.train.nproc_per_node)
     local = args.local_world_size or (cluster.local_world_size if cluster else min(world, 8))
     if world <= 0 or world % local:
-        raise UsageError(f"--world-size {world} is not a positive multiple of --local-world-size {local}")
+        if args.local_world_size or not cluster:
+            raise UsageError(f"--world-size {world} is not a positive multiple of --local-world-size {local}")
+        raise UsageError(f"--world-size {world} does not fill whole hosts of topology {args.topology} ({local} ranks per "
+                         f"host): give a multiple of {local}, or a topology with {world} GPUs per host")
     batch = (args.batch_size or cfg.train.batch_size) // world
     if batch <= 0:
         raise UsageError(f"--batch-size: fewer samples than ranks ({world})")
@@ -236,7 +263,8 @@ def cmd_make(args: argparse.Namespace) -> int:
         lfs = {name: ps.cache_params.load_factor for mp in plan.plan.values() for name, ps in mp.items()
                if ps.compute_kernel == "fused_uvm_caching" and ps.cache_params is not None and ps.cache_params.load_factor is not None}
         meta.update(data_sample=args.data_sample, target_hit_rate=args.target_hit_rate, cache_sizing=summary(stats, lfs, args.target_hit_rate, MAX_CACHE_LOAD_FACTOR))
-    plan_io.save_plan(plan, args.out, model, world_size=world, compute_device=args.compute_device, meta=meta)
+    with _writing(args.out):
+        plan_io.save_plan(plan, args.out, model, world_size=world, compute_device=args.compute_device, meta=meta)
     print(f"wrote {args.out}: {sum(len(m) for m in plan.plan.values())} tables on {world} ranks")
     return 0
 
@@ -328,6 +356,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
     import sharding.plan.report as plan_report
     from sharding.plan.io import PlanFileError
     from sharding.plan.validation import plan_problems
+
+    for option, gb in (("--hbm-gb", args.hbm_gb), ("--ddr-gb", args.ddr_gb)):
+        _capacity(option, gb)
 
     plan, header = plan_io.read_plan_file(args.plan)  # a file that is not a plan: exit 2
     world = args.world_size or header["world_size"]

@@ -4,8 +4,11 @@ validation exit codes, and error paths that write nothing."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -92,6 +95,53 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(plans, tmp_path):
     assert r.returncode == 2 and "multiple of --local-world-size" in r.stderr and not out.exists()
     r = tool("make", "--config", DEMO, "--out", str(out), "--set", "model.nmae=x")
     assert r.returncode == 2 and "unknown key 'model.nmae'" in r.stderr and not out.exists()
+
+
+def _one_line(r: subprocess.CompletedProcess) -> str:
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_make_names_the_option_the_user_gave_and_refuses_impossible_sizes(tmp_path):
+    out = tmp_path / "p.json"
+    assert _one_line(tool("make", "--config", DEMO, "--world-size", "2", "--hbm-gb", "-1", "--out", str(out))) == \
+        "error: --hbm-gb -1: expected a size in GiB > 0 (leave it out for the default)"
+    assert _one_line(tool("validate", str(out), "--ddr-gb", "-3")) == \
+        "error: --ddr-gb -3: expected a size in GiB > 0 (leave it out for the default)"
+    # no --local-world-size given: the topology's hosts are what the world size must fill
+    assert _one_line(tool("make", "--config", DEMO, "--topology", "workstation-4gpu-nvlink-pairs", "--world-size", "2",
+                          "--out", str(out))) == (
+        "error: --world-size 2 does not fill whole hosts of topology workstation-4gpu-nvlink-pairs (4 ranks per host): "
+        "give a multiple of 4, or a topology with 2 GPUs per host")
+    assert not out.exists()
+
+
+def test_make_out_that_cannot_be_written_is_one_line_and_keeps_the_old_file(tmp_path):
+    assert _one_line(tool("make", "--config", DEMO, "--world-size", "2", "--out", str(tmp_path))) == \
+        f"error: --out {tmp_path} is a directory; give a file name, e.g. {tmp_path / 'plan.json'}"
+    top = Path(tempfile.mkdtemp())  # outside pytest's root-only tmp tree, so nobody can reach it
+    top.chmod(0o755)
+    ro = top / "ro"
+    ro.mkdir()
+    (ro / "plan.json").write_text("old")
+    ro.chmod(0o555)
+    as_nobody = os.geteuid() == 0  # root writes into a read-only directory: run the tool as nobody
+    if as_nobody and shutil.which("setpriv") is None:
+        pytest.skip("running as root without setpriv: a read-only directory stays writable")
+    cmd = [sys.executable, "-m", "recsys.plan_cli", "make", "--config", DEMO, "--world-size", "2",
+           "--out", str(ro / "plan.json")]
+    if as_nobody:
+        cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *cmd]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)
+        assert _one_line(r) == (f"error: cannot write --out {ro / 'plan.json'}: Permission denied; the previous file "
+                                "is unchanged")
+        assert (ro / "plan.json").read_text() == "old" and sorted(p.name for p in ro.iterdir()) == ["plan.json"]
+    finally:
+        ro.chmod(0o755)
+        shutil.rmtree(top)
 
 
 SHARED_TOPO = REPO.parent / "shared" / "data" / "topo" / "8x-h100-sxm-nv18-no-nic.txt"
