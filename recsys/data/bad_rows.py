@@ -43,6 +43,8 @@ class BlockReport:
     good_rows: int = 0
     blank_lines: int = 0
     padded_rows: int = 0
+    padded_fields: int = 0  # trailing fields the padded rows lacked, in all
+    padded_max: int = 0  # the most any one row lacked
     bad: list[tuple[int, str]] = field(default_factory=list)
 
 
@@ -63,6 +65,8 @@ class FileReport:
     bad_rows: int = 0
     blank_lines: int = 0
     padded_rows: int = 0
+    padded_fields: int = 0
+    padded_max: int = 0
     bad_by_reason: dict[str, int] = field(default_factory=dict)
     first_bad_lines: list[tuple[int, str]] = field(default_factory=list)
 
@@ -88,6 +92,8 @@ class FileReport:
         self.good_rows += block.good_rows
         self.blank_lines += block.blank_lines
         self.padded_rows += block.padded_rows
+        self.padded_fields += block.padded_fields
+        self.padded_max = max(self.padded_max, block.padded_max)
 
     def reasons_text(self) -> str:
         return ", ".join(f"{r}: {n}" for r, n in sorted(self.bad_by_reason.items(), key=lambda kv: -kv[1]))
@@ -101,7 +107,8 @@ class FileReport:
         if self.bad_rows:
             s += f" ({self.reasons_text()}); first bad lines: {self.lines_text()}"
         if self.padded_rows:
-            s += f"; padded {self.padded_rows} short rows whose trailing empty fields were missing"
+            s += (f"; padded {self.padded_rows} short rows whose trailing empty fields were missing "
+                  f"({self.padded_fields} fields in all, up to {self.padded_max} in a row, read as empty)")
         if self.blank_lines:
             s += f"; ignored {self.blank_lines} blank lines"
         return s

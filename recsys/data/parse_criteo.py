@@ -120,6 +120,8 @@ def parse_criteo_lines(
             if lo_pad <= n < num_cols:
                 parts.extend(pad[n:])
                 rep.padded_rows += 1
+                rep.padded_fields += num_cols - n
+                rep.padded_max = max(rep.padded_max, num_cols - n)
             else:
                 bad.append((lineno, REASON_COLUMNS))
                 continue
@@ -353,6 +355,7 @@ def parse_criteo_block(
         rep.total_rows += s_rep.total_rows
         rep.good_rows += s_rep.good_rows
         rep.blank_lines, rep.padded_rows, rep.bad = s_rep.blank_lines, s_rep.padded_rows, s_rep.bad
+        rep.padded_fields, rep.padded_max = s_rep.padded_fields, s_rep.padded_max
         if s_lines.shape[0]:
             order = np.argsort(np.concatenate([fast_idx, s_lines - block.first_lineno]), kind="stable")
             raw = np.concatenate([raw, s_raw])[order]
