@@ -24,7 +24,7 @@ from recsys.config import ConfigError, check_training_extras, load_config
 from recsys.training.checkpoint import CheckpointError, Checkpointer
 from recsys.training.process import die_with_parent
 from recsys.training.run_dir import (
-    LAUNCHER_ENV, RunDirError, RunFinished, RunLock, preflight, shard_world_size, state_shape, total_steps,
+    LAUNCHER_ENV, RunDirError, RunFinished, RunLock, preflight, shard_world_size, state_shape,
 )
 
 
@@ -47,6 +47,22 @@ def _check_saved_plan(cfg) -> None:
     plan_io.check_plan_fits(header, plan, plan_io.model_tables(model), cfg.train.nproc_per_node, cfg.plan)
 
 
+def _check_topology(cfg) -> None:
+    """sharding.planner=topology: the topology must be for this run's device and world size,
+    checked here with one line naming the key rather than in every worker after it started."""
+    import torch
+
+    from sharding.planner.topology_planner import cluster_for
+
+    t = cfg.train
+    device = "cuda" if t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available()) else "cpu"
+    world = shard_world_size(cfg, t.nproc_per_node)
+    try:
+        cluster_for(cfg.sharding.topology, device, world, min(t.nproc_per_node, world))
+    except (ValueError, FileNotFoundError) as e:
+        raise ConfigError(f"key 'sharding.topology': {e}") from None
+
+
 def _train(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
@@ -56,10 +72,12 @@ def _train(args: argparse.Namespace) -> int:
         prepare_data(cfg)  # once, in this process, so workers find the shards ready
         if cfg.plan:
             _check_saved_plan(cfg)
+        elif cfg.sharding.planner == "topology":
+            _check_topology(cfg)
         RunLock(cfg.resolved_run_dir()).acquire()  # held until this process exits
         source = build_source(cfg)
         world = shard_world_size(cfg, cfg.train.nproc_per_node)
-        preflight(cfg, total_steps(cfg, source), state_shape(cfg, source.sparse_names, source.cardinalities, world),
+        preflight(cfg, source, state_shape(cfg, source.sparse_names, source.cardinalities, world),
                   warn=False)  # the workers repeat it (and warn about broken checkpoints) before writing
     except RunFinished as e:
         print(e, file=sys.stderr)
@@ -103,7 +121,7 @@ def _supervise(cmd: list[str], env: dict[str, str], run_dir) -> int:
             signal.signal(s, h)
     if not stopped:
         return rc
-    latest = Checkpointer(run_dir / "checkpoints", -1, 1).latest_complete()
+    latest = Checkpointer(run_dir / "checkpoints", -1, 1).latest_complete(verify_bytes=False)
     where = f"the last complete checkpoint is {latest} (resume=true continues from it)" if latest else "no checkpoint was written"
     print(f"stopped by {signal.Signals(stopped[0]).name}: every worker has exited; {where}", file=sys.stderr)
     return 128 + stopped[0]

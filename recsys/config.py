@@ -53,7 +53,7 @@ class DataConfig:
     eval_fraction: float = 0.1  # criteo/avazu: the last fraction of rows is the eval split
     max_bad_fraction: float = 0.01
     # How a shard cache that matches its inputs' names, sizes, mtimes and first/last MiB is checked
-    # before reuse: full (every byte hashed again, ~0.6 s/GB) | quick (trust those; said in the log)
+    # before reuse: full (every byte hashed again, ~0.7 s/GB) | quick (trust those; said in the log)
     verify: str = "full"
     # Training epochs in a seeded, shuffled order (recsys/data/order.py, docs/data.md): blocks of
     # shuffle_block_rows consecutive rows permuted per epoch, rows permuted again inside windows
@@ -176,6 +176,9 @@ class ExperimentConfig:
     name: str = "experiment"
     run_dir: str = ""  # default: runs/<name>
     resume: bool = False
+    # Resume on other data than the checkpoint trained on (fine-tuning): its epochs count from the
+    # checkpoint's step. Without it such a resume stops with one line saying what changed.
+    resume_on_new_data: bool = False
     # Fresh run in a run_dir that has checkpoints: move the old run aside (without it such a run stops).
     overwrite: bool = False
     # A saved plan file (sharding/plan/io.py; `recsys-plan`) to use instead of planning.
@@ -318,6 +321,26 @@ def _nest(key: str, value: Any) -> dict[str, Any]:
     return out
 
 
+class _DuplicateKey(Exception):
+    pass
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load, except that a key given twice in one mapping is an error naming both
+    lines: YAML's own rule (the last wins) silently drops the first value."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise _DuplicateKey(f"line {line}: key '{key}' given twice (first at line {seen[key]}); "
+                                    "keep one")
+            seen[key] = line
+        return super().construct_mapping(node, deep)
+
+
 def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> ExperimentConfig:
     """Reads a YAML experiment file, applies overrides and validates the result."""
     cfg = ExperimentConfig()
@@ -343,11 +366,16 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Ex
         if "\0" in text:
             raise ConfigError(f"config file {p} is binary (NUL byte at offset {text.index(chr(0))}); is it a YAML file?")
         try:
-            values = yaml.safe_load(text) or {}
+            values = yaml.load(text, Loader=_UniqueKeyLoader)
+        except _DuplicateKey as e:
+            raise ConfigError(f"{p}: {e}") from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" line {mark.line + 1}" if mark is not None else ""
             raise ConfigError(f"{p}:{where} is not valid YAML ({getattr(e, 'problem', e)})") from None
+        if values is None:  # a 0-byte file (a failed copy?) would otherwise run every default silently
+            raise ConfigError(f"config file {p} holds no settings (it is empty or only comments); "
+                              "write at least one key, e.g. `name: my-run`")
         _apply(cfg, values, str(p))
     for text in overrides:
         key, value = parse_override(text)

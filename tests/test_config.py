@@ -56,6 +56,13 @@ def test_demo_config_loads_with_overrides():
          "key 'sharding.sharding_types': table_row_wise is not supported with train.merge_every > 0"),
         ("optim:\n  embedding: lamb\n", "key 'optim.embedding': unknown embedding optimizer 'lamb'"),
         ("train:\n  batch_size: [\n", "is not valid YAML"),
+        # a key given twice: YAML would keep the last silently
+        ("train:\n  batch_size: 128\n  log_every: 5\n  batch_size: 1024\n",
+         "line 4: key 'batch_size' given twice (first at line 2); keep one"),
+        ("train:\n  log_every: 5\ntrain:\n  max_steps: 3\n", "line 3: key 'train' given twice (first at line 1)"),
+        ("", "holds no settings (it is empty or only comments); write at least one key, e.g. `name: my-run`"),
+        ("# only a comment\n", "holds no settings (it is empty or only comments)"),
+        ("data:\n  source: criteo\n  path: x.tsv\n  verify: all\n", "key 'data.verify': unknown verification 'all' (full or quick)"),
         # non-finite numbers (YAML .nan/.inf and the strings float() accepts) and impossible signs
         ("optim:\n  dense_lr: .nan\n", "key 'optim.dense_lr': expected a finite number, got nan"),
         ("optim:\n  embedding_lr: .inf\n", "key 'optim.embedding_lr': expected a finite number, got inf"),

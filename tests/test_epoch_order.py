@@ -32,6 +32,9 @@ class IndexSource(DataSource):
     def num_rows(self, split: int) -> int:
         return self._rows[split]
 
+    def identity(self) -> dict:
+        return {"source": "index", "rows": dict(self._rows)}
+
     def read(self, split: int, start: int, stop: int) -> RowBlock:
         assert 0 <= start <= stop <= self._rows[split]
         if split == TRAIN:

@@ -110,6 +110,12 @@ def test_replaced_file_is_rebuilt_and_trained_on(tmp_path, kaggle_lines):
         f"{cache}: rebuilding the shard cache: {day} changed (size {old_size} -> {day.stat().st_size} bytes)"
     )
     assert "(4 steps/epoch)" in r.stderr  # 270 training rows / 64
+    # the first run's checkpoint knows it trained on the 1000-row file: no resume on these 300 rows
+    r = recsys_train(tmp_path, overrides(tmp_path, day, f"data.cache_dir={cache}", "resume=true", "train.max_steps=6"))
+    assert_one_line_error(r, (
+        f"cannot resume from {tmp_path / 'run'}/checkpoints/step_000000003: it trained on other data (day.tsv: 1000 "
+        f"rows, {old_size} bytes -> 300 rows, {day.stat().st_size} bytes); restore that data, or pass "
+        "resume_on_new_data=true to go on training on this data (its epochs counted from step 3)"))
     rebuilt = json.loads((tmp_path / "run2" / "summary.json").read_text())
     assert rebuilt["eval_rows"] == 30
     assert ShardedDataset.open(cache).num_rows == 300
@@ -121,6 +127,25 @@ def test_replaced_file_is_rebuilt_and_trained_on(tmp_path, kaggle_lines):
     fresh = json.loads((tmp_path / "run3" / "summary.json").read_text())
     assert (fresh["auc"], fresh["logloss"], fresh["eval_rows"]) == (rebuilt["auc"], rebuilt["logloss"], 30)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "data", "fresh", "run", "run2", "run3"]
+
+
+@pytest.mark.slow
+def test_auc_of_a_one_class_eval_split_is_undefined_not_zero(tmp_path, kaggle_lines):
+    """The eval split (the last 10% of rows) holds only negatives: AUC has no positive/negative
+    pair to rank. The log says so in words, summary.json and metrics.jsonl hold null."""
+    lines = [line if line.endswith("\n") else line + "\n" for line in kaggle_lines]
+    negatives = [line for line in lines if line.startswith("0\t")]
+    day = write(tmp_path / "day.tsv", lines[:900] + negatives[:100])
+    r = recsys_train(tmp_path, overrides(tmp_path, day))
+    assert r.returncode == 0, r.stderr[-3000:]
+    evals = [line for line in r.stderr.splitlines() if "eval step 3:" in line]
+    assert len(evals) == 1 and re.search(r"eval step 3: auc undefined \(every eval label is 0\) logloss \d\.\d{4}$",
+                                         evals[0]), evals
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["auc"] is None and summary["auc_undefined"] == "every eval label is 0"
+    assert "auc_gap_to_oracle" not in summary and summary["logloss"] > 0
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["auc"] for m in metrics if m["kind"] == "eval"] == [None]
 
 
 def test_same_basename_elsewhere_with_bad_labels_aborts(tmp_path, kaggle_lines):
@@ -485,6 +510,14 @@ def test_cli_refuses_impossible_numbers(tmp_path, override, message):
     assert not (tmp_path / "run").exists()
 
 
+def test_cli_checks_the_topology_against_the_run_before_launch(tmp_path):
+    """A CUDA topology for a CPU run: one line naming the key, no worker started, nothing written."""
+    r = recsys_train(tmp_path, [f"run_dir={tmp_path / 'run'}", "sharding.planner=topology", "sharding.topology=dgx-a100",
+                                "train.device=cpu"])
+    assert_one_line_error(r, "key 'sharding.topology': topology dgx-a100 is for cuda, the run is on cpu")
+    assert not (tmp_path / "run").exists()
+
+
 def test_cli_binary_config_and_run_dir_file(tmp_path):
     binary = tmp_path / "exp.yaml"
     binary.write_bytes(gzip.compress(b"name: x\n"))
@@ -495,3 +528,23 @@ def test_cli_binary_config_and_run_dir_file(tmp_path):
     r = recsys_train(tmp_path, [f"run_dir={f}"])
     assert_one_line_error(r, f"{SMOKE}: key 'run_dir': run directory {f} is an existing file, not a directory")
     assert f.read_text() == "a file\n"
+
+
+def test_rows_missing_many_columns_are_counted_and_said(tmp_path, kaggle_lines, caplog):
+    """Every row keeps 20 of 40 columns (label, 13 dense, 6 of 26 categorical): padded as empty,
+    as the format allows, and one warning line counts them; 2-3 missing (stripped copies of the
+    Kaggle file) stay an info line."""
+    short = ["\t".join(line.rstrip("\n").split("\t")[:20]) + "\n" for line in kaggle_lines]
+    day = write(tmp_path / "day.tsv", short)
+    caplog.set_level(logging.INFO, logger="recsys.data.raw_formats")
+    m = rf.preprocess_criteo(day, tmp_path / "cache")
+    assert m["num_rows"] == 1000 and m["sources"][0]["padded_fields"] == 20000
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [
+        "day.tsv: skipped 0 of 1000 rows; padded 1000 short rows whose trailing empty fields were missing (20000 "
+        "fields in all, up to 20 in a row, read as empty)"
+    ]
+    caplog.clear()
+    rf.preprocess_criteo(write(tmp_path / "kaggle.tsv", kaggle_lines), tmp_path / "cache2")
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "padded 498 short rows whose trailing empty fields were missing (1025 fields in all, up to 3 in a row" in \
+        caplog.records[0].getMessage()

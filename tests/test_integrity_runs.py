@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -16,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from recsys.training.checkpoint import MARKER, Checkpointer, _disk_reason, incomplete_reason, shape_changes, step_dir_name
 from recsys.training.run_dir import RunDirError, RunLock, check_fresh
@@ -264,10 +267,11 @@ def test_killing_the_launcher_stops_every_worker(tmp_path, sig):
 
 
 @contextlib.contextmanager
-def _tmpfs(where: Path, size: str):
+def _tmpfs(where: Path, size: str, options: str = ""):
     """A tmpfs of ``size`` mounted at ``where`` (made here) for the block; skips without root."""
     where.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True).returncode:
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}{options}", "tmpfs", str(where)],
+                      capture_output=True).returncode:
         pytest.skip("cannot mount a tmpfs here (needs root)")
     try:
         yield where
@@ -310,13 +314,42 @@ def test_full_disk_is_named_when_torch_save_lost_the_oserror(tmp_path):
 
 
 @pytest.mark.slow
-def test_checkpoint_with_corrupt_bytes_is_one_line(run30, tmp_path):
-    """Files of the right size with garbage inside pass the completeness check but cannot load:
-    one line naming the checkpoint, exit 2, nothing written."""
+def test_checkpoint_with_corrupt_bytes_falls_back_by_its_hashes(run30, tmp_path):
+    """Files of the right size with other bytes inside pass the completeness check; their SHA-256
+    (recorded in COMMITTED at save time) does not: one warning naming the file, the resume goes
+    on from step 20 and ends where the uninterrupted run ended."""
     broken = tmp_path / "run"
     shutil.copytree(run30, broken)
     (broken / "summary.json").unlink()
     victim = sorted((broken / "checkpoints" / "step_000000030").glob("*.distcp"), key=lambda p: p.stat().st_size)[-1]
+    data = bytearray(victim.read_bytes())
+    data[100:8292] = bytes(8192)  # 8 KB overwritten, same size
+    victim.write_bytes(bytes(data))
+    r = _ok([f"run_dir={broken}", "train.max_steps=30", "checkpoint.every_steps=10", "checkpoint.keep=3", "resume=true"])
+    warn = [l for l in r.stderr.splitlines() if "incomplete" in l]
+    assert len(warn) == 1 and warn[0].endswith(
+        f"warning: checkpoint step_000000030 is incomplete ({victim} is corrupt (its SHA-256 differs from the one "
+        "recorded when it was written)); falling back to an earlier one"), r.stderr[-3000:]
+    s, ref = _summary(broken), _summary(run30)
+    assert s["resumed_from"].endswith("step_000000020")
+    for key in ("auc", "logloss"):
+        assert s[key] == pytest.approx(ref[key], abs=1e-6), key
+
+
+@pytest.mark.slow
+def test_corrupt_bytes_in_a_checkpoint_without_hashes_is_one_line(run30, tmp_path):
+    """A checkpoint written before hashes were recorded: the corruption shows only when DCP loads
+    it: one line naming the checkpoint, exit 2, nothing written."""
+    broken = tmp_path / "run"
+    shutil.copytree(run30, broken)
+    (broken / "summary.json").unlink()
+    newest = broken / "checkpoints" / "step_000000030"
+    marker = json.loads((newest / MARKER).read_text())
+    assert set(marker["sha256"]) == {p.relative_to(newest).as_posix() for p in newest.rglob("*")
+                                     if p.is_file() and p.name != MARKER}
+    del marker["sha256"]
+    (newest / MARKER).write_text(json.dumps(marker))
+    victim = sorted(newest.glob("*.distcp"), key=lambda p: p.stat().st_size)[-1]
     data = bytearray(victim.read_bytes())
     data[100:400] = bytes(300)
     victim.write_bytes(bytes(data))
@@ -324,7 +357,7 @@ def test_checkpoint_with_corrupt_bytes_is_one_line(run30, tmp_path):
     r = _recsys([f"run_dir={broken}", "train.max_steps=40", "resume=true"])
     assert r.returncode == 2
     line = _last_line(r)
-    assert line.startswith(f"error: cannot load checkpoint {broken}/checkpoints/step_000000030: ") and \
+    assert line.startswith(f"error: cannot load checkpoint {newest}: ") and \
         line.endswith("; move it aside to resume from an earlier one"), r.stderr[-3000:]
     assert [l for l in r.stderr.splitlines() if not l.startswith("[rank0]")] == [line]
     assert (broken / "metrics.jsonl").read_text() == before
@@ -424,3 +457,149 @@ def test_the_state_shape_records_the_resolved_scope_of_our_adam_kernels():
     assert shape("optim.embedding=cowclip_adam", "optim.embedding_l2_scope=batch")["optim.embedding_l2_scope"] == "batch"
     assert shape("optim.embedding=adam")["optim.embedding_l2_scope"] == "batch"
     assert "optim.embedding_l2_scope" not in shape("optim.embedding=rowwise_adagrad")  # FBGEMM: no such choice
+
+
+# -- what a run trains on, and when it must stop ----------------------------------------------------
+
+def test_finite_guard_names_the_first_bad_step_or_tensor():
+    from torch import nn
+
+    from recsys.training.finite import FiniteGuard, NonFiniteError
+
+    guard = FiniteGuard(rank=0)
+    model = nn.Linear(3, 2)
+    guard.see_loss(4, 0.5)
+    guard.check(4, model)  # all finite: nothing happens
+    with torch.no_grad():
+        model.bias[1] = float("inf")
+    with pytest.raises(NonFiniteError, match=r"^training stopped: bias holds non-finite values at step 6 \(rank 0\); "
+                                             r"nothing non-finite was saved, the last checkpoint is /x/step_000000004 "):
+        guard.check(6, model, lambda: "/x/step_000000004")
+    guard.see_loss(7, float("nan"))
+    guard.see_loss(8, float("inf"))  # the first one is named
+    with pytest.raises(NonFiniteError, match=r"^training stopped: the loss is nan at step 7 \(rank 0\); nothing "
+                                             r"non-finite was saved, no checkpoint was written \(lower "
+                                             r"optim.embedding_lr or optim.dense_lr and run again\)$"):
+        guard.check(9)
+
+
+def test_metrics_write_null_for_undefined_and_non_finite_values(tmp_path):
+    from recsys.training.metrics import MetricsWriter, auc, one_class, write_json_atomic
+
+    labels = torch.zeros(6)
+    assert auc(torch.arange(6.0), labels) is None and one_class(labels) == "every eval label is 0"
+    assert one_class(torch.ones(3)) == "every eval label is 1" and one_class(torch.tensor([0.0, 1.0])) is None
+    assert auc(torch.tensor([0.1, 0.9, 0.2, 0.8]), torch.tensor([0.0, 1.0, 0.0, 1.0])) == 1.0
+    w = MetricsWriter(tmp_path, True, tensorboard=False)
+    w.log({"kind": "train", "step": 1, "loss": float("nan"), "auc": None})
+    assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"kind": "train", "step": 1, "loss": None, "auc": None}
+    write_json_atomic(tmp_path / "s.json", {"auc": float("inf"), "x": [1.0, float("nan")]})
+    assert json.loads((tmp_path / "s.json").read_text()) == {"auc": None, "x": [1.0, None]}
+
+
+def _snapshot(run_dir: Path) -> dict:
+    return {str(p): (p.stat().st_mtime_ns, p.stat().st_size) for p in run_dir.rglob("*") if p.name != ".lock"}
+
+
+@pytest.mark.slow
+def test_a_resume_past_max_steps_refuses_and_writes_nothing(run30, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(run30, run)
+    (run / "summary.json").unlink()  # not finished as far as the resume can tell
+    before = _snapshot(run)
+    r = _recsys([f"run_dir={run}", "train.max_steps=20", "resume=true"])
+    assert r.returncode == 2
+    assert _last_line(r) == (f"error: cannot resume from {run}/checkpoints/step_000000030: the run is already at step "
+                             "30, past train.max_steps=20; nothing written (raise it above 30 to train on, or start a "
+                             "new run: another run_dir, or overwrite=true)")
+    assert _snapshot(run) == before
+
+
+@pytest.mark.slow
+def test_a_resume_on_other_data_refuses_unless_asked_and_then_counts_new_epochs(run30, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(run30, run)
+    before = _snapshot(run)
+    r = _recsys([f"run_dir={run}", "train.max_steps=40", "resume=true", "data.seed=1", "data.train_rows=150000"])
+    assert r.returncode == 2
+    assert _last_line(r) == (f"error: cannot resume from {run}/checkpoints/step_000000030: it trained on other data "
+                             "(data.seed 0 -> 1, data.train_rows 200000 -> 150000); restore that data, or pass "
+                             "resume_on_new_data=true to go on training on this data (its epochs counted from step 30)")
+    assert _snapshot(run) == before
+    r = _ok([f"run_dir={run}", "train.max_steps=40", "resume=true", "data.seed=1", "data.train_rows=150000",
+             "resume_on_new_data=true", "train.log_every=5", "checkpoint.every_steps=5"])
+    assert ("resume_on_new_data=true: step 30's model goes on training on other data (data.seed 0 -> 1, "
+            "data.train_rows 200000 -> 150000); epoch 0 of this data starts at step 30") in r.stderr
+    marker = json.loads((run / "checkpoints" / "step_000000040" / MARKER).read_text())
+    assert marker["data"]["seed"] == 1 and marker["data_start_step"] == 30
+    per_epoch = 150000 // 512
+    evals = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["epoch"]) for e in evals if e["kind"] == "train" and e["step"] > 30] == \
+        [(35, 5 / per_epoch), (40, 10 / per_epoch)]
+    # resuming the fine-tuning run (from its step 35) continues its epoch count on its own data
+    shutil.rmtree(run / "checkpoints" / "step_000000040")
+    (run / "summary.json").unlink()
+    _ok([f"run_dir={run}", "train.max_steps=40", "resume=true", "data.seed=1", "data.train_rows=150000",
+         "train.log_every=5", "checkpoint.every_steps=5"])
+    assert json.loads((run / "checkpoints" / "step_000000040" / MARKER).read_text())["data_start_step"] == 30
+    assert _summary(run)["resumed_from"].endswith("step_000000035")
+
+
+@pytest.mark.slow
+def test_a_diverging_run_stops_and_keeps_its_finite_checkpoints(run30, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(run30, run)
+    r = _recsys([f"run_dir={run}", "train.max_steps=60", "resume=true", "checkpoint.every_steps=10",
+                 "checkpoint.keep=3", "optim.dense_lr=1e30", "optim.embedding_lr=1e30"])
+    assert r.returncode == 2
+    line = _last_line(r)
+    assert re.fullmatch(
+        r"error: training stopped: the loss is (nan|inf) at step 3[1-9] \(rank [01]\); nothing non-finite was saved, "
+        rf"the last checkpoint is {re.escape(str(run))}/checkpoints/step_000000030 \(lower optim.embedding_lr or "
+        r"optim.dense_lr, then resume=true continues from it\)", line), line
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == \
+        ["step_000000010", "step_000000020", "step_000000030"]
+    assert all(v is None or math.isfinite(v) for l in (run / "metrics.jsonl").read_text().splitlines()
+               for v in json.loads(l).values() if isinstance(v, float))
+    _ok([f"run_dir={run}", "train.max_steps=40", "resume=true", "checkpoint.every_steps=10", "checkpoint.keep=3"])
+    s = _summary(run)
+    assert s["resumed_from"].endswith("step_000000030") and math.isfinite(s["auc"])
+
+
+@pytest.mark.parametrize("sub", ["new", ""])
+def test_run_dir_on_a_read_only_file_system_is_one_line(tmp_path, sub):
+    """A new run_dir inside a read-only file system, or the read-only mount itself."""
+    with _tmpfs(tmp_path / "ro", "1m", ",ro") as ro:
+        run = ro / sub if sub else ro
+        r = _recsys([f"run_dir={run}", "train.max_steps=2"])
+        assert r.returncode == 2
+        expected = (f"error: cannot create run_dir {run}: Read-only file system; choose a writable run_dir" if sub else
+                    f"error: cannot write in run_dir {run} ({run}/.lock: Read-only file system); choose a writable run_dir")
+        assert _last_line(r) == expected
+
+
+
+@pytest.mark.slow
+def test_resume_when_no_checkpoint_is_complete_stops_and_keeps_them(run30, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(run30, run)
+    (run / "summary.json").unlink()
+    for meta in (run / "checkpoints").glob("*/.metadata"):
+        meta.unlink()
+    before = _snapshot(run)
+    r = _recsys([f"run_dir={run}", "train.max_steps=40", "resume=true"])
+    assert r.returncode == 2
+    assert _last_line(r) == (
+        f"error: resume=true, but none of the 3 checkpoints in {run}/checkpoints is complete (newest: "
+        f"{run}/checkpoints/step_000000030/.metadata is missing or unreadable); to start from scratch, pass "
+        "overwrite=true instead of resume=true (the old run is moved aside)")
+    assert _snapshot(run) == before
+
+
+@pytest.mark.slow
+def test_checkpoint_interval_rounded_to_merge_steps_is_said(tmp_path):
+    run = tmp_path / "run"
+    r = _ok([f"run_dir={run}", "train.merge_every=50", "train.max_steps=10", "checkpoint.every_steps=5"])
+    assert ("checkpoint.every_steps=5 rounded up to 50: checkpoints are taken at merge steps only "
+            "(train.merge_every=50); none before the final one at step 10") in r.stderr
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000000010"]

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from recsys.config import ConfigError, ExperimentConfig, cardinalities
+from recsys.data.identity import shard_identity, synthetic_identity
 from recsys.data.order import EpochOrder
 from recsys.data.synthetic import EVAL, NUM_DENSE, TRAIN, CriteoLikeGenerator, RowBlock
 
@@ -35,6 +36,10 @@ class DataSource(ABC):
     @abstractmethod
     def read(self, split: int, start: int, stop: int) -> RowBlock: ...
 
+    @abstractmethod
+    def identity(self) -> dict:
+        """What rows this source serves, as checkpoints record it (recsys/data/identity.py)."""
+
 
 class SyntheticSource(DataSource):
     has_oracle = True
@@ -54,6 +59,10 @@ class SyntheticSource(DataSource):
             positive_rate=d.positive_rate,
         )
         self._rows = {TRAIN: d.train_rows, EVAL: d.eval_rows}
+        self._identity = synthetic_identity(d)
+
+    def identity(self) -> dict:
+        return self._identity
 
     def num_rows(self, split: int) -> int:
         return self._rows[split]
@@ -80,6 +89,10 @@ class ShardSource(DataSource):
         n = self.ds.num_rows
         self._eval_start, _ = split_sizes(n, cfg.data.eval_fraction)
         self._rows = {TRAIN: self._eval_start, EVAL: n - self._eval_start}
+        self._identity = shard_identity(self.ds.manifest, cfg.data.eval_fraction)
+
+    def identity(self) -> dict:
+        return self._identity
 
     def num_rows(self, split: int) -> int:
         return self._rows[split]

@@ -25,9 +25,15 @@ Integrity (docs/run_integrity.md):
   embedding optimizer, batch, shard world, merge settings; `run_dir.state_shape`); a resume
   whose config differs stops with one line naming the keys (`check_compatible`). The world size
   may change for plain runs with FBGEMM's fused optimizers (`reshardable`): DCP reshards on load.
+- COMMITTED records `data`, the identity of the data trained on (recsys/data/identity.py), and
+  `data_start_step`; a resume on other data stops with one line saying what changed
+  (`check_data`), unless `resume_on_new_data=true`.
+- COMMITTED records the SHA-256 of every file (`sha256`: relative path -> hex), hashed by all
+  ranks in parallel after the write, before the commit.
 - `latest_complete()` checks the newest checkpoint's files against its DCP metadata (every
-  `.distcp` present and long enough, every `rank<r>.pt` present) and falls back to the previous
-  complete one with a one-line warning naming the bad file.
+  `.distcp` present and long enough, every `rank<r>.pt` present) and their bytes against the
+  recorded hashes, and falls back to the previous complete one with a one-line warning naming
+  the bad file.
 - Pruning keeps the `keep` newest checkpoints of this run's lineage (`lineage` in COMMITTED,
   inherited on resume) by step, never the one just written and never another run's.
 - A failed write (a full disk) removes the `.tmp` directory on every rank and raises
@@ -37,6 +43,7 @@ Integrity (docs/run_integrity.md):
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -53,6 +60,7 @@ from torch import nn
 
 from torchrec.optim.keyed import KeyedOptimizer
 
+from recsys.data.identity import describe_data_change
 from recsys.training.distributed import collective_device
 
 log = logging.getLogger(__name__)
@@ -80,10 +88,12 @@ def read_marker(path: Path) -> dict[str, Any]:
     return json.loads((Path(path) / MARKER).read_text())
 
 
-def incomplete_reason(path: Path) -> str | None:
+def incomplete_reason(path: Path, verify_bytes: bool = True) -> str | None:
     """Why the checkpoint at `path` cannot load (naming the bad file), or None if it looks complete:
     a readable marker and DCP metadata, every storage file the metadata names present and long
-    enough, and one rank<r>.pt per writing rank."""
+    enough, one rank<r>.pt per writing rank, and (`verify_bytes`) every file's SHA-256 equal to
+    the one COMMITTED recorded at save time (checkpoints written before hashes were recorded
+    are checked for presence and length only)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     path = Path(path)
@@ -108,7 +118,31 @@ def incomplete_reason(path: Path) -> str | None:
         f = path / f"rank{r}.pt"
         if not f.is_file() or f.stat().st_size == 0:
             return f"{f} is missing"
+    if verify_bytes:
+        for name, want in sorted((marker.get("sha256") or {}).items()):
+            f = path / name
+            try:
+                got = file_sha256(f)
+            except OSError as e:
+                return f"{f} is unreadable ({e.strerror or e})"
+            if got != want:
+                return f"{f} is corrupt (its SHA-256 differs from the one recorded when it was written)"
     return None
+
+
+def file_sha256(path: Path, chunk_bytes: int = 8 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        buf = bytearray(chunk_bytes)
+        view = memoryview(buf)
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def checkpoint_files(tmp: Path) -> list[str]:
+    """Every file of a checkpoint being written (relative paths, sorted; COMMITTED excluded)."""
+    return sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file() and p.name != MARKER)
 
 
 # FBGEMM's own fused optimizers: their state is per-row or per-element tensors that DCP reshards
@@ -216,16 +250,19 @@ def _fsync_tree(path: Path) -> None:
 class Checkpointer:
     def __init__(
         self, root: Path, rank: int, world_size: int, keep: int = 2, groups: Any = None,
-        shape: dict[str, Any] | None = None,
+        shape: dict[str, Any] | None = None, data: dict[str, Any] | None = None,
     ) -> None:
         """`groups`: a `hierarchy.HostGroups` for hierarchical runs (see the module docstring).
-        `shape`: the config that shapes the saved state, recorded in and checked against COMMITTED."""
+        `shape`: the config that shapes the saved state, recorded in and checked against COMMITTED.
+        `data`: the identity of the data trained on (`DataSource.identity()`), likewise."""
         self.root = Path(root)
         self.rank = rank
         self.world_size = world_size
         self.keep = keep
         self.groups = groups
         self.shape = shape or {}
+        self.data = data
+        self.data_start_step = 0  # where the epochs of `data` began (a resume_on_new_data run: later)
         self.per_host_optim = False  # hierarchical, moments not merged: host h>0 saves its own
         self.lineage = uuid.uuid4().hex  # this run's; a resume adopts the checkpoint's (load)
 
@@ -244,11 +281,11 @@ class Checkpointer:
         found = self.committed()
         return found[-1] if found else None
 
-    def latest_complete(self) -> Path | None:
+    def latest_complete(self, verify_bytes: bool = True) -> Path | None:
         """The newest checkpoint that looks complete (`incomplete_reason`); each newer, broken one
         gets a one-line warning naming its bad file (on rank 0) and is left in place."""
         for path in reversed(self.committed()):
-            why = incomplete_reason(path)
+            why = incomplete_reason(path, verify_bytes)
             if why is None:
                 return path
             if self.rank == 0:
@@ -275,6 +312,28 @@ class Checkpointer:
                 "or start a new run (another run_dir, or overwrite=true)"
             )
 
+    def check_data(self, path: Path, allow_new: bool, warn: bool = True) -> int:
+        """The step the epochs of this run's data count from, after checking that the checkpoint
+        trained on the same data: CheckpointError (one line saying what changed) if not, unless
+        `allow_new` (resume_on_new_data=true): then the new data's epochs begin at the
+        checkpoint's step. A checkpoint that records no data (an older version) is taken as is."""
+        marker = read_marker(path)
+        saved = marker.get("data")
+        if saved is None or self.data is None:
+            return int(marker.get("data_start_step", 0))
+        change = describe_data_change(saved, self.data)
+        if change is None:
+            return int(marker.get("data_start_step", 0))
+        if not allow_new:
+            raise CheckpointError(
+                f"cannot resume from {path}: it trained on other data ({change}); restore that data, or pass "
+                f"resume_on_new_data=true to go on training on this data (its epochs counted from step {marker['step']})"
+            )
+        if warn:
+            log.warning("resume_on_new_data=true: step %d's model goes on training on other data (%s); epoch 0 of "
+                        "this data starts at step %d", marker["step"], change, marker["step"])
+        return int(marker["step"])
+
     # -- save ----------------------------------------------------------------------------------
     def save(
         self, step: int, model: nn.Module, optimizer: KeyedOptimizer, extra: dict[str, Any],
@@ -300,9 +359,15 @@ class Checkpointer:
         except BaseException as e:  # a full disk: OSError, or DCP's CheckpointException (a BaseException)
             err = e
         self._agree(err, tmp, final)
+        hashes: dict[str, str] = {}
+        try:
+            hashes = self._hash_files(tmp)
+        except OSError as e:
+            err = e
+        self._agree(err, tmp, final)
         if self.rank == 0:
             try:
-                self._commit(step, tmp, final, extra)
+                self._commit(step, tmp, final, extra, hashes)
             except OSError as e:
                 err = e
         self._agree(err, tmp, final)
@@ -345,13 +410,27 @@ class Checkpointer:
             dcp.save({"optim": optimizer.state_dict()}, storage_writer=writer, process_group=g.host_pg)
         torch.save({"torch_rng": torch.get_rng_state(), "state": rank_state or {}}, tmp / f"rank{self.rank}.pt")
 
-    def _commit(self, step: int, tmp: Path, final: Path, extra: dict[str, Any]) -> None:
+    def _hash_files(self, tmp: Path) -> dict[str, str]:
+        """Collective: the SHA-256 of every file of the checkpoint, the files dealt round-robin over
+        the ranks so each hashes its share (mostly still in its page cache); rank 0 gets them all."""
+        files = checkpoint_files(tmp) if self.rank == 0 else []
+        box = [files]
+        dist.broadcast_object_list(box, src=0)
+        mine = {name: file_sha256(tmp / name) for name in box[0][self.rank::self.world_size]}
+        parts: list[Any] = [None] * self.world_size
+        dist.all_gather_object(parts, mine)
+        return {k: v for part in parts for k, v in part.items()}
+
+    def _commit(self, step: int, tmp: Path, final: Path, extra: dict[str, Any], hashes: dict[str, str]) -> None:
         """Rank 0, after every rank wrote its part: marker, fsync, rename, prune."""
         g = self.groups
         for sub in tmp.glob("host*"):
             _fsync_tree(sub)
         _fsync_tree(tmp)
-        marker = {"step": step, "world_size": self.world_size, "extra": extra, "shape": self.shape, "lineage": self.lineage}
+        marker = {"step": step, "world_size": self.world_size, "extra": extra, "shape": self.shape, "lineage": self.lineage,
+                  "sha256": hashes}
+        if self.data is not None:
+            marker.update(data=self.data, data_start_step=self.data_start_step)
         if g is not None:
             marker.update(ranks_per_host=g.ranks_per_host, hosts=g.hosts, per_host_optim=self.per_host_optim)
         with open(tmp / MARKER, "w") as f:

@@ -37,7 +37,7 @@ from recsys.training.merge import KStepMerger
 from recsys.training.metrics import MetricsWriter, evaluate, format_metric, write_json_atomic
 from recsys.training.progress import Progress
 from recsys.training.run_dir import (
-    RunDirError, RunFinished, RunLock, preflight, shard_world_size, state_shape, total_steps,
+    ResumePoint, RunDirError, RunFinished, RunLock, preflight, shard_world_size, state_shape, total_steps,
 )
 import sharding.plan.io as plan_io
 from sharding.planner.build import allowed_sharding_types, build_planner, make_plan
@@ -65,7 +65,7 @@ class Job:
     groups: HostGroups | None = None  # hierarchical training (train.merge_every > 0)
     merger: KStepMerger | None = None
     warmup: DenseLrWarmup | None = None  # dense-lr warmup of the scaling rule
-    resume_from: Path | None = None  # the checkpoint to resume from (preflight), None: from scratch
+    resume_from: ResumePoint | None = None  # the checkpoint to resume from (preflight), None: from scratch
     lock: RunLock | None = None  # rank 0: the run directory's lock, held for the whole run
 
 
@@ -101,7 +101,7 @@ def setup(cfg: ExperimentConfig, model_factory: ModelFactory | None = None) -> J
     _on_rank0(env, lock_and_prepare)
     source = build_source(cfg)
     shape = state_shape(cfg, source.sparse_names, source.cardinalities, shard_world_size(cfg, env.world_size))
-    resume_from = _on_rank0(env, lambda: preflight(cfg, total_steps(cfg, source), shape))
+    resume_from = _on_rank0(env, lambda: preflight(cfg, source, shape))
     # only now, when the run is known to go ahead, is anything written
     _on_rank0(env, lambda: _write_or_fail(run_dir / "config.yaml", config_mod.dump(cfg)))
 
@@ -157,7 +157,9 @@ def setup(cfg: ExperimentConfig, model_factory: ModelFactory | None = None) -> J
     dense = dense_optimizer(dmp, optim_cfg)
     optimizer = combined_optimizer(dmp, dense)
     warmup = DenseLrWarmup(dense, optim_cfg.dense_lr, warmup_steps) if warmup_steps else None
-    ckpt = Checkpointer(run_dir / "checkpoints", env.rank, env.world_size, cfg.checkpoint.keep, groups, shape)
+    ckpt = Checkpointer(run_dir / "checkpoints", env.rank, env.world_size, cfg.checkpoint.keep, groups, shape,
+                        source.identity())
+    ckpt.data_start_step = resume_from.data_start_step if resume_from is not None else 0
     merger = None
     if groups:  # train.merge_route (RECSYS_MERGE_ROUTE overrides): auto (hierarchical when R > 1) | flat | hierarchical
         merger = KStepMerger(
@@ -243,12 +245,13 @@ def _run(cfg: ExperimentConfig, model_factory: ModelFactory | None) -> dict[str,
     job = setup(cfg, model_factory)
     env, t = job.env, cfg.train
     per_epoch = steps_per_epoch(job.source, TRAIN, t.batch_size)
-    total = total_steps(cfg, job.source)
+    data_start = job.checkpointer.data_start_step  # the step this data's epoch 0 began at
+    total = total_steps(cfg, job.source, data_start)
 
     start_step, resumed_from = 0, None
     # RECSYS_RESUME=1: the same as resume=true
     if cfg.resume or os.environ.get("RECSYS_RESUME") == "1":
-        latest = job.resume_from  # the newest complete, compatible checkpoint (run_dir.preflight)
+        latest = job.resume_from.path if job.resume_from else None  # the newest complete, compatible checkpoint
         if latest is not None:
             try:
                 extra = job.checkpointer.load(latest, job.dmp, job.optimizer, job.dense_optimizer)
@@ -277,8 +280,8 @@ def _run(cfg: ExperimentConfig, model_factory: ModelFactory | None) -> dict[str,
         )
 
     pipeline = TrainPipelineSparseDist(job.dmp, job.optimizer, env.device)
-    batches = train_batches(job.source, t.batch_size, env.rank, env.world_size, start_step, total,
-                            epoch_order(cfg, job.source))
+    batches = train_batches(job.source, t.batch_size, env.rank, env.world_size, start_step - data_start,
+                            total - data_start, epoch_order(cfg, job.source))
     progress = Progress(total, start_step, t.batch_size)
     wall0 = time.perf_counter()
     loss_sum, loss_n = 0.0, 0
@@ -290,6 +293,10 @@ def _run(cfg: ExperimentConfig, model_factory: ModelFactory | None) -> dict[str,
     ckpt_every = cfg.checkpoint.every_steps
     if job.merger is not None and ckpt_every:  # checkpoints only at merge steps (docs/kstep.md)
         ckpt_every = -(-ckpt_every // job.merger.every_k) * job.merger.every_k
+        if ckpt_every != cfg.checkpoint.every_steps and env.is_main:
+            later = "" if ckpt_every < total else f"; none before the final one at step {total}"
+            log.info("checkpoint.every_steps=%d rounded up to %d: checkpoints are taken at merge steps only "
+                     "(train.merge_every=%d)%s", cfg.checkpoint.every_steps, ckpt_every, job.merger.every_k, later)
     last_eval: dict[str, Any] = {}
     guard = FiniteGuard(env.rank)  # a non-finite loss or weight stops the run (recsys/training/finite.py)
 
@@ -303,7 +310,7 @@ def _run(cfg: ExperimentConfig, model_factory: ModelFactory | None) -> dict[str,
         with progress.pause():
             pipeline.detach()
             result = evaluate(job.dmp, job.source, t.eval_batch_size, env.rank, env.world_size, env.device)
-            record = {"kind": "eval", "step": step, "epoch": step / per_epoch, "train_s": train_s, **result}
+            record = {"kind": "eval", "step": step, "epoch": (step - data_start) / per_epoch, "train_s": train_s, **result}
             writer.log(record)
             if env.is_main:
                 oracle = f" (oracle {format_metric(result['oracle_auc'])})" if "oracle_auc" in result else ""
@@ -345,9 +352,9 @@ def _run(cfg: ExperimentConfig, model_factory: ModelFactory | None) -> dict[str,
                 uc = torch.tensor([unique, clipped], dtype=torch.float64, device=collective_device())
                 dist.all_reduce(uc)
                 stats["clipped_row_fraction"] = float(uc[1] / uc[0])
-            writer.log({"kind": "train", "step": step, "epoch": step / per_epoch, "loss": loss, **stats})
+            writer.log({"kind": "train", "step": step, "epoch": (step - data_start) / per_epoch, "loss": loss, **stats})
             if env.is_main:
-                log.info(progress.line(step, step / per_epoch, loss, stats))
+                log.info(progress.line(step, (step - data_start) / per_epoch, loss, stats))
             loss_sum, loss_n = 0.0, 0
         if t.eval_every and step % t.eval_every == 0 and step != total:
             last_eval = eval_now(step)

@@ -19,10 +19,13 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+log = logging.getLogger("recsys.train")
 LOCK_NAME = ".lock"
 LAUNCHER_ENV = "RECSYS_RUN_LOCK_PID"  # set by `recsys train` for its workers: "I hold the lock for you"
 
@@ -69,7 +72,13 @@ class RunLock:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         except (FileExistsError, NotADirectoryError):
             raise RunDirError(f"run_dir {self.run_dir} exists and is not a directory") from None
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:  # a read-only file system, no permission
+            raise RunDirError(f"cannot create run_dir {self.run_dir}: {e.strerror or e}; choose a writable run_dir") from None
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise RunDirError(f"cannot write in run_dir {self.run_dir} ({self.path}: {e.strerror or e}); "
+                              "choose a writable run_dir") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -197,57 +206,75 @@ def wants_resume(cfg) -> bool:
     return bool(cfg.resume) or os.environ.get("RECSYS_RESUME") == "1"
 
 
-def preflight(cfg, total_steps: int, shape: dict, warn: bool = True) -> Path | None:
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a resume starts: the checkpoint, and the step at which the epochs of the data it
+    continues on began (0, or the step a `resume_on_new_data` run switched data at)."""
+
+    path: Path
+    data_start_step: int = 0
+
+
+def preflight(cfg, source, shape: dict, warn: bool = True) -> ResumePoint | None:
     """The run-directory checks, before anything is written (the launcher, then rank 0 of the
     workers): a fresh run refuses (or with `overwrite` moves aside) earlier checkpoints; a
-    resume picks the newest complete checkpoint, stops with RunFinished if the run already
-    finished, with RunDirError if the checkpoint is past this run's last step (the run would
-    otherwise log and save later weights under earlier step names), and with CheckpointError if
-    the config changed. Returns the checkpoint to resume
-    from (None: start from scratch). The caller holds the run lock."""
-    from recsys.training.checkpoint import Checkpointer, step_of
-
-    import logging
+    resume picks the newest complete checkpoint and stops with CheckpointError if the config
+    changed or the data differs from the data it trained on (`source.identity()`; unless
+    `resume_on_new_data`), with RunFinished if the run already finished, and with RunDirError if
+    the checkpoint is past this run's last step (the run would otherwise log and save later
+    weights under earlier step names). Returns where to resume (None: start from scratch).
+    The caller holds the run lock."""
+    from recsys.training.checkpoint import CheckpointError, Checkpointer, incomplete_reason, step_of
 
     run_dir = cfg.resolved_run_dir()
     resume = wants_resume(cfg)
     aside = check_fresh(run_dir, resume, getattr(cfg, "overwrite", False))
     if aside is not None:  # (in the launcher, logging's last-resort handler prints it)
-        logging.getLogger("recsys.train").warning("overwrite=true: moved the earlier run in %s to %s", run_dir, aside)
+        log.warning("overwrite=true: moved the earlier run in %s to %s", run_dir, aside)
     if not resume:
         return None
-    ckpt = Checkpointer(run_dir / "checkpoints", 0 if warn else -1, 1, shape=shape)
-    path = ckpt.latest_complete()
+    ckpt = Checkpointer(run_dir / "checkpoints", 0 if warn else -1, 1, shape=shape, data=source.identity())
+    path = ckpt.latest_complete(verify_bytes=warn)  # the bytes once, on the workers' rank 0, not in the launcher too
     if path is None:
+        broken = ckpt.committed()
+        if broken:  # starting from scratch would overwrite and prune them
+            raise CheckpointError(
+                f"resume=true, but none of the {len(broken)} checkpoints in {ckpt.root} is complete (newest: "
+                f"{incomplete_reason(broken[-1], verify_bytes=warn)}); to start from scratch, pass overwrite=true "
+                "instead of resume=true (the old run is moved aside)"
+            )
         return None
     ckpt.check_compatible(path)
+    data_start = ckpt.check_data(path, bool(getattr(cfg, "resume_on_new_data", False)), warn)
+    last = total_steps(cfg, source, data_start)
     saved_step = step_of(path)
-    if saved_step is not None and saved_step > total_steps:  # continuing would save a step-N name on later weights
+    if saved_step is not None and saved_step > last:  # continuing would save a step-N name on later weights
         raise RunDirError(
-            f"cannot resume from {path}: the run is already at step {saved_step}, past {_length_option(cfg, total_steps)}; "
+            f"cannot resume from {path}: the run is already at step {saved_step}, past {_length_option(cfg, last)}; "
             f"nothing written (raise it above {saved_step} to train on, or start a new run: another run_dir, or overwrite=true)"
         )
-    if saved_step == total_steps and finished_step(run_dir, total_steps) is not None:
+    if saved_step == last and finished_step(run_dir, last) is not None:
         raise RunFinished(
-            f"the run in {run_dir} already finished at step {total_steps} ({path.name}, summary.json); nothing to do "
+            f"the run in {run_dir} already finished at step {last} ({path.name}, summary.json); nothing to do "
             "(raise train.max_steps or train.epochs to train on)"
         )
-    return path
+    return ResumePoint(path, data_start)
 
 
 def _length_option(cfg, total: int) -> str:
     """The option that set the run's length, as the user gave it."""
     t = cfg.train
-    return f"train.max_steps={t.max_steps}" if t.max_steps else f"train.epochs={t.epochs} ({total} steps)"
+    return f"train.max_steps={t.max_steps}" if t.max_steps else f"train.epochs={t.epochs} (to step {total})"
 
 
-def total_steps(cfg, source) -> int:
-    """The run's last step: train.max_steps, else epochs x steps per epoch."""
+def total_steps(cfg, source, data_start_step: int = 0) -> int:
+    """The run's last step: train.max_steps, else epochs x steps per epoch (counted from the step
+    its data began at: 0, or where a `resume_on_new_data` run switched data)."""
     from recsys.data.batching import steps_per_epoch
     from recsys.data.source import TRAIN
 
     t = cfg.train
-    total = t.max_steps or t.epochs * steps_per_epoch(source, TRAIN, t.batch_size)
+    total = t.max_steps or data_start_step + t.epochs * steps_per_epoch(source, TRAIN, t.batch_size)
     if total < 1:  # config checks refuse these first; a step -5 would never be found by resume
         raise RunDirError(f"nothing to train: train.max_steps={t.max_steps}, train.epochs={t.epochs} "
                           f"and train.batch_size={t.batch_size} give {total} steps")
