@@ -119,10 +119,19 @@ def _supervise(cmd: list[str], env: dict[str, str], run_dir) -> int:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-    if not stopped:
+    if not stopped and rc >= 0:
         return rc
     latest = Checkpointer(run_dir / "checkpoints", -1, 1).latest_complete(verify_bytes=False)
     where = f"the last complete checkpoint is {latest} (resume=true continues from it)" if latest else "no checkpoint was written"
+    if not stopped:  # torchrun itself was killed (OOM killer, kill -9): its workers follow it (die_with_parent)
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)  # any worker still in its process group, at once
+        except ProcessLookupError:
+            pass
+        name = signal.Signals(-rc).name if -rc in signal.Signals._value2member_map_ else f"signal {-rc}"
+        print(f"error: torchrun (pid {proc.pid}) was killed by {name}; its workers were stopped with it; {where}",
+              file=sys.stderr)
+        return 128 - rc
     print(f"stopped by {signal.Signals(stopped[0]).name}: every worker has exited; {where}", file=sys.stderr)
     return 128 + stopped[0]
 

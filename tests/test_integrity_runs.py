@@ -98,7 +98,7 @@ def test_fresh_run_refuses_old_checkpoints_and_overwrite_moves_them_aside(tmp_pa
 
 
 def test_pruning_keeps_the_newest_of_this_run_only(tmp_path):
-    """Issue case 4: keep-2 by name deleted a new run's step 10/20 next to an old run's 30/40."""
+    """keep-2 by name deleted a new run's step 10/20 next to an old run's 30/40."""
     root = tmp_path / "checkpoints"
     for s in (30, 40):
         _fake_checkpoint(root, s, "old")
@@ -216,27 +216,61 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+def _launch_until_a_checkpoint(run_dir: Path) -> subprocess.Popen:
+    """A long `recsys train` run, returned once it has a complete checkpoint."""
+    launcher = subprocess.Popen(RECSYS + [f"run_dir={run_dir}", "train.max_steps=100000", "checkpoint.every_steps=10"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=ENV)
+    # Any complete checkpoint, not step_10 itself: at ~100 steps/s keep-2 pruning removes
+    # step_10 a fraction of a second after it is written, between two polls.
+    deadline = time.monotonic() + 300
+    while not list((run_dir / "checkpoints").glob(f"step_*/{MARKER}")):
+        if launcher.poll() is not None or time.monotonic() > deadline:
+            for p in _descendants(launcher.pid):  # communicate() would wait for 100000 steps
+                if _alive(p):
+                    os.kill(p, signal.SIGKILL)
+            pytest.fail(f"no checkpoint within 300 s (launcher rc {launcher.poll()}):\n"
+                        + launcher.communicate(timeout=60)[1][-3000:])
+        time.sleep(0.2)
+    return launcher
+
+
+@pytest.mark.slow
+def test_torchrun_killed_alone_is_said_by_the_launcher(tmp_path):
+    """kill -9 of torchrun (the OOM killer's choice, say): the workers follow it, and the launcher
+    says what happened in one line and exits 128 + 9, instead of a silent 247."""
+    run_dir = tmp_path / "run"
+    launcher = _launch_until_a_checkpoint(run_dir)
+    try:
+        tree = _descendants(launcher.pid)
+        torchrun = [p for p in tree if b"torchrun_quiet" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert len(torchrun) == 1, tree
+        os.kill(torchrun[0], signal.SIGKILL)
+        _, err = launcher.communicate(timeout=120)
+        deadline = time.monotonic() + 60
+        while any(_alive(p) for p in tree if p != launcher.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [p for p in tree if p != launcher.pid and _alive(p)]
+    finally:
+        for p in _descendants(launcher.pid):
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+    assert launcher.returncode == 128 + signal.SIGKILL
+    assert "Traceback" not in err
+    tail = err.strip().splitlines()[-1]
+    assert tail.startswith(f"error: torchrun (pid {torchrun[0]}) was killed by SIGKILL; its workers were stopped with "
+                           f"it; the last complete checkpoint is {run_dir}/checkpoints/step_"), err[-2000:]
+    assert tail.endswith(" (resume=true continues from it)")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=lambda s: s.name)
 def test_killing_the_launcher_stops_every_worker(tmp_path, sig):
-    """Issue cases 5 and 6: a second run on the same dir stops at once naming the holder; the
-    launcher alone killed (Ctrl-C, SIGTERM, SIGKILL) takes torchrun and every worker with it;
-    SIGINT/SIGTERM print one line, and the last complete checkpoint resumes."""
+    """A second run on the same dir stops at once naming the holder; the launcher alone killed
+    (Ctrl-C, SIGTERM, SIGKILL) takes torchrun and every worker with it; SIGINT/SIGTERM print one
+    line, and the last complete checkpoint resumes."""
     run_dir = tmp_path / "run"
-    launcher = subprocess.Popen(RECSYS + [f"run_dir={run_dir}", "train.max_steps=100000", "checkpoint.every_steps=10"],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=ENV)
+    launcher = _launch_until_a_checkpoint(run_dir)
     try:
-        # Any complete checkpoint, not step_10 itself: at ~100 steps/s keep-2 pruning removes
-        # step_10 a fraction of a second after it is written, between two polls.
-        deadline = time.monotonic() + 300
-        while not list((run_dir / "checkpoints").glob(f"step_*/{MARKER}")):
-            if launcher.poll() is not None or time.monotonic() > deadline:
-                for p in _descendants(launcher.pid):  # communicate() would wait for 100000 steps
-                    if _alive(p):
-                        os.kill(p, signal.SIGKILL)
-                pytest.fail(f"no checkpoint within 300 s (launcher rc {launcher.poll()}):\n"
-                            + launcher.communicate(timeout=60)[1][-3000:])
-            time.sleep(0.2)
         tree = _descendants(launcher.pid)
         assert len(tree) >= 4  # launcher, torchrun, 2 workers
         second = _recsys([f"run_dir={run_dir}", "train.max_steps=20", "resume=true"])
