@@ -116,7 +116,7 @@ def test_slurm_dryrun_two_nodes():
     assert script.count("srun ") == 1
     # the torchrun command: the venv's python, c10d rendezvous on the first node's host
     venv_bin = re.escape(str(Path(sys.executable).parent))
-    assert re.search(venv_bin + r"/python[0-9.]* -m torch.distributed.run --nnodes 2 --nproc_per_node 2 --rdzv_backend c10d", script), script
+    assert re.search(venv_bin + r"/python[0-9.]* -m recsys.training.torchrun_quiet --nnodes 2 --nproc_per_node 2 --rdzv_backend c10d", script), script
     assert "--rdzv_endpoint ${SLURM_JOB_NODELIST_HET_GROUP_0:=localhost}:29500" in script
     assert re.search(r"--rdzv_id '\"\$SLURM_JOB_ID\"'", script), script
     assert "--max_restarts 1 -m recsys.train --config configs/experiments/smoke.yaml" in script
@@ -192,3 +192,15 @@ def test_preprocess_component_bad_input_and_slurm_script(tmp_path):
         ["preprocess-0", "preprocess-1", "preprocess-2"]
     for i in range(3):
         assert f"-m recsys.cli preprocess --config {SMOKE} --task {i} --tasks 3 --procs 2 data.source=criteo" in script
+
+
+def test_local_cwd_worker_error_is_one_line_without_torchrun_report(tmp_path):
+    """A config error the workers find (a missing data file): their one line, and no torchrun
+    `ChildFailedError` report or traceback after it."""
+    r = _torchx(["run", "-s", "local_cwd", COMPONENT, "--config", SMOKE, "--nproc_per_node", "2", "--cpu", "2",
+                 "--memMB", "4096", "data.source=criteo", f"data.path={tmp_path}/nope.tsv", f"run_dir={tmp_path / 'run'}"],
+                timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0
+    assert f"trainer/0 error: key 'data.path': no such file {tmp_path}/nope.tsv" in out, out[-3000:]
+    assert "ChildFailedError" not in out and "Traceback" not in out, out[-3000:]

@@ -14,8 +14,9 @@ traceback and exits 1; Python callers (`torchx.runner`) can catch it as `SystemE
 
 How the job finds the right Python: the worker command runs the interpreter that built the
 component (`sys.executable`, i.e. the venv's python when you run the venv's `torchx`) by its
-absolute path, as `python -m torch.distributed.run`; torchrun starts the workers with that same
-interpreter. The venv's `bin` is also put first on the job's PATH, so anything that runs
+absolute path, as `python -m recsys.training.torchrun_quiet` (torchrun, as `recsys train` runs
+it: a worker's one-line error is not followed by torchrun's multi-line `ChildFailedError`);
+torchrun starts the workers with that same interpreter. The venv's `bin` is also put first on the job's PATH, so anything that runs
 `python`/`torchrun` by name gets the venv too. On a cluster that path must exist on every node
 (shared filesystem); pass `--python` to use another interpreter.
 
@@ -159,8 +160,8 @@ def train(
         # the scheduler names the first node in rank0_env (Slurm: SLURM_JOB_NODELIST_HET_GROUP_0);
         # `$$` escapes the macro template, bash expands the variable at run time
         endpoint = _noquote(f"$${{{macros.rank0_env}:=localhost}}:{rdzv_port}")
-    cmd = [
-        python, "-m", "torch.distributed.run",
+    cmd = [  # torchrun without its multi-line reports of failures the workers explained in one line
+        python, "-m", "recsys.training.torchrun_quiet",
         "--nnodes", str(nnodes),
         "--nproc_per_node", str(nproc),
         "--rdzv_backend", "c10d",
