@@ -233,7 +233,7 @@ def test_ssd_capacity_is_counted_per_host():
         plan_on(with_ssd_capacity(need - 8 * 2**20))
     msg = str(e.value)
     assert "\n" not in msg
-    assert f"{(need - 8 * 2**20) / GIB:,.1f} GiB SSD per host" in msg and "more SSD per host" in msg
+    assert f"{(need - 8 * 2**20) / GIB:,.2f} GiB SSD per host" in msg and "more SSD per host" in msg
 
 
 def test_nothing_fits_even_with_ssd_mentions_ssd_capacity():
@@ -241,7 +241,7 @@ def test_nothing_fits_even_with_ssd_mentions_ssd_capacity():
     with pytest.raises(ModelDoesNotFitError) as e:
         plan_on(load_topology("dgx-a100-ssd"), huge)
     msg = str(e.value)
-    assert "28,610.0 GiB SSD per host (28,610.0 GiB in all)" in msg and "hosts like these" in msg
+    assert "28,610.00 GiB SSD per host (28,610.00 GiB in all)" in msg and "hosts like these" in msg
 
 
 def test_plans_that_fit_without_ssd_are_unchanged():

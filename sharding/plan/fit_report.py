@@ -25,7 +25,7 @@ GIB = 1024**3
 TORCHREC_RESERVE = 0.15  # torchrec's planner keeps this share of each device's memory in reserve
 
 
-def _gib(n: float) -> str:
+def format_bytes(n: float) -> str:
     """Bytes in the largest binary unit that keeps a figure above 1 (KiB, MiB or GiB)."""
     for unit, size in (("GiB", GIB), ("MiB", 1024**2)):
         if abs(n) >= size:
@@ -56,21 +56,40 @@ def does_not_fit_message(module: nn.Module, topology: Topology, err: Exception) 
     usable = (hbm + ddr) * (1 - TORCHREC_RESERVE)
     top = sorted(sizes.items(), key=lambda kv: (-kv[1], kv[0]))[:3]
     largest = ", ".join(
-        f"{n} {_gib(b)} ({tables[n]['num_embeddings']:,} x {tables[n]['embedding_dim']}, "
+        f"{n} {format_bytes(b)} ({tables[n]['num_embeddings']:,} x {tables[n]['embedding_dim']}, "
         f"{(tables[n].get('optimizer_state') or {}).get('kind', 'rowwise_adagrad')})" for n, b in top)
     per_rank = (hbm + ddr) / world * (1 - TORCHREC_RESERVE)
-    if need > usable:
-        verdict = f"short by {_gib(need - usable)}"
+    said = planner_said(err)
+    if reserve_exceeds_hbm(err):
+        verdict = (f"each rank's {format_bytes(hbm / world)} HBM is less than what torchrec reserves before placing any table "
+                   f"({TORCHREC_RESERVE:.0%} of it, the dense modules and the input buffers)")
+        fix = "more HBM per rank (--hbm-gb), or leave --hbm-gb out for the device's own"
+    elif need > usable:
+        verdict = f"short by {format_bytes(need - usable)}"
         ranks = math.ceil(need / per_rank) if per_rank > 0 else 0
         fix = (f"{f'about {ranks} ranks like these, or ' if ranks else ''}more memory per rank (--hbm-gb / --ddr-gb), "
                f"or fewer rows / a smaller embedding_dim for the largest tables")
-    else:
-        verdict = f"enough in all, but the largest table needs {_gib(top[0][1])} and one rank holds {_gib(per_rank)}"
+    elif top[0][1] > per_rank:
+        verdict = f"enough in all, but the largest table needs {format_bytes(top[0][1])} and one rank holds {format_bytes(per_rank)}"
         fix = "allow row_wise / column_wise sharding (and fused_uvm_caching on GPUs) for the largest tables"
-    first = str(err).strip().splitlines()[0].strip() if str(err).strip() else type(err).__name__
+    else:
+        verdict = "enough in all and per rank, but no placement the constraints allow fits (see what the planner said)"
+        fix = "allow more sharding types and compute kernels for the largest tables, or more memory per rank"
     return (
-        f"model does not fit {world} ranks ({topology.compute_device}): embeddings need {_gib(need)} "
-        f"(weights + optimizer state), the ranks hold {_gib(hbm / world)} HBM + {_gib(ddr / world)} host memory each, "
-        f"{_gib(usable)} in all after torchrec's {TORCHREC_RESERVE:.0%} reserve: {verdict}; largest tables: {largest}; "
-        f"to fit: {fix}; planner said: {first[:200]}"
+        f"model does not fit {world} ranks ({topology.compute_device}): embeddings need {format_bytes(need)} "
+        f"(weights + optimizer state), the ranks hold {format_bytes(hbm / world)} HBM + {format_bytes(ddr / world)} host memory each, "
+        f"{format_bytes(usable)} in all after torchrec's {TORCHREC_RESERVE:.0%} reserve: {verdict}; largest tables: {largest}; "
+        f"to fit: {fix}; planner said: {said}"
     )
+
+
+def planner_said(err: Exception) -> str:
+    """The first line of a planner error, whole (a cut mid-word reads as garbage)."""
+    text = str(err).strip()
+    return text.splitlines()[0].strip() if text else type(err).__name__
+
+
+def reserve_exceeds_hbm(err: Exception) -> bool:
+    """torchrec's storage reservation left negative HBM: its percentage, the dense modules and the
+    KJT buffers take more than a rank has, so no table fits whatever its size or sharding."""
+    return "negative available hbm storage" in str(err)

@@ -88,6 +88,7 @@ from sharding.planner.cost.perf_model import CachedPerfModel
 from sharding.planner.cost.plan_cost import modeled_step, step_line
 from sharding.planner.proposers import PatientGreedyProposer, PerTableUniformProposer, default_proposers, greedy_patience_for
 from sharding.planner.ssd_tier import key_value_tables
+from sharding.plan.fit_report import TORCHREC_RESERVE, format_bytes, planner_said, reserve_exceeds_hbm
 from sharding.tables import table_configs
 from sharding.topology.cluster import ClusterTopology, load_topology
 from sharding.planner.torchrec_speedups import fast_planner_internals
@@ -410,10 +411,6 @@ def _cluster_to_plan(cluster: ClusterTopology, hosts: int, world_size: int | Non
     return cluster
 
 
-def _gib(n: float) -> str:
-    return f"{n / GIB:,.1f} GiB"
-
-
 def fit_message(cluster: ClusterTopology, module: nn.Module, topo: Topology, err: Exception,
                 sharders: list[ModuleSharder[nn.Module]] | None = None) -> str:
     """One line: what the model needs (weights plus each table's real optimizer state), what the
@@ -423,8 +420,9 @@ def fit_message(cluster: ClusterTopology, module: nn.Module, topo: Topology, err
     top = sorted(tables.items(), key=lambda kv: (-kv[1], kv[0]))[:3]
     w = cluster.world_size
     cpu = cluster.compute_device == "cpu"
-    hbm_dev = 0 if cpu else min(g.hbm_bytes for h in cluster.hosts for g in h.gpus)
-    host = min(h.ddr_bytes for h in cluster.hosts)
+    # the capacities planned with: torchrec's topology carries --hbm-gb / --ddr-gb overrides
+    hbm_dev = 0 if cpu else min(d.storage.hbm for d in topo.devices)
+    host = min(d.storage.ddr for d in topo.devices) * cluster.local_world_size
     ssd = 0 if cpu else min(h.ssd_bytes for h in cluster.hosts)
     avail_hbm, avail_host, avail_ssd = hbm_dev * w, host * len(cluster.hosts), ssd * len(cluster.hosts)
     per_rank = hbm_dev + host / cluster.local_world_size
@@ -436,18 +434,22 @@ def fit_message(cluster: ClusterTopology, module: nn.Module, topo: Topology, err
                + "or smaller embedding_dim / fewer rows for the largest tables")
     elif ssd and key_value_tables(tables, topo):  # key_value was offered to them: the SSD tier is too small
         fix = (f"more SSD per host or more hosts (a key_value table lives on its hosts' SSD; the largest needs "
-               f"{_gib(top[0][1])}), or smaller embedding_dim / fewer rows for the largest tables")
+               f"{format_bytes(top[0][1])}), or smaller embedding_dim / fewer rows for the largest tables")
     else:
         fix = ("allow fused_uvm_caching / fused_uvm and row_wise sharding for the largest tables, "
                "or smaller embedding_dim for them")
-    ssd_part = (f" and {_gib(ssd)} SSD per host ({_gib(avail_ssd)} in all)" if ssd else "")
-    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if reserve_exceeds_hbm(err):
+        fix = (f"more HBM per rank (each rank's {format_bytes(hbm_dev)} is less than what torchrec reserves before placing any "
+               f"table: {TORCHREC_RESERVE:.0%} of it, the dense modules and the input buffers)")
+    ssd_part = (f" and {format_bytes(ssd)} SSD per host ({format_bytes(avail_ssd)} in all)" if ssd else "")
+    first = planner_said(err)
     return (
-        f"model does not fit {cluster.name or 'topology'} ({w} ranks, {len(cluster.hosts)} hosts): "
-        f"embeddings need {_gib(need)} (weights + optimizer state), available {_gib(hbm_dev)} HBM per device "
-        f"({_gib(avail_hbm)} in all) and {_gib(host)} host memory per host ({_gib(avail_host)} in all){ssd_part}; "
-        f"largest tables: " + ", ".join(f"{n} {_gib(b)}" for n, b in top)
-        + f"; to fit: {fix}; planner said: {first[:200]}"
+        f"model does not fit {cluster.name or 'topology'} ({w} ranks, {len(cluster.hosts)} "
+        f"host{'s' if len(cluster.hosts) != 1 else ''}): "
+        f"embeddings need {format_bytes(need)} (weights + optimizer state), available {format_bytes(hbm_dev)} HBM per device "
+        f"({format_bytes(avail_hbm)} in all) and {format_bytes(host)} host memory per host ({format_bytes(avail_host)} in all){ssd_part}; "
+        f"largest tables: " + ", ".join(f"{n} {format_bytes(b)}" for n, b in top)
+        + f"; to fit: {fix}; planner said: {first}"
     )
 
 
