@@ -29,12 +29,17 @@ remain an option for already-converted data.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import logging
 import math
+import os
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Iterator, Literal, Sequence
 
 from recsys.data.bad_rows import (  # noqa: F401  (re-exported: the names users know)
     MAX_BAD_LINES_KEPT,
@@ -113,6 +118,36 @@ def _check_inputs(paths: list[Path]) -> None:
             raise read_error(p, IsADirectoryError(p))
         if not p.is_file():
             raise FileNotFoundError(f"input file not found: {p}")
+
+
+@contextlib.contextmanager
+def cache_lock(out_dir: Path) -> Iterator[None]:
+    """One preprocessing per cache directory at a time on this machine: a second run waits for the
+    first, then finds its cache up to date, instead of calling the winner's new cache "in the way".
+
+    The lock is an flock on a file named by the hash of the cache's resolved path, in a shared
+    directory under the system's temp dir: the cache directory itself is replaced by a rename, so
+    it cannot hold a lock, and a lock file beside it would be one more entry in the user's
+    directory. The file is opened read-only, so a lock file another user created still locks."""
+    where = Path(tempfile.gettempdir()) / "recsys-cache-locks"
+    try:
+        where.mkdir(mode=0o1777, exist_ok=True)
+        if where.stat().st_uid == os.getuid():  # mkdir's mode is cut by the umask
+            where.chmod(0o1777)
+        name = hashlib.sha256(str(out_dir.resolve()).encode()).hexdigest()[:32]
+        fd = os.open(where / f"{name}.lock", os.O_RDONLY | os.O_CREAT, 0o644)
+    except OSError:  # no usable temp dir: go on unlocked, as before
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.warning("%s: another process is preprocessing into this cache; waiting for it", out_dir)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _existing_manifest(out_dir: Path, key: dict[str, Any], overwrite: bool,
@@ -323,18 +358,19 @@ def preprocess_criteo(
         raise ValueError(f"fmt must be 'tsv', 'csv' or 'auto', got {fmt!r}")
     _check_inputs(paths)
     key = criteo_key(paths, fmt, rows_per_shard, max_bad_fraction, pad_short_rows)
-    existing, replace = _existing_manifest(out_dir, key, overwrite, verify)
-    if existing is not None:
-        return existing
-    jobs = []
-    for p in paths:
-        f = detect_format(p, default="tsv") if fmt == "auto" else fmt
-        if f not in ("tsv", "csv"):
-            raise ValueError(f"{p}: looks like {f} data, not Criteo (use preprocess_avazu)")
-        sep = b"\t" if f == "tsv" else b","
-        jobs.append((p, f, BlockReader(p, sep, CRITEO_COLUMNS, CRITEO_COLUMNS, block_bytes)))
-    return _run("criteo", jobs, _CriteoParse(bool(pad_short_rows)), out_dir, key, rows_per_shard,
-                max_bad_fraction, replace, workers)
+    with cache_lock(out_dir):
+        existing, replace = _existing_manifest(out_dir, key, overwrite, verify)
+        if existing is not None:
+            return existing
+        jobs = []
+        for p in paths:
+            f = detect_format(p, default="tsv") if fmt == "auto" else fmt
+            if f not in ("tsv", "csv"):
+                raise ValueError(f"{p}: looks like {f} data, not Criteo (use preprocess_avazu)")
+            sep = b"\t" if f == "tsv" else b","
+            jobs.append((p, f, BlockReader(p, sep, CRITEO_COLUMNS, CRITEO_COLUMNS, block_bytes)))
+        return _run("criteo", jobs, _CriteoParse(bool(pad_short_rows)), out_dir, key, rows_per_shard,
+                    max_bad_fraction, replace, workers)
 
 
 def preprocess_avazu(
@@ -359,12 +395,13 @@ def preprocess_avazu(
     _check_common_args(rows_per_shard, max_bad_fraction, block_bytes, workers, verify)
     _check_inputs(paths)
     key = avazu_key(paths, rows_per_shard, max_bad_fraction)
-    existing, replace = _existing_manifest(out_dir, key, overwrite, verify)
-    if existing is not None:
-        return existing
-    jobs = [(p, "avazu", BlockReader(p, b",", ["click", *AVAZU_SPARSE_NAMES], AVAZU_COLUMNS, block_bytes))
-            for p in paths]
-    return _run("avazu", jobs, parse_avazu_block, out_dir, key, rows_per_shard, max_bad_fraction, replace, workers)
+    with cache_lock(out_dir):
+        existing, replace = _existing_manifest(out_dir, key, overwrite, verify)
+        if existing is not None:
+            return existing
+        jobs = [(p, "avazu", BlockReader(p, b",", ["click", *AVAZU_SPARSE_NAMES], AVAZU_COLUMNS, block_bytes))
+                for p in paths]
+        return _run("avazu", jobs, parse_avazu_block, out_dir, key, rows_per_shard, max_bad_fraction, replace, workers)
 
 
 def preprocess(
