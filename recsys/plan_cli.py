@@ -285,20 +285,21 @@ def cmd_show(args: argparse.Namespace) -> int:
         if topo.world_size != header["world_size"]:
             raise UsageError(f"--topology {args.topology}: {topo.world_size} ranks, the plan has {header['world_size']}")
     tr = cost = None
-    batch = plan_traffic.batch_size_of(header)
+    batch, assumed = _batch_per_rank(args, header)
     if topo is not None or args.format == "html":
         infos = plan_report.table_infos(plan, header)
         tr = plan_traffic.traffic(infos, header["world_size"], batch)
         if topo is not None:
             plan_traffic.apply_topology(tr, topo, infos, rep["ranks"])
-            cost = _modeled_step(plan, header, topo)  # the planner's own model (sharding/planner/cost/plan_cost.py)
+            cost = _modeled_step(plan, header, topo, batch)  # the planner's own model (sharding/planner/cost/plan_cost.py)
     if args.format == "html":
         import sharding.plan.html as plan_html
 
         _emit(plan_html.render_html(rep, tr, topo, cost), args.out)  # times: the planner's model, as the text report
     elif args.format == "json":
         if topo is not None:
-            rep["modeled_step"] = {**cost.as_dict(), "batch_size_per_rank": batch, "model": "sharding/planner/cost/model.py"}
+            rep["modeled_step"] = {**cost.as_dict(), "batch_size_per_rank": batch, "batch_size_assumed": assumed,
+                                   "model": "sharding/planner/cost/model.py"}
             rep["traffic"] = tr.to_dict()
         _emit(json.dumps(rep, indent=1), args.out)
     else:
@@ -307,16 +308,36 @@ def cmd_show(args: argparse.Namespace) -> int:
             from sharding.planner.cost.plan_cost import format_step
 
             text += "\n\n" + format_step(cost, args.topology, batch) + "\n\n" + plan_traffic.format_text(tr)
+            if assumed:
+                text += (f"\nbatch per rank: {batch} assumed (the plan file records none: save_plan(..., planner=...) "
+                         "records it); --batch-size sets it")
         _emit(text, args.out)
     return 0
 
 
-def _modeled_step(plan, header: dict, topo):
-    """The planner's modelled step of a plan file on a topology (sharding/planner/cost/plan_cost.py)."""
+def _modeled_step(plan, header: dict, topo, batch: int | None = None):
+    """The planner's modelled step of a plan file on a topology (sharding/planner/cost/plan_cost.py),
+    at `batch` per rank (default: the file's)."""
     from sharding.planner.cost.plan_cost import modeled_step, plan_pooling, plan_tables
     from sharding.planner.cost.traffic import batch_size_of
 
-    return modeled_step(plan, plan_tables(header), topo, batch_size_of(header), plan_pooling(header))
+    return modeled_step(plan, plan_tables(header), topo, batch or batch_size_of(header), plan_pooling(header))
+
+
+def _batch_per_rank(args: argparse.Namespace, header: dict) -> tuple[int, bool]:
+    """(batch per rank for the modelled step, whether it is assumed): --batch-size, else the file's,
+    else traffic's default, said to be assumed."""
+    from sharding.planner.cost.traffic import DEFAULT_BATCH_SIZE_PER_RANK
+
+    given = getattr(args, "batch_size", 0)
+    if given:
+        if given < 0:
+            raise UsageError(f"--batch-size {given}: expected a positive number of samples per rank")
+        return given, False
+    recorded = (header.get("meta") or {}).get("batch_size_per_rank")
+    if isinstance(recorded, int) and recorded > 0:
+        return recorded, False
+    return DEFAULT_BATCH_SIZE_PER_RANK, True
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
@@ -416,6 +437,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--format", choices=("text", "json", "html"), default="text",
                    help="html: one self-contained file with charts (needs --out)")
     s.add_argument("--topology", help="topology YAML or shipped name (configs/topologies/): adds modeled time per rank")
+    s.add_argument("--batch-size", type=int, default=0,
+                   help="batch per rank for the modelled step (default: the plan file's; 512, said to be assumed, if it has none)")
     s.add_argument("--out")
     s.set_defaults(fn=cmd_show)
     d = sub.add_parser("diff", help="tables that moved or changed kernel; memory deltas per rank")
@@ -447,6 +470,9 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore")
     try:
         return args.fn(args)
+    except BrokenPipeError:  # `recsys-plan show ... | head`: the reader left, nothing to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (ConfigError, UsageError, ValueError, FileNotFoundError) as e:  # PlanFileError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2

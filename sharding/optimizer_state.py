@@ -124,11 +124,48 @@ def sharder_fused_params(sharders: Sequence[Any] | None, module: nn.Module) -> M
 
 def optimizer_kind(param: nn.Parameter, fused_params: Mapping[str, Any] | None = None) -> str:
     """The kind of one table's fused optimizer, read as torchrec's sharders read it."""
-    from torchrec.distributed.utils import optimizer_type_to_emb_opt_type
-
-    cls = getattr(param, "_optimizer_classes", [None])[0]
     kwargs = dict(fused_params or {})
     kwargs.update(getattr(param, "_optimizer_kwargs", [{}])[0] or {})
+    return fused_params_kind(kwargs, getattr(param, "_optimizer_classes", [None])[0])
+
+
+def sharded_tables(model: nn.Module) -> Iterator[tuple[Any, str | None]]:
+    """(table config, optimizer kind or None when unknown) for every table of every *sharded*
+    EBC / EC in ``model`` (after ``DistributedModelParallel``, where the unsharded modules and their
+    parameters' optimizer tags are gone). A ShardedEmbeddingBagCollection keeps each table's fused
+    params, as its sharder merged them, in ``sharding_type_to_sharding_infos`` (every table, on
+    every rank); a ShardedEmbeddingCollection keeps them only for its local shards, so a table
+    placed on other ranks has kind None."""
+    from torchrec.distributed.embedding import ShardedEmbeddingCollection
+    from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+
+    for m in model.modules():
+        if isinstance(m, ShardedEmbeddingBagCollection):
+            for infos in m.sharding_type_to_sharding_infos.values():
+                for info in infos:
+                    yield info.embedding_config, _kind_or_none(info.fused_params)
+        elif isinstance(m, ShardedEmbeddingCollection):
+            local = {}
+            for lookup in getattr(m, "_lookups", []):
+                for emb in getattr(lookup, "_emb_modules", []):
+                    for t in emb._config.embedding_tables:
+                        local[t.name] = t.fused_params
+            for c in m._embedding_configs:
+                yield c, _kind_or_none(local[c.name]) if c.name in local else None
+
+
+def _kind_or_none(fused_params: Mapping[str, Any] | None) -> str | None:
+    try:
+        return fused_params_kind(dict(fused_params or {}))
+    except UnknownOptimizerError:
+        return None
+
+
+def fused_params_kind(kwargs: Mapping[str, Any], optimizer_class: Any = None) -> str:
+    """The optimizer kind a table's fused params (and optimizer class, if tagged with one) select."""
+    from torchrec.distributed.utils import optimizer_type_to_emb_opt_type
+
+    cls = optimizer_class
     opt = kwargs.get("optimizer")
     if opt == COWCLIP_ADAM_TAG:
         return "cowclip_adam"

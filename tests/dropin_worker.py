@@ -98,9 +98,11 @@ def main(mode: str, out: Path, num_iterations: int = 3, batch_size: int = 16, le
     sharders = [CowClipEmbeddingBagCollectionSharder()]
     planner = TopologyAwarePlanner("cpu-gloo", batch_size=batch_size, constraints=constraints, hosts=merger.hosts)
     plan = planner.collective_plan(train_model, sharders)
+    if rank == 0:  # the test's own: the same file written before DMP, to compare with the doc's (after it)
+        save_plan(plan, out / "plan_before_dmp.json", model=train_model, planner=planner)
     model = DistributedModelParallel(module=train_model, device=device, sharders=sharders, plan=plan, env=merger.env)
     if rank == 0:
-        save_plan(plan, out / "plan.json", model=train_model)
+        save_plan(plan, out / "plan.json", model=train_model, planner=planner)
 
     non_fused_optimizer = KeyedOptimizerWrapper(
         dict(in_backward_optimizer_filter(model.named_parameters())),

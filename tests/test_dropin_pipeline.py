@@ -90,6 +90,13 @@ def test_dropin_two_ranks_follow_the_plan_and_train(tmp_path):
         shards = {t: sorted((list(s.shard_offsets), list(s.shard_sizes), s.placement.rank()) for s in ps.sharding_spec.shards)
                   for m in loaded.plan.values() for t, ps in m.items()}
         assert json.loads(json.dumps(shards)) == res[0]["plan"]
+        # written after DMP, as the doc does, it equals the file written before DMP: tables, shapes,
+        # CowClip-Adam state and the planner's batch read from the sharded modules
+        after, before = (json.loads((tmp_path / n).read_text()) for n in ("plan.json", "plan_before_dmp.json"))
+        assert after == before
+        assert {n: (t["num_embeddings"], t["embedding_dim"], t["optimizer_state"]["kind"]) for n, t in after["tables"].items()} \
+            == {f"t_cat_{i}": (200, 8, "cowclip_adam") for i in range(4)}
+        assert after["meta"]["batch_size_per_rank"] == 16 and after["meta"]["topology"].startswith("cpu-gloo")
 
 
 @pytest.mark.slow

@@ -548,3 +548,23 @@ def test_rows_missing_many_columns_are_counted_and_said(tmp_path, kaggle_lines, 
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert "padded 498 short rows whose trailing empty fields were missing (1025 fields in all, up to 3 in a row" in \
         caplog.records[0].getMessage()
+
+
+def test_two_preprocessings_of_one_cache_wait_for_each_other(tmp_path, kaggle_lines):
+    """While one process builds a cache (here: this test, holding the cache's lock while it puts a
+    cache of the same input in place), a second `recsys preprocess` of the same config waits (one
+    line says so), then finds the cache up to date: no "remove it" about the winner's cache."""
+    day = write(tmp_path / "day.tsv", kaggle_lines)
+    built = rf.preprocess_criteo(day, tmp_path / "elsewhere")  # the same key: the same input and options
+    cache = tmp_path / "cache"
+    cmd = [sys.executable, "-m", "recsys.cli", "preprocess", "--config", str(SMOKE), "data.source=criteo",
+           f"data.path={day}", f"data.cache_dir={cache}"]
+    with rf.cache_lock(cache):
+        second = subprocess.Popen(cmd, cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(REPO)),
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        waiting = second.stderr.readline()  # printed just before it blocks on the lock
+        shutil.copytree(tmp_path / "elsewhere", cache)
+    out, err = second.communicate(timeout=120)
+    assert waiting.strip() == f"{cache}: another process is preprocessing into this cache; waiting for it"
+    assert second.returncode == 0 and err == "", err
+    assert out.strip() == f"task 0 of 1: {cache} holds {built['num_rows']} rows in {len(built['shards'])} shards"

@@ -598,6 +598,12 @@ def test_a_diverging_run_stops_and_keeps_its_finite_checkpoints(run30, tmp_path)
     _ok([f"run_dir={run}", "train.max_steps=40", "resume=true", "checkpoint.every_steps=10", "checkpoint.keep=3"])
     s = _summary(run)
     assert s["resumed_from"].endswith("step_000000030") and math.isfinite(s["auc"])
+    # nothing was lost: the same resume without the diverged attempt ends on the same metrics
+    ref = tmp_path / "ref"
+    shutil.copytree(run30, ref)
+    _ok([f"run_dir={ref}", "train.max_steps=40", "resume=true", "checkpoint.every_steps=10", "checkpoint.keep=3"])
+    for key in ("auc", "logloss"):
+        assert s[key] == pytest.approx(_summary(ref)[key], abs=1e-6), key
 
 
 @pytest.mark.parametrize("sub", ["new", ""])

@@ -65,8 +65,8 @@ def test_round_trip_is_lossless(gpu_plan, tmp_path):
 
 
 def test_version_1_files_still_load(gpu_plan, tmp_path):
-    """A plan written by the version-1 tools (tables with shapes only) loads; reports assume
-    row-wise Adagrad and say so."""
+    """A plan written by the version-1 tools (tables with shapes only) loads; reports show the
+    optimizer as unknown, count weights only and say so (nothing is assumed)."""
     import sharding.plan.report as plan_report
 
     model, plan = gpu_plan
@@ -79,7 +79,12 @@ def test_version_1_files_still_load(gpu_plan, tmp_path):
     _, header = plan_io.read_plan_file(p)
     assert header["tables"]["t_C1"]["data_type"] == "FP32" and header["tables"]["t_C1"]["optimizer_state"] is None
     rep = plan_report.report(plan, header)
-    assert rep["optimizer_assumed"] and "row-wise Adagrad assumed" in plan_report.format_text(rep)
+    assert len(rep["optimizer_unknown"]) == 52 and {t["optimizer"] for t in rep["tables"]} == {"unknown"}
+    text = plan_report.format_text(rep)
+    assert "optimizer state: not recorded for 52 of 52 tables (optimizer 'unknown'): their memory counts weights " \
+        "only, a lower bound" in text and "rowwise_adagrad" not in text
+    c1 = next(t for t in rep["tables"] if t["table"] == "t_C1")
+    assert c1["hbm_bytes"] + c1["host_bytes"] == CARDINALITY_PRESETS["criteo_kaggle_raw"][0] * 16 * 4  # weights only
 
 
 def test_checks_for_another_model_or_world(gpu_plan):
@@ -162,3 +167,36 @@ def test_save_refuses_an_invalid_plan_and_writes_nothing(gpu_plan, tmp_path):
     with pytest.raises(PlanFileError, match=rf"plan.json: key 'modules\.[^']*\.{name}\.compute_kernel': 'bogus_kernel' is not a torchrec compute kernel"):
         plan_io.save_plan(bad, target, model)
     assert not list(tmp_path.iterdir())
+
+
+def test_save_plan_refuses_a_model_without_tables_and_records_the_planners_batch(gpu_plan, tmp_path):
+    model, plan = gpu_plan
+    with pytest.raises(PlanFileError, match=r"save_plan\(model=\.\.\.\) found no EmbeddingBagCollection / "
+                                            r"EmbeddingCollection tables in Linear, sharded or not; nothing was written"):
+        plan_io.save_plan(plan, tmp_path / "p.json", model=torch.nn.Linear(2, 2))
+    assert not list(tmp_path.iterdir())
+    planner = EmbeddingShardingPlanner(topology=TopologyFactory.create_topology(
+        trainer_config=TrainerConfig(world_size=4, local_world_size=4), hardware_config=HardwareConfig(),
+        kernel_config=KernelConfig(compute_device="cuda")), batch_size=2048)
+    plan_io.save_plan(plan, tmp_path / "p.json", model=model, planner=planner)
+    assert json.loads((tmp_path / "p.json").read_text())["meta"]["batch_size_per_rank"] == 2048
+
+
+def test_show_says_when_the_batch_for_the_modelled_step_is_assumed(gpu_plan, tmp_path, capsys):
+    from recsys.plan_cli import main
+
+    model, plan = gpu_plan
+    plan_io.save_plan(plan, tmp_path / "none.json", model=model)
+    plan_io.save_plan(plan, tmp_path / "b.json", model=model, batch_size=2048)
+    assert main(["show", str(tmp_path / "none.json"), "--topology", "workstation-4gpu-nvlink-pairs"]) == 0
+    out = capsys.readouterr().out
+    assert "batch 512 per rank" in out and out.rstrip().endswith(
+        "batch per rank: 512 assumed (the plan file records none: save_plan(..., planner=...) records it); "
+        "--batch-size sets it")
+    assert main(["show", str(tmp_path / "b.json"), "--topology", "workstation-4gpu-nvlink-pairs"]) == 0
+    out = capsys.readouterr().out
+    assert "batch 2048 per rank" in out and "assumed" not in out
+    assert main(["show", str(tmp_path / "none.json"), "--topology", "workstation-4gpu-nvlink-pairs",
+                 "--batch-size", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "batch 64 per rank" in out and "assumed" not in out

@@ -150,7 +150,7 @@ def test_memory_per_table_and_rank_counts_each_optimizers_state(mixed):
     assert [r["host_bytes"] for r in rep["ranks"]] == [cowclip_shard + adagrad_shard, cowclip_shard + adagrad_shard + sgd]
     assert [r["hbm_bytes"] for r in rep["ranks"]] == [0, 0]  # CPU ranks
     assert {t["table"]: t["optimizer"] for t in rep["tables"]} == {"t_cowclip": "cowclip_adam", "t_adagrad": "rowwise_adagrad", "t_sgd": "sgd"}
-    assert not rep["optimizer_assumed"]
+    assert not rep["optimizer_unknown"]
     # the same placement on GPUs: everything in HBM
     _, header = plan_io.read_plan_file(path)
     rep = plan_report.report(plan, dict(header, compute_device="cuda"))
@@ -287,6 +287,30 @@ def test_torchrec_planner_out_of_memory_names_need_shortfall_and_largest_tables(
                           f"t_adagrad {adagrad / 1024:.2f} KiB (600 x 8, rowwise_adagrad), t_sgd {sgd / 1024:.2f} KiB (100 x 8, sgd); "
                           "to fit: about 4 ranks like these"), msg  # ceil(need / (40 KiB x 0.85))
     assert "planner said: " in msg
+
+
+@pytest.mark.parametrize("planner", ["torchrec", "topology"])
+def test_hbm_below_torchrecs_reserve_is_said_as_such_with_the_given_capacity(planner):
+    """16 KiB of HBM: torchrec's reserve (15%, dense modules, KJT buffers) leaves negative HBM, so
+    no table fits whatever its size; the line says that, with the HBM the user gave (not the
+    topology's own 80 GiB), in binary units that show a small need, and torchrec's words whole."""
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.planner.types import PlannerError
+
+    from recsys.config import ShardingConfig
+    from sharding.planner.build import build_planner
+
+    with torch.device("meta"):
+        model = plan_models.mixed_dlrm()
+    cfg = ShardingConfig(planner=planner, topology="dgx-a100" if planner == "topology" else "")
+    built = build_planner(cfg, model, 8, 8, "cuda", 64, hbm_bytes=16 * 1024)
+    with pytest.raises(Exception) as e:
+        built.plan(model, [EmbeddingBagCollectionSharder()])
+    msg = str(e.value)
+    assert "\n" not in msg and "16.00 KiB HBM" in msg and "80" not in msg.split("planner said")[0], msg
+    assert "less than what torchrec reserves before placing any table" in msg
+    assert "enough in all" not in msg and "0.0 GiB" not in msg
+    assert msg.endswith("Hence it is not possible to find a valid sharding plan."), msg
 
 
 @pytest.mark.slow

@@ -260,3 +260,22 @@ def test_cowclip_plan_memory_counts_two_moments_and_a_step_per_row(tmp_path):
     rep = json.loads(tool("show", str(out), "--format", "json").stdout)
     assert [x["host_bytes"] for x in rep["ranks"]] == expected
     assert {t["optimizer"] for t in rep["tables"]} == {"cowclip_adam"}
+
+
+def test_diff_of_plans_for_different_setups_says_so_and_shows_shapes(plans, tmp_path):
+    """A CPU plan of small tables against a CUDA plan of raw-size ones: the setups and the table
+    shapes differ, and the diff says so before any placement change."""
+    roomy, _ = plans
+    small = tmp_path / "small.json"
+    r = tool("make", "--config", str(REPO / "configs" / "experiments" / "smoke.yaml"), "--world-size", "8",
+             "--compute-device", "cpu", "--out", str(small))
+    assert r.returncode == 0, r.stderr
+    r = tool("diff", str(small), str(roomy))
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == "the plans are for different setups: compute_device cpu -> cuda, batch_size_per_rank 64 -> 512"
+    c12 = next(l for l in lines if l.startswith("  t_C12 "))
+    assert "shape: 2,000 x 8 -> 8,351,593 x 16" in c12, c12
+    d = json.loads(tool("diff", str(small), str(roomy), "--format", "json").stdout)
+    assert d["plans"] == {"compute_device": ["cpu", "cuda"], "batch_size_per_rank": [64, 512]}
+

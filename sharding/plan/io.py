@@ -211,15 +211,22 @@ def model_tables(
 
     The optimizer kind is read from the model (``sharding.optimizer_state.optimizer_kind``);
     ``optimizer`` (one kind, or table -> kind) overrides it, ``fused_params`` are the sharder's.
-    A table whose optimizer has no known state layout records ``optimizer_state: null``."""
-    from sharding.optimizer_state import UnknownOptimizerError, optimizer_kind, state_of, table_parameters
+    A table whose optimizer has no known state layout records ``optimizer_state: null``. After
+    ``DistributedModelParallel`` the tables are read from the sharded modules (`sharded_tables`)."""
+    from sharding.optimizer_state import (
+        UnknownOptimizerError, optimizer_kind, sharded_tables, state_of, table_parameters,
+    )
 
     overrides = optimizer if isinstance(optimizer, Mapping) else {}
     out = {}
-    for c, param in table_parameters(model):
+    # unsharded modules (before DMP), and sharded ones (after it: their own configs and fused params)
+    entries = [(c, lambda p=param: optimizer_kind(p, fused_params)) for c, param in table_parameters(model)]
+    entries += [(c, lambda k=kind: k) for c, kind in sharded_tables(model)]
+    for c, known_kind in entries:
         kind = optimizer if isinstance(optimizer, str) else overrides.get(c.name)
         try:
-            state = state_of(kind or optimizer_kind(param, fused_params)).to_dict()
+            found = kind or known_kind()
+            state = state_of(found).to_dict() if found else None  # None: not known on this rank
         except UnknownOptimizerError:
             if kind:  # a kind the caller named must be one we know
                 raise
@@ -378,19 +385,26 @@ def save_plan(
     optimizer: str | Mapping[str, str] | None = None,
     fused_params: Mapping[str, Any] | None = None,
     meta: dict | None = None,
+    planner: Any = None,
+    batch_size: int | None = None,
 ) -> Path:
     """Write ``plan`` as a plan file that ``recsys-plan show/validate`` and ``load_plan`` read.
 
-    ``model`` (the unsharded model the plan is for; ``meta`` device is fine) records each table's
-    shape, data type and optimizer state, which validation and memory figures need; its
-    optimizer kinds come from ``apply_optimizer_in_backward`` tags, else ``fused_params`` (the
-    sharder's), else ``optimizer`` (a kind such as ``"rowwise_adagrad"``, or table -> kind).
-    ``world_size`` and ``compute_device`` default to what the plan's shards say. The plan is
-    validated first, and the file is written atomically: on any error nothing is written.
+    ``model`` (the model the plan is for, before or after ``DistributedModelParallel``; ``meta``
+    device is fine) records each table's shape, data type and optimizer state, which validation
+    and memory figures need; its optimizer kinds come from ``apply_optimizer_in_backward`` tags
+    (after DMP: the sharded modules' per-table fused params), else ``fused_params`` (the
+    sharder's), else ``optimizer`` (a kind such as ``"rowwise_adagrad"``, or table -> kind). A model
+    with no embedding tables is an error, never a file with none. ``planner`` (the torchrec
+    ``EmbeddingShardingPlanner`` or ``TopologyAwarePlanner`` that made the plan) records the batch
+    size per rank it planned for (``batch_size`` gives it directly), which the modelled step of
+    ``recsys-plan show --topology`` uses. ``world_size`` and ``compute_device`` default to what the
+    plan's shards say. The plan is validated first, and the file is written atomically: on any
+    error nothing is written.
 
         plan = planner.collective_plan(model, sharders, pg)
         if rank == 0:
-            save_plan(plan, "plan.json", model=model)
+            save_plan(plan, "plan.json", model=model, planner=planner)
         ...
         plan = load_plan("plan.json")   # another job: DistributedModelParallel(model, plan=plan, ...)
     """
@@ -400,6 +414,19 @@ def save_plan(
     world = world_size or inferred_world
     device = compute_device or inferred_device
     tables = model_tables(model, optimizer, fused_params) if model is not None else {}
+    if model is not None and not tables:
+        raise PlanFileError(f"{path}: save_plan(model=...) found no EmbeddingBagCollection / EmbeddingCollection tables "
+                            f"in {type(model).__name__}, sharded or not; nothing was written")
+    meta = dict(meta or {})
+    batch = batch_size or getattr(planner, "_batch_size", None)
+    if batch:
+        meta.setdefault("batch_size_per_rank", int(batch))
+    cluster = getattr(planner, "cluster", None)  # the topology-aware planner's hardware
+    if cluster is not None:
+        meta.setdefault("planner", "topology")
+        meta.setdefault("topology", cluster.name)
+    if getattr(planner, "last_pooling", None):
+        meta.setdefault("pooling", planner.last_pooling)
     d = plan_to_dict(plan, world, device, tables, meta)
     _, header = plan_from_dict(json.loads(json.dumps(d)), str(path))
     validate_plan(plan, header, str(path))

@@ -4,8 +4,10 @@ Memory model (the same one torchrec's planner uses for storage, with the optimiz
 table really has): a shard of R rows x C columns holds R*C weights of its data type (4 bytes for
 FP32) plus its optimizer state, ``bytes_per_weight * R*C + bytes_per_row * R`` as the plan file
 records it per table (sharding/optimizer_state.py: CowClip-Adam 8 + 8, Adam 8 + 0, row-wise
-Adagrad 0 + 4, SGD 0 + 0). Version-1 plan files record no optimizer: row-wise Adagrad is assumed
-(``optimizer_assumed`` in the report). Kernels decide where it lives: `fused`/`dense` on the
+Adagrad 0 + 4, SGD 0 + 0). A table whose optimizer the file does not record (version-1 files,
+`optimizer_state: null`, or no entry) is shown as optimizer `unknown` and counted by its weights
+alone, a lower bound the report says it is (``optimizer_unknown``: those tables); nothing is
+assumed. Kernels decide where it lives: `fused`/`dense` on the
 device (HBM on GPUs, host memory on CPU ranks), `fused_uvm` in host memory, `fused_uvm_caching`
 in host memory plus an HBM cache of load_factor x the shard's weights, `key_value` (FBGEMM's SSD
 kernels, CUDA only) on the host's SSD plus the same HBM cache. The text report shows an SSD
@@ -18,10 +20,10 @@ from typing import Any
 
 from torchrec.distributed.types import ShardingPlan
 
-from sharding.optimizer_state import state_of, weight_bytes
+from sharding.optimizer_state import weight_bytes
 
 BYTES_PER_WEIGHT = 4  # FP32 weights (plan_traffic: bytes of pooled embeddings sent)
-ASSUMED_OPTIMIZER = "rowwise_adagrad"  # for version-1 plan files, which record none
+UNKNOWN_OPTIMIZER = "unknown"  # a table whose optimizer the plan file does not record
 DEFAULT_CACHE_LOAD_FACTOR = 0.2  # torchrec's default when a plan leaves it unset
 
 
@@ -43,8 +45,9 @@ class TableInfo:
     compute_kernel: str
     ranks: list[int]
     cache_load_factor: float | None
-    optimizer: str = ASSUMED_OPTIMIZER
+    optimizer: str = UNKNOWN_OPTIMIZER
     shards: list[ShardInfo] = field(default_factory=list)
+    shape: tuple[int, int] | None = None  # (rows, dim) of the whole table, from its shards or the file's tables
 
     @property
     def hbm_bytes(self) -> int:
@@ -63,7 +66,7 @@ def _shard_bytes(rows: int, cols: int, kernel: str, load_factor: float | None, t
                  device: str) -> tuple[int, int, int]:
     """(HBM, host, SSD) bytes of a rows x cols shard of ``table`` (a plan header's table entry)."""
     weights = weight_bytes(table.get("data_type") or "FP32", rows, cols)
-    st = table.get("optimizer_state") or state_of(ASSUMED_OPTIMIZER).to_dict()
+    st = table.get("optimizer_state") or {"bytes_per_weight": 0, "bytes_per_row": 0}  # unknown: weights only
     total = weights + rows * cols * st["bytes_per_weight"] + rows * st["bytes_per_row"]
     if device != "cuda":  # CPU ranks: everything is host memory
         return 0, total, 0
@@ -79,7 +82,7 @@ def _shard_bytes(rows: int, cols: int, kernel: str, load_factor: float | None, t
 
 def table_infos(plan: ShardingPlan, header: dict[str, Any]) -> list[TableInfo]:
     """Per table: placement and (HBM, host) bytes per shard, with the optimizer state the plan
-    file records for it (row-wise Adagrad for version-1 files)."""
+    file records for it (`unknown` where it records none: counted by weights only)."""
     device = header.get("compute_device", "cuda")
     tables = header.get("tables", {})
     out = []
@@ -87,15 +90,19 @@ def table_infos(plan: ShardingPlan, header: dict[str, Any]) -> list[TableInfo]:
         for name, ps in mplan.items():
             t = tables.get(name, {})
             lf = ps.cache_params.load_factor if ps.cache_params is not None else None
-            kind = (t.get("optimizer_state") or {}).get("kind", ASSUMED_OPTIMIZER)
+            kind = (t.get("optimizer_state") or {}).get("kind", UNKNOWN_OPTIMIZER)
             info = TableInfo(module, name, ps.sharding_type, ps.compute_kernel, list(ps.ranks or []), lf, kind)
             if ps.sharding_spec is not None:
                 for s in ps.sharding_spec.shards:
                     rows, cols = s.shard_sizes
                     hbm, host, ssd = _shard_bytes(rows, cols, ps.compute_kernel, lf, t, device)
                     info.shards.append(ShardInfo(s.placement.rank(), rows, cols, hbm, host, ssd))
+                specs = ps.sharding_spec.shards
+                info.shape = (max(x.shard_offsets[0] + x.shard_sizes[0] for x in specs),
+                              max(x.shard_offsets[1] + x.shard_sizes[1] for x in specs))
             else:  # data-parallel: a full replica on every rank
                 rows, cols = t.get("num_embeddings", 0), t.get("embedding_dim", 0)
+                info.shape = (rows, cols) if "num_embeddings" in t else None
                 for r in info.ranks:
                     hbm, host, ssd = _shard_bytes(rows, cols, ps.compute_kernel, lf, t, device)
                     info.shards.append(ShardInfo(r, rows, cols, hbm, host, ssd))
@@ -121,7 +128,7 @@ def report(plan: ShardingPlan, header: dict[str, Any]) -> dict[str, Any]:
     return {
         "world_size": header["world_size"],
         "compute_device": header["compute_device"],
-        "optimizer_assumed": any(not (tables.get(t.table) or {}).get("optimizer_state") for t in infos),
+        "optimizer_unknown": sorted(t.table for t in infos if not (tables.get(t.table) or {}).get("optimizer_state")),
         "meta": header.get("meta", {}),
         "tables": [dict(asdict(t), hbm_bytes=t.hbm_bytes, host_bytes=t.host_bytes, ssd_bytes=t.ssd_bytes) for t in infos],
         "ranks": rank_memory(infos, header["world_size"]),
@@ -140,8 +147,11 @@ def has_ssd(rep: dict) -> bool:
 
 def format_text(rep: dict[str, Any]) -> str:
     lines = [f"plan for {rep['world_size']} ranks ({rep['compute_device']})"]
-    if rep.get("optimizer_assumed"):
-        lines.append("optimizer state: not recorded in this plan file (format version 1); row-wise Adagrad assumed")
+    unknown = rep.get("optimizer_unknown") or []
+    if unknown:
+        lines.append(f"optimizer state: not recorded for {len(unknown)} of {len(rep['tables'])} tables (optimizer "
+                     "'unknown'): their memory counts weights only, a lower bound (save the plan with the model, "
+                     "sharding.plan.io.save_plan(..., model=...))")
     lines.append("")
     tw = max([12] + [len(t["table"]) + 1 for t in rep["tables"]])
     mw = max([18] + [len(t["module"]) + 1 for t in rep["tables"]])
@@ -180,6 +190,8 @@ def diff(a_plan: ShardingPlan, a_header: dict, b_plan: ShardingPlan, b_header: d
             changes.append({"table": key[1], "module": key[0], "change": "added" if ta is None else "removed"})
             continue
         what = {}
+        if ta.shape != tb.shape and ta.shape is not None and tb.shape is not None:  # another model, not another plan
+            what["shape"] = [f"{ta.shape[0]:,} x {ta.shape[1]}", f"{tb.shape[0]:,} x {tb.shape[1]}"]
         for attr in ("sharding_type", "compute_kernel", "ranks", "cache_load_factor", "optimizer"):
             if getattr(ta, attr) != getattr(tb, attr):
                 what[attr] = [getattr(ta, attr), getattr(tb, attr)]
@@ -195,14 +207,25 @@ def diff(a_plan: ShardingPlan, a_header: dict, b_plan: ShardingPlan, b_header: d
          "ssd_bytes_delta": mb[r]["ssd_bytes"] - ma[r]["ssd_bytes"]}
         for r in range(world)
     ]
-    return {"changes": changes, "ranks": ranks}
+    plans = {k: [a_header.get(k), b_header.get(k)] for k in PLAN_FIELDS if a_header.get(k) != b_header.get(k)}
+    meta_a, meta_b = a_header.get("meta") or {}, b_header.get("meta") or {}
+    plans.update({k: [meta_a.get(k), meta_b.get(k)] for k in META_FIELDS if meta_a.get(k) != meta_b.get(k)})
+    return {"plans": plans, "changes": changes, "ranks": ranks}
+
+
+# What the two plans were made for: a difference here explains every table difference below it.
+PLAN_FIELDS = ("world_size", "compute_device")
+META_FIELDS = ("batch_size_per_rank", "planner", "topology")
 
 
 def format_diff(d: dict[str, Any]) -> str:
+    head = []
+    if d.get("plans"):
+        head = ["the plans are for different setups: " + ", ".join(f"{k} {v[0]} -> {v[1]}" for k, v in d["plans"].items())]
     if not d["changes"]:
-        lines = ["no table changed"]
+        lines = head + ["no table changed"]
     else:
-        lines = [f"{len(d['changes'])} table(s) changed:"]
+        lines = head + [f"{len(d['changes'])} table(s) changed:"]
         for c in d["changes"]:
             detail = ", ".join(f"{k}: {v[0]} -> {v[1]}" if isinstance(v, list) and len(v) == 2 else f"{k}: {v}"
                                for k, v in c.items() if k not in ("table", "module"))
