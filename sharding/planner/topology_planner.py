@@ -62,12 +62,17 @@ from torch import nn
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
 from torchrec.distributed.planner.constants import POOLING_FACTOR
 from torchrec.distributed.planner.types import (
+    Enumerator,
     HardwareConfig,
     KernelConfig,
+    Partitioner,
+    PerfModel,
     PlannerError,
     PlannerErrorType,
     ShardingOption,
+    Stats,
     Storage,
+    StorageReservation,
     Topology,
     TopologyFactory,
     TrainerConfig,
@@ -158,8 +163,15 @@ def torchrec_topology(
 class TopologyAwarePlanner(EmbeddingShardingPlanner):
     """A torchrec ``ShardingPlanner`` for a :class:`ClusterTopology` (see module docstring).
 
-    ``topology``: a shipped name (``"dgx-a100"``, ``"cpu-gloo"``), a YAML path or a
-    :class:`ClusterTopology`. ``batch_size`` is per rank, as for torchrec's planner.
+    ``topology``: a shipped name (``"dgx-a100"``, ``"cpu-gloo"``), a YAML path, a
+    :class:`ClusterTopology`, or torchrec's own ``Topology`` (planned on as given; our cost model
+    sees the uniform cluster it describes: sharding/topology/from_torchrec.py). ``batch_size`` is
+    per rank, as for torchrec's planner. torchrec's other constructor arguments are taken with
+    torchrec's meaning: ``enumerator``, ``storage_reservation``, ``partitioner``,
+    ``performance_model``, ``proposer`` and ``stats`` replace the planner's own (a given enumerator
+    holds its own constraints, as in torchrec; a given partitioner or performance model turns off
+    the comparison with torchrec's default plan and the score reuse that rely on ours),
+    ``callbacks`` run after the planner's own, ``timeout_seconds`` and ``debug`` as in torchrec.
     ``constraints``: torchrec ``ParameterConstraints`` per table, merged per table with the
     planner's defaults (model-parallel types, fused kernels, plus UVM / UVM caching on GPUs): a
     constraint on one table never changes another table's options, and fields left None on a
@@ -183,7 +195,7 @@ class TopologyAwarePlanner(EmbeddingShardingPlanner):
 
     def __init__(
         self,
-        topology: ClusterTopology | str | os.PathLike,
+        topology: ClusterTopology | Topology | str | os.PathLike,
         batch_size: int,
         constraints: Mapping[str, ParameterConstraints] | None = None,
         *,
@@ -200,16 +212,33 @@ class TopologyAwarePlanner(EmbeddingShardingPlanner):
         cache_stats: Mapping[str, CacheStatistics] | None = None,
         target_hit_rate: float = DEFAULT_TARGET_HIT_RATE,
         column_splits: tuple[int, ...] = DEFAULT_COLUMN_SPLITS,
+        enumerator: Enumerator | None = None,
+        storage_reservation: StorageReservation | None = None,
+        partitioner: Partitioner | None = None,
+        performance_model: PerfModel | None = None,
+        stats: Stats | list[Stats] | None = None,
+        callbacks: list | None = None,
     ) -> None:
         if hosts < 1:
             raise ValueError(f"hosts must be >= 1, got {hosts}")
         self.hosts = int(hosts)
         self.column_splits = tuple(column_splits)
         self.search_space: list[ShardingOption] = []
-        if isinstance(topology, ClusterTopology):  # used as given (the caller sized it), unless world_size
+        given_topology = topology if isinstance(topology, Topology) else None
+        if given_topology is not None:  # torchrec's own: planned on as given; a cluster of it for our cost model
+            if hbm_bytes is not None or ddr_bytes is not None or world_size is not None:
+                raise ValueError("TopologyAwarePlanner(torchrec Topology, ...): set HBM, DDR and the world size in the "
+                                 "Topology (TopologyFactory.create_topology), not hbm_bytes / ddr_bytes / world_size")
+            from sharding.topology.from_torchrec import cluster_from_torchrec
+
+            self.cluster = _cluster_to_plan(cluster_from_torchrec(topology), self.hosts, None, from_job=False)
+        elif isinstance(topology, ClusterTopology):  # used as given (the caller sized it), unless world_size
             self.cluster = _cluster_to_plan(topology, self.hosts, world_size, from_job=False)
         else:
             self.cluster = _cluster_to_plan(load_topology(topology), self.hosts, world_size, from_job=True)
+        if given_topology is not None and self.hosts > 1:
+            raise ValueError("TopologyAwarePlanner(torchrec Topology, hosts > 1): give one host's Topology and "
+                             "hosts=1, or a ClusterTopology / topology name with hosts")
         self.user_constraints: dict[str, ParameterConstraints] = dict(constraints or {})
         self.greedy_patience = greedy_patience
         self.cache_stats = dict(cache_stats or {})
@@ -217,24 +246,30 @@ class TopologyAwarePlanner(EmbeddingShardingPlanner):
         if not 0.0 < self.target_hit_rate <= 1.0:
             raise ValueError(f"target_hit_rate must be in (0, 1], got {target_hit_rate}")
         self.cost_model = TopologyCostModel(self.cluster, batch_size)
-        self.partitioner = TopologyPartitioner(self.cost_model, compare_default=compare_default)
-        perf_model = CachedPerfModel(self.cost_model, self.partitioner)
+        # torchrec's roles, as EmbeddingShardingPlanner takes them: a role the caller gives replaces
+        # ours (torchrec's semantics); callbacks are added to ours
+        ours = partitioner is None
+        self.partitioner = TopologyPartitioner(self.cost_model, compare_default=compare_default) if ours else partitioner
+        perf_model = performance_model or CachedPerfModel(self.cost_model, self.partitioner if ours else None)
         if proposer is None:
             proposer = default_proposers(greedy_patience)
-            if self.column_splits:
+            if self.column_splits and isinstance(perf_model, CachedPerfModel):
                 proposer.append(BalanceProposer(perf_model.tracker))
-        callbacks = [self.partitioner.compare_with_default]
+        own_callbacks = [self.partitioner.compare_with_default] if ours else []
         if tune_cache_load_factor and self.cluster.compute_device != "cpu":
-            callbacks.append(self._tune_load_factors)
+            own_callbacks.append(self._tune_load_factors)
         # What each plan() hands torchrec's planner through its constructor (the constraints and the
         # enumerator that holds them are per model: the defaults depend on the model's tables).
-        self.torchrec_topology = torchrec_topology(self.cluster, hbm_bytes, ddr_bytes)
+        self.torchrec_topology = given_topology or torchrec_topology(self.cluster, hbm_bytes, ddr_bytes)
         self.batch_size_per_rank = int(batch_size)
         self.perf_model = perf_model
         self.proposers = proposer
-        self.callbacks = callbacks
+        self.callbacks = own_callbacks + list(callbacks or [])
         self.timeout_seconds = timeout_seconds
         self.debug = debug
+        self.user_enumerator = enumerator  # holds its own constraints, as in torchrec
+        self.storage_reservation = storage_reservation
+        self.stats = stats
         self.constraints: dict[str, ParameterConstraints] = {}
         self.last_planner: EmbeddingShardingPlanner | None = None
         self.last_enumerator: TopologyEnumerator | None = None
@@ -244,12 +279,14 @@ class TopologyAwarePlanner(EmbeddingShardingPlanner):
     def _torchrec_planner_args(self, constraints: dict[str, ParameterConstraints]) -> dict:
         """The constructor arguments of torchrec's planner: our roles, and ``constraints`` with the
         enumerator that holds them."""
-        enumerator = TopologyEnumerator(self.torchrec_topology, self.batch_size_per_rank, self.column_splits,
-                                        constraints)
+        enumerator = self.user_enumerator or TopologyEnumerator(self.torchrec_topology, self.batch_size_per_rank,
+                                                                self.column_splits, constraints)
+        extra = {k: v for k, v in (("storage_reservation", self.storage_reservation), ("stats", self.stats))
+                 if v is not None}
         return dict(topology=self.torchrec_topology, batch_size=self.batch_size_per_rank, enumerator=enumerator,
                     partitioner=self.partitioner, performance_model=self.perf_model, constraints=constraints or None,
                     debug=self.debug, callbacks=self.callbacks, timeout_seconds=self.timeout_seconds,
-                    proposer=self.proposers)
+                    proposer=self.proposers, **extra)
 
     @property
     def best_plan(self) -> list[ShardingOption] | None:
@@ -276,7 +313,7 @@ class TopologyAwarePlanner(EmbeddingShardingPlanner):
         # (holding this model's constraints), partitioner, perf model, proposers and callbacks
         self.constraints = self.constraints_for(module, sharders)
         args = self._torchrec_planner_args(self.constraints)
-        self.last_enumerator = args["enumerator"]
+        self.last_enumerator = args["enumerator"] if isinstance(args["enumerator"], TopologyEnumerator) else None
         self.last_planner = EmbeddingShardingPlanner(**args)
         self.perf_model.tracker.reset()
         try:
@@ -287,7 +324,7 @@ class TopologyAwarePlanner(EmbeddingShardingPlanner):
         except PlannerError as e:
             raise ModelDoesNotFitError(
                 fit_message(self.cluster, module, self.torchrec_topology, e, sharders)) from None
-        self.search_space = self.last_enumerator.last_search_space
+        self.search_space = self.last_enumerator.last_search_space if self.last_enumerator is not None else []
         # The number the search minimised, for the plan it returns: the same function and inputs
         # as `recsys-plan show --topology` (sharding/planner/cost/plan_cost.py), so the two always agree.
         self.last_pooling = {c.name: float(sum(self.constraints[c.name].pooling_factors))
