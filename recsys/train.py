@@ -77,5 +77,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _exit_now(code: int) -> None:
+    """Leaves without interpreter teardown, once everything is written and the process groups are
+    destroyed: at teardown, C++ objects of torch.distributed / gloo that Python still references
+    (sub-groups held by the merger, DMP's sharding env) are destroyed in no set order, and one of
+    them has been seen to abort a worker ("terminate called without an active exception") after
+    a run that had finished and written everything. The run's files are closed by then
+    (checkpoints fsynced, summary.json renamed into place, metrics and TensorBoard closed)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit_now(main())
