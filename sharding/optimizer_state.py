@@ -107,6 +107,33 @@ def _module_tables(m: nn.Module) -> Iterator[tuple[Any, nn.Parameter]]:
             yield c, m.embeddings[c.name].weight
 
 
+def check_cowclip_sharders(model: nn.Module, sharders: Sequence[Any] | None) -> None:
+    """ValueError (one line) when a table tagged for CowClip-Adam (``tag_cowclip_adam``) sits in a
+    module that no given sharder trains with CowClip-Adam: without it the table is either left
+    unsharded and replicated under the dense optimizer (no sharder for its module type: silently
+    wrong) or handed to a stock sharder whose FBGEMM kernel rejects the CowClip fused params.
+    A sharder that trains CowClip-Adam says so with ``trains_cowclip_adam = True``. Checked by the
+    planners before planning, on every rank, so all stop together."""
+    for path, m in model.named_modules():
+        tagged = [c.name for c, p in _module_tables(m)
+                  if (getattr(p, "_optimizer_kwargs", [{}])[0] or {}).get("optimizer") == COWCLIP_ADAM_TAG]
+        if not tagged:
+            continue
+        sharder = next((s for s in sharders or () if isinstance(m, s.module_type)), None)
+        if sharder is not None and getattr(sharder, "trains_cowclip_adam", False):
+            continue
+        kind = type(m).__name__
+        what = (f"no sharder given shards its {kind}" if sharder is None
+                else f"its sharder {type(sharder).__name__} does not train CowClip-Adam")
+        fix = ("CowClip-Adam trains EmbeddingBagCollection tables: add CowClipEmbeddingBagCollectionSharder() to the "
+               "sharders" if kind != "EmbeddingCollection" else
+               "CowClip-Adam does not train EmbeddingCollection tables yet: tag them with a torchrec optimizer "
+               "instead (apply_optimizer_in_backward)")
+        names = ", ".join(tagged[:3]) + (f" and {len(tagged) - 3} more" if len(tagged) > 3 else "")
+        raise ValueError(f"table{'s' if len(tagged) > 1 else ''} {names} of {kind} '{path or '<model>'}' "
+                         f"{'are' if len(tagged) > 1 else 'is'} tagged for CowClip-Adam, but {what}; {fix}")
+
+
 def table_parameters(model: nn.Module) -> Iterator[tuple[Any, nn.Parameter]]:
     """(table config, weight parameter) for every table of every EBC / EC in ``model``."""
     for m in model.modules():

@@ -116,3 +116,63 @@ def test_every_constraint_set_torchrecs_planner_plans_ours_plans_too(name, devic
             assert plan[table][0] in c.sharding_types, (name, table, plan[table])
             if c.compute_kernels:
                 assert plan[table][1] in c.compute_kernels, (name, table, plan[table])
+
+
+def _ebc_and_ec_model():
+    """A two-tower-like model: pooled features in an EBC, a sequence feature in an EC."""
+    from torchrec.modules.embedding_configs import EmbeddingConfig
+    from torchrec.modules.embedding_modules import EmbeddingCollection
+
+    class TwoKinds(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ebc = plan_models._ebc({"t_user": 500}, torch.device("meta"))
+            self.ec = EmbeddingCollection(tables=[EmbeddingConfig(name="t_seq", embedding_dim=8, num_embeddings=300,
+                                                                  feature_names=["f_seq"])], device=torch.device("meta"))
+
+    return TwoKinds()
+
+
+@pytest.mark.parametrize("with_ec_sharder", [False, True])
+@pytest.mark.parametrize("planner_kind", ["topology", "torchrec"])
+def test_cowclip_tags_on_tables_no_sharder_trains_are_one_line(with_ec_sharder, planner_kind):
+    """EC tables tagged for CowClip-Adam: with only the CowClip EBC sharder DMP would leave the EC
+    replicated under the dense optimizer (silently); with torchrec's EC sharder FBGEMM would reject
+    the CowClip fused params. Both planners stop first, naming the table and what to do."""
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
+
+    from recsys import CowClipEmbeddingBagCollectionSharder, tag_cowclip_adam
+    from recsys.config import ShardingConfig
+    from sharding.planner.build import build_planner
+
+    model = _ebc_and_ec_model()
+    tag_cowclip_adam(model.parameters(), lr=0.01)
+    sharders = [CowClipEmbeddingBagCollectionSharder()] + ([EmbeddingCollectionSharder()] if with_ec_sharder else [])
+    planner = (TopologyAwarePlanner(_topology(2, "cpu"), batch_size=64) if planner_kind == "topology"
+               else build_planner(ShardingConfig(), model, 2, 2, "cpu", 64))
+    what = "its sharder EmbeddingCollectionSharder does not train CowClip-Adam" if with_ec_sharder else \
+        "no sharder given shards its EmbeddingCollection"
+    for call in (lambda: planner.plan(model, sharders), lambda: planner.collective_plan(model, sharders)):
+        with pytest.raises(ValueError) as e:
+            call()
+        assert str(e.value) == (f"table t_seq of EmbeddingCollection 'ec' is tagged for CowClip-Adam, but {what}; "
+                                "CowClip-Adam does not train EmbeddingCollection tables yet: tag them with a torchrec "
+                                "optimizer instead (apply_optimizer_in_backward)")
+    # the EBC table alone, with the CowClip sharder: plans
+    untagged = _ebc_and_ec_model()
+    tag_cowclip_adam(untagged.ebc.parameters(), lr=0.01)
+    planner.plan(untagged, sharders + ([] if with_ec_sharder else [EmbeddingCollectionSharder()]))
+
+
+def test_cowclip_tagged_ebc_under_the_stock_sharder_names_ours():
+    from recsys import tag_cowclip_adam
+
+    with torch.device("meta"):
+        model = plan_models._dlrm(plan_models._ebc(plan_models.ROWS))
+    tag_cowclip_adam(model.sparse_arch.parameters(), lr=0.01)
+    with pytest.raises(ValueError) as e:
+        TopologyAwarePlanner(_topology(2, "cpu"), batch_size=64).plan(model, SHARDERS)
+    assert str(e.value) == (
+        "tables t_cowclip, t_adagrad, t_sgd of EmbeddingBagCollection 'sparse_arch.embedding_bag_collection' are "
+        "tagged for CowClip-Adam, but its sharder EmbeddingBagCollectionSharder does not train CowClip-Adam; "
+        "CowClip-Adam trains EmbeddingBagCollection tables: add CowClipEmbeddingBagCollectionSharder() to the sharders")

@@ -111,7 +111,17 @@ class StorageExplainingPlanner(EmbeddingShardingPlanner):
         super().__init__(topology=topology, **kwargs)
         self.topology = topology
 
+    def collective_plan(self, module: nn.Module, sharders: list[ModuleSharder[nn.Module]] | None = None,
+                        pg: dist.ProcessGroup | None = None) -> ShardingPlan:
+        from sharding.optimizer_state import check_cowclip_sharders
+
+        check_cowclip_sharders(module, sharders)  # on every rank, before rank 0 plans and the others wait
+        return super().collective_plan(module, sharders, pg)
+
     def plan(self, module: nn.Module, sharders: list[ModuleSharder[nn.Module]]) -> ShardingPlan:
+        from sharding.optimizer_state import check_cowclip_sharders
+
+        check_cowclip_sharders(module, sharders)
         try:
             return super().plan(module, sharders)
         except PlannerError as e:

@@ -85,7 +85,7 @@ from sharding.planner.cache_sizing import DEFAULT_TARGET_HIT_RATE, apply_cache_s
 from sharding.compat import keep_zero_capacities
 from sharding.constants import DEFAULT_LOAD_FACTOR, MAX_CACHE_LOAD_FACTOR, MODEL_PARALLEL_TYPES, SSD_KERNELS
 from sharding.planner.cost.model import TopologyCostModel
-from sharding.optimizer_state import table_bytes
+from sharding.optimizer_state import check_cowclip_sharders, table_bytes
 from sharding.planner.constraints import default_constraints, merge_constraints
 from sharding.planner.enumerators import DEFAULT_COLUMN_SPLITS, TopologyEnumerator, finer_column_splits
 from sharding.planner.partitioners import TopologyPartitioner, refine_placement
@@ -309,6 +309,7 @@ class TopologyAwarePlanner(EmbeddingShardingPlanner):
     def plan(self, module: nn.Module, sharders: list[ModuleSharder[nn.Module]]) -> ShardingPlan:
         """A plan for ``module`` on the planner's topology (one host's ranks when ``hosts`` > 1,
         with host-local placements; ``collective_plan`` moves them to the caller's host)."""
+        check_cowclip_sharders(module, sharders)  # a tagged table no sharder trains: one line, not a wrong run
         # torchrec's planner, configured through its constructor for this model: our enumerator
         # (holding this model's constraints), partitioner, perf model, proposers and callbacks
         self.constraints = self.constraints_for(module, sharders)
@@ -346,6 +347,7 @@ class TopologyAwarePlanner(EmbeddingShardingPlanner):
         calling rank's host (``remap_plan_to_host``): pass it to DMP with the host's ShardingEnv."""
         import torch.distributed as dist
 
+        check_cowclip_sharders(module, sharders)  # on every rank, before rank 0 plans and the others wait
         plan = super().collective_plan(module, sharders, pg)
         if self.hosts == 1:
             return plan

@@ -601,6 +601,8 @@ class CowClipEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
     that is neither CowClip-Adam's (``cowclip_fused_params``; ``lr`` is ``learning_rate``) nor
     torchrec's/FBGEMM's is one line naming it, never a setting silently ignored."""
 
+    trains_cowclip_adam = True  # what the planners' check_cowclip_sharders looks for
+
     def __init__(self, fused_params: dict[str, Any] | None = None, *args: Any, **kwargs: Any) -> None:
         check_fused_params(fused_params, "CowClipEmbeddingBagCollectionSharder")
         super().__init__(fused_params, *args, **kwargs)
