@@ -500,7 +500,7 @@ def test_finite_guard_names_the_first_bad_step_or_tensor():
 
     from recsys.training.finite import FiniteGuard, NonFiniteError
 
-    guard = FiniteGuard(rank=0)
+    guard = FiniteGuard()
     model = nn.Linear(3, 2)
     guard.see_loss(4, 0.5)
     guard.check(4, model)  # all finite: nothing happens

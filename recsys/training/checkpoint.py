@@ -416,9 +416,15 @@ class Checkpointer:
         files = checkpoint_files(tmp) if self.rank == 0 else []
         box = [files]
         dist.broadcast_object_list(box, src=0)
-        mine = {name: file_sha256(tmp / name) for name in box[0][self.rank::self.world_size]}
+        failed: OSError | None = None
+        try:
+            mine = {name: file_sha256(tmp / name) for name in box[0][self.rank::self.world_size]}
+        except OSError as e:  # raised after the gather, so no rank waits for this one
+            mine, failed = {}, e
         parts: list[Any] = [None] * self.world_size
         dist.all_gather_object(parts, mine)
+        if failed is not None:
+            raise failed
         return {k: v for part in parts for k, v in part.items()}
 
     def _commit(self, step: int, tmp: Path, final: Path, extra: dict[str, Any], hashes: dict[str, str]) -> None:

@@ -4,7 +4,7 @@ Why: a diverged run (a learning rate far too high, a corrupt row) keeps going wi
 and its NaN checkpoints rotate the last finite ones out of the keep window, so nothing is left to
 resume from. `FiniteGuard` notes each rank's first non-finite step loss (the loss is read on the
 host every step anyway) and, at the points where all ranks meet (every log step, before every
-eval and checkpoint), agrees on it across ranks with one small all-reduce. Before a checkpoint it
+eval and checkpoint), agrees on it across ranks with one all-reduce of two integers. Before a checkpoint it
 also checks every local tensor of the model's state (weights that went non-finite while the
 loss of this step was still finite), so no checkpoint with non-finite values is ever written.
 """
@@ -54,8 +54,7 @@ class FiniteGuard:
     """Collects this rank's first non-finite loss; `check` is collective and raises
     NonFiniteError on every rank when any rank saw one."""
 
-    def __init__(self, rank: int) -> None:
-        self.rank = rank
+    def __init__(self) -> None:
         self.first_bad: int | None = None  # this rank's first step with a non-finite loss
         self.bad_value = float("nan")
 
@@ -68,17 +67,13 @@ class FiniteGuard:
         """Collective over the default group. `model`: also check its weights (before a checkpoint).
         `last_checkpoint`: where a resume would start, for the message (asked only on failure)."""
         bad_tensor = first_nonfinite_tensor(model) if model is not None else None
-        flags = torch.tensor([self.first_bad if self.first_bad is not None else _NONE, 0 if bad_tensor is None else 1],
+        # one MIN all-reduce: the earliest bad step, and (negated) whether any rank holds a bad tensor
+        flags = torch.tensor([self.first_bad if self.first_bad is not None else _NONE, -int(bad_tensor is not None)],
                              dtype=torch.int64, device=collective_device())
         world = dist.get_world_size() if dist.is_initialized() else 1
         if world > 1:
-            loss_step = flags[:1].clone()
-            dist.all_reduce(loss_step, op=dist.ReduceOp.MIN)
-            any_tensor = flags[1:].clone()
-            dist.all_reduce(any_tensor, op=dist.ReduceOp.MAX)
-            first, tensors_bad = int(loss_step.item()), bool(any_tensor.item())
-        else:
-            first, tensors_bad = int(flags[0].item()), bool(flags[1].item())
+            dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+        first, tensors_bad = int(flags[0].item()), bool(flags[1].item() < 0)
         if first == _NONE and not tensors_bad:
             return
         # the failure path only: who saw what, so the one line can name it

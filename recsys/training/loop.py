@@ -298,7 +298,7 @@ def _run(cfg: ExperimentConfig, model_factory: ModelFactory | None) -> dict[str,
             log.info("checkpoint.every_steps=%d rounded up to %d: checkpoints are taken at merge steps only "
                      "(train.merge_every=%d)%s", cfg.checkpoint.every_steps, ckpt_every, job.merger.every_k, later)
     last_eval: dict[str, Any] = {}
-    guard = FiniteGuard(env.rank)  # a non-finite loss or weight stops the run (recsys/training/finite.py)
+    guard = FiniteGuard()  # a non-finite loss or weight stops the run (recsys/training/finite.py)
 
     def last_checkpoint() -> str | None:
         latest = job.checkpointer.latest()
