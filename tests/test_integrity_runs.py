@@ -435,10 +435,31 @@ def test_world_size_change_reshards_model_and_optimizer_exactly(run30, tmp_path)
         assert s[key] == pytest.approx(ref[key], abs=1e-6), (key, s[key], ref[key])
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [[], ["sharding.sharding_types=[row_wise]", "optim.embedding_l2_scope=batch"]],
+                         ids=["catchup", "row_wise-lazy"])
+def test_cowclip_adam_reshards_2_1_2_exactly(tmp_path, extra):
+    """CowClip-Adam's state (moments per element, each row's step) through 2 -> 1 -> 2 ranks: the
+    2-rank checkpoint of step 20 is loaded and saved again by 1 rank, then 2 ranks train steps
+    21..30; the end equals the uninterrupted 2-rank run to the last digit."""
+    opts = ["optim.embedding=cowclip_adam", "optim.embedding_lr=0.002", *extra]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    _ok([f"run_dir={ref}", "train.max_steps=30", "checkpoint.every_steps=10", "checkpoint.keep=3", *opts])
+    shutil.copytree(ref, run)
+    shutil.rmtree(run / "checkpoints" / "step_000000030")
+    (run / "summary.json").unlink()
+    r = _ok([f"run_dir={run}", "train.max_steps=20", "resume=true", "train.nproc_per_node=1", *opts])
+    assert "resharded from 2 to 1 ranks" in r.stderr
+    r = _ok([f"run_dir={run}", "train.max_steps=30", "checkpoint.every_steps=10", "checkpoint.keep=3", "resume=true", *opts])
+    assert "resharded from 1 to 2 ranks" in r.stderr
+    s, want = _summary(run), _summary(ref)
+    assert (s["auc"], s["logloss"]) == (want["auc"], want["logloss"])
+
+
 @pytest.mark.parametrize("saved_optim, merge_every, reshards", [
     ("rowwise_adagrad", 0, True),  # FBGEMM's fused state: DCP reshards it
-    ("cowclip_adam", 0, False),  # our per-row step and moments: not resharded, refused by name
-    ("adam", 0, False),
+    ("cowclip_adam", 0, True),  # our moments and per-row step: laid out like the shards, DCP reshards them
+    ("adam", 0, True),
     ("rowwise_adagrad", 4, False),  # hierarchical: per-host replicas, refused
 ])
 def test_another_world_size_reshards_or_is_refused_in_one_line(tmp_path, saved_optim, merge_every, reshards):

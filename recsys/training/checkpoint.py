@@ -145,10 +145,11 @@ def checkpoint_files(tmp: Path) -> list[str]:
     return sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file() and p.name != MARKER)
 
 
-# FBGEMM's own fused optimizers: their state is per-row or per-element tensors that DCP reshards
-# by offset, so a plain (not hierarchical) checkpoint loads on another world size (tested 2 -> 1
-# -> 2 ranks with exact metrics; docs/run_integrity.md).
-RESHARDABLE_OPTIMIZERS = ("rowwise_adagrad", "adagrad", "sgd")
+# Optimizers whose state is per-row or per-element tensors laid out like the table's shards, which
+# DCP reshards by offset, so a plain (not hierarchical) checkpoint loads on another world size:
+# FBGEMM's fused ones, and our CowClip-Adam / Adam (moments per element, the row step per row; in
+# both update scopes). Tested 2 -> 1 -> 2 ranks with exact metrics (docs/run_integrity.md).
+RESHARDABLE_OPTIMIZERS = ("rowwise_adagrad", "adagrad", "sgd", "cowclip_adam", "adam")
 
 
 def reshardable(shape: dict[str, Any]) -> bool:
