@@ -11,6 +11,7 @@ and number of workers.
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import random
 import re
@@ -177,6 +178,7 @@ def test_shards_identical_for_any_workers_and_blocks_plain_and_gz(tmp_path):
         manifest = json.loads(files.pop("manifest.json"))
         src_report = manifest["sources"][0]
         src_report.pop("path")
+        assert src_report.pop("sha256") == hashlib.sha256(src.read_bytes()).hexdigest()  # of the file as given
         results.append((files, src_report, m["num_rows"]))
         assert m["num_rows"] > 3000 and len(files) == 3 * len(m["shards"])
     assert all(r == results[0] for r in results[1:])
