@@ -25,6 +25,8 @@ _EXPORTS = {
     "CowClipEmbeddingBagCollectionSharder": "recsys.optim.cowclip.sharder",
     "KStepMergeHook": "recsys.training.merge",
     "KStepMerger": "recsys.training.merge",
+    "export_model": "recsys.training.export",
+    "load_exported": "recsys.training.export",
 }
 
 __all__ = sorted(_EXPORTS)

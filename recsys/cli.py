@@ -1,6 +1,7 @@
 """`recsys` command line. `recsys preprocess --config FILE [--task I --tasks N --procs P] [key=value ...]`
 preprocesses the config's raw files into its shard cache (all of them, or one task's share of a
-fan-out, docs/data.md). `recsys train --config FILE [key=value ...]` checks the config (one-line
+fan-out, docs/data.md). `recsys export --run-dir DIR --out FILE` writes a run's model as one unsharded state_dict.
+`recsys train --config FILE [key=value ...]` checks the config (one-line
 errors, before any process starts), locks the run directory and checks it (a fresh run into old
 checkpoints, a finished or incompatible resume), preprocesses raw data once, then launches
 torchrun with `train.nproc_per_node` local processes running `recsys.train`.
@@ -188,12 +189,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--procs", type=int, default=1,
                    help="processes this task runs, each preprocessing its own part (parts: tasks x procs)")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. data.path=/data/day_*.gz")
+    p = sub.add_parser("export", help="write a run's model as one unsharded state_dict (recsys/training/export.py)")
+    p.add_argument("--run-dir", required=True, help="the run directory (its config.yaml and checkpoints/)")
+    p.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest complete one)")
+    p.add_argument("--out", required=True, help="the file to write (torch.save; load it with recsys.load_exported)")
     args = parser.parse_args(argv)
     if args.command == "train":
         return _train(args)
     if args.command == "preprocess":
         return _preprocess(args)
+    if args.command == "export":
+        return _export(args)
     return 2
+
+
+def _export(args: argparse.Namespace) -> int:
+    from recsys.training.export import export_model
+
+    try:
+        meta = export_model(args.run_dir, args.out, args.step)
+    except (RunDirError, CheckpointError, ConfigError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    rows = sum(meta["cardinalities"])
+    print(f"wrote {args.out}: {meta['model']['name']} at step {meta['step']} ({len(meta['sparse_names'])} sparse features, "
+          f"{rows:,} ids in all), from {meta['checkpoint']}")
+    return 0
 
 
 if __name__ == "__main__":
