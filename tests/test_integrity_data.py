@@ -568,3 +568,23 @@ def test_two_preprocessings_of_one_cache_wait_for_each_other(tmp_path, kaggle_li
     assert waiting.strip() == f"{cache}: another process is preprocessing into this cache; waiting for it"
     assert second.returncode == 0 and err == "", err
     assert out.strip() == f"task 0 of 1: {cache} holds {built['num_rows']} rows in {len(built['shards'])} shards"
+
+
+def test_data_identity_compares_whole_file_hashes_where_both_sides_have_them():
+    """A checkpoint written with a cache from before whole-file hashes, resumed after the cache was
+    rebuilt with them (same file): the same data, judged by the head/tail hashes both sides have.
+    Two whole-file hashes that differ, or head/tail hashes that differ: other content."""
+    from recsys.data.identity import describe_data_change
+
+    def entry(**k):
+        return {"name": "d.tsv", "bytes": 10, "rows": 5, "sha256": None, "head_tail": "a b", **k}
+
+    base = {"source": "criteo", "options": {"kind": "criteo"}, "rows": 5, "eval_fraction": 0.1}
+    with_hash = dict(base, files=[entry(sha256="x")])
+    assert describe_data_change(dict(base, files=[entry()]), with_hash) is None
+    assert describe_data_change(dict(base, files=[entry(sha256="y")]), with_hash) == "d.tsv: other content, same size"
+    assert describe_data_change(dict(base, files=[entry()]), dict(base, files=[entry(head_tail="c d")])) == \
+        "d.tsv: other content, same size"
+    assert describe_data_change(with_hash, dict(base, files=[entry(sha256="x", rows=4)])) == \
+        "d.tsv: 5 rows, 10 bytes -> 4 rows, 10 bytes"
+    assert describe_data_change(with_hash, dict(with_hash, eval_fraction=0.2)) == "data.eval_fraction 0.1 -> 0.2"

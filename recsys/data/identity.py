@@ -7,7 +7,8 @@ rows, AUC 1.0), another eval fraction. Every checkpoint records the identity of 
 (recsys/training/run_dir.py), unless `resume_on_new_data=true` asks for exactly that.
 
 The identity is the content, not the location: for preprocessed files each input's name, size,
-row count and SHA-256 of all its bytes (the shard cache's manifest, recsys/data/cache_key.py),
+row count and SHA-256 of all its bytes (the shard cache's manifest, recsys/data/cache_key.py;
+where one side's cache predates whole-file hashes, the hashes of the first and last MiB),
 the parse options that change rows, the row count and the eval fraction; for generated data
 every setting of the generator. Moving the files elsewhere keeps the identity; the row order
 (`data.order`) is part of the checkpoint's state shape instead.
@@ -41,8 +42,8 @@ def shard_identity(manifest: dict[str, Any], eval_fraction: float) -> dict[str, 
             "name": Path(path).name,
             "bytes": known.get("size"),
             "rows": src.get("good_rows"),
-            # caches built before whole-file hashes: the head and tail hashes are what is known
-            "sha256": src.get("sha256") or f"head {known.get('head_sha256')} tail {known.get('tail_sha256')}",
+            "sha256": src.get("sha256"),  # None for caches built before whole-file hashes
+            "head_tail": f"{known.get('head_sha256')} {known.get('tail_sha256')}",
         })
     options = key.get("options", {})
     return {
@@ -54,9 +55,22 @@ def shard_identity(manifest: dict[str, Any], eval_fraction: float) -> dict[str, 
     }
 
 
+def _same_file(x: dict[str, Any], y: dict[str, Any]) -> bool:
+    """Name, size and rows equal, and the content: by whole-file SHA-256 where both sides have
+    one, else by the head and tail hashes (a cache built before whole-file hashes, on either side)."""
+    if any(x.get(k) != y.get(k) for k in ("name", "bytes", "rows")):
+        return False
+    if x.get("sha256") and y.get("sha256"):
+        return x["sha256"] == y["sha256"]
+    return x.get("head_tail") == y.get("head_tail")
+
+
 def describe_data_change(old: dict[str, Any], new: dict[str, Any]) -> str | None:
     """One line saying how the data `new` differs from `old` (None when it is the same)."""
-    if old == new:
+    same_files = len(old.get("files", [])) == len(new.get("files", [])) and all(
+        _same_file(x, y) for x, y in zip(old.get("files", []), new.get("files", [])))
+    rest = ("source", "options", "rows", "eval_fraction", *SYNTHETIC_FIELDS)
+    if same_files and all(old.get(k) == new.get(k) for k in rest):
         return None
     if old.get("source") != new.get("source"):
         return f"data.source {old.get('source')} -> {new.get('source')}"
@@ -69,7 +83,7 @@ def describe_data_change(old: dict[str, Any], new: dict[str, Any]) -> str | None
         parts.append(f"{_files(len(a))} -> {_files(len(b))} ({_names(a)} -> {_names(b)})")
     else:
         for i, (x, y) in enumerate(zip(a, b)):
-            if x == y:
+            if _same_file(x, y):
                 continue
             where = f"input {i + 1} of {len(b)}" if len(b) > 1 else "the input"
             if x.get("name") != y.get("name"):
