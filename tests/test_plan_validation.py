@@ -265,7 +265,7 @@ def test_issue_cases_fail_validate_show_and_train_before_workers_start(smoke_pla
 
 def test_torchrec_planner_out_of_memory_names_need_shortfall_and_largest_tables():
     """torchrec's planner alone says "insufficient storage"; ours adds the figures."""
-    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from recsys.optim.cowclip.sharder import CowClipEmbeddingBagCollectionSharder
     from torchrec.distributed.planner.types import PlannerError
 
     from recsys.config import ShardingConfig
@@ -274,8 +274,8 @@ def test_torchrec_planner_out_of_memory_names_need_shortfall_and_largest_tables(
     with torch.device("meta"):
         model = plan_models.mixed_dlrm()
     planner = build_planner(ShardingConfig(sharding_types=["table_wise"]), model, 2, 2, "cpu", 64, ddr_bytes=40 * 1024)
-    with pytest.raises(PlannerError) as e:
-        planner.plan(model, [EmbeddingBagCollectionSharder()])
+    with pytest.raises(PlannerError) as e:  # the CowClip sharder: the model has a CowClip-tagged table
+        planner.plan(model, [CowClipEmbeddingBagCollectionSharder()])
     msg = str(e.value)
     # weights + state, by hand: CowClip-Adam 1000 x 8 x (4 + 8) + 1000 x 8, row-wise Adagrad 600 x (8 x 4 + 4), SGD 100 x 8 x 4
     cowclip, adagrad, sgd = 1000 * 8 * 12 + 1000 * 8, 600 * (8 * 4 + 4), 100 * 8 * 4
@@ -294,7 +294,7 @@ def test_hbm_below_torchrecs_reserve_is_said_as_such_with_the_given_capacity(pla
     """16 KiB of HBM: torchrec's reserve (15%, dense modules, KJT buffers) leaves negative HBM, so
     no table fits whatever its size; the line says that, with the HBM the user gave (not the
     topology's own 80 GiB), in binary units that show a small need, and torchrec's words whole."""
-    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from recsys.optim.cowclip.sharder import CowClipEmbeddingBagCollectionSharder
     from torchrec.distributed.planner.types import PlannerError
 
     from recsys.config import ShardingConfig
@@ -305,7 +305,7 @@ def test_hbm_below_torchrecs_reserve_is_said_as_such_with_the_given_capacity(pla
     cfg = ShardingConfig(planner=planner, topology="dgx-a100" if planner == "topology" else "")
     built = build_planner(cfg, model, 8, 8, "cuda", 64, hbm_bytes=16 * 1024)
     with pytest.raises(Exception) as e:
-        built.plan(model, [EmbeddingBagCollectionSharder()])
+        built.plan(model, [CowClipEmbeddingBagCollectionSharder()])
     msg = str(e.value)
     assert "\n" not in msg and "16.00 KiB HBM" in msg and "80" not in msg.split("planner said")[0], msg
     assert "less than what torchrec reserves before placing any table" in msg
