@@ -230,7 +230,7 @@ def smoke_plan(tmp_path_factory):
     return out
 
 
-ISSUE_CASES = {  # broken plans, on the smoke model's t_C1 (100 rows, dim 8)
+BROKEN_PLANS = {  # broken plans, on the smoke model's t_C1 (100 rows, dim 8)
     "diagonal_wise": (lambda p: p.update(sharding_type="diagonal_wise"), "'diagonal_wise' is not a torchrec sharding type"),
     "bogus_kernel": (lambda p: p.update(compute_kernel="bogus_kernel"), "'bogus_kernel' is not a torchrec compute kernel"),
     "sizes [7,4]": (lambda p: p.update(sharding_type="table_wise", compute_kernel="fused", ranks=[0], shards=[_shard([0, 0], [7, 4], 0)]),
@@ -239,9 +239,9 @@ ISSUE_CASES = {  # broken plans, on the smoke model's t_C1 (100 rows, dim 8)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", list(ISSUE_CASES))
-def test_issue_cases_fail_validate_show_and_train_before_workers_start(smoke_plan, tmp_path, case):
-    mutate, needle = ISSUE_CASES[case]
+@pytest.mark.parametrize("case", list(BROKEN_PLANS))
+def test_broken_plans_fail_validate_show_and_train_before_workers_start(smoke_plan, tmp_path, case):
+    mutate, needle = BROKEN_PLANS[case]
     d = json.loads(smoke_plan.read_text())
     (module,) = [m for m in d["modules"] if "t_C1" in d["modules"][m]["params"]]
     mutate(d["modules"][module]["params"]["t_C1"])

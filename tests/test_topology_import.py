@@ -288,7 +288,7 @@ def test_sample_with_empty_affinity_cells(name, empty, render):
     _check(_import_text(text, name), EXPECTED[name], numa="numa" if has_numa or has_cpu else "numa_matrix")
 
 
-def test_space_aligned_empty_affinity_the_issue_case():
+def test_space_aligned_empty_affinity_as_reported():
     """An output seen in the field: space-aligned, CPU and NUMA Affinity empty, GPU NUMA ID present
     (it used to fail with "11 cells after 'GPU0', expected 13")."""
     head = ["GPU0", "GPU1", "GPU2", "GPU3", "GPU4", "GPU5", "GPU6", "GPU7", "NIC0", "NIC1", "CPU Affinity", "NUMA Affinity", "GPU NUMA ID"]

@@ -35,7 +35,7 @@ go back to the OS and one method cannot hide its peak in another's freed heap. T
 (hash table + accumulators, thread-local, grow-only, sized by the batch) is allocated in warm-up and
 reported as ``scratch_mb`` estimate instead.
 
-Targets (issue): ours <= 1.3x fbgemm step time; ours >= 5x faster than dense at 1M rows; ours'
+Targets: ours <= 1.3x fbgemm step time; ours >= 5x faster than dense at 1M rows; ours'
 step_peak_mb not growing with the number of rows.
 
     python tools/bench_cowclip.py                     # rows 100K/1M x batch 8K/64K, 1 thread
@@ -429,7 +429,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.rows, args.batch, args.iters, args.warmup, args.dense_iters = [100_000], [8192], 6, 1, 2
     if args.device is not None:
-        # defaults on a GPU: the issue's one config (1M rows x batch 8K)
+        # defaults on a GPU: the target's one config (1M rows x batch 8K)
         rows = args.rows if args.rows != [100_000, 1_000_000] else [1_000_000]
         batch = args.batch if args.batch != [8192, 65536] else [8192]
         for r in rows:

@@ -9,7 +9,7 @@ version.
 
 Why this peer and not FBGEMM: the GPU machines lent to this project have torch and triton but no
 fbgemm_gpu, and its CUDA wheel is far larger than what can be carried there, so FBGEMM's CUDA
-row-wise Adagrad / Adam (the issue's named peers) cannot run beside it; the torch reference can.
+row-wise Adagrad / Adam (the named peers) cannot run beside it; the torch reference can.
 
 What is timed: the update alone (the backward's CowClip-Adam step of 26 tables, dim 16, batch 8K,
 one id per table and sample, Zipf 1.05 ranks hashed over each table as tools/bench_catchup.py

@@ -33,7 +33,7 @@ speed-ups vs k=1 and vs sync, crossovers) and a time-vs-k plot:
 
 Progress lines go to stderr; results to <out>/results.json, a plot to --plot (PNG) and a markdown
 table to stdout. The last line of stdout is one JSON object with the headline figures: AUC per k,
-the AUC gap k=16 vs k=1, the cross-host bytes ratio k=1 / k=16 and whether the issue's target
+the AUC gap k=16 vs k=1, the cross-host bytes ratio k=1 / k=16 and whether the target
 (k=16 within 0.001 AUC of k=1 with 16x fewer cross-host bytes) is met.
 """
 
@@ -56,7 +56,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "experiments" / "kstep.yaml"
 QUICK_CONFIG = REPO / "configs" / "experiments" / "kstep_quick.yaml"
-TARGET_AUC_GAP = 0.001  # k=16 vs k=1 (the issue's target; do not weaken)
+TARGET_AUC_GAP = 0.001  # k=16 vs k=1 (the target; do not weaken)
 TARGET_BYTES_RATIO = 16.0
 HOSTS, RANKS_PER_HOST = 2, 2
 SYNC = 0  # k of the synchronous baseline arm (no merges: one DMP over every rank of every host)
