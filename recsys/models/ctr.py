@@ -23,12 +23,30 @@ from torchrec.modules.crossnet import CrossNet, LowRankCrossNet, VectorCrossNet
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.modules.mlp import MLP
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from recsys.config import ModelConfig
 from recsys.models.micro_batch import MicroBatchedLoss, SplitCTRModel
 
 WIDE_DIM = 4
+
+
+def in_feature_order(kt: KeyedTensor, names: list[str]) -> torch.Tensor:
+    """The pooled embeddings [B, sum of dims] in the model's own feature order.
+
+    Why: a sharded EmbeddingBagCollection returns its KeyedTensor in the order of its shardings
+    (by sharding type and rank), not in the order of its tables, and that order changes with the
+    plan (world size, sharding types). `.values()` would feed the dense layers a plan-dependent
+    permutation of the features: the same weights then give other predictions on another world
+    size or unsharded (export). torchrec's own DLRM reads its KeyedTensor by name for this reason."""
+    if kt.keys() == names:
+        return kt.values()
+    return KeyedTensor.regroup([kt], [names])[0]
+
+
+# a leaf for torch.fx (TrainPipelineSparseDist traces the model): it runs, with its key check,
+# on the real KeyedTensor instead of being traced through
+torch.fx.wrap("in_feature_order")
 
 
 def embedding_bag_collection(
@@ -72,6 +90,7 @@ class CTRModel(nn.Module):
         emb_device: torch.device | None = None,
     ) -> None:
         super().__init__()
+        self.names = list(names)  # the feature order the dense layers see (in_feature_order)
         self.num_fields = len(names)
         self.dim = cfg.embedding_dim
         # Tables are built on `meta`: DistributedModelParallel materialises only each rank's
@@ -87,7 +106,7 @@ class CTRModel(nn.Module):
 
     def sparse(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> tuple[torch.Tensor, ...]:
         """The pooled embeddings [B, F*D] (and whatever else a subclass looks up)."""
-        return (self.embeddings(sparse).values(),)
+        return (in_feature_order(self.embeddings(sparse), self.names),)
 
     def over(self, dense: torch.Tensor, *sparse_out: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -145,7 +164,7 @@ class DeepFM(CTRModel, _WideMixin):
 
     def sparse(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> tuple[torch.Tensor, ...]:
         """(pooled embeddings [B, F*D], wide lookups [B, F*WIDE_DIM])."""
-        return self.embeddings(sparse).values(), self.wide(sparse).values()
+        return in_feature_order(self.embeddings(sparse), self.names), self.wide(sparse).values()  # (wide: summed)
 
     def over(self, dense: torch.Tensor, emb: torch.Tensor, wide_values: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         x = torch.cat([dense, emb], dim=1)
