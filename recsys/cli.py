@@ -51,15 +51,13 @@ def _check_saved_plan(cfg) -> None:
 def _check_topology(cfg) -> None:
     """sharding.planner=topology: the topology must be for this run's device and world size,
     checked here with one line naming the key rather than in every worker after it started."""
-    import torch
-
+    from recsys.training.distributed import device_type
     from sharding.planner.topology_planner import cluster_for
 
     t = cfg.train
-    device = "cuda" if t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available()) else "cpu"
     world = shard_world_size(cfg, t.nproc_per_node)
     try:
-        cluster_for(cfg.sharding.topology, device, world, min(t.nproc_per_node, world))
+        cluster_for(cfg.sharding.topology, device_type(t), world, min(t.nproc_per_node, world))
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(f"key 'sharding.topology': {e}") from None
 

@@ -37,7 +37,8 @@ def checkpoint_costs(workdir: Path, dim: int) -> dict:
     import torch.distributed.checkpoint as dcp
 
     from recsys.config import CARDINALITY_PRESETS
-    from recsys.training.checkpoint import MARKER, checkpoint_files, file_sha256, incomplete_reason
+    from recsys.data.cache_key import file_sha256
+    from recsys.training.checkpoint import MARKER, checkpoint_files, incomplete_reason
 
     cards = CARDINALITY_PRESETS["criteo_kaggle_raw"]
     state = {}

@@ -27,7 +27,7 @@ from typing import Any, Sequence
 
 from recsys.data.errors import reading
 
-__all__ = ["KEY_VERSION", "BLOCK_BYTES", "file_identity", "make_key", "describe_change", "content_sha256"]
+__all__ = ["KEY_VERSION", "BLOCK_BYTES", "file_identity", "make_key", "describe_change", "content_sha256", "file_sha256"]
 
 KEY_VERSION = 1
 BLOCK_BYTES = 1 << 20
@@ -38,17 +38,22 @@ def _block_digest(f, offset: int, size: int) -> str:
     return hashlib.sha256(f.read(size)).hexdigest()
 
 
-def content_sha256(path: str | os.PathLike, chunk_bytes: int = 8 << 20) -> str:
-    """SHA-256 of every byte of one file (read errors: a one-line ``DataFileError``)."""
-    p = Path(path)
+def file_sha256(path: str | os.PathLike, chunk_bytes: int = 8 << 20) -> str:
+    """SHA-256 of every byte of one file, read in chunks (read errors: OSError). Data inputs and
+    checkpoint files are hashed with it."""
     h = hashlib.sha256()
-    with reading(p):
-        with open(p, "rb") as f:
-            buf = bytearray(chunk_bytes)
-            view = memoryview(buf)
-            while n := f.readinto(buf):
-                h.update(view[:n])
+    with open(path, "rb") as f:
+        buf = bytearray(chunk_bytes)
+        view = memoryview(buf)
+        while n := f.readinto(buf):
+            h.update(view[:n])
     return h.hexdigest()
+
+
+def content_sha256(path: str | os.PathLike) -> str:
+    """`file_sha256` of a data input (read errors: a one-line ``DataFileError`` naming it)."""
+    with reading(Path(path)):
+        return file_sha256(path)
 
 
 def file_identity(path: str | os.PathLike, block_bytes: int = BLOCK_BYTES) -> dict[str, Any]:

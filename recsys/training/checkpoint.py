@@ -43,7 +43,6 @@ Integrity (docs/run_integrity.md):
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -60,6 +59,7 @@ from torch import nn
 
 from torchrec.optim.keyed import KeyedOptimizer
 
+from recsys.data.cache_key import file_sha256
 from recsys.data.identity import describe_data_change
 from recsys.training.distributed import collective_device
 
@@ -128,16 +128,6 @@ def incomplete_reason(path: Path, verify_bytes: bool = True) -> str | None:
             if got != want:
                 return f"{f} is corrupt (its SHA-256 differs from the one recorded when it was written)"
     return None
-
-
-def file_sha256(path: Path, chunk_bytes: int = 8 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        buf = bytearray(chunk_bytes)
-        view = memoryview(buf)
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
 
 
 def checkpoint_files(tmp: Path) -> list[str]:

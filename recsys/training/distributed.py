@@ -25,12 +25,30 @@ class DistEnv:
         return self.rank == 0
 
 
+def device_type(cfg: TrainConfig) -> str:
+    """"cuda" or "cpu": what `train.device` (auto: CUDA when visible) selects; the launcher checks
+    a topology against it before any worker starts."""
+    return "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
+
+
 def resolve_device(cfg: TrainConfig, local_rank: int) -> torch.device:
-    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+    if device_type(cfg) == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError("train.device=cuda but no CUDA device is visible")
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
+
+
+def local_tensors(value: object) -> list[torch.Tensor]:
+    """The tensors this rank holds for a parameter / state value: a ShardedTensor's local shards,
+    a DTensor's local part, or the tensor itself ([] for anything else)."""
+    if hasattr(value, "local_shards"):  # ShardedTensor
+        return [s.tensor for s in value.local_shards()]
+    if isinstance(value, torch.Tensor):
+        if hasattr(value, "to_local"):  # DTensor
+            return [value.to_local()]
+        return [value]
+    return []
 
 
 def init_distributed(cfg: TrainConfig) -> DistEnv:

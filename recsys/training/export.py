@@ -15,6 +15,7 @@ is not exported.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from pathlib import Path
@@ -46,7 +47,7 @@ def export_model(run_dir: str | os.PathLike, out: str | os.PathLike, step: int |
     ckpt = _checkpoint(run_dir, step)
     source = build_source(cfg)  # the table names and sizes the run trained (the data cache for raw data)
     meta = {"format": FORMAT, "version": VERSION, "step": int(read_marker(ckpt)["step"]), "checkpoint": str(ckpt),
-            "model": _dataclass_dict(cfg.model), "sparse_names": list(source.sparse_names),
+            "model": dataclasses.asdict(cfg.model), "sparse_names": list(source.sparse_names),
             "cardinalities": [int(c) for c in source.cardinalities], "dense_names": list(source.dense_names)}
     model = build_model(cfg.model, meta["sparse_names"], meta["cardinalities"], len(meta["dense_names"]),
                         torch.device("meta")).to_empty(device="cpu")
@@ -106,9 +107,3 @@ def _load_whole(ckpt: Path, state: dict[str, torch.Tensor]) -> None:
         from recsys.training.checkpoint import describe_failure
 
         raise CheckpointError(f"cannot export {ckpt}: {describe_failure(e)}") from None
-
-
-def _dataclass_dict(obj: Any) -> dict[str, Any]:
-    import dataclasses
-
-    return dataclasses.asdict(obj)

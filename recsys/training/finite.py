@@ -12,32 +12,19 @@ loss of this step was still finite), so no checkpoint with non-finite values is 
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from recsys.training.distributed import collective_device
+from recsys.training.distributed import collective_device, local_tensors
 
 _NONE = 2**62  # "no bad step" in the MIN all-reduce
 
 
 class NonFiniteError(RuntimeError):
     """Training produced a non-finite loss or weights; the message is one line."""
-
-
-def local_tensors(value: object) -> Iterable[torch.Tensor]:
-    """The tensors this rank holds for one state-dict value: a ShardedTensor's local shards,
-    a DTensor's local part, or a plain tensor."""
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-
-    if isinstance(value, ShardedTensor):
-        return [s.tensor for s in value.local_shards()]
-    to_local = getattr(value, "to_local", None)
-    if callable(to_local):  # DTensor
-        return [to_local()]
-    return [value] if isinstance(value, torch.Tensor) else []
 
 
 def first_nonfinite_tensor(model: nn.Module) -> str | None:

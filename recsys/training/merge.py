@@ -48,22 +48,11 @@ import torch.distributed as dist
 from torch import nn
 
 from recsys.optim.cowclip.catchup import catch_up_all_tables
-from recsys.training.distributed import collective_device
+from recsys.training.distributed import collective_device, local_tensors
 
 log = logging.getLogger(__name__)
 
 _SKIP_STATE_KEYS = ("step",)
-
-
-def _local_tensors(value: Any) -> list[torch.Tensor]:
-    """The tensors this rank holds for a parameter / state value (ShardedTensor -> local shards)."""
-    if hasattr(value, "local_shards"):  # ShardedTensor
-        return [s.tensor for s in value.local_shards()]
-    if isinstance(value, torch.Tensor):
-        if hasattr(value, "to_local"):  # DTensor
-            return [value.to_local()]
-        return [value]
-    return []
 
 
 def _params_of(optimizer: Any) -> list[Any]:
@@ -142,7 +131,7 @@ class KStepMerger:
         fused = getattr(self.dmp, "fused_optimizer", None)
         if fused is not None and fused is not self.optimizer:
             values += list(fused.params.values())
-        return [(t, _host_replicated(v)) for v in values for t in _local_tensors(v)]
+        return [(t, _host_replicated(v)) for v in values for t in local_tensors(v)]
 
     def _state_tensors(self) -> list[tuple[torch.Tensor, bool]]:
         out = []
@@ -156,7 +145,7 @@ class KStepMerger:
                     if key in _SKIP_STATE_KEYS:
                         continue
                     rep = _host_replicated(value)
-                    out += [(t, rep) for t in _local_tensors(value) if t.is_floating_point()]
+                    out += [(t, rep) for t in local_tensors(value) if t.is_floating_point()]
         return out
 
     def _counter_tensors(self) -> list[torch.Tensor]:
@@ -167,7 +156,7 @@ class KStepMerger:
             for key, value in state.items():
                 if key in _SKIP_STATE_KEYS:
                     continue
-                for t in _local_tensors(value):
+                for t in local_tensors(value):
                     k = (t.data_ptr(), tuple(t.shape))
                     if t.numel() and not t.is_floating_point() and t.dtype != torch.bool and k not in seen:
                         seen.add(k)
@@ -296,7 +285,7 @@ class KStepMerger:
             return 0.0
         worst = torch.zeros(1, dtype=torch.float64, device=collective_device(self.pg))
         for value in self.dmp.state_dict().values():
-            for t in _local_tensors(value):
+            for t in local_tensors(value):
                 if not t.is_floating_point() or t.numel() == 0:
                     continue
                 hi, lo = t.detach().clone(), t.detach().clone().neg_()
