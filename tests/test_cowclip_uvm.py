@@ -179,7 +179,7 @@ def test_tight_hbm_plan_on_a_cuda_topology_puts_cowclip_tables_in_host_memory():
                       for h in topo.hosts)
         topo = dataclasses.replace(topo, hosts=hosts, name="dgx-a100-64mib")
         rows = 1_000_000
-        planner = TopologyAwarePlanner(topo, 512, timeout_seconds=10, column_splits=())
+        planner = TopologyAwarePlanner(topo, 512, column_splits=())
         plan = planner.plan(_cowclip_ebc(8, rows), [CowClipEmbeddingBagCollectionSharder()])
     finally:
         logging.disable(logging.NOTSET)

@@ -39,7 +39,7 @@ def test_show_prints_the_step_the_planner_logged(tmp_path, topology):
     tables = [EmbeddingBagConfig(name=f"t_{i}", embedding_dim=d, num_embeddings=n, feature_names=[f"f_{i}"])
               for i, (n, d) in enumerate(SPECS)]
     model = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
-    planner = TopologyAwarePlanner(topology, 512, timeout_seconds=10)
+    planner = TopologyAwarePlanner(topology, 512)
     handler, logger = _Lines(), logging.getLogger("sharding.planner.topology_planner")
     old_level, old_disable = logger.level, logging.root.manager.disable
     logging.disable(logging.NOTSET)  # other planner tests silence logging process-wide

@@ -160,7 +160,7 @@ def model(specs=SPECS) -> EmbeddingBagCollection:
 
 
 def plan_on(topo, specs=SPECS):
-    planner = TopologyAwarePlanner(topo, 512, timeout_seconds=10)
+    planner = TopologyAwarePlanner(topo, 512)
     ebc = model(specs)
     return planner, ebc, planner.plan(ebc, [EmbeddingBagCollectionSharder()])
 
@@ -213,7 +213,7 @@ def test_lower_bound_stays_below_a_key_value_plan(ssd_plan):
 
 
 def test_without_the_ssd_tier_the_same_model_does_not_fit():
-    planner = TopologyAwarePlanner("dgx-a100", 512, timeout_seconds=10)
+    planner = TopologyAwarePlanner("dgx-a100", 512)
     assert "key_value" not in planner.constraints_for(model())["t_0"].compute_kernels
     with pytest.raises(ModelDoesNotFitError) as e:
         planner.plan(model(), [EmbeddingBagCollectionSharder()])
@@ -418,7 +418,7 @@ def test_ssd_tier_is_offered_to_a_cowclip_table_whose_state_does_not_fit():
     usable = (1 - TORCHREC_RESERVE) * sum(d.storage.hbm + d.storage.ddr for d in topo.devices)
     dim = 128
     rows = int(0.4 * usable / (dim * 4))
-    planner = TopologyAwarePlanner("dgx-a100-ssd", 512, timeout_seconds=10)
+    planner = TopologyAwarePlanner("dgx-a100-ssd", 512)
     ada = planner.constraints_for(_tagged_ebc({"big": (rows, dim, "rowwise"), "small": (1000, 16, "rowwise")}))
     cow = planner.constraints_for(_tagged_ebc({"big": (rows, dim, "cowclip"), "small": (1000, 16, "rowwise")}))
     assert "key_value" not in ada["big"].compute_kernels

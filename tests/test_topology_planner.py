@@ -35,7 +35,7 @@ SPECS = [(1_000_000, 64), (500_000, 64), (200_000, 32), (50_000, 32), (10_000, 1
 
 
 def plan_for(topo, specs=SPECS, batch=512, **kw):
-    planner = TopologyAwarePlanner(topo, batch, timeout_seconds=10, **kw)
+    planner = TopologyAwarePlanner(topo, batch, **kw)
     return planner, planner.plan(ebc(specs), [EmbeddingBagCollectionSharder()])
 
 
@@ -284,7 +284,7 @@ def test_finer_column_splits_are_planned_and_cover_the_table():
     split = {n: len(ps.sharding_spec.shards) for n, ps in shards_of(plan).items() if len(ps.sharding_spec.shards) > 1}
     assert split and all(ps.sharding_type in ("column_wise", "table_column_wise")
                          for n, ps in shards_of(plan).items() if n in split)
-    whole = TopologyAwarePlanner(topo, 4096, timeout_seconds=10, column_splits=())
+    whole = TopologyAwarePlanner(topo, 4096, column_splits=())
     whole.plan(ebc(specs), [EmbeddingBagCollectionSharder()])
     assert planner.cost_model.score(planner.best_plan).step_time < whole.cost_model.score(whole.best_plan).step_time
 
@@ -350,7 +350,7 @@ def test_planner_for_kstep_hosts_plans_one_host_and_remaps():
     placement to host 1's global ranks 8..15, ranks unchanged (host-local)."""
     from sharding.planner.topology_planner import remap_plan_to_host
 
-    planner = TopologyAwarePlanner("dgx-a100-2host", batch_size=512, hosts=2, timeout_seconds=10)
+    planner = TopologyAwarePlanner("dgx-a100-2host", batch_size=512, hosts=2)
     assert planner.cluster.world_size == 8
     plan = planner.plan(ebc(SPECS), [EmbeddingBagCollectionSharder()])
     tabs = shards_of(plan)
@@ -387,10 +387,10 @@ def test_tiny_tables_go_data_parallel_when_allowed_and_beat_the_default_on_two_h
     topo = load_topology("dgx-a100-2host")
     module = ebc(KAGGLE_DIM16)
     types = list(MODEL_PARALLEL_TYPES) + ["data_parallel"]
-    mp = TopologyAwarePlanner(topo, 4096, default_constraints(module, "cuda"), timeout_seconds=30)
+    mp = TopologyAwarePlanner(topo, 4096, default_constraints(module, "cuda"))
     mp.plan(module, [EmbeddingBagCollectionSharder()])
     assert {so.sharding_type for so in mp.best_plan} <= set(MODEL_PARALLEL_TYPES)  # no DP unless allowed
-    dp = TopologyAwarePlanner(topo, 4096, default_constraints(module, "cuda", types), timeout_seconds=30)
+    dp = TopologyAwarePlanner(topo, 4096, default_constraints(module, "cuda", types))
     dp.plan(module, [EmbeddingBagCollectionSharder()])
     cm = dp.cost_model
     step = cm.score(dp.best_plan).step_time
@@ -425,7 +425,7 @@ def test_allowing_data_parallel_never_gives_a_worse_plan(name):
     module = ebc(KAGGLE_DIM16)
     steps = []
     for types in (None, list(MODEL_PARALLEL_TYPES) + ["data_parallel"]):
-        p = TopologyAwarePlanner(topo, 4096, default_constraints(module, "cuda", types), timeout_seconds=30)
+        p = TopologyAwarePlanner(topo, 4096, default_constraints(module, "cuda", types))
         p.plan(module, [EmbeddingBagCollectionSharder()])
         steps.append(p.cost_model.score(p.best_plan).step_time)
     assert steps[1] <= steps[0] * (1 + 1e-9)

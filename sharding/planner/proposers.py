@@ -1,11 +1,21 @@
 """The proposers given to torchrec's planner as ``proposer=``: torchrec's grid and greedy
-proposers (the greedy ones stop early, deterministically) and a per-table uniform one.
+proposers (the greedy ones stop early, deterministically) and a per-table uniform one, each under
+a budget of proposals (``BudgetedProposer``) instead of a wall-clock limit.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Optional
+
 from torchrec.distributed.planner.proposers import GreedyProposer, UniformProposer
-from torchrec.distributed.planner.types import ShardingOption
+from torchrec.distributed.planner.types import Enumerator, Proposer, ShardingOption, Topology
+
+# Proposals one proposer may make in a search (BudgetedProposer). The default proposers stay far
+# below it on every model of tools/bench_planner.py (the greedy ones stop by patience: ~50 each on
+# 26 tables); what it bounds is torchrec's grid search, which walks up to 10,000 proposals on a
+# model with few tables and few options each.
+DEFAULT_MAX_PROPOSALS = 1000
 
 
 def greedy_patience_for(num_tables: int) -> int | None:
@@ -67,6 +77,93 @@ class PerTableUniformProposer(UniformProposer):
                 same = [so for so in options if so.sharding_type == st]
                 proposal.append(same[0] if same else options[0])
             self._grouped_sharding_options.append(proposal)
+
+
+class BudgetedProposer(Proposer):
+    """A proposer that stops after ``max_proposals`` proposals (``None``: never), counted here.
+
+    torchrec's ``timeout_seconds`` stops the whole search at a wall-clock limit, so the plan
+    depends on how busy the machine is: on a loaded 2-core machine the limit was reached after 40
+    proposals and the later proposers (the uniform and balance ones, where most of the gain comes
+    from) never ran. A count per proposer gives the same plan for the same inputs on any machine,
+    and every proposer gets its turn. ``proposals`` counts what it proposed, ``evaluated`` the
+    proposals the planner rated (fed back); ``cut`` says the budget stopped it; ``exhausted`` that
+    it ran out of proposals itself (neither: something else stopped the search, e.g. a timeout)."""
+
+    def __init__(self, inner: Proposer, max_proposals: int | None = DEFAULT_MAX_PROPOSALS) -> None:
+        if max_proposals is not None and max_proposals < 1:
+            raise ValueError(f"max_proposals must be >= 1 or None, got {max_proposals}")
+        self.inner = inner
+        self.max_proposals = max_proposals
+        self.proposals = 0
+        self.evaluated = 0
+        self.cut = False
+        self.exhausted = False
+
+    @property
+    def name(self) -> str:
+        return type(self.inner).__name__
+
+    def load(self, search_space: list[ShardingOption], enumerator: Optional[Enumerator] = None) -> None:
+        self.proposals, self.evaluated, self.cut, self.exhausted = 0, 0, False, False
+        self.inner.load(search_space, enumerator)
+
+    def propose(self) -> Optional[list[ShardingOption]]:
+        if self.max_proposals is not None and self.proposals >= self.max_proposals:
+            self.cut = True
+            return None
+        proposal = self.inner.propose()
+        if proposal is None:
+            self.exhausted = True
+        else:
+            self.proposals += 1
+        return proposal
+
+    def feedback(self, partitionable: bool, plan: Optional[list[ShardingOption]] = None,
+                 perf_rating: Optional[float] = None, storage_constraint: Optional[Topology] = None) -> None:
+        self.evaluated += 1
+        self.inner.feedback(partitionable=partitionable, plan=plan, perf_rating=perf_rating,
+                            storage_constraint=storage_constraint)
+
+
+@dataclass
+class SearchReport:
+    """What a search did: proposals evaluated per proposer (in order), which proposers the budget stopped,
+    whether something else (torchrec's ``timeout_seconds``) stopped it; with the plan's modelled
+    step and the lower bound of the search space when a cut makes the distance worth knowing."""
+
+    proposals: dict[str, int]
+    budget_cut: list[str] = field(default_factory=list)
+    timeout_cut: bool = False
+    max_proposals: int | None = None
+    step_s: float | None = None
+    lower_bound_s: float | None = None
+
+    @property
+    def cut(self) -> bool:
+        return bool(self.budget_cut) or self.timeout_cut
+
+    @classmethod
+    def of(cls, proposers: list[BudgetedProposer], max_proposals: int | None) -> "SearchReport":
+        names = [f"{p.name}#{i}" for i, p in enumerate(proposers)]
+        return cls(proposals={n: p.evaluated for n, p in zip(names, proposers)},
+                   budget_cut=[n for n, p in zip(names, proposers) if p.cut],
+                   # torchrec's loop leaves a proposer without asking it again when its clock ran out
+                   timeout_cut=any(not p.cut and not p.exhausted for p in proposers),
+                   max_proposals=max_proposals)
+
+    def line(self) -> str:
+        """One log line: what cut the search, and how far the plan may be from the best."""
+        what = []
+        if self.budget_cut:
+            what.append(f"the budget of {self.max_proposals} proposals per proposer stopped {', '.join(self.budget_cut)}")
+        if self.timeout_cut:
+            what.append("torchrec's timeout_seconds stopped the search (the plan depends on the machine's load)")
+        gap = ""
+        if self.step_s is not None and self.lower_bound_s:
+            gap = (f"; plan {self.step_s * 1e3:.4g} ms, lower bound of any plan {self.lower_bound_s * 1e3:.4g} ms "
+                   f"({self.step_s / self.lower_bound_s:.2f}x)")
+        return f"planner search cut: {'; '.join(what)} after {sum(self.proposals.values())} proposals{gap}"
 
 
 def default_proposers(patience: int | None | str = "auto") -> list:

@@ -38,11 +38,17 @@ data, ``sharding/planner/cache_sizing.py``) each such table starts at the smalle
 its hit-rate curve stops rising. A model that cannot fit raises :class:`ModelDoesNotFitError`
 (a torchrec ``PlannerError``) with a one-line message.
 
-Speed (500 tables on 128 GPUs in ~10 s of CPU): torchrec's enumerator runs with memoized
-estimator internals (``sharding/planner/torchrec_speedups.py``, only while this planner plans); the
-greedy proposers stop after ``greedy_patience_for(tables)`` fitting proposals that do not improve
-(deterministic, unlike the 20 s timeout, which stays as a safety net); the partitioner adds
-row-wise tables in bulk, scores table-row-wise hosts in closed form and memoizes option -> shards.
+Deterministic: the same inputs give the same plan on an idle or a loaded machine. Nothing in the
+search reads a clock: the greedy proposers stop after ``greedy_patience_for(tables)`` fitting
+proposals that do not improve, and every proposer after ``max_proposals`` proposals
+(``BudgetedProposer``; one log line, with the plan's distance from the lower bound, when that cut
+a search). torchrec's wall-clock ``timeout_seconds`` is off unless the caller sets it (then plans
+depend on the machine's load again, and the log says when it cut the search).
+
+Speed (500 tables on 128 GPUs in ~22 s on a 2-core machine, idle): torchrec's enumerator runs
+with memoized estimator internals (``sharding/planner/torchrec_speedups.py``, only while this
+planner plans); the partitioner adds row-wise tables in bulk, scores table-row-wise hosts in
+closed form and memoizes option -> shards.
 
     planner = TopologyAwarePlanner(load_topology("dgx-a100-2host"), batch_size=512)
     plan = planner.plan(model_on_meta, sharders)       # or collective_plan(model, sharders, pg)
@@ -91,7 +97,8 @@ from sharding.planner.enumerators import DEFAULT_COLUMN_SPLITS, TopologyEnumerat
 from sharding.planner.partitioners import TopologyPartitioner, refine_placement
 from sharding.planner.cost.perf_model import CachedPerfModel
 from sharding.planner.cost.plan_cost import modeled_step, step_line
-from sharding.planner.proposers import PatientGreedyProposer, PerTableUniformProposer, default_proposers, greedy_patience_for
+from sharding.planner.bounds import step_time_lower_bound
+from sharding.planner.proposers import DEFAULT_MAX_PROPOSALS, BudgetedProposer, PatientGreedyProposer, SearchReport, PerTableUniformProposer, default_proposers, greedy_patience_for
 from sharding.planner.ssd_tier import key_value_tables
 from sharding.plan.fit_report import TORCHREC_RESERVE, format_bytes, planner_said, reserve_exceeds_hbm
 from sharding.tables import table_configs
@@ -171,7 +178,11 @@ class TopologyAwarePlanner(EmbeddingShardingPlanner):
     ``performance_model``, ``proposer`` and ``stats`` replace the planner's own (a given enumerator
     holds its own constraints, as in torchrec; a given partitioner or performance model turns off
     the comparison with torchrec's default plan and the score reuse that rely on ours),
-    ``callbacks`` run after the planner's own, ``timeout_seconds`` and ``debug`` as in torchrec.
+    ``callbacks`` run after the planner's own, ``timeout_seconds`` and ``debug`` as in torchrec
+    (``timeout_seconds`` defaults to None, as in torchrec: a wall-clock limit makes the plan depend
+    on the machine's load). ``max_proposals``: proposals each proposer may make (the given ones
+    too), the search's deterministic budget; ``None``: no limit. ``last_search`` reports the
+    latest search (proposals per proposer, what cut it).
     ``constraints``: torchrec ``ParameterConstraints`` per table, merged per table with the
     planner's defaults (model-parallel types, fused kernels, plus UVM / UVM caching on GPUs): a
     constraint on one table never changes another table's options, and fields left None on a
@@ -205,7 +216,8 @@ class TopologyAwarePlanner(EmbeddingShardingPlanner):
         ddr_bytes: int | None = None,
         compare_default: bool = True,
         tune_cache_load_factor: bool = True,
-        timeout_seconds: int | None = 20,
+        timeout_seconds: int | None = None,
+        max_proposals: int | None = DEFAULT_MAX_PROPOSALS,
         proposer=None,
         debug: bool = False,
         greedy_patience: int | None | str = "auto",
@@ -255,6 +267,9 @@ class TopologyAwarePlanner(EmbeddingShardingPlanner):
             proposer = default_proposers(greedy_patience)
             if self.column_splits and isinstance(perf_model, CachedPerfModel):
                 proposer.append(BalanceProposer(perf_model.tracker))
+        proposer = [BudgetedProposer(p, max_proposals) for p in (proposer if isinstance(proposer, list) else [proposer])]
+        self.max_proposals = max_proposals
+        self.last_search: SearchReport | None = None
         own_callbacks = [self.partitioner.compare_with_default] if ours else []
         if tune_cache_load_factor and self.cluster.compute_device != "cpu":
             own_callbacks.append(self._tune_load_factors)
@@ -316,13 +331,20 @@ class TopologyAwarePlanner(EmbeddingShardingPlanner):
         args = self._torchrec_planner_args(self.constraints)
         self.last_enumerator = args["enumerator"] if isinstance(args["enumerator"], TopologyEnumerator) else None
         self.last_planner = EmbeddingShardingPlanner(**args)
-        self.perf_model.tracker.reset()
+        if isinstance(self.perf_model, CachedPerfModel):
+            self.perf_model.tracker.reset()
         try:
             with fast_planner_internals():
                 plan = self.last_planner.plan(module, sharders)
         except ModelDoesNotFitError:
             raise
         except PlannerError as e:
+            self.last_search = SearchReport.of(self.proposers, self.max_proposals)
+            if self.last_search.timeout_cut and not self.last_planner._num_plans:
+                raise PlannerError(
+                    f"no plan: timeout_seconds={self.timeout_seconds} stopped the search after "
+                    f"{self.last_planner._num_proposals} proposals, before any plan was made (raise it, "
+                    "or leave it None and bound the search by max_proposals)", PlannerErrorType.OTHER) from None
             raise ModelDoesNotFitError(
                 fit_message(self.cluster, module, self.torchrec_topology, e, sharders)) from None
         self.search_space = self.last_enumerator.last_search_space if self.last_enumerator is not None else []
@@ -334,6 +356,12 @@ class TopologyAwarePlanner(EmbeddingShardingPlanner):
         tables = {c.name: {"num_embeddings": c.num_embeddings, "embedding_dim": c.embedding_dim} for c in table_configs(module)}
         self.last_cost = modeled_step(plan, tables, self.cluster, self.cost_model.batch, self.last_pooling, self.cost_model)
         logger.info("topology-aware plan: %s on %s", step_line(self.last_cost), self.cluster.name or "the topology")
+        self.last_search = SearchReport.of(self.proposers, self.max_proposals)
+        if self.last_search.cut:
+            self.last_search.step_s = self.last_cost.step_time
+            if self.search_space:
+                self.last_search.lower_bound_s = step_time_lower_bound(self.cost_model, self.search_space)
+            logger.warning(self.last_search.line())
         return plan
 
     def collective_plan(
