@@ -144,12 +144,12 @@ class SearchReport:
         return bool(self.budget_cut) or self.timeout_cut
 
     @classmethod
-    def of(cls, proposers: list[BudgetedProposer], max_proposals: int | None) -> "SearchReport":
+    def of(cls, proposers: list[BudgetedProposer], max_proposals: int | None, timeout_seconds: float | None) -> "SearchReport":
         names = [f"{p.name}#{i}" for i, p in enumerate(proposers)]
         return cls(proposals={n: p.evaluated for n, p in zip(names, proposers)},
                    budget_cut=[n for n, p in zip(names, proposers) if p.cut],
                    # torchrec's loop leaves a proposer without asking it again when its clock ran out
-                   timeout_cut=any(not p.cut and not p.exhausted for p in proposers),
+                   timeout_cut=timeout_seconds is not None and any(not p.cut and not p.exhausted for p in proposers),
                    max_proposals=max_proposals)
 
     def line(self) -> str:

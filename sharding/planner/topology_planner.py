@@ -339,7 +339,7 @@ class TopologyAwarePlanner(EmbeddingShardingPlanner):
         except ModelDoesNotFitError:
             raise
         except PlannerError as e:
-            self.last_search = SearchReport.of(self.proposers, self.max_proposals)
+            self.last_search = SearchReport.of(self.proposers, self.max_proposals, self.timeout_seconds)
             if self.last_search.timeout_cut and not self.last_planner._num_plans:
                 raise PlannerError(
                     f"no plan: timeout_seconds={self.timeout_seconds} stopped the search after "
@@ -356,7 +356,7 @@ class TopologyAwarePlanner(EmbeddingShardingPlanner):
         tables = {c.name: {"num_embeddings": c.num_embeddings, "embedding_dim": c.embedding_dim} for c in table_configs(module)}
         self.last_cost = modeled_step(plan, tables, self.cluster, self.cost_model.batch, self.last_pooling, self.cost_model)
         logger.info("topology-aware plan: %s on %s", step_line(self.last_cost), self.cluster.name or "the topology")
-        self.last_search = SearchReport.of(self.proposers, self.max_proposals)
+        self.last_search = SearchReport.of(self.proposers, self.max_proposals, self.timeout_seconds)
         if self.last_search.cut:
             self.last_search.step_s = self.last_cost.step_time
             if self.search_space:
