@@ -274,9 +274,14 @@ def test_ssd_time_is_misses_times_row_bytes_over_read_plus_write_bandwidth():
     assert cost.ssd_io[[0, 1, 2, 4, 5, 6, 7]].sum() == 0
     assert cost.ssd_bytes[3] == rows * cols * 4 + rows * 4 and cost.host_bytes.sum() == 0
     assert cost.hbm_bytes[3] == pytest.approx(lf * rows * cols * 4)
-    # the hits are lookups in HBM: the fused shard's lookup time x the hit rate
+    # the hits are lookups in HBM: the fused shard's row traffic x the hit rate, plus the id
+    # handling (sort, row-wise state) of every lookup, which stays in HBM
+    from sharding.planner.cost.model import GPU_INDEX_BYTES_PER_LOOKUP
+
     fused = m.score_shards([kv(3, rows, cols, table_rows, kernel="fused")])
-    assert cost.lookup[3] == pytest.approx(fused.lookup[3] * lf, rel=1e-12)
+    row_part = 3 * cols * 4  # three passes over a 256-byte row (8 whole sectors)
+    assert cost.lookup[3] == pytest.approx(
+        fused.lookup[3] * (lf * row_part + GPU_INDEX_BYTES_PER_LOOKUP) / (row_part + GPU_INDEX_BYTES_PER_LOOKUP), rel=1e-12)
     assert cost.rank_time[3] == pytest.approx(cost.lookup[3] + expected + cost.comm[3], rel=1e-12)
     assert cost.step_time == pytest.approx(cost.lookup[3] + expected + cost.comm_time, rel=1e-12)
     # a measured miss rate (cache statistics) replaces 1 - load_factor

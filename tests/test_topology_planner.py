@@ -184,6 +184,33 @@ def test_cost_model_charges_ids_and_collective_latency():
     assert mixed.comm_time - two.comm_time == pytest.approx(5 * COLLECTIVE_LATENCY_S + 7 * (ids + 2 * pooled) / nvlink, rel=1e-6)
 
 
+@pytest.mark.parametrize("name,world,bus_bw", [
+    ("dgx-a100", 8, 12 * 25e9),  # one host: every GPU's NVLink egress, 300 GB/s
+    ("dgx-a100-2host", 16, 8 * 25e9),  # two hosts: 8 rails (NIC + switch port), 25 GB/s each
+])
+def test_ring_all_reduce_priced_by_nccls_bus_bandwidth(name, world, bus_bw):
+    """A data-parallel table's gradient all-reduce, as nccl-tests (doc/PERFORMANCE.md) relates
+    time and bus bandwidth for a ring: t = S x 2(n-1)/n / busBW. Across hosts NCCL runs one channel
+    per NIC, so the bus bandwidth is the host's NICs together, not one NIC (which a single ring
+    in rank order would give: 8x slower here). Rows and columns chosen so the lookups are tiny."""
+    from sharding.planner.cost.model import COLLECTIVE_LATENCY_S, CROSS_HOST_LATENCY_S
+
+    topo = load_topology(name)
+    cm = TopologyCostModel(topo, 512)
+    rows, cols = 1_000_000, 64
+    group = tuple(range(world))
+    shards = [PlacedShard(table="t", sharding_type="data_parallel", kernel="dense", rank=r, rows=rows, cols=cols,
+                          table_rows=rows, table_cols=cols, group=group) for r in range(world)]
+    cost = cm.score_shards(shards)
+    latency = COLLECTIVE_LATENCY_S + (CROSS_HOST_LATENCY_S + topo.network.latency if len(topo.hosts) > 1 else 0.0)
+    want = rows * cols * 4 * 2 * (world - 1) / world / bus_bw
+    assert cost.comm_time - latency == pytest.approx(want, rel=1e-9)
+    if len(topo.hosts) > 1:
+        assert len(cm.ring_channels(group)) == 8
+        # every channel leaves host 0 from a different GPU
+        assert sorted(ring[7] for ring in cm.ring_channels(group)) == list(range(8))
+
+
 DUO = """name: duo
 compute_device: cuda
 hosts:

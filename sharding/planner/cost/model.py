@@ -8,9 +8,11 @@ the collectives, each phase as long as its busiest directed link:
 
 - ``lookup``: bytes a rank's HBM-resident shards read and write (forward lookups, backward
   gradient + fused optimizer update: ``LOOKUP_PASSES`` x rows looked up x the row's bytes in
-  whole 32-byte sectors, 64-byte cache lines on CPU) over the device's memory bandwidth (HBM; DDR
-  of its NUMA node on CPU ranks).
-- ``host_io``: the same traffic for ``fused_uvm`` shards (all of it) and ``fused_uvm_caching``
+  whole 32-byte sectors, 64-byte cache lines on CPU; on GPUs plus ``GPU_INDEX_BYTES_PER_LOOKUP``
+  per id and shard for the backward's id sort and the row-wise optimizer state, which a table cut
+  into k column shards pays k times) over the device's memory bandwidth (HBM; DDR of its NUMA node
+  on CPU ranks).
+- ``host_io``: the rows' traffic for ``fused_uvm`` shards (all of it) and ``fused_uvm_caching``
   shards (the miss fraction: ``stats.expected_miss_rate(load_factor)`` when the table's
   ``CacheParams`` carry ``CacheStatistics``, e.g. measured from a data sample by
   ``sharding/planner/cache_sizing.py``; else ``1 - load_factor``, as torchrec's estimator assumes) goes to
@@ -48,7 +50,12 @@ the collectives, each phase as long as its busiest directed link:
   pooled partial sums ``[B x world, cols]``, each member sending ``(n-1)/n`` of it to the next.
   Table-row-wise: ids bucketized over the host's ranks, the ring inside the host, then each
   rank's slice to every rank off the host (forward) and back (backward). Data-parallel: a ring
-  all-reduce of the gradient (``2 (n-1)/n`` x table bytes to the next member).
+  all-reduce of the gradient (``2 (n-1)/n`` x table bytes to the next member). Rings run as NCCL
+  runs them (nccl-tests' doc/PERFORMANCE.md: an all-reduce of S bytes moves ``2 (n-1)/n x S``
+  through every rank, reduce-scatter and all-gather ``(n-1)/n x S``, so ``t = that / busBW``):
+  inside a host one ring over NVLink; across hosts one channel per NIC (``ring_channels``), each
+  crossing between hosts through another GPU's NIC, so the bus bandwidth across hosts is the
+  host's NICs together.
   Plus a fixed latency per collective: each sharding type present in the plan is its own group of
   collectives (input dist, forward and backward output dist) that every rank joins, so a plan
   mixing types pays for each (``collective_latency``).
@@ -107,6 +114,15 @@ COLLECTIVES_PER_STEP = {
     "data_parallel": 1,  # the gradient all-reduce
 }
 LOOKUP_PASSES = 3  # forward read, backward gradient, optimizer read-modify-write (fused)
+# Bytes per looked-up id and shard that FBGEMM's CUDA TBE moves whatever the shard's width (its
+# kernels' structure, not calibrated here: no GPU on the CI machine). The forward reads the id
+# (8 B); the backward linearizes the ids (8 B read, 8 + 4 B written), radix-sorts the (id,
+# position) pairs (CUB, 8 bits a pass: about 4 passes of 12 B read and 12 B written for tables up
+# to 2^32 rows), run-length encodes them (~16 B), and reads and writes each row's row-wise
+# optimizer state (one float, a 32-byte sector each way). A table cut into k column shards does
+# all of it k times, which is what makes fine column cuts of narrow tables cost more than their
+# rows' bytes say.
+GPU_INDEX_BYTES_PER_LOOKUP = 8 + 20 + 4 * 24 + 16 + 2 * GPU_ACCESS_GRANULE
 _A2A = A2A_TYPES
 
 
@@ -263,6 +279,18 @@ class TopologyCostModel:
         g = CPU_ACCESS_GRANULE if self.cpu else GPU_ACCESS_GRANULE
         return -(-cols * BYTES // g) * g
 
+    def lookup_bytes(self, cols: int) -> float:
+        """Bytes of memory traffic per looked-up id of a ``cols``-wide shard in one training step:
+        ``LOOKUP_PASSES`` passes over the row, plus the id handling of a CUDA TBE
+        (``GPU_INDEX_BYTES_PER_LOOKUP``; FBGEMM's CPU kernels: counted in the row's passes, as
+        measured by tools/calibrate_cost_model.py)."""
+        return LOOKUP_PASSES * self.row_bytes(cols) + (0 if self.cpu else GPU_INDEX_BYTES_PER_LOOKUP)
+
+    def row_share(self, cols: int) -> float:
+        """The share of ``lookup_bytes`` that is the rows themselves (what a UVM table's misses
+        take to host memory; the id handling stays in HBM)."""
+        return LOOKUP_PASSES * self.row_bytes(cols) / self.lookup_bytes(cols)
+
     def ids_bytes(self, pooling: float) -> float:
         """Input-dist bytes one rank sends per table shard: its batch's ids and bag lengths."""
         return self.batch * (pooling * ID_BYTES + LENGTH_BYTES)
@@ -271,20 +299,49 @@ class TopologyCostModel:
         """Seconds per step that one sharding type's collectives add to every rank."""
         return COLLECTIVES_PER_STEP.get(sharding_type, 0) * self.collective_latency
 
-    def ring_next(self, group: tuple[int, ...], rank: int) -> int:
-        """The rank after ``rank`` in the ring over ``group`` (in the group's order)."""
-        i = group.index(rank)
-        return group[(i + 1) % len(group)]
+    def ring_channels(self, group: tuple[int, ...]) -> list[tuple[int, ...]]:
+        """The rings NCCL runs a ring collective over ``group`` on, one per channel, each carrying
+        an equal share of the data. Inside one host (or NVLink domain) a ring's links are the same
+        whichever GPU it starts at: one ring. Across hosts NCCL builds one channel per NIC
+        ("rail"), each ring crossing between hosts through a different NIC, so the cross-host
+        part of the collective is spread over every NIC instead of the one NIC of a single ring.
+        Here: with ``c`` members in the host (NVLink domain) holding fewest, channel ``k`` visits each host's
+        members rotated by ``k`` (it enters a host at its ``k``-th member and leaves it from the
+        one before), so the ``c`` channels leave each host from ``c`` different GPUs, i.e. over
+        their nearest NICs (``sharding/topology/links.py``)."""
+        per_domain = max(1, int(self.topo.network.nvlink_domain_hosts or 1))
+        by_domain: dict[int, list[int]] = {}
+        for r in group:
+            by_domain.setdefault(int(self.host_of[r]) // per_domain, []).append(r)
+        if len(by_domain) <= 1:
+            return [group]
+        c = min(len(m) for m in by_domain.values())
+        return [tuple(r for members in by_domain.values() for r in members[k:] + members[:k]) for k in range(c)]
+
+    def ring_rank_inv(self, group: tuple[int, ...], rank: int) -> np.ndarray:
+        """Seconds per byte on each directed link when ``rank`` sends one byte to the ring's next
+        member, averaged over the channels (``ring_channels``): its share of ``ring_inv``."""
+        key = (group, rank)
+        hit = self._ring_cache.get(key)
+        if hit is None:
+            rings = self.ring_channels(group)
+            hit = np.zeros(self.links.count)
+            for ring in rings:
+                i = ring.index(rank)
+                hit += self.links.pair_inv(rank, ring[(i + 1) % len(ring)])
+            hit /= len(rings)
+            self._ring_cache[key] = hit
+        return hit
 
     def ring_inv(self, group: tuple[int, ...]) -> np.ndarray:
         """Seconds per byte on each directed link when every member of ``group`` sends one byte to
-        the next member of the ring."""
+        the next member of the ring (the channels' average: ``ring_channels``)."""
         hit = self._ring_cache.get(group)
         if hit is None:
             hit = np.zeros(self.links.count)
-            for i, r in enumerate(group):
-                if len(group) > 1:
-                    hit += self.links.pair_inv(r, group[(i + 1) % len(group)])
+            if len(group) > 1:
+                for r in group:
+                    hit += self.ring_rank_inv(group, r)
             self._ring_cache[group] = hit
         return hit
 
@@ -461,9 +518,9 @@ class CostState:
     def _lookup_bytes(self, s: PlacedShard) -> float:
         m = self.model
         if s.sharding_type == "data_parallel":
-            return LOOKUP_PASSES * m.batch * s.pooling * m.row_bytes(s.cols)
+            return m.batch * s.pooling * m.lookup_bytes(s.cols)
         frac = s.rows / max(1, s.table_rows)  # row-wise shards see their share of the lookups
-        return LOOKUP_PASSES * m.batch * m.world * s.pooling * m.row_bytes(s.cols) * frac
+        return m.batch * m.world * s.pooling * m.lookup_bytes(s.cols) * frac
 
     def _lookups(self, s: PlacedShard) -> float:
         """Rows the shard looks up per step (its share of every rank's ids)."""
@@ -473,6 +530,12 @@ class CostState:
         return m.batch * m.world * s.pooling * s.rows / max(1, s.table_rows)
 
     def _ssd_fraction(self, s: PlacedShard) -> float:
+        """Share of a key_value shard's lookup bytes that its cache misses take to SSD instead of
+        HBM (the misses' rows; 0 for other kernels)."""
+        miss = self._ssd_miss_rate(s)
+        return miss * self.model.row_share(s.cols) if miss else 0.0
+
+    def _ssd_miss_rate(self, s: PlacedShard) -> float:
         """Share of a key_value shard's lookups that miss its HBM cache (0 for other kernels)."""
         if s.kernel not in SSD_KERNELS:
             return 0.0
@@ -484,7 +547,7 @@ class CostState:
     def ssd_traffic(self, s: PlacedShard) -> float:
         """Bytes per step a key_value shard reads from SSD (its misses' rows), and as many it
         writes back (the updated rows they evict); 0 for other kernels."""
-        miss = self._ssd_fraction(s)
+        miss = self._ssd_miss_rate(s)
         return miss * self._lookups(s) * self.model.ssd_row_bytes(s.cols) if miss else 0.0
 
     def ssd_seconds(self, host: int, read: float, write: float) -> float:
@@ -512,14 +575,18 @@ class CostState:
         return lk
 
     def _host_fraction(self, s: PlacedShard) -> float:
+        """Share of a shard's lookup bytes that go to host memory: a UVM table's rows (all of them,
+        or its cache's misses); the id handling stays in HBM."""
         if self.model.cpu or s.kernel not in UVM_KERNELS:
             return 0.0
         if s.kernel == "fused_uvm":
-            return 1.0
-        if s.miss_rate is not None:
-            return min(1.0, max(0.0, s.miss_rate))
-        lf = DEFAULT_LOAD_FACTOR if s.load_factor is None else s.load_factor
-        return max(0.0, 1.0 - lf)
+            miss = 1.0
+        elif s.miss_rate is not None:
+            miss = min(1.0, max(0.0, s.miss_rate))
+        else:
+            lf = DEFAULT_LOAD_FACTOR if s.load_factor is None else s.load_factor
+            miss = max(0.0, 1.0 - lf)
+        return miss * self.model.row_share(s.cols)
 
     def shard_loads(self, s: PlacedShard) -> list[tuple[str, np.ndarray]]:
         """The directed-link loads (seconds) this shard's collectives add, by phase."""
@@ -536,14 +603,14 @@ class CostState:
             frac = s.rows / max(1, s.table_rows)
             # every rank sends this shard its share of the ids (bucketized) and all the lengths
             ids = (idb - m.batch * LENGTH_BYTES) * frac + m.batch * LENGTH_BYTES
-            ring = L.pair_inv(r, m.ring_next(g, r)) * ((n - 1) / n * d) if n > 1 else np.zeros(L.count)
+            ring = m.ring_rank_inv(g, r) * ((n - 1) / n * d) if n > 1 else np.zeros(L.count)
             return [("row_wise:ids", ids * L.in_inv[r]), ("row_wise:fwd", ring), ("row_wise:bwd", ring)]
         if st == "table_row_wise":
             g = s.group or m.twrw_groups[r // len(m.twrw_groups[0])]
             n = len(g)
             d = m.batch * w * s.cols * BYTES
             part = m.batch * s.cols * BYTES / n  # this rank's slice of the host-reduced output
-            ring = L.pair_inv(r, m.ring_next(g, r)) * ((n - 1) / n * d) if n > 1 else np.zeros(L.count)
+            ring = m.ring_rank_inv(g, r) * ((n - 1) / n * d) if n > 1 else np.zeros(L.count)
             out_off, in_off = m.off_group_inv(g, r)
             return [("table_row_wise:ids", (idb / n) * L.in_inv[r]),
                     ("table_row_wise:fwd_rs", ring), ("table_row_wise:fwd_a2a", part * out_off),
@@ -553,7 +620,7 @@ class CostState:
             n = len(g)
             if n <= 1:
                 return []
-            return [("data_parallel:allreduce", L.pair_inv(r, m.ring_next(g, r)) * (2 * (n - 1) / n * s.rows * s.cols * BYTES))]
+            return [("data_parallel:allreduce", m.ring_rank_inv(g, r) * (2 * (n - 1) / n * s.rows * s.cols * BYTES))]
         return []
 
     def _memory(self, s: PlacedShard) -> tuple[float, float]:
@@ -638,7 +705,7 @@ class CostState:
                  ("table_row_wise:bwd_a2a", part * in_off), ("table_row_wise:bwd_ag", ring)]
         rows = np.fromiter((p.rows for p in protos), dtype=np.float64, count=n)
         lk = np.zeros(w)
-        lb = LOOKUP_PASSES * m.batch * w * s0.pooling * m.row_bytes(s0.cols) * rows / max(1, s0.table_rows)
+        lb = m.batch * w * s0.pooling * m.lookup_bytes(s0.cols) * rows / max(1, s0.table_rows)
         np.add.at(lk, r, lb / m.mem_bw[r])
         return lk, loads
 
@@ -689,11 +756,11 @@ class CostState:
         g = s0.group or tuple(range(w))
         n = len(g)
         if s0.sharding_type == "data_parallel":
-            lb = np.full(len(shards), LOOKUP_PASSES * m.batch * s0.pooling * m.row_bytes(s0.cols))
+            lb = np.full(len(shards), m.batch * s0.pooling * m.lookup_bytes(s0.cols))
             if n > 1:
                 self.add_load("data_parallel:allreduce", m.ring_inv(g) * (2 * (n - 1) / n * s0.rows * s0.cols * BYTES))
         else:
-            lb = LOOKUP_PASSES * m.batch * w * s0.pooling * m.row_bytes(s0.cols) * rows / max(1, s0.table_rows)
+            lb = m.batch * w * s0.pooling * m.lookup_bytes(s0.cols) * rows / max(1, s0.table_rows)
             idb = m.ids_bytes(s0.pooling)
             ids = (idb - m.batch * LENGTH_BYTES) * rows / max(1, s0.table_rows) + m.batch * LENGTH_BYTES
             self.add_load("row_wise:ids", ids @ L.in_inv[ranks])
