@@ -211,6 +211,18 @@ def test_ring_all_reduce_priced_by_nccls_bus_bandwidth(name, world, bus_bw):
         assert sorted(ring[7] for ring in cm.ring_channels(group)) == list(range(8))
 
 
+def test_row_wise_and_table_row_wise_price_alike_on_one_host():
+    """On one NVSwitch host table-row-wise has no other host to send slices to: its cross-host
+    all-to-alls run on one-rank groups, so it costs what row-wise costs (torchrec's default plan
+    picks either for the same table from run to run), not two collectives' latency more."""
+    cm = TopologyCostModel(load_topology("dgx-a100"), 4096)
+    cost = {st: cm.score_shards([PlacedShard("t", st, "fused", r, 1_000_000, 16, 8_000_000, 16, group=tuple(range(8)))
+                                 for r in range(8)]).step_time for st in ("row_wise", "table_row_wise")}
+    assert cost["table_row_wise"] == pytest.approx(cost["row_wise"], rel=0.01)
+    two = TopologyCostModel(load_topology("dgx-a100-2host"), 4096)
+    assert two.type_latency("table_row_wise") > two.type_latency("row_wise")  # across hosts it has more
+
+
 DUO = """name: duo
 compute_device: cuda
 hosts:

@@ -296,7 +296,12 @@ class TopologyCostModel:
         return self.batch * (pooling * ID_BYTES + LENGTH_BYTES)
 
     def type_latency(self, sharding_type: str) -> float:
-        """Seconds per step that one sharding type's collectives add to every rank."""
+        """Seconds per step that one sharding type's collectives add to every rank. Table-row-wise
+        on a cluster that is one NVLink domain has no other domain to exchange slices with: its
+        cross-domain all-to-alls run on one-rank groups (a local copy), so it pays row-wise's
+        collectives, and the two price the same there."""
+        if sharding_type == "table_row_wise" and len(self.twrw_groups) == 1:
+            sharding_type = "row_wise"
         return COLLECTIVES_PER_STEP.get(sharding_type, 0) * self.collective_latency
 
     def ring_channels(self, group: tuple[int, ...]) -> list[tuple[int, ...]]:
