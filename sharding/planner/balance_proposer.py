@@ -52,12 +52,25 @@ class BestPlanTracker:
         self.rating = float("inf")
         self.options: list[ShardingOption] | None = None
         self.bottleneck_tables: list[str] = []
+        # the best plan per sharding type of its largest table: other starts for the balance walk
+        self.best_by_type: dict[str, tuple[float, list[ShardingOption]]] = {}
 
     def offer(self, plan: list[ShardingOption], rating: float) -> None:
         if rating < self.rating:
             self.rating = rating
             self.options = list(plan)
             self.bottleneck_tables = bottleneck_tables(self.cost_model, plan)
+        if plan:
+            key = largest_table_type(plan)
+            if rating < self.best_by_type.get(key, (float("inf"),))[0]:
+                self.best_by_type[key] = (rating, list(plan))
+
+
+def largest_table_type(plan: list[ShardingOption]) -> str:
+    """The sharding type of a plan's largest table (rows x columns; ties by name): what sets the
+    plan's kind (e.g. big tables table-row-wise and small ones anything)."""
+    big = max(plan, key=lambda so: (int(so.tensor.shape[0]) * int(so.tensor.shape[1]), so.name))
+    return big.sharding_type
 
 
 def bottleneck_tables(cost_model: TopologyCostModel, plan: list[ShardingOption]) -> list[str]:
@@ -84,7 +97,8 @@ class BalanceProposer(Proposer):
         self.last_was_dp = False
         self.dp_best: tuple[list[ShardingOption], float, list[str]] | None = None
         self.dp_rounds = 0
-        self.restarts: list[list[ShardingOption]] = []
+        self.restarts: list[tuple[list[ShardingOption], bool]] = []
+        self.has_data_parallel = False
         self.misses = 0
         self.tried: set[tuple] = set()
 
@@ -92,6 +106,7 @@ class BalanceProposer(Proposer):
         self.by_table = defaultdict(list)
         for so in search_space:
             self.by_table[so.name].append(so)
+        self.has_data_parallel = any(so.sharding_type == "data_parallel" for so in search_space)
         self.current, self.queue, self.last, self.misses, self.tried = None, [], None, 0, set()
         self.last_was_dp, self.dp_best, self.dp_rounds, self.restarts = False, None, 0, []
 
@@ -104,7 +119,15 @@ class BalanceProposer(Proposer):
             whole = [self._first(so.name, "table_wise", "fused") or so if so.sharding_type == "data_parallel" else so
                      for so in self.current]
             if any(a is not b for a, b in zip(whole, self.current)):
-                self.restarts = [whole]
+                self.restarts = [(whole, False)]
+            if self.has_data_parallel:
+                # data-parallel rounds from the best plans of other kinds too (e.g. big tables
+                # table-row-wise across hosts): small tables data-parallel beside them can beat any
+                # plan one move away from the best one (torchrec's default on 16 DGX hosts, DLRM)
+                mine = largest_table_type(self.current)
+                others = sorted((r, k, p) for k, (r, p) in self.tracker.best_by_type.items()
+                                if k not in (mine, "data_parallel"))
+                self.restarts += [(p, True) for _, _, p in others[:MAX_OTHER_STARTS]]
         while True:
             if self.queue and self.queue[0][1]:  # a data-parallel round: every candidate, no patience
                 cand, _ = self.queue.pop(0)
@@ -120,11 +143,12 @@ class BalanceProposer(Proposer):
                 if not self.queue or self.misses >= self.patience:
                     if not self.restarts:
                         return None
-                    # a second walk, from the start plan without data-parallel tables: the
-                    # model-parallel optimum needs column cuts no single move reaches from there
-                    cand = self.restarts.pop(0)
+                    # another walk: from the start plan without data-parallel tables (the
+                    # model-parallel optimum needs column cuts no single move reaches from there),
+                    # or from the best plan of another kind, with one data-parallel round
+                    cand, with_dp = self.restarts.pop(0)
                     self.current, self.rating, self.misses, self.queue = cand, float("inf"), 0, []
-                    self.dp_rounds = MAX_DATA_PARALLEL_ROUNDS
+                    self.dp_rounds = MAX_DATA_PARALLEL_ROUNDS - 1 if with_dp else MAX_DATA_PARALLEL_ROUNDS
                     self.tried.add(tuple(id(so) for so in cand))
                     self.last, self.last_was_dp = cand, False
                     return cand
@@ -190,19 +214,28 @@ class BalanceProposer(Proposer):
         the tables data-parallel now (so a round can also take them back: torchrec's greedy
         proposers make small tables data-parallel by their own estimate, and the best plan of the
         search may start with too many), and the all-to-all tables with a data-parallel option whose
-        ring all-reduce (2 (n-1)/n x rows x columns on every link of the ring) is smaller than the
-        pooled output the table sends in one all-to-all (batch x (world-1) x columns): a larger one
-        loads every link more than its all-to-all loads its owner's. A table taken back gets its
-        table-wise option (fused kernel)."""
-        world, batch = self.tracker.cost_model.world, self.tracker.cost_model.batch
+        ring all-reduce (2 (n-1)/n x rows x columns through every rank, on the busiest link of
+        the model's rings: ``TopologyCostModel.ring_inv``, NCCL's channels across hosts) takes less
+        time than the pooled output the table sends in one all-to-all from its best owner (batch x
+        columns to every peer, on the busiest link of that rank's sends): a larger one loads the
+        links more than its all-to-all does. A table taken back gets its table-wise option (fused
+        kernel), or the type of the plan's largest table where it has one (a plan whose big tables
+        are table-row-wise takes a small one back table-row-wise)."""
+        model = self.tracker.cost_model
+        world, batch = model.world, model.batch
+        ring_s = 2 * (world - 1) / world * float(model.ring_inv(tuple(range(world))).max(initial=0.0))  # per gradient byte
+        a2a_s = batch * float(model.links.out_inv.max(axis=1).min(initial=0.0)) if world > 1 else 0.0  # per byte of a row
+        back_type = largest_table_type(plan)
+        if back_type == "data_parallel":
+            back_type = "table_wise"
         cands = []
         for i, so in enumerate(plan):
             rows, cols = int(so.tensor.shape[0]), int(so.tensor.shape[1])
             if so.sharding_type == "data_parallel":
-                back = self._first(so.name, "table_wise", "fused")
+                back = self._first(so.name, back_type, "fused") or self._first(so.name, "table_wise", "fused")
                 if back is not None:
                     cands.append((rows * cols, so.name, i, so, back))
-            elif so.sharding_type in _A2A and 2 * (world - 1) / world * rows < batch * (world - 1):
+            elif so.sharding_type in _A2A + ("row_wise", "table_row_wise") and rows * ring_s < a2a_s:
                 dp = self._first(so.name, "data_parallel")
                 if dp is not None:
                     cands.append((rows * cols, so.name, i, dp, so))
@@ -287,6 +320,8 @@ MAX_DATA_PARALLEL_CUTS = 24
 # neighbourhoods that get a data-parallel round (each round proposes up to MAX_DATA_PARALLEL_CUTS
 # plans; on 500 tables x 128 ranks a proposal takes ~0.3-0.8 s)
 MAX_DATA_PARALLEL_ROUNDS = 3
+# walks from the best plans of other kinds (largest table's sharding type) when data_parallel is allowed
+MAX_OTHER_STARTS = 2
 
 
 def _spread(n: int, most: int) -> list[int]:
