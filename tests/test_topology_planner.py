@@ -521,3 +521,27 @@ def test_data_parallel_rounds_start_from_other_kinds_of_plan_and_match_the_defau
     assert ours <= default
     kinds = {so.sharding_type for so in planner.best_plan}
     assert "data_parallel" in kinds and "table_row_wise" in kinds
+
+
+def test_data_parallel_candidates_are_the_tables_whose_all_reduce_costs_less_than_their_all_to_all():
+    """gb200-nvl72 is one NVLink fabric: every GPU's egress carries one ring step of an
+    all-reduce (2 (n-1)/n x rows x cols x 4 bytes) and, for a table's owner, batch x cols x 4
+    bytes to each of the 71 peers. So a table is a data-parallel candidate iff
+    rows < batch x 71 / (2 x 71/72) = batch x 36. The largest round takes exactly those."""
+    from sharding.constants import MODEL_PARALLEL_TYPES
+    from sharding.planner.balance_proposer import BalanceProposer, BestPlanTracker
+    from sharding.planner.constraints import default_constraints
+    from tools.bench_planner import CRITEO_1TB
+
+    topo = load_topology("gb200-nvl72")
+    batch = 4096
+    module = ebc([(n, 128) for n in CRITEO_1TB])
+    planner = TopologyAwarePlanner(topo, batch, default_constraints(module, "cuda", list(MODEL_PARALLEL_TYPES) + ["data_parallel"]))
+    planner.plan(module, [EmbeddingBagCollectionSharder()])
+    proposer = BalanceProposer(BestPlanTracker(planner.cost_model))
+    proposer.load(planner.search_space)
+    whole = [proposer._first(f"t_{i}", "table_wise", "fused") for i in range(len(CRITEO_1TB))]
+    rounds = proposer._data_parallel_cuts(whole)
+    dp = {so.name for so in rounds[-1] if so.sharding_type == "data_parallel"}
+    assert dp == {f"t_{i}" for i, n in enumerate(CRITEO_1TB) if n < batch * 36}
+    assert len(dp) == 18  # every table below 147,456 rows

@@ -219,14 +219,14 @@ class BalanceProposer(Proposer):
         time than the pooled output the table sends in one all-to-all from its best owner (batch x
         columns to every peer, on the busiest link of that rank's sends): a larger one loads the
         links more than its all-to-all does. A table taken back gets its table-wise option (fused
-        kernel), or the type of the plan's largest table where it has one (a plan whose big tables
-        are table-row-wise takes a small one back table-row-wise)."""
+        kernel), or, in a plan whose largest table is row-wise or table-row-wise, that type (a small
+        table goes back beside the big ones the way they are sharded)."""
         model = self.tracker.cost_model
         world, batch = model.world, model.batch
         ring_s = 2 * (world - 1) / world * float(model.ring_inv(tuple(range(world))).max(initial=0.0))  # per gradient byte
-        a2a_s = batch * float(model.links.out_inv.max(axis=1).min(initial=0.0)) if world > 1 else 0.0  # per byte of a row
+        a2a_s = batch * float(model.links.out_inv.max(axis=1).min()) if world > 1 else 0.0  # per byte of a row
         back_type = largest_table_type(plan)
-        if back_type == "data_parallel":
+        if back_type in _A2A + ("data_parallel",):  # whole tables, as they go into the all-to-all
             back_type = "table_wise"
         cands = []
         for i, so in enumerate(plan):
