@@ -28,10 +28,10 @@ def greedy_patience_for(num_tables: int) -> int | None:
     (26 tables, 8-16 GPUs) the first greedy proposer's ~360 proposals never beat the best plan,
     which came from the second proposer's first few; on 500 tables x 128 GPUs the first fitting
     proposal of each greedy proposer was its best (of 33 tried in 60 s). Proposals that do not
-    fit do not count, so a model that needs many steps to fit still gets them. A count instead of
-    the wall-clock timeout (still there, 20 s, as a safety net) keeps plans deterministic on a
-    loaded machine: with only the timeout, a busy 2-core machine cut the 16-GPU DeepFM search
-    early and returned a 0.88 ms plan instead of 0.63 ms."""
+    fit do not count, so a model that needs many steps to fit still gets them (up to the budget of
+    ``BudgetedProposer``). A count instead of a wall-clock limit keeps plans deterministic on a
+    loaded machine: with a timeout, a busy 2-core machine cut the 16-GPU DeepFM search early and
+    returned a 0.88 ms plan instead of 0.63 ms."""
     return max(4, min(50, 2000 // max(1, num_tables)))
 
 
