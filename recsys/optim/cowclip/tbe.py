@@ -50,7 +50,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import DenseTableBat
 from torch import Tensor
 
 from recsys.optim.cowclip.reference import CowClipAdamState, _adam_rows, _clip_scale, batch_row_gradients
-from recsys.optim.cowclip.catchup import catch_up, check_catchup_hyper
+from recsys.optim.cowclip.catchup import DEFAULT_GROWTH, catch_up, check_catchup_hyper
 from recsys.optim.cowclip.kernels.cpp_op import advise_huge_pages, fused_available, fused_catch_up_tables
 from recsys.optim.cowclip.kernels.triton_update import cowclip_table_update_for, cowclip_update_for, triton_available
 
@@ -287,13 +287,14 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
         device: torch.device | None = None,
         tables_op: Callable[..., Tensor] | None | str = "auto",
         location: str = "device",
-        catchup_growth: float = 2.0,
+        catchup_growth: float = DEFAULT_GROWTH,
         catchup_op: str = "auto",
     ) -> None:
         """``tables_op``: the multi-table update op for inline mode; ``"auto"`` picks it by device
         on first use (the C++ op on CPU, the Triton kernel on CUDA: ``cowclip_update_for``),
         ``None`` forces the per-table path. ``catchup_growth``: block growth of the catch-up
-        (``update_scope="catchup"``; 2: O(log gap) blocks, 1: the exact step-by-step iteration).
+        (``update_scope="catchup"``; the default sqrt(2): about 2 log2(gap) blocks; 1: the exact
+        step-by-step iteration).
         ``catchup_op``: how a lookup catches its rows up: ``fused`` (the C++ op, CPU), ``triton``
         (recsys/optim/cowclip/kernels/triton_catchup.py: CUDA, or CPU under ``TRITON_INTERPRET=1``), ``torch``
         (recsys/optim/cowclip/catchup.py, any device), ``auto`` (fused on CPU, triton on CUDA, where

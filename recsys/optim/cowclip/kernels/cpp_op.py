@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from recsys.optim.cowclip.catchup import DEFAULT_GROWTH
 from recsys.optim.cowclip.reference import CowClipAdamState, CowClipStats, cowclip_adam_step
 
 __all__ = [
@@ -359,7 +360,7 @@ def fused_catch_up_tables(
     eps: float = 1e-8,
     l2: float = 0.0,
     eps_mode: str = "torch",
-    growth: float = 2.0,
+    growth: float = DEFAULT_GROWTH,
 ) -> Tensor:
     """The catch-up of ``recsys.optim.cowclip.catchup.catch_up`` for every row a lookup reads, in
     place, in one C++ call: rows whose ``row_step`` is behind ``step`` get the block scheme's

@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 import recsys.optim.cowclip.kernels.triton_update as _ct
+from recsys.optim.cowclip.catchup import DEFAULT_GROWTH
 
 __all__ = ["triton_catch_up_lookup", "triton_catch_up_rows"]
 
@@ -63,6 +64,8 @@ def _advance_row(
     growth = tl.load(HP + 5)
     ln_b1 = tl.load(HP + 6)
     ln_b2 = tl.load(HP + 7)
+    ca = c * (1.0 - b1)
+    g_max = tl.where(c > 0.0, 2.0 * (1.0 + b1) / ((1.0 - b1) * tl.maximum(c, 1e-300)), 1e300)
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
     w = tl.load(W + woff + d, mask=dmask, other=0.0)
@@ -91,22 +94,13 @@ def _advance_row(
         # table for a full piece (CONST row i), and are computed here for a row's last, cut one
         if (left >= k_nom) & (i < n_const):
             row = CONST + i * 21
-            b1x0 = tl.load(row + 1)
             b1x1 = tl.load(row + 2)
             b1x2 = tl.load(row + 3)
-            b2x0 = tl.load(row + 4)
             b2x1 = tl.load(row + 5)
             b2x2 = tl.load(row + 6)
             b1k = tl.load(row + 7)
             b2k = tl.load(row + 8)
-            f9 = tl.load(row + 9).to(tl.float32)
-            f10 = tl.load(row + 10).to(tl.float32)
-            f11 = tl.load(row + 11).to(tl.float32)
-            f12 = tl.load(row + 12).to(tl.float32)
             f13 = tl.load(row + 13).to(tl.float32)
-            f14 = tl.load(row + 14).to(tl.float32)
-            f15 = tl.load(row + 15).to(tl.float32)
-            f16 = tl.load(row + 16).to(tl.float32)
             f17 = tl.load(row + 17).to(tl.float32)
             f18 = tl.load(row + 18).to(tl.float32)
             f19 = tl.load(row + 19).to(tl.float32)
@@ -114,59 +108,38 @@ def _advance_row(
         else:
             k = tl.minimum(left, k_nom).to(tl.float64)
             b1k = tl.exp(k * ln_b1)
-            sum_b1 = b1 * (1.0 - b1k) / (1.0 - b1)
-            sum_jb1 = b1 * (1.0 - (k + 1.0) * b1k + k * b1k * b1) / ((1.0 - b1) * (1.0 - b1))
-            j_b = sum_jb1 / sum_b1
             half = k / 2.0
             mid = (k + 1.0) / 2.0
             x1 = mid - half * 0.57735026918962576451  # 2-node Gauss-Legendre: 1/sqrt(3)
             x2 = mid + half * 0.57735026918962576451
-            b1x0 = tl.exp(j_b * ln_b1)
             b1x1 = tl.exp(x1 * ln_b1)
             b1x2 = tl.exp(x2 * ln_b1)
-            b2x0 = tl.exp(j_b * ln_b2)
             b2x1 = tl.exp(x1 * ln_b2)
             b2x2 = tl.exp(x2 * ln_b2)
-            f9 = (half * lr * c).to(tl.float32)
-            f10 = (-lr * c * sum_b1).to(tl.float32)
-            f11 = (lr * sum_b1).to(tl.float32)
-            f12 = (j_b / k - 1.0).to(tl.float32)
             f13 = (1.0 / k).to(tl.float32)
-            one1 = 1.0 - b1k
-            y1 = (k - b1 * one1 / (1.0 - b1)) - one1
             b2k = tl.exp(k * ln_b2)
             one2 = 1.0 - b2k
             a_2 = k - b2 * one2 / (1.0 - b2)
             q_2 = k * k - 2.0 * b2 / (1.0 - b2) * k + b2 * (1.0 + b2) / ((1.0 - b2) * (1.0 - b2)) * one2
-            f14 = (c * one1).to(tl.float32)
-            f15 = (c * y1).to(tl.float32)
-            f16 = b1k.to(tl.float32)
             f17 = (c * c * one2).to(tl.float32)
             f18 = (2.0 * c * c * (a_2 - one2)).to(tl.float32)
             f19 = (c * c * (q_2 - 2.0 * a_2 + one2)).to(tl.float32)
             f20 = (1.0 - one2).to(tl.float32)
-        a0 = (1.0 - b2x0).to(tl.float32)
         a1 = (1.0 - b2x1).to(tl.float32)
         a2 = (1.0 - b2x2).to(tl.float32)
         # G's bias corrections at the nodes: 1 - b^(t0 + x) = 1 - b^t0 * b^x
-        c10 = 1.0 - b1t * b1x0
         c11 = 1.0 - b1t * b1x1
         c12 = 1.0 - b1t * b1x2
-        c20 = tl.sqrt(1.0 - b2t * b2x0)
         c21 = tl.sqrt(1.0 - b2t * b2x1)
         c22 = tl.sqrt(1.0 - b2t * b2x2)
         if KERAS:  # G = f1 / (sqrt(vx) + eps)
-            p0 = (c20 / c10).to(tl.float32)
             p1 = (c21 / c11).to(tl.float32)
             p2 = (c22 / c12).to(tl.float32)
-            q0 = p0 * 0.0
-            q1 = q0
-            q2 = q0
+            q1 = p1 * 0.0
+            q2 = q1
         else:  # G = 1 / (sqrt(vx) * f1 + f2)
-            p0 = (c10 / c20).to(tl.float32)
             p1 = (c11 / c21).to(tl.float32)
             p2 = (c12 / c22).to(tl.float32)
-            q0 = (c10 * eps).to(tl.float32)
             q1 = (c11 * eps).to(tl.float32)
             q2 = (c12 * eps).to(tl.float32)
 
@@ -177,22 +150,44 @@ def _advance_row(
             we = w - me / (tl.sqrt(ve) + epsf) * e0
         else:
             we = w - (me * e0) / (tl.sqrt(ve) * e1 + epsf)
-        # the block on the columns
+        # the block on the columns: the frozen-step matrix power (catchup.py, _block and _lucas):
+        # g = lr * mean G, A = [[1 - h(1-b1), -g b1], [(1-b1) c, b1]], h = c g capped so A's
+        # spectral radius is <= 1, A^k = U_k A - b1 U_{k-1} I, U by binary doubling over k's bits
         ww = w * w
         dv = ww * c2 - v
         if KERAS:
-            gb = (1.0 / (tl.sqrt(v + dv * a0) + epsf)) * p0
             g1 = (1.0 / (tl.sqrt(v + dv * a1) + epsf)) * p1
             g2 = (1.0 / (tl.sqrt(v + dv * a2) + epsf)) * p2
         else:
-            gb = 1.0 / (tl.sqrt(v + dv * a0) * p0 + q0)
             g1 = 1.0 / (tl.sqrt(v + dv * a1) * p1 + q1)
             g2 = 1.0 / (tl.sqrt(v + dv * a2) * p2 + q2)
-        lam = (g1 + g2) * f9 + gb * f10
-        fm = gb * m * f11
-        wb = tl.exp(-lam) * w - tl.exp(lam * f12) * fm
+        gd = tl.minimum((g1 + g2).to(tl.float64) * (0.5 * lr), g_max)
+        a11 = 1.0 - ca * gd
+        lp = a11 + b1
+        dis = lp * lp - 4.0 * b1
+        lu = lp * 0.0 + 1.0  # U_1 = 1, V_1 = P: k's top bit
+        lv = lp
+        qn = b1
+        k_i = tl.minimum(left, k_nom)
+        top = k_i * 0
+        while (k_i >> (top + 1)) > 0:
+            top = top + 1
+        bit = top - 1
+        while bit >= 0:
+            one = ((k_i >> bit) & 1) == 1
+            u2 = lu * lv
+            v2 = lv * lv - 2.0 * qn
+            lu = tl.where(one, (lp * u2 + v2) * 0.5, u2)
+            lv = tl.where(one, (dis * u2 + lp * v2) * 0.5, v2)
+            qn = qn * qn
+            qn = tl.where(one, qn * b1, qn)
+            bit = bit - 1
+        luk1 = (lp * lu - lv) / (2.0 * b1)
+        wd = w.to(tl.float64)
+        md = m.to(tl.float64)
+        wb = (lu * (a11 * wd - gd * b1 * md) - b1 * luk1 * wd).to(tl.float32)
+        mb = (lu * (ca * wd + b1 * md) - b1 * luk1 * md).to(tl.float32)
         s = (wb - w) * f13
-        mb = w * f14 + s * f15 + m * f16
         vb = tl.maximum(ww * f17 + (w * s) * f18 + (s * s) * f19 + v * f20, 0.0)
 
         w = tl.where(exact, we, wb)
@@ -348,7 +343,7 @@ def _launch_args(weights: Tensor, momentum1: Tensor, momentum2: Tensor, row_step
 def triton_catch_up_rows(weights: Tensor, momentum1: Tensor, momentum2: Tensor, row_step: Tensor,
                          elem_offset: Tensor, row_index: Tensor, dims: Tensor, step: int, *, lr: float,
                          betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, eps_mode: str = "torch",
-                         l2: float = 0.0, growth: float = 2.0, max_dim: int | None = None) -> None:
+                         l2: float = 0.0, growth: float = DEFAULT_GROWTH, max_dim: int | None = None) -> None:
     """Advance rows to global step ``step`` in place, by the block scheme of
     ``recsys.optim.cowclip.catchup.catch_up``: row i starts at ``weights[elem_offset[i]:+dims[i]]``
     (likewise in the moments) and is current at ``row_step[row_index[i]]``, which becomes ``step``
@@ -372,7 +367,7 @@ def triton_catch_up_rows(weights: Tensor, momentum1: Tensor, momentum2: Tensor, 
 def triton_catch_up_lookup(weights: Tensor, momentum1: Tensor, momentum2: Tensor, row_step: Tensor,
                            feature_meta: Tensor, indices: Tensor, offsets: Tensor, step: int, *, lr: float,
                            max_dim: int, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                           eps_mode: str = "torch", l2: float = 0.0, growth: float = 2.0) -> Tensor | None:
+                           eps_mode: str = "torch", l2: float = 0.0, growth: float = DEFAULT_GROWTH) -> Tensor | None:
     """Advance every row a lookup reads that is behind ``step`` to ``step``, in place: the CUDA
     twin of the C++ op ``fused_catch_up_tables`` (same buffers, same ``feature_meta`` [F, 6] int64,
     here on the device; the KJT's ``indices`` and ``offsets`` [F*B+1], repeats allowed). Returns
