@@ -293,7 +293,7 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
         """``tables_op``: the multi-table update op for inline mode; ``"auto"`` picks it by device
         on first use (the C++ op on CPU, the Triton kernel on CUDA: ``cowclip_update_for``),
         ``None`` forces the per-table path. ``catchup_growth``: block growth of the catch-up
-        (``update_scope="catchup"``; the default sqrt(2): about 2 log2(gap) blocks; 1: the exact
+        (``update_scope="catchup"``; the default 2: about log2(gap) + 1 blocks; 1: the exact
         step-by-step iteration).
         ``catchup_op``: how a lookup catches its rows up: ``fused`` (the C++ op, CPU), ``triton``
         (recsys/optim/cowclip/kernels/triton_catchup.py: CUDA, or CPU under ``TRITON_INTERPRET=1``), ``torch``

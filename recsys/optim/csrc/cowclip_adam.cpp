@@ -725,7 +725,9 @@ struct CatchHyper {
   float b1f, b2f, epsf, c_m, c_v, c2;  // float factors of the exact step: b1, b2, eps, (1-b1)c, (1-b2)c^2, c^2
 };
 
-// One piece of a row's schedule: an exact step (k == 1) or a block of k >= 2 steps.
+// One piece of a row's schedule: an exact step (k == 1: f[0], f[1]) or a block of k >= 2 steps
+// (f[0], f[1]: its first step's, as an exact step's; f[3..8]: G's two nodes (g_factors); f[9..12]:
+// v's predicted-path terms at the nodes; f[13]: 1/k; f[17..20]: v at the block end).
 struct Piece {
   int64_t k;
   float f[24];
@@ -758,24 +760,19 @@ inline void ema_lin(double b, double k, double& one, double& y1, double& y2) {
   y2 = q - 2.0 * a + one;
 }
 
-// A block of k steps: b1^k, sum_j b1^j, the b1^j-weighted mean step j_B and G's three nodes
-// (j_B and the 2-node Gauss-Legendre pair), as in cowclip_catchup._block.
+// A block of k steps: where its factors are evaluated. x[0] = 1: the block's first step (the exact
+// step at t0 + 1, which predicts the w path); x[1], x[2]: the 2-node Gauss-Legendre pair of
+// [0.5, k + 0.5] (G's mean), as in recsys/optim/cowclip/catchup.py's _block.
 struct BlockShape {
-  double b1k, sum_b1, j_b, half;
   double x[3];
 };
 
-inline BlockShape block_shape(double b1, double k) {
+inline BlockShape block_shape(double k) {
   BlockShape s{};
-  s.b1k = std::pow(b1, k);
-  s.sum_b1 = b1 * (1.0 - s.b1k) / (1.0 - b1);
-  const double sum_jb1 = b1 * (1.0 - (k + 1.0) * s.b1k + k * s.b1k * b1) / ((1.0 - b1) * (1.0 - b1));
-  s.j_b = sum_jb1 / s.sum_b1;
-  s.half = k / 2.0;
-  const double mid = (k + 1.0) / 2.0;
-  s.x[0] = s.j_b;
-  s.x[1] = mid - s.half * kGL;
-  s.x[2] = mid + s.half * kGL;
+  const double half = k / 2.0, mid = (k + 1.0) / 2.0;
+  s.x[0] = 1.0;
+  s.x[1] = mid - half * kGL;
+  s.x[2] = mid + half * kGL;
   return s;
 }
 
@@ -795,7 +792,6 @@ inline Piece exact_piece(const CatchHyper& h, double bc1, double bc2) {
 // Piece i of a row current at step t_start: block [t_start + done, + k) of nominal size k_nom
 // (left: steps the row still needs; a block cut to left < k_nom is the row's last piece).
 Piece make_piece(const CatchHyper& h, int64_t t_start, int64_t done, int64_t k_nom, int64_t left) {
-  const double b1 = h.b1, lrc = h.lr * h.c;
   if (k_nom == 1 || left == 1) {  // the exact step at global step t
     const double t = static_cast<double>(t_start + done + 1);
     return exact_piece(h, -std::expm1(t * std::log(h.b1)), -std::expm1(t * std::log(h.b2)));
@@ -803,20 +799,22 @@ Piece make_piece(const CatchHyper& h, int64_t t_start, int64_t done, int64_t k_n
   Piece p{};
   const double k = static_cast<double>(std::min(left, k_nom));
   const double t0 = static_cast<double>(t_start + done);
-  const BlockShape bs = block_shape(b1, k);
+  const BlockShape bs = block_shape(k);
   p.k = static_cast<int64_t>(k);
-  for (int j = 0; j < 3; ++j) g_factors(h, t0, bs.x[j], p.f + 3 * j);
-  p.f[9] = static_cast<float>(bs.half * lrc);
-  p.f[10] = static_cast<float>(-lrc * bs.sum_b1);
-  p.f[11] = static_cast<float>(h.lr * bs.sum_b1);
-  p.f[12] = static_cast<float>(bs.j_b / k - 1.0);
+  const double t1 = t0 + 1.0;  // the block's first step, exact: f[0], f[1] as exact_piece's
+  const Piece e = exact_piece(h, -std::expm1(t1 * std::log(h.b1)), -std::expm1(t1 * std::log(h.b2)));
+  p.f[0] = e.f[0];
+  p.f[1] = e.f[1];
+  for (int j = 1; j < 3; ++j) {
+    g_factors(h, t0, bs.x[j], p.f + 3 * j);  // f[3..8]: 1 - b2^x and the bias corrections at x
+    double one, y1, y2;  // v at x along the predicted path w + (j-1) s: f[9..12]
+    ema_lin(h.b2, bs.x[j], one, y1, y2);
+    p.f[9 + 2 * (j - 1)] = static_cast<float>(2.0 * h.c * h.c * y1);
+    p.f[10 + 2 * (j - 1)] = static_cast<float>(h.c * h.c * y2);
+  }
   p.f[13] = static_cast<float>(1.0 / k);
-  double one1, y1, unused, one2, y2a, y2b;
-  ema_lin(b1, k, one1, y1, unused);
+  double one2, y2a, y2b;
   ema_lin(h.b2, k, one2, y2a, y2b);
-  p.f[14] = static_cast<float>(h.c * one1);
-  p.f[15] = static_cast<float>(h.c * y1);
-  p.f[16] = static_cast<float>(bs.b1k);
   p.f[17] = static_cast<float>(h.c * h.c * one2);
   p.f[18] = static_cast<float>(2.0 * h.c * h.c * y2a);
   p.f[19] = static_cast<float>(h.c * h.c * y2b);
@@ -825,8 +823,8 @@ Piece make_piece(const CatchHyper& h, int64_t t_start, int64_t done, int64_t k_n
 }
 
 // A full piece (a block not cut by the row's gap) has factors of two kinds: most depend only on
-// its size k (f[9..20], the nodes x, b^x), and the rest on the global step through the bias
-// corrections 1 - b^(t0 + x) = 1 - b^t_start * b^done * b^x. The first kind and b^done are the
+// its size k (f[9..13] and f[17..20], the nodes x, b^x), and the rest on the global step through
+// the bias corrections 1 - b^(t0 + x) = 1 - b^t_start * b^done * b^x. The first kind and b^done are the
 // same for every row and call: they are computed once per piece index (PieceConsts, per thread,
 // rebuilt when the hyper-parameters change); a row then needs b1^t_start and b2^t_start (two
 // exps) and, per piece, 3 square roots and a few divisions in double. make_piece's ~15 double
@@ -870,7 +868,7 @@ const std::vector<PieceConst>& piece_consts(const CatchHyper& h, int64_t gap) {
       c.b1x[0] = h.b1;
       c.b2x[0] = h.b2;
     } else {
-      const BlockShape bs = block_shape(h.b1, static_cast<double>(c.k_nom));
+      const BlockShape bs = block_shape(static_cast<double>(c.k_nom));
       // the t0-free factors of the block: make_piece's, whose bias-correction ones full_piece replaces
       c.base = make_piece(h, 0, 0, c.k_nom, c.k_nom);
       for (int j = 0; j < 3; ++j) {
@@ -892,7 +890,10 @@ inline Piece full_piece(const CatchHyper& h, const PieceConst& c, double b1s, do
   const double b1t = b1s * c.b1_done, b2t = b2s * c.b2_done;  // b^t0, t0 = t_start + done
   if (c.k_nom == 1) return exact_piece(h, 1.0 - b1t * c.b1x[0], 1.0 - b2t * c.b2x[0]);  // at t0 + 1
   Piece p = c.base;
-  for (int j = 0; j < 3; ++j) {  // g_factors' bias-correction part at node j
+  const Piece e = exact_piece(h, 1.0 - b1t * c.b1x[0], 1.0 - b2t * c.b2x[0]);  // the first step, at t0 + 1
+  p.f[0] = e.f[0];
+  p.f[1] = e.f[1];
+  for (int j = 1; j < 3; ++j) {  // g_factors' bias-correction part at node j
     const double bc1 = 1.0 - b1t * c.b1x[j], bc2 = 1.0 - b2t * c.b2x[j];
     if (h.keras) {
       p.f[3 * j + 1] = static_cast<float>(std::sqrt(bc2) / bc1);
@@ -915,38 +916,18 @@ void make_schedule(const CatchHyper& h, int64_t t_start, int64_t gap, std::vecto
   }
 }
 
-// exp for the catch-up's per-column factors, written so the compiler vectorizes the column loop
-// (std::exp is a libm call per element): 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], p the
-// degree-6 Taylor polynomial (relative error < 2e-7 on that interval, about 2 float ulps); x is
-// clamped to [-87, 88] (exp(-87) = 1.6e-38: a row scaled by it is 0 for every purpose here).
-inline float exp_approx(float x) {
-  x = std::min(88.f, std::max(-87.f, x));
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;
-  float p = 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
+// G at a node from v there (f: the node's factors, g_factors' layout)
 template <bool KERAS>
-inline float g_at(float v, float d, const float* f, float eps) {
-  const float vx = v + d * f[0];
+inline float g_of(float vx, const float* f, float eps) {
   return KERAS ? (1.f / (std::sqrt(vx) + eps)) * f[1] : 1.f / (std::sqrt(vx) * f[1] + f[2]);
 }
 
 // A block of k >= 2 steps on a row's D columns: the frozen-step matrix power
 // (recsys/optim/cowclip/catchup.py, _block and _lucas). Per column g = lr * mean G (2 Gauss-Legendre
-// nodes), A = [[1 - h(1-b1), -g b1], [(1-b1) c, b1]] with h = c g (capped so A's spectral radius
-// is <= 1), A^k = U_k A - b1 U_{k-1} I with the Lucas sequence U_n(P = trace, Q = b1) by binary
-// doubling. Columns go in chunks so the doubling rounds (uniform: they follow the bits of k)
+// nodes, v there along the w path that the block's first step predicts, stopped at 0),
+// A = [[1 - h(1-b1), -g b1], [(1-b1) c, b1]] with h = c g (capped so A's spectral radius is <= 1),
+// A^k = (V_k / 2) I + U_k (A - (P/2) I) with the Lucas sequences U_n, V_n (P = trace, Q = b1) by
+// binary doubling. Columns go in chunks so the doubling rounds (uniform: they follow the bits of k)
 // vectorize. In double: the power needs h to far below float's resolution of P = 1 + b1 - h(1-b1)
 // (h is ~1e-6 where v holds data gradients; in float, (1-h)^k came out wrong by 1e-4 relative and
 // more), and the double arithmetic cost no measurable time against float in tools/bench_catchup.py.
@@ -954,7 +935,7 @@ template <bool KERAS>
 inline __attribute__((always_inline)) void advance_block(const CatchHyper& h, const Piece& p, float* W, float* M,
                                                          float* V, int64_t D) {
   const float* f = p.f;
-  const float epsf = h.epsf, c2 = h.c2;
+  const float epsf = h.epsf, c2 = h.c2, b1f = h.b1f, b2f = h.b2f, c_m = h.c_m, c_v = h.c_v;
   const double b1 = h.b1, half_lr = 0.5 * h.lr, ca = h.c * (1.0 - h.b1);
   const double g_max = h.c > 0.0 ? 2.0 * (1.0 + b1) / ((1.0 - b1) * h.c) : 1e300;
   const int64_t k = p.k;
@@ -964,10 +945,19 @@ inline __attribute__((always_inline)) void advance_block(const CatchHyper& h, co
     const int64_t n = std::min(kChunk, D - d0);
     double P[kChunk], DIS[kChunk], G[kChunk], U[kChunk], VL[kChunk];
     for (int64_t j = 0; j < n; ++j) {
-      const float w = W[d0 + j], v = V[d0 + j];
+      const float w = W[d0 + j], m = M[d0 + j], v = V[d0 + j];
       const float dv = (w * w) * c2 - v;
+      // the predicted w path: the block's first step (exact, at t0 + 1), continued; stopped at 0
+      const float m1 = m * b1f + w * c_m, v1 = v * b2f + (w * w) * c_v;
+      float sp = KERAS ? -(m1 / (std::sqrt(v1) + epsf) * f[0])
+                       : -((m1 * f[0]) / (std::sqrt(v1) * f[1] + epsf));
+      const float lim = std::fabs(w) * f[13];
+      sp = sp * w < 0.f ? std::min(std::max(sp, -lim), lim) : sp;
+      const float ws = w * sp, ss = sp * sp;
+      const float vx1 = std::max(v + dv * f[3] + ws * f[9] + ss * f[10], 0.f);
+      const float vx2 = std::max(v + dv * f[6] + ws * f[11] + ss * f[12], 0.f);
       const double g = std::min(
-          static_cast<double>(g_at<KERAS>(v, dv, f + 3, epsf) + g_at<KERAS>(v, dv, f + 6, epsf)) * half_lr, g_max);
+          static_cast<double>(g_of<KERAS>(vx1, f + 3, epsf) + g_of<KERAS>(vx2, f + 6, epsf)) * half_lr, g_max);
       G[j] = g;
       P[j] = 1.0 - ca * g + b1;
       DIS[j] = P[j] * P[j] - 4.0 * b1;

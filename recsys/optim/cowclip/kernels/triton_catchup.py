@@ -5,12 +5,14 @@
 and the torch version, which CUDA runs used before this kernel: on an H200, 26 tables of 1.3M rows
 (the raw Criteo total), batch 8K, it cost 22x the lazy Triton update per step, a few hundred
 small torch ops per lookup; with this kernel catch-up plus update cost 1.7x (docs/benchmarks.md,
-"Triton kernels on a GPU"). One program advances one row: it reads the row's w, m, v and
-``row_step`` once, walks the row's schedule (blocks of 1, 2, 4, ... steps, ``growth``), gets each
-piece's scalar factors in float64 (those that depend on the block size alone from a table built
-once on the host, as the C++ op's per-piece constants; the bias corrections from ``b^t0``, carried
-from piece to piece; a row's last, cut piece computes all of them), applies the piece to the
-row's columns in float32 (the same formulas as the C++ op's ``advance_piece``), and writes w, m, v
+"Triton kernels on a GPU"; measured with the block formula this kernel had before the frozen-step
+matrix power and the predicted w path, which have not run on a GPU yet). One program advances one row: it reads the row's
+w, m, v and ``row_step`` once, walks the row's schedule (blocks of 1, 2, 4, ... steps,
+``growth``), gets each piece's scalar factors in float64 (those that depend on the block size
+alone from a table built once on the host, as the C++ op's per-piece constants; the bias
+corrections from ``b^t0``, carried from piece to piece; a row's last, cut piece computes all of
+them), applies the piece to the row's columns (G in float32, the block's matrix power and the
+new w and m in float64: the same formulas as the C++ op's ``advance_piece``), and writes w, m, v
 and ``row_step = step`` back.
 
 Two entry points share that row body (``_advance_row``):
@@ -50,7 +52,7 @@ def _advance_row(
     W, M, V,  # flat float32 weights / momentum1 / momentum2
     woff, D, rs, step,  # the row's element offset and dim, its row_step, the global step
     HP,  # float64 [8]: lr, b1, b2, eps, c = 2*l2, growth, ln b1, ln b2 (a Python float argument would be float32)
-    CONST, n_const,  # float64 [n_const, 21]: the k-only factors of full piece i (_piece_table)
+    CONST, n_const,  # float64 [n_const, 16]: the k-only factors of full piece i (_piece_table)
     b1f, b2f, c_m, c_v, c2, epsf,  # float32 factors of the exact step (as the C++ op's CatchHyper)
     KERAS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -93,18 +95,22 @@ def _advance_row(
         # a block of k steps (make_piece): the factors that depend on k alone come from the host's
         # table for a full piece (CONST row i), and are computed here for a row's last, cut one
         if (left >= k_nom) & (i < n_const):
-            row = CONST + i * 21
-            b1x1 = tl.load(row + 2)
-            b1x2 = tl.load(row + 3)
-            b2x1 = tl.load(row + 5)
-            b2x2 = tl.load(row + 6)
-            b1k = tl.load(row + 7)
-            b2k = tl.load(row + 8)
-            f13 = tl.load(row + 13).to(tl.float32)
-            f17 = tl.load(row + 17).to(tl.float32)
-            f18 = tl.load(row + 18).to(tl.float32)
-            f19 = tl.load(row + 19).to(tl.float32)
-            f20 = tl.load(row + 20).to(tl.float32)
+            row = CONST + i * 16  # _piece_table's columns
+            b1x1 = tl.load(row + 1)
+            b1x2 = tl.load(row + 2)
+            b2x1 = tl.load(row + 3)
+            b2x2 = tl.load(row + 4)
+            b1k = tl.load(row + 5)
+            b2k = tl.load(row + 6)
+            f13 = tl.load(row + 7).to(tl.float32)
+            f17 = tl.load(row + 8).to(tl.float32)
+            f18 = tl.load(row + 9).to(tl.float32)
+            f19 = tl.load(row + 10).to(tl.float32)
+            f20 = tl.load(row + 11).to(tl.float32)
+            pa1 = tl.load(row + 12).to(tl.float32)
+            pb1 = tl.load(row + 13).to(tl.float32)
+            pa2 = tl.load(row + 14).to(tl.float32)
+            pb2 = tl.load(row + 15).to(tl.float32)
         else:
             k = tl.minimum(left, k_nom).to(tl.float64)
             b1k = tl.exp(k * ln_b1)
@@ -125,6 +131,17 @@ def _advance_row(
             f18 = (2.0 * c * c * (a_2 - one2)).to(tl.float32)
             f19 = (c * c * (q_2 - 2.0 * a_2 + one2)).to(tl.float32)
             f20 = (1.0 - one2).to(tl.float32)
+            # v at the nodes along the predicted w path: EMAs of j-1 and (j-1)^2 over j = 1..x
+            o1 = 1.0 - b2x1
+            a1_ = x1 - b2 * o1 / (1.0 - b2)
+            q1_ = x1 * x1 - 2.0 * b2 / (1.0 - b2) * x1 + b2 * (1.0 + b2) / ((1.0 - b2) * (1.0 - b2)) * o1
+            o2 = 1.0 - b2x2
+            a2_ = x2 - b2 * o2 / (1.0 - b2)
+            q2_ = x2 * x2 - 2.0 * b2 / (1.0 - b2) * x2 + b2 * (1.0 + b2) / ((1.0 - b2) * (1.0 - b2)) * o2
+            pa1 = (2.0 * c * c * (a1_ - o1)).to(tl.float32)
+            pb1 = (c * c * (q1_ - 2.0 * a1_ + o1)).to(tl.float32)
+            pa2 = (2.0 * c * c * (a2_ - o2)).to(tl.float32)
+            pb2 = (c * c * (q2_ - 2.0 * a2_ + o2)).to(tl.float32)
         a1 = (1.0 - b2x1).to(tl.float32)
         a2 = (1.0 - b2x2).to(tl.float32)
         # G's bias corrections at the nodes: 1 - b^(t0 + x) = 1 - b^t0 * b^x
@@ -152,15 +169,24 @@ def _advance_row(
             we = w - (me * e0) / (tl.sqrt(ve) * e1 + epsf)
         # the block on the columns: the frozen-step matrix power (catchup.py, _block and _lucas):
         # g = lr * mean G, A = [[1 - h(1-b1), -g b1], [(1-b1) c, b1]], h = c g capped so A's
-        # spectral radius is <= 1, A^k = U_k A - b1 U_{k-1} I, U by binary doubling over k's bits
+        # spectral radius is <= 1, the Lucas sequences U_k, V_k by binary doubling over k's bits,
+        # with v at the nodes along the w path the block's first step (the exact step above)
+        # predicts, stopped at 0
         ww = w * w
         dv = ww * c2 - v
+        sp = we - w
+        lim = tl.abs(w) * f13
+        sp = tl.where(sp * w < 0.0, tl.minimum(tl.maximum(sp, -lim), lim), sp)
+        wsp = w * sp
+        ssp = sp * sp
+        vx1 = tl.maximum(v + dv * a1 + wsp * pa1 + ssp * pb1, 0.0)
+        vx2 = tl.maximum(v + dv * a2 + wsp * pa2 + ssp * pb2, 0.0)
         if KERAS:
-            g1 = (1.0 / (tl.sqrt(v + dv * a1) + epsf)) * p1
-            g2 = (1.0 / (tl.sqrt(v + dv * a2) + epsf)) * p2
+            g1 = (1.0 / (tl.sqrt(vx1) + epsf)) * p1
+            g2 = (1.0 / (tl.sqrt(vx2) + epsf)) * p2
         else:
-            g1 = 1.0 / (tl.sqrt(v + dv * a1) * p1 + q1)
-            g2 = 1.0 / (tl.sqrt(v + dv * a2) * p2 + q2)
+            g1 = 1.0 / (tl.sqrt(vx1) * p1 + q1)
+            g2 = 1.0 / (tl.sqrt(vx2) * p2 + q2)
         gd = tl.minimum((g1 + g2).to(tl.float64) * (0.5 * lr), g_max)
         a11 = 1.0 - ca * gd
         lp = a11 + b1
@@ -182,11 +208,13 @@ def _advance_row(
             qn = qn * qn
             qn = tl.where(one, qn * b1, qn)
             bit = bit - 1
-        luk1 = (lp * lu - lv) / (2.0 * b1)
+        # A^k = (V_k / 2) I + U_k (A - (P/2) I): no cancellation between large terms
+        n11 = (lp - 2.0 * b1) * 0.5
+        vh = lv * 0.5
         wd = w.to(tl.float64)
         md = m.to(tl.float64)
-        wb = (lu * (a11 * wd - gd * b1 * md) - b1 * luk1 * wd).to(tl.float32)
-        mb = (lu * (ca * wd + b1 * md) - b1 * luk1 * md).to(tl.float32)
+        wb = (vh * wd + lu * (n11 * wd - gd * b1 * md)).to(tl.float32)
+        mb = (vh * md + lu * (ca * wd - n11 * md)).to(tl.float32)
         s = (wb - w) * f13
         vb = tl.maximum(ww * f17 + (w * s) * f18 + (s * s) * f19 + v * f20, 0.0)
 
@@ -432,17 +460,19 @@ def _scratch(dev: torch.device, L: int, programs: int) -> tuple[Tensor, Tensor, 
 
 _DEVICE_HYPER: dict[tuple, Tensor] = {}
 _PIECE_TABLES: dict[tuple, Tensor] = {}
+TABLE_COLS = 16  # columns of _piece_table
 MAX_TABLE_PIECES = 64  # pieces beyond (only with growth near 1) compute their factors in the kernel
 
 
 def _piece_table(values: tuple[float, ...], step: int, dev: torch.device) -> Tensor:
-    """float64 [P, 21]: per piece index i, the factors of a full block of k = k_nom(i) steps that
-    depend on k alone (k_nom, b1^x and b2^x at G's three nodes, b1^k, b2^k, make_piece's f[9..20]),
-    for the pieces a gap of up to ``step`` steps can use (at most MAX_TABLE_PIECES). Why: they are the
-    same for every row and step, and computing them per row and piece was most of the kernel's
-    float64 work (14 exps per piece). Cached on the device per setting, rebuilt when ``step``
-    needs more pieces."""
-    lr, b1, b2, _eps, c, growth, ln_b1, ln_b2 = values
+    """float64 [P, TABLE_COLS]: per piece index i, the factors of a full block of k = k_nom(i) steps
+    that depend on k alone (k, b1^x and b2^x at G's two nodes, b1^k, b2^k, 1/k, the block-end v
+    factors, the predicted path's v factors at the two nodes: the C++ op's f[13], f[17..20] and
+    f[9..12]), for the pieces a gap of up to ``step`` steps can use (at most MAX_TABLE_PIECES).
+    Why: they are the same for every row and step, and computing them per row and piece was most
+    of the kernel's float64 work. Cached on the device per setting, rebuilt when ``step`` needs
+    more pieces."""
+    _lr, _b1, b2, _eps, c, growth, ln_b1, ln_b2 = values
     ks, done, size = [], 0, 1.0
     while done < max(step, 1) and len(ks) < MAX_TABLE_PIECES:
         ks.append(int(size))
@@ -452,25 +482,26 @@ def _piece_table(values: tuple[float, ...], step: int, dev: torch.device) -> Ten
     hit = _PIECE_TABLES.get(key)
     if hit is not None:
         return hit
+
+    def ema(x: float) -> tuple[float, float, float]:  # 1 - b2^x, EMA of j-1 and of (j-1)^2 (catchup._ema_lin)
+        o = 1.0 - math.exp(x * ln_b2)
+        a = x - b2 * o / (1.0 - b2)
+        q = x * x - 2.0 * b2 / (1.0 - b2) * x + b2 * (1.0 + b2) / ((1.0 - b2) * (1.0 - b2)) * o
+        return o, a - o, q - 2.0 * a + o
+
     rows = []
     for k_nom in ks:
         k = float(k_nom)
-        b1k = math.exp(k * ln_b1)
-        sum_b1 = b1 * (1.0 - b1k) / (1.0 - b1)
-        sum_jb1 = b1 * (1.0 - (k + 1.0) * b1k + k * b1k * b1) / ((1.0 - b1) * (1.0 - b1))
-        j_b = sum_jb1 / sum_b1
         half, mid = k / 2.0, (k + 1.0) / 2.0
-        xs = (j_b, mid - half * _GL, mid + half * _GL)
-        one1 = 1.0 - b1k
-        y1 = (k - b1 * one1 / (1.0 - b1)) - one1
-        b2k = math.exp(k * ln_b2)
-        one2 = 1.0 - b2k
-        a_2 = k - b2 * one2 / (1.0 - b2)
-        q_2 = k * k - 2.0 * b2 / (1.0 - b2) * k + b2 * (1.0 + b2) / ((1.0 - b2) * (1.0 - b2)) * one2
-        rows.append([k, *(math.exp(x * ln_b1) for x in xs), *(math.exp(x * ln_b2) for x in xs), b1k, b2k,
-                     half * lr * c, -lr * c * sum_b1, lr * sum_b1, j_b / k - 1.0, 1.0 / k,
-                     c * one1, c * y1, b1k, c * c * one2, 2.0 * c * c * (a_2 - one2), c * c * (q_2 - 2.0 * a_2 + one2),
-                     1.0 - one2])
+        xs = (mid - half * _GL, mid + half * _GL)
+        one2, y2a, y2b = ema(k)
+        path = []  # v at the two Gauss-Legendre nodes along the predicted w path (2c^2 y1, c^2 y2)
+        for x in xs:
+            _o, y1, y2 = ema(x)
+            path += [2.0 * c * c * y1, c * c * y2]
+        rows.append([k, *(math.exp(x * ln_b1) for x in xs), *(math.exp(x * ln_b2) for x in xs),
+                     math.exp(k * ln_b1), math.exp(k * ln_b2), 1.0 / k,
+                     c * c * one2, 2.0 * c * c * y2a, c * c * y2b, 1.0 - one2, *path])
     if len(_PIECE_TABLES) >= 16:
         _PIECE_TABLES.clear()
     hit = _PIECE_TABLES[key] = torch.tensor(rows, dtype=torch.float64, device=dev)
