@@ -934,7 +934,10 @@ inline float g_of(float vx, const float* f, float eps) {
 template <bool KERAS>
 inline __attribute__((always_inline)) void advance_block(const CatchHyper& h, const Piece& p, float* W, float* M,
                                                          float* V, int64_t D) {
-  const float* f = p.f;
+  // the piece's factors as locals: W, M, V stores could alias p.f, which kept the loops scalar
+  const float f0 = p.f[0], f1 = p.f[1], f13 = p.f[13], f17 = p.f[17], f18 = p.f[18], f19 = p.f[19], f20 = p.f[20];
+  const float n1[3] = {p.f[3], p.f[4], p.f[5]}, n2[3] = {p.f[6], p.f[7], p.f[8]};
+  const float pa1 = p.f[9], pb1 = p.f[10], pa2 = p.f[11], pb2 = p.f[12];
   const float epsf = h.epsf, c2 = h.c2, b1f = h.b1f, b2f = h.b2f, c_m = h.c_m, c_v = h.c_v;
   const double b1 = h.b1, half_lr = 0.5 * h.lr, ca = h.c * (1.0 - h.b1);
   const double g_max = h.c > 0.0 ? 2.0 * (1.0 + b1) / ((1.0 - b1) * h.c) : 1e300;
@@ -949,15 +952,15 @@ inline __attribute__((always_inline)) void advance_block(const CatchHyper& h, co
       const float dv = (w * w) * c2 - v;
       // the predicted w path: the block's first step (exact, at t0 + 1), continued; stopped at 0
       const float m1 = m * b1f + w * c_m, v1 = v * b2f + (w * w) * c_v;
-      float sp = KERAS ? -(m1 / (std::sqrt(v1) + epsf) * f[0])
-                       : -((m1 * f[0]) / (std::sqrt(v1) * f[1] + epsf));
-      const float lim = std::fabs(w) * f[13];
+      float sp = KERAS ? -(m1 / (std::sqrt(v1) + epsf) * f0)
+                       : -((m1 * f0) / (std::sqrt(v1) * f1 + epsf));
+      const float lim = std::fabs(w) * f13;
       sp = sp * w < 0.f ? std::min(std::max(sp, -lim), lim) : sp;
       const float ws = w * sp, ss = sp * sp;
-      const float vx1 = std::max(v + dv * f[3] + ws * f[9] + ss * f[10], 0.f);
-      const float vx2 = std::max(v + dv * f[6] + ws * f[11] + ss * f[12], 0.f);
+      const float vx1 = std::max(v + dv * n1[0] + ws * pa1 + ss * pb1, 0.f);
+      const float vx2 = std::max(v + dv * n2[0] + ws * pa2 + ss * pb2, 0.f);
       const double g = std::min(
-          static_cast<double>(g_of<KERAS>(vx1, f + 3, epsf) + g_of<KERAS>(vx2, f + 6, epsf)) * half_lr, g_max);
+          static_cast<double>(g_of<KERAS>(vx1, n1, epsf) + g_of<KERAS>(vx2, n2, epsf)) * half_lr, g_max);
       G[j] = g;
       P[j] = 1.0 - ca * g + b1;
       DIS[j] = P[j] * P[j] - 4.0 * b1;
@@ -980,9 +983,9 @@ inline __attribute__((always_inline)) void advance_block(const CatchHyper& h, co
       const double wd = w, md = m, n11 = (P[j] - 2.0 * b1) * 0.5, vh = VL[j] * 0.5, uk = U[j];
       const float we = static_cast<float>(vh * wd + uk * (n11 * wd - G[j] * b1 * md));
       const float me = static_cast<float>(vh * md + uk * (ca * wd - n11 * md));
-      const float s = (we - w) * f[13];
+      const float s = (we - w) * f13;
       const float ww = w * w;
-      const float ve = ww * f[17] + (w * s) * f[18] + (s * s) * f[19] + v * f[20];
+      const float ve = ww * f17 + (w * s) * f18 + (s * s) * f19 + v * f20;
       W[d0 + j] = we;
       M[d0 + j] = me;
       V[d0 + j] = std::max(ve, 0.f);
