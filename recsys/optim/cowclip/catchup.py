@@ -26,8 +26,9 @@ block evaluations. Inside a block starting at (w, m, v):
   any step x of the block in closed form: ``v_x = b2^x v + c^2 EMA_x((w + (j-1) s)^2)``. Why: a
   row that L2 pulls from far away (|w| of hundreds of lr, v fed by its own c^2 w^2) descends by
   about lr per step, and its v falls with it; freezing w in v had such rows descend too slowly,
-  up to 0.7 lr per gap, errors that add up over a row's gaps (2.8 lr after 300 steps in
-  tests/test_cowclip_catchup.py's training test; 0.4 lr with the predicted path).
+  up to 0.7 lr per gap, errors that add up over a row's gaps (2.8 lr after 300 steps of
+  tests/test_cowclip_catchup.py's training test, with blocks growing by sqrt(2); with the
+  predicted path and doubling blocks 0.4 lr).
 * **One frozen step, raised to the k-th power.** With Adam's factor G frozen at its mean over the
   block (``g = lr * mean_j G_j``, G at the 2-node Gauss-Legendre points of [0.5, k+0.5] with v
   there as above), one step is linear in (w, m)::
@@ -39,15 +40,15 @@ block evaluations. Inside a block starting at (w, m, v):
   ``V_n = l1^n + l2^n`` of A's eigenvalues, computed by binary doubling (``_lucas``: about log2(k)
   rounds of a few multiplications, in float64, no special case for real, double or complex
   eigenvalues). Why: an absent row's dynamics has three regimes besides the descent above, and
-  this covers the two an exponential integrator (``w e^{-lam}``) gets wrong. (1) v holds old data gradients, h is
-  tiny, A's eigenvalues are ~1-h and ~b1: a slow decay (any integrator does well). (2) v is small
+  this covers the two an exponential integrator (``w e^{-lam}``) gets wrong. (1) v holds old
+  data gradients, h is tiny, A's eigenvalues are ~1-h and ~b1: a slow decay (any integrator does well). (2) v is small
   (a row never touched, or v decayed), so h is of order 1 and the eigenvalues are complex, of
   modulus sqrt(b1) whatever h is: the row oscillates around 0 with a period set by h and an
   amplitude that shrinks by sqrt(b1) = 0.95 per step. The exponential decays at rate h per step
   instead: at lr 1e-2 a row absent for the first 56 steps of training came back with ||w|| 77x
   too small, and CowClip's next clip threshold, proportional to max(||w||, zeta'), with it.
-  (3) h above the period-2 limit ``2(1+b1)/(1-b1)``: the frozen step grows without bound, where the real dynamics
-  feeds v from w^2 and settles on a period-2 cycle of amplitude ~(1-b1)/(2(1+b1)) lr; h is capped
+  (3) h above the period-2 limit ``2(1+b1)/(1-b1)``: the frozen step grows without bound, where
+  the real dynamics feeds v from w^2 and settles on a period-2 cycle of amplitude ~(1-b1)/(2(1+b1)) lr; h is capped
   there (spectral radius 1).
 * **v at the block end** in closed form for a w that moves linearly from w to w' inside the block
   (EMAs of j and j^2 have closed forms), so the block's w history feeds the second moment.

@@ -6,8 +6,8 @@ and the torch version, which CUDA runs used before this kernel: on an H200, 26 t
 (the raw Criteo total), batch 8K, it cost 22x the lazy Triton update per step, a few hundred
 small torch ops per lookup; with this kernel catch-up plus update cost 1.7x (docs/benchmarks.md,
 "Triton kernels on a GPU"; measured with the block formula this kernel had before the frozen-step
-matrix power and the predicted w path, which have not run on a GPU yet). One program advances one row: it reads the row's
-w, m, v and ``row_step`` once, walks the row's schedule (blocks of 1, 2, 4, ... steps,
+matrix power and the predicted w path, which have not run on a GPU yet). One program advances
+one row: it reads the row's w, m, v and ``row_step`` once, walks the row's schedule (blocks of 1, 2, 4, ... steps,
 ``growth``), gets each piece's scalar factors in float64 (those that depend on the block size
 alone from a table built once on the host, as the C++ op's per-piece constants; the bias
 corrections from ``b^t0``, carried from piece to piece; a row's last, cut piece computes all of
