@@ -17,9 +17,10 @@ What is asserted, per case of the grid lr x l2 x zeta (and, under real TorchRec 
 sharding type on 1 and 2 ranks):
 
 * the tables after training (every row caught up) are within ``W_ERR_LR`` lr of the reference;
-* every row as a lookup reads it (what the clip threshold is computed from): its
-  ``max(||w||, zeta')`` within 5% of the reference's, or within ``THR_ABS_LR`` lr of it (rows near
-  0, where 5% is less than the weights' own error).
+* every gap of the reference run, caught up from the reference's own state: its weights within
+  ``GAP_W_LR`` lr of the reference's, and the ``max(||w||, zeta')`` the next clip reads within 5%
+  of the reference's, or within ``GAP_THR_LR`` lr of it (rows near 0, where 5% is less than the
+  weights' own error).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import pytest
 import torch
 
 from recsys.optim.cowclip.tbe import CowClipAdamTBE, CowClipHyper
+from test_cowclip_catchup import _sh_local  # ((row, col) offset, tensor) of each local shard
 
 TABLES = [(60, 16), (30, 8)]
 B = 8
@@ -71,21 +73,20 @@ def _pooled_grads(pooled, labels, proj, denom: int):
     return [dz[:, None] * q[None, :] for q in proj]
 
 
-def tf_dense_reference(init, batches, tables, *, lr: float, l2: float, zeta: float, r: float = 1.0):
-    """The dense reference: returns the final tables and, per step and table, max(||w||, zeta')
-    of the rows the batch reads (before the step's update)."""
+def tf_dense_reference(init, batches, tables, *, lr: float, l2: float, zeta: float, r: float = 1.0,
+                       history: bool = False):
+    """The dense reference: returns the final tables and, with ``history``, (w, m, v) of every
+    table after every step (index 0: the start; else None)."""
     proj = _proj(tables)
     w = [t.clone() for t in init]
     m = [torch.zeros_like(t) for t in w]
     v = [torch.zeros_like(t) for t in w]
-    reads = []
+    hist = [([x.clone() for x in w], [x.clone() for x in m], [x.clone() for x in v])] if history else None
     for t, (ids, labels) in enumerate(batches, 1):
         pooled = [w[i][ids[i]] for i in range(len(tables))]
         grads = _pooled_grads(pooled, labels, proj, len(labels))
-        step_reads = []
         for i, (n, d) in enumerate(tables):
             floor = r * math.sqrt(d) * zeta
-            step_reads.append(pooled[i].norm(dim=1).clamp(min=floor))
             g = torch.zeros(n, d, dtype=torch.float64).index_add_(0, ids[i], grads[i]) + 2.0 * l2 * w[i]
             cnt = torch.bincount(ids[i], minlength=n).double().clamp(min=1.0)
             clip = r * cnt * w[i].norm(dim=1).clamp(min=floor)
@@ -95,32 +96,31 @@ def tf_dense_reference(init, batches, tables, *, lr: float, l2: float, zeta: flo
             v[i] = B2 * v[i] + (1 - B2) * g * g
             bc1, bc2 = 1 - B1**t, 1 - B2**t
             w[i] = w[i] - lr * (m[i] / bc1) / (v[i].sqrt() / math.sqrt(bc2) + EPS)
-        reads.append(step_reads)
-    return w, reads
+        if history:
+            hist.append(([x.clone() for x in w], [x.clone() for x in m], [x.clone() for x in v]))
+    return w, hist
 
 
-def _train_tbe(init, batches, *, lr: float, l2: float, zeta: float, catchup_op: str = "auto"):
+def _train_tbe(init, batches, *, lr: float, l2: float, zeta: float):
     """The catch-up TBE (inline mode, the default kernel of this machine) on the same batches."""
     hp = CowClipHyper(learning_rate=lr, l2=l2, cowclip_r=1.0, cowclip_zeta=zeta, update_scope="catchup")
-    tbe = CowClipAdamTBE(TABLES, [0, 1], hp, full_dims=[d for _, d in TABLES], mode="inline", catchup_op=catchup_op)
+    tbe = CowClipAdamTBE(TABLES, [0, 1], hp, full_dims=[d for _, d in TABLES], mode="inline")
     tbe.weights.copy_(torch.cat([t.flatten() for t in init]).float())
     proj = _proj(TABLES)
     offsets = torch.arange(0, len(TABLES) * B + 1)
-    reads = []
     for ids, labels in batches:
         out = tbe(torch.cat(ids), offsets)
         pooled, col = [], 0
         for _n, d in TABLES:
             pooled.append(out[:, col : col + d].detach().double())
             col += d
-        reads.append([p.norm(dim=1) for p in pooled])
         out.backward(torch.cat(_pooled_grads(pooled, labels, proj, B), 1).float())
     tbe.catch_up_all()
     flat, tables, off = tbe.weights.detach().double(), [], 0
     for n, d in TABLES:
         tables.append(flat[off : off + n * d].view(n, d))
         off += n * d
-    return tables, reads
+    return tables
 
 
 def _spread(init, batches, *, lr: float, l2: float, zeta: float, ref) -> float:
@@ -149,7 +149,7 @@ def test_catchup_stays_within_one_lr_of_the_dense_reference(lr):
     for l2 in (1e-5, 1e-3, 1e-2):
         for zeta in (1e-5, 1e-2):
             ref, _ = tf_dense_reference(init, batches, TABLES, lr=lr, l2=l2, zeta=zeta)
-            got, _ = _train_tbe(init, batches, lr=lr, l2=l2, zeta=zeta)
+            got = _train_tbe(init, batches, lr=lr, l2=l2, zeta=zeta)
             err = max(float((a - b).abs().max()) for a, b in zip(got, ref)) / lr
             # every row moved, also those never read (L2 and the decaying moments): nothing skipped
             assert all(bool((a != b.float().double()).all()) for a, b in zip(got, init)), (l2, zeta)
@@ -157,29 +157,6 @@ def test_catchup_stays_within_one_lr_of_the_dense_reference(lr):
             worst.append((l2, zeta, round(err, 3), round(spread, 3)))
     assert all(e <= W_ERR_LR or e <= CHAOS * sp for _l2, _z, e, sp in worst), worst
     assert sum(e > W_ERR_LR for _l2, _z, e, _sp in worst) <= 1, worst
-
-
-def _reference_history(init, batches, *, lr: float, l2: float, zeta: float):
-    """The reference run keeping (w, m, v) of every table after every step (index 0: the start)."""
-    proj = _proj(TABLES)
-    w = [t.clone() for t in init]
-    m = [torch.zeros_like(t) for t in w]
-    v = [torch.zeros_like(t) for t in w]
-    hist = [([t.clone() for t in w], [t.clone() for t in m], [t.clone() for t in v])]
-    for t, (ids, labels) in enumerate(batches, 1):
-        grads = _pooled_grads([w[i][ids[i]] for i in range(len(TABLES))], labels, proj, len(labels))
-        for i, (n, d) in enumerate(TABLES):
-            floor = math.sqrt(d) * zeta
-            g = torch.zeros(n, d, dtype=torch.float64).index_add_(0, ids[i], grads[i]) + 2.0 * l2 * w[i]
-            cnt = torch.bincount(ids[i], minlength=n).double().clamp(min=1.0)
-            clip = cnt * w[i].norm(dim=1).clamp(min=floor)
-            gn = g.norm(dim=1)
-            g = g * torch.where(gn > clip, clip / gn, torch.ones_like(gn))[:, None]
-            m[i] = B1 * m[i] + (1 - B1) * g
-            v[i] = B2 * v[i] + (1 - B2) * g * g
-            w[i] = w[i] - lr * (m[i] / (1 - B1**t)) / (v[i].sqrt() / math.sqrt(1 - B2**t) + EPS)
-        hist.append(([x.clone() for x in w], [x.clone() for x in m], [x.clone() for x in v]))
-    return hist
 
 
 @pytest.mark.parametrize("lr", [1e-4, 1e-3, 1e-2])
@@ -194,7 +171,7 @@ def test_each_gap_ends_where_the_reference_is_and_the_clip_reads_the_right_norm(
     batches, init = _batches(STEPS, TABLES, B), _init(TABLES)
     for l2 in (1e-5, 1e-3, 1e-2):
         for zeta in (1e-5, 1e-2):
-            hist = _reference_history(init, batches, lr=lr, l2=l2, zeta=zeta)
+            _w, hist = tf_dense_reference(init, batches, TABLES, lr=lr, l2=l2, zeta=zeta, history=True)
             for i, (n, d) in enumerate(TABLES):
                 floor = math.sqrt(d) * zeta
                 by_end: dict[int, list[tuple[int, int]]] = {}
@@ -274,7 +251,7 @@ def _sh_worker(rank: int, world: int, port: int, out: str) -> None:
             init = _init(SH_SPECS)
             for key, v in dmp.state_dict().items():
                 full = init[names.index(key.split(".")[-2])].float()
-                for (r0, c0), t in _local(v):
+                for (r0, c0), t in _sh_local(v):
                     t.copy_(full[r0 : r0 + t.shape[0], c0 : c0 + t.shape[1]])
             for ids, labels in _batches(SH_STEPS, SH_SPECS, B):
                 mine = slice(rank * b, (rank + 1) * b)
@@ -285,19 +262,11 @@ def _sh_worker(rank: int, world: int, port: int, out: str) -> None:
                 z = sum(pooled[n] @ proj[j].float() for j, n in enumerate(names))
                 torch.nn.functional.binary_cross_entropy_with_logits(z, labels[mine].float()).backward()
             catch_up_all_tables(dmp)
-            results[(lr, l2, zeta)] = {k.split(".")[-2]: [(off, t.clone()) for off, t in _local(v)]
+            results[(lr, l2, zeta)] = {k.split(".")[-2]: [(off, t.clone()) for off, t in _sh_local(v)]
                                        for k, v in dmp.state_dict().items()}
         torch.save(results, Path(out) / f"r{rank}.pt")
     finally:
         dist.destroy_process_group()
-
-
-def _local(v) -> list:
-    """((row, col) offset, tensor) of each local piece: ShardedTensor shards, or a replicated
-    (data-parallel) table whole."""
-    if hasattr(v, "local_shards"):
-        return [(tuple(s.metadata.shard_offsets), s.tensor) for s in v.local_shards()]
-    return [((0, 0), v)]
 
 
 @pytest.mark.slow
@@ -331,7 +300,8 @@ def test_every_sharding_type_on_one_and_two_ranks_stays_within_one_lr_of_the_den
         got[world] = full
     errs = []
     for lr, l2, zeta in SH_CELLS:
-        ref, _ = tf_dense_reference(_init(SH_SPECS), _batches(SH_STEPS, SH_SPECS, B), SH_SPECS, lr=lr, l2=l2, zeta=zeta)
+        ref, _ = tf_dense_reference(_init(SH_SPECS), _batches(SH_STEPS, SH_SPECS, B), SH_SPECS, lr=lr, l2=l2,
+                                       zeta=zeta)
         for j, n in enumerate(SH_TABLES):
             one, two = got[1][((lr, l2, zeta), n)], got[2][((lr, l2, zeta), n)]
             assert not torch.isnan(two).any(), n

@@ -916,6 +916,12 @@ void make_schedule(const CatchHyper& h, int64_t t_start, int64_t gap, std::vecto
   }
 }
 
+// The exact step's displacement from the step's new moments m, v (f0, f1: exact_piece's factors)
+template <bool KERAS>
+inline float exact_step(float m, float v, float f0, float f1, float eps) {
+  return KERAS ? m / (std::sqrt(v) + eps) * f0 : (m * f0) / (std::sqrt(v) * f1 + eps);
+}
+
 // G at a node from v there (f: the node's factors, g_factors' layout)
 template <bool KERAS>
 inline float g_of(float vx, const float* f, float eps) {
@@ -952,8 +958,7 @@ inline __attribute__((always_inline)) void advance_block(const CatchHyper& h, co
       const float dv = (w * w) * c2 - v;
       // the predicted w path: the block's first step (exact, at t0 + 1), continued; stopped at 0
       const float m1 = m * b1f + w * c_m, v1 = v * b2f + (w * w) * c_v;
-      float sp = KERAS ? -(m1 / (std::sqrt(v1) + epsf) * f0)
-                       : -((m1 * f0) / (std::sqrt(v1) * f1 + epsf));
+      float sp = -exact_step<KERAS>(m1, v1, f0, f1, epsf);
       const float lim = std::fabs(w) * f13;
       sp = sp * w < 0.f ? std::min(std::max(sp, -lim), lim) : sp;
       const float ws = w * sp, ss = sp * sp;
@@ -1005,8 +1010,7 @@ inline __attribute__((always_inline)) void advance_piece(const CatchHyper& h, co
       const float w = W[d];
       const float m = M[d] * b1f + w * c_m;
       const float v = V[d] * b2f + (w * w) * c_v;
-      const float step = KERAS ? m / (std::sqrt(v) + epsf) * f0 : (m * f0) / (std::sqrt(v) * f1 + epsf);
-      W[d] = w - step;
+      W[d] = w - exact_step<KERAS>(m, v, f0, f1, epsf);
       M[d] = m;
       V[d] = v;
     }
