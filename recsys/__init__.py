@@ -1,9 +1,11 @@
 """Recommender training on TorchRec: the public API for one's own TorchRec pipeline (docs/dropin.md).
 
-    from recsys import tag_cowclip_adam, CowClipEmbeddingBagCollectionSharder, KStepMergeHook
+    from recsys import tag_cowclip_adam, CowClipEmbeddingBagCollectionSharder, CowClipEmbeddingCollectionSharder
+    from recsys import KStepMergeHook
 
     tag_cowclip_adam(ebc.parameters(), lr=1e-3)              # CowClip-Adam for these tables
-    sharders = [CowClipEmbeddingBagCollectionSharder()]      # shards them (other tables: stock FBGEMM)
+    sharders = [CowClipEmbeddingBagCollectionSharder(),      # shards them (other tables: stock FBGEMM)
+                CowClipEmbeddingCollectionSharder()]         # the same for EmbeddingCollection tables
     merger = KStepMergeHook(every_k=16, total_steps=steps)   # k-step merging across hosts
     ...
     merger.step(model, optimizer)                            # after each optimizer step
@@ -23,6 +25,7 @@ import sharding  # noqa: F401  - installs the version-compatibility log filters 
 _EXPORTS = {
     "tag_cowclip_adam": "recsys.optim.cowclip.sharder",
     "CowClipEmbeddingBagCollectionSharder": "recsys.optim.cowclip.sharder",
+    "CowClipEmbeddingCollectionSharder": "recsys.optim.cowclip.sequence",
     "KStepMergeHook": "recsys.training.merge",
     "KStepMerger": "recsys.training.merge",
     "export_model": "recsys.training.export",

@@ -126,12 +126,17 @@ SEBC_WRAPS_DP_IN_INIT: bool = _torchrec_before((1, 7))
 
 
 @contextmanager
-def ddp_wrap_skipping(skip: Callable[[Any], bool]) -> Iterator[None]:
+def ddp_wrap_skipping(skip: Callable[[Any], bool], module_name: str = "torchrec.distributed.embeddingbag"
+                      ) -> Iterator[None]:
     """For torchrec < 1.7 (:data:`SEBC_WRAPS_DP_IN_INIT`): while the block runs,
     ``ShardedEmbeddingBagCollection.__init__``'s inline ``DistributedDataParallel(module=lookup, ...)``
     returns ``lookup`` itself, unwrapped, when ``skip(lookup)``; every other lookup is wrapped as
-    usual. The subclass then calls its own ``init_data_parallel()``, as torchrec 1.7+ does."""
-    import torchrec.distributed.embeddingbag as ebc_module
+    usual. The subclass then calls its own ``init_data_parallel()``, as torchrec 1.7+ does.
+    ``module_name``: the torchrec module whose ``DistributedDataParallel`` is patched
+    (``torchrec.distributed.embedding`` for ``ShardedEmbeddingCollection``)."""
+    import importlib
+
+    ebc_module = importlib.import_module(module_name)
 
     ddp = ebc_module.DistributedDataParallel
 

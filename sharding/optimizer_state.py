@@ -125,10 +125,10 @@ def check_cowclip_sharders(model: nn.Module, sharders: Sequence[Any] | None) -> 
         kind = type(m).__name__
         what = (f"no sharder given shards its {kind}" if sharder is None
                 else f"its sharder {type(sharder).__name__} does not train CowClip-Adam")
-        fix = ("CowClip-Adam trains EmbeddingBagCollection tables: add CowClipEmbeddingBagCollectionSharder() to the "
-               "sharders" if kind != "EmbeddingCollection" else
-               "CowClip-Adam does not train EmbeddingCollection tables yet: tag them with a torchrec optimizer "
-               "instead (apply_optimizer_in_backward)")
+        from torchrec.modules.embedding_modules import EmbeddingCollection
+
+        base = "EmbeddingCollection" if isinstance(m, EmbeddingCollection) else "EmbeddingBagCollection"
+        fix = f"CowClip-Adam trains {base} tables: add CowClip{base}Sharder() to the sharders"
         names = ", ".join(tagged[:3]) + (f" and {len(tagged) - 3} more" if len(tagged) > 3 else "")
         raise ValueError(f"table{'s' if len(tagged) > 1 else ''} {names} of {kind} '{path or '<model>'}' "
                          f"{'are' if len(tagged) > 1 else 'is'} tagged for CowClip-Adam, but {what}; {fix}")

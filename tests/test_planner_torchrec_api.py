@@ -156,12 +156,18 @@ def test_cowclip_tags_on_tables_no_sharder_trains_are_one_line(with_ec_sharder, 
         with pytest.raises(ValueError) as e:
             call()
         assert str(e.value) == (f"table t_seq of EmbeddingCollection 'ec' is tagged for CowClip-Adam, but {what}; "
-                                "CowClip-Adam does not train EmbeddingCollection tables yet: tag them with a torchrec "
-                                "optimizer instead (apply_optimizer_in_backward)")
+                                "CowClip-Adam trains EmbeddingCollection tables: add CowClipEmbeddingCollectionSharder() "
+                                "to the sharders")
     # the EBC table alone, with the CowClip sharder: plans
     untagged = _ebc_and_ec_model()
     tag_cowclip_adam(untagged.ebc.parameters(), lr=0.01)
     planner.plan(untagged, sharders + ([] if with_ec_sharder else [EmbeddingCollectionSharder()]))
+    # both tagged, with the CowClip EC sharder: plans, with kernels the CowClip kernel has
+    from recsys import CowClipEmbeddingCollectionSharder
+
+    plan = planner.plan(model, [CowClipEmbeddingBagCollectionSharder(), CowClipEmbeddingCollectionSharder()])
+    seq = plan.plan["ec"]["t_seq"]
+    assert seq.compute_kernel == ("dense" if seq.sharding_type == "data_parallel" else "fused"), seq
 
 
 def test_cowclip_tagged_ebc_under_the_stock_sharder_names_ours():

@@ -13,8 +13,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 SHARDING = ["TopologyAwarePlanner", "ClusterTopology", "load_topology", "save_plan", "load_plan"]
-RECSYS = ["tag_cowclip_adam", "CowClipEmbeddingBagCollectionSharder", "KStepMergeHook", "KStepMerger", "export_model",
-          "load_exported"]
+RECSYS = ["tag_cowclip_adam", "CowClipEmbeddingBagCollectionSharder", "CowClipEmbeddingCollectionSharder",
+          "KStepMergeHook", "KStepMerger", "export_model", "load_exported"]
 
 
 def _own_doc(obj) -> str:

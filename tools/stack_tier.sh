@@ -15,7 +15,9 @@
 #   3. `recsys train --config smoke` stops with one line naming the [viz] extra;
 #   4. the smoke config trains on 2 ranks with CowClip-Adam (catch-up) and k-step merges (2 hosts);
 #   5. recsys-plan make / show / validate a topology-aware plan (cpu-gloo, and dgx-a100-2host on meta);
-#   6. tests/test_dropin_pipeline.py runs against the installed wheel (RECSYS_TEST_INSTALLED=1).
+#   6. tests/test_dropin_pipeline.py runs against the installed wheel (RECSYS_TEST_INSTALLED=1);
+#   7. tests/test_cowclip_sequence.py (CowClip EmbeddingCollection sharding, which leans on torchrec
+#      internals that move between versions) runs against the installed wheel.
 # Each step prints its seconds; the last line is "stack-STACK: N passed, M failed".
 set -uo pipefail
 
@@ -141,6 +143,11 @@ dropin_test() {
         "$REPO/tests/test_dropin_pipeline.py" 2>&1 | tail -3
 }
 
+sequence_test() {  # the tests directory is on sys.path (pytest's rootdir-less import), the repository is not
+    "$PY" -m pytest -q -p no:cacheprovider -c /dev/null --rootdir "$WORK" \
+        "$REPO/tests/test_cowclip_sequence.py" 2>&1 | tail -3
+}
+
 echo "[stack $STACK] Python $PYV ($BASE_PY), $CONSTRAINTS, venv $VENV"
 step "venv (built once per constraints file)" build_venv || { echo "stack-$STACK: 0 passed, 1 failed"; exit 1; }
 step "pip install the wheel, no extras" install_wheel || { echo "stack-$STACK: $passed passed, $failed failed"; exit 1; }
@@ -150,6 +157,7 @@ step "recsys train without [viz]: one line" names_the_viz_extra
 step "smoke, 2 ranks: CowClip catch-up + k-step merges" trains_cowclip_kstep
 step "recsys-plan make/show/validate (topology-aware)" plans
 step "drop-in pipeline test against the wheel" dropin_test
+step "CowClip EmbeddingCollection test against the wheel" sequence_test
 [ -z "$(ls -A "$XDG_CACHE_HOME/recsys" 2>/dev/null)" ] || { echo "a JIT build happened: $(ls "$XDG_CACHE_HOME/recsys")"; failed=$((failed + 1)); }
 [ $failed = 0 ] || echo "[stack $STACK] failed: ${failures[*]}"
 echo "stack-$STACK: $passed passed, $failed failed"

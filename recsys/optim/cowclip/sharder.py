@@ -1,4 +1,6 @@
-"""CowClip-Adam as a drop-in for TorchRec pipelines: one sharder, one per-table tag.
+"""CowClip-Adam as a drop-in for TorchRec pipelines: one sharder, one per-table tag
+(``EmbeddingCollection`` tables: ``recsys.optim.cowclip.sequence``, built on the kernel and
+lookup pieces here).
 
     from recsys.optim.cowclip.sharder import CowClipEmbeddingBagCollectionSharder, tag_cowclip_adam
     tag_cowclip_adam(ebc.parameters(), lr=1e-4)                  # which tables, which hyperparameters
@@ -274,41 +276,39 @@ def _rowwise_sharded(table: Any, local: list[tuple[Tensor, ShardMetadata]], pg: 
     )
 
 
-class CowClipEmbeddingBag(BaseBatchedEmbeddingBag[Tensor], FusedOptimizerModule):
-    """torchrec embedding kernel over ``CowClipAdamTBE``; shaped like ``BatchedFusedEmbeddingBag``."""
+class CowClipKernel:
+    """What the pooled (EBC) and unpooled (EC) CowClip kernels share: a ``CowClipAdamTBE`` behind
+    torchrec's kernel API (its fused optimizer, flush, per-table parameters). Mixed in before
+    torchrec's ``BaseBatchedEmbeddingBag`` / ``BaseBatchedEmbedding``, whose constructor fills
+    ``_local_rows``, ``_local_cols``, ``_feature_table_map`` and ``_embedding_dims``."""
 
-    def __init__(
-        self,
-        config: GroupedEmbeddingConfig,
-        pg: dist.ProcessGroup | None,
-        device: torch.device | None,
-        sharding_type: ShardingType | None,
-        mode: str,
-        replicated: bool,
-        location: str = "device",
-    ) -> None:
-        super().__init__(config, pg, device, sharding_type)
+    _emb_module: CowClipAdamTBE
+    _optim: FusedOptimizer
+
+    def _build_cowclip(self, config: GroupedEmbeddingConfig, pg: dist.ProcessGroup | None,
+                       device: torch.device | None, mode: str, replicated: bool, location: str,
+                       pooling_mode: Any) -> None:
         hyper = CowClipHyper.from_fused_params(config.fused_params)
         self._emb_module = CowClipAdamTBE(
-            list(zip(self._local_rows, self._local_cols)), self._feature_table_map, hyper,
-            full_dims=self._embedding_dims, mode=mode, pooling_mode=self._pooling, device=device,
+            list(zip(self._local_rows, self._local_cols)), self._feature_table_map, hyper,  # type: ignore[attr-defined]
+            full_dims=self._embedding_dims, mode=mode, pooling_mode=pooling_mode, device=device,  # type: ignore[attr-defined]
             location=location,
         )
         self.table_names = [t.name for t in config.embedding_tables]
         self._emb_module.table_names = self.table_names
         self.replicated = replicated
-        self._optim: FusedOptimizer = (
+        self._optim = (
             ReplicatedCowClipFusedOptimizer(config, self._emb_module) if replicated
             else CowClipFusedOptimizer(config, self._emb_module, pg)
         )
-        self.init_parameters()
+        self.init_parameters()  # type: ignore[attr-defined]
 
     @property
-    def emb_module(self) -> CowClipAdamTBE:  # type: ignore[override]
+    def emb_module(self) -> CowClipAdamTBE:
         return self._emb_module
 
     def flush(self) -> None:
-        """torchrec flushes every lookup's kernels before it reads the tables (the sharded EBC's
+        """torchrec flushes every lookup's kernels before it reads the tables (the sharded module's
         state_dict pre-hook; for FBGEMM's caching kernels it writes the cache back). Ours has no
         cache; with ``update_scope="catchup"`` its pending work is the rows behind the current step,
         so flushing catches them all up: a stock loop's ``dmp.state_dict()`` (DCP, torch.save) then
@@ -323,10 +323,10 @@ class CowClipEmbeddingBag(BaseBatchedEmbeddingBag[Tensor], FusedOptimizerModule)
         return self._optim
 
     @property
-    def _param_per_table(self) -> dict[str, TableBatchedEmbeddingSlice]:  # type: ignore[override]
+    def _param_per_table(self) -> dict[str, TableBatchedEmbeddingSlice]:
         out = {}
         tbe = self._emb_module
-        counts = dict(self.table_name_to_count)
+        counts = dict(self.table_name_to_count)  # type: ignore[attr-defined]
         for t, (rows, dim) in enumerate(tbe.embedding_specs):
             name = self.table_names[t]
             if name not in counts:
@@ -348,14 +348,51 @@ class CowClipEmbeddingBag(BaseBatchedEmbeddingBag[Tensor], FusedOptimizerModule)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
                          ) -> Iterator[tuple[str, nn.Parameter]]:
-        for name, tensor in self.named_split_embedding_weights(prefix, recurse, remove_duplicate):
+        for name, tensor in self.named_split_embedding_weights(prefix, recurse, remove_duplicate):  # type: ignore[attr-defined]
             param = nn.Parameter(tensor, requires_grad=False)
             param._in_backward_optimizers = [EmptyFusedOptimizer()]  # type: ignore[attr-defined]
             yield name, param
 
 
+class CowClipEmbeddingBag(CowClipKernel, BaseBatchedEmbeddingBag[Tensor], FusedOptimizerModule):
+    """torchrec embedding-bag kernel over ``CowClipAdamTBE``; shaped like ``BatchedFusedEmbeddingBag``."""
+
+    def __init__(
+        self,
+        config: GroupedEmbeddingConfig,
+        pg: dist.ProcessGroup | None,
+        device: torch.device | None,
+        sharding_type: ShardingType | None,
+        mode: str,
+        replicated: bool,
+        location: str = "device",
+    ) -> None:
+        BaseBatchedEmbeddingBag.__init__(self, config, pg, device, sharding_type)
+        self._build_cowclip(config, pg, device, mode, replicated, location, self._pooling)
+
+
 # ---- lookups ----------------------------------------------------------------------------------
-class CowClipGroupedPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
+class CowClipLookup:
+    """What the pooled and the sequence CowClip lookups share: the CowClip kernels among the
+    lookup's ``_emb_modules``, and ``module`` (torchrec unwraps data-parallel lookups with it)."""
+
+    _cowclip_mode: str
+
+    def cowclip_kernels(self) -> list[CowClipKernel]:
+        return [m for m in self._emb_modules if isinstance(m, CowClipKernel)]  # type: ignore[attr-defined]
+
+    @property
+    def module(self) -> "CowClipLookup":
+        """``_initialize_torch_state`` unwraps DP lookups with ``.module`` (DDP); ours is not wrapped."""
+        return self
+
+    @property
+    def cowclip_update_mode(self) -> str:
+        """The TBE's update mode for this lookup's sharding type (``tbe`` module docstring)."""
+        return "inline" if self._cowclip_mode == "inline" else "deferred"
+
+
+class CowClipGroupedPooledEmbeddingsLookup(CowClipLookup, GroupedPooledEmbeddingsLookup):
     """A torchrec grouped lookup that builds ``CowClipEmbeddingBag`` for tagged groups."""
 
     def __init__(self, grouped_configs: list[GroupedEmbeddingConfig], *, cowclip_mode: str, **kw: Any) -> None:
@@ -365,26 +402,15 @@ class CowClipGroupedPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
     def _create_embedding_kernel(self, config, device, pg, sharding_type, env):  # type: ignore[override]
         if not is_cowclip(config.fused_params):
             return super()._create_embedding_kernel(config, device, pg, sharding_type, env)
-        location = state_location(config)
-        mode = "inline" if self._cowclip_mode == "inline" else "deferred"
-        return CowClipEmbeddingBag(config, pg, device, sharding_type, mode=mode, replicated=self._cowclip_mode == "dp",
-                                   location=location)
-
-    def cowclip_kernels(self) -> list[CowClipEmbeddingBag]:
-        return [m for m in self._emb_modules if isinstance(m, CowClipEmbeddingBag)]
-
-    @property
-    def module(self) -> "CowClipGroupedPooledEmbeddingsLookup":
-        """``_initialize_torch_state`` unwraps DP lookups with ``.module`` (DDP); ours is not wrapped."""
-        return self
+        return CowClipEmbeddingBag(config, pg, device, sharding_type, mode=self.cowclip_update_mode,
+                                   replicated=self._cowclip_mode == "dp", location=state_location(config))
 
 
 class _ExchangeOptimizer(FusedOptimizer):
     """No state and nothing to do: the column-wise / data-parallel update already ran in backward
     (``_ExchangeAfterBackward``). Kept so the lookup stays a ``FusedOptimizerModule``."""
 
-    def __init__(self, lookup: "CowClipExchangeLookup") -> None:
-        self._lookup = lookup
+    def __init__(self) -> None:
         super().__init__({}, {}, [{"params": [], "lr": 0.0}])
 
     def zero_grad(self, set_to_none: bool = False) -> None:
@@ -399,7 +425,7 @@ class _ExchangeAfterBackward(torch.autograd.Function):
     backward runs after all of them: it runs the lookup's exchange and update (module docstring)."""
 
     @staticmethod
-    def forward(ctx, seed: Tensor, lookup: "CowClipExchangeLookup") -> Tensor:  # type: ignore[override]
+    def forward(ctx, seed: Tensor, lookup: "ExchangeLookup") -> Tensor:  # type: ignore[override]
         ctx.lookup = lookup
         return seed.new_empty(0)
 
@@ -424,27 +450,29 @@ class _JoinAnchor(torch.autograd.Function):
         return grad, torch.zeros(shape, dtype=dtype, device=device)
 
 
-class CowClipExchangeLookup(CowClipGroupedPooledEmbeddingsLookup, FusedOptimizerModule):
-    """Lookup of a column-wise, table-column-wise or data-parallel sharding with CowClip tables (on
-    any rank: ranks that hold none of them still join the exchange, so the collectives match).
-    Its training forward wires the exchange node that updates them in backward."""
+class ExchangeLookup(CowClipLookup):
+    """A lookup of a column-wise, table-column-wise or data-parallel sharding with CowClip tables
+    (on any rank: ranks that hold none of them still join the exchange, so the collectives
+    match). Its training forward wires the exchange node that updates them in backward. Mixed
+    in before the pooled or sequence CowClip lookup."""
 
-    def __init__(self, grouped_configs: list[GroupedEmbeddingConfig], *, cowclip_mode: str,
-                 exchange_tables: list[ExchangeTable], exchange_pg: dist.ProcessGroup | None, **kw: Any) -> None:
-        super().__init__(grouped_configs, cowclip_mode=cowclip_mode, **kw)
+    exchange_tables: list[ExchangeTable]
+    exchange_pg: dist.ProcessGroup | None
+
+    def _init_exchange(self, exchange_tables: list[ExchangeTable], exchange_pg: dist.ProcessGroup | None) -> None:
         self.exchange_tables = exchange_tables
         self.exchange_pg = exchange_pg
-        self._exchange_optim = _ExchangeOptimizer(self)
+        self._exchange_optim = _ExchangeOptimizer()
 
     @property
     def fused_optimizer(self) -> FusedOptimizer:
         return self._exchange_optim
 
-    def forward(self, sparse_features: Any) -> Tensor:  # type: ignore[override]
+    def forward(self, sparse_features: Any) -> Tensor:
         """Training forward: the kernels' anchors come from the exchange node, and the output is
         joined to it (module docstring). Eval / no-grad forwards are torchrec's own."""
         if not (torch.is_grad_enabled() and self.exchange_tables):
-            return super().forward(sparse_features)
+            return super().forward(sparse_features)  # type: ignore[misc]
         # on the features' device: the engine queues a node by its inputs' device, as torchrec's
         seed = torch.empty(0, device=sparse_features.device(), requires_grad=True)
         anchor = _ExchangeAfterBackward.apply(seed, self)
@@ -452,7 +480,7 @@ class CowClipExchangeLookup(CowClipGroupedPooledEmbeddingsLookup, FusedOptimizer
         for tbe in tbes:
             tbe.autograd_anchor = anchor
         try:
-            out = super().forward(sparse_features)
+            out = super().forward(sparse_features)  # type: ignore[misc]
         finally:
             for tbe in tbes:
                 tbe.autograd_anchor = None
@@ -468,6 +496,15 @@ class CowClipExchangeLookup(CowClipGroupedPooledEmbeddingsLookup, FusedOptimizer
             data_parallel_step(self.exchange_tables, tbes, self.exchange_pg)
         else:
             column_wise_step(self.exchange_tables, tbes, self.exchange_pg)
+
+
+class CowClipExchangeLookup(ExchangeLookup, CowClipGroupedPooledEmbeddingsLookup, FusedOptimizerModule):
+    """The pooled ``ExchangeLookup`` (column-wise, table-column-wise, data-parallel EBC tables)."""
+
+    def __init__(self, grouped_configs: list[GroupedEmbeddingConfig], *, cowclip_mode: str,
+                 exchange_tables: list[ExchangeTable], exchange_pg: dist.ProcessGroup | None, **kw: Any) -> None:
+        super().__init__(grouped_configs, cowclip_mode=cowclip_mode, **kw)
+        self._init_exchange(exchange_tables, exchange_pg)
 
 
 def _lookup_for(sharding: Any, cowclip_tables: dict[str, list[ExchangeTable]]) -> GroupedPooledEmbeddingsLookup:
@@ -499,14 +536,14 @@ def _lookup_for(sharding: Any, cowclip_tables: dict[str, list[ExchangeTable]]) -
 
 
 def cowclip_tables_by_sharding_type(
-    module: EmbeddingBagCollection, params: dict[str, ParameterSharding], fused_params: dict[str, Any] | None
+    module: nn.Module, params: dict[str, ParameterSharding], fused_params: dict[str, Any] | None
 ) -> dict[str, list[ExchangeTable]]:
-    """The plan's CowClip tables per sharding type: the same on every rank (plan + module tags)."""
+    """The plan's CowClip tables per sharding type of an EBC or EC: the same on every rank (plan +
+    module tags)."""
     out: dict[str, list[ExchangeTable]] = {}
-    for cfg in module.embedding_bag_configs():
+    for cfg, w in module_tables(module):
         if cfg.name not in params:
             continue
-        w = module.embedding_bags[cfg.name].weight
         kwargs = (getattr(w, "_optimizer_kwargs", None) or [{}])[0]
         tagged = is_cowclip(kwargs) or ("optimizer" not in kwargs and is_cowclip(fused_params))
         if tagged:
@@ -517,11 +554,18 @@ def cowclip_tables_by_sharding_type(
     return out
 
 
-def _is_cowclip_dp_lookup(lookup: Any) -> bool:
-    return isinstance(lookup, CowClipExchangeLookup) and bool(lookup.cowclip_kernels())
+def module_tables(module: nn.Module) -> list[tuple[Any, nn.Parameter]]:
+    """(table config, weight) of an EmbeddingBagCollection or EmbeddingCollection."""
+    if isinstance(module, EmbeddingBagCollection):
+        return [(c, module.embedding_bags[c.name].weight) for c in module.embedding_bag_configs()]
+    return [(c, module.embeddings[c.name].weight) for c in module.embedding_configs()]  # type: ignore[operator, index]
 
 
-def _forget_dense_steps(module: "ShardedCowClipEmbeddingBagCollection", incompatible_keys: Any) -> None:
+def is_cowclip_dp_lookup(lookup: Any) -> bool:
+    return isinstance(lookup, ExchangeLookup) and bool(lookup.cowclip_kernels())
+
+
+def forget_dense_steps(module: Any, incompatible_keys: Any) -> None:
     for k in module._cowclip_kernels():
         k.emb_module.forget_dense_step()
 
@@ -535,18 +579,18 @@ class ShardedCowClipEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         object.__setattr__(self, "_cowclip_tables", cowclip_tables_by_sharding_type(
             module, table_name_to_parameter_sharding, fused_params))
         if SEBC_WRAPS_DP_IN_INIT:  # torchrec < 1.7 (sharding/compat.py): CowClip DP lookups stay unwrapped
-            with ddp_wrap_skipping(_is_cowclip_dp_lookup):
+            with ddp_wrap_skipping(is_cowclip_dp_lookup):
                 super().__init__(module, table_name_to_parameter_sharding, env, fused_params, device, **kw)
             self.init_data_parallel()  # as torchrec 1.7+ calls it from __init__
         else:
             super().__init__(module, table_name_to_parameter_sharding, env, fused_params, device, **kw)
         # loading writes row_step in place: the catch-up kernels must derive their step again
-        self.register_load_state_dict_post_hook(_forget_dense_steps)
+        self.register_load_state_dict_post_hook(forget_dense_steps)
 
-    def _cowclip_kernels(self) -> list[CowClipEmbeddingBag]:
+    def _cowclip_kernels(self) -> list[CowClipKernel]:
         """The CowClip kernels of every lookup (they sit in torchrec's plain ``_lookups`` list)."""
         return [k for lk in self._lookups
-                for k in (lk.cowclip_kernels() if isinstance(lk, CowClipGroupedPooledEmbeddingsLookup) else [])]
+                for k in (lk.cowclip_kernels() if isinstance(lk, CowClipLookup) else [])]
 
     def _create_lookups(self) -> None:
         for sharding in self._embedding_shardings:
@@ -559,39 +603,45 @@ class ShardedCowClipEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         return sum(k.emb_module.catch_up_all() for k in self._cowclip_kernels())
 
     def init_data_parallel(self) -> None:
-        """Stock DDP-wraps data-parallel lookups; CowClip DP tables are merged by the exchange
-        instead (their kernel has no autograd gradient for DDP to reduce). Replicas start from
-        the same weights: broadcast from the group's first rank, as DDP's constructor would."""
-        cowclip_dp = [
-            (i, lk) for i, (s, lk) in enumerate(zip(self._embedding_shardings, self._lookups))
-            if isinstance(s, DpPooledEmbeddingSharding) and _is_cowclip_dp_lookup(lk)
-        ]
-        for _, lk in cowclip_dp:
-            others = [m for m in lk._emb_modules if not isinstance(m, CowClipEmbeddingBag)]
-            if others:
-                raise NotImplementedError(
-                    "CowClip sharder: data-parallel tables of one EBC must all be CowClip-Adam or none "
-                    f"(found {len(others)} other data-parallel kernel(s))"
-                )
-        keep = {i for i, _ in cowclip_dp}
-        for i, (s, lk) in enumerate(zip(self._embedding_shardings, self._lookups)):
-            if not isinstance(s, DpPooledEmbeddingSharding) or i in keep or isinstance(lk, DistributedDataParallel):
-                continue  # (torchrec < 1.7 wrapped the others already)
-            # the stock wrap (torchrec embeddingbag.py ShardedEmbeddingBagCollection.init_data_parallel)
-            self._lookups[i] = DistributedDataParallel(
-                module=lk,
-                device_ids=[self._device] if self._device is not None and self._device.type in {"cuda", "mtia"} else None,
-                process_group=self._env.process_group,
-                gradient_as_bucket_view=True,
-                broadcast_buffers=True,
-                static_graph=True,
+        init_data_parallel(self, list(self._embedding_shardings), DpPooledEmbeddingSharding)
+
+
+def init_data_parallel(module: Any, shardings: list[Any], dp_type: type) -> None:
+    """A sharded EBC's / EC's ``init_data_parallel``: stock DDP-wraps data-parallel lookups;
+    CowClip DP tables are merged by the exchange instead (their kernel has no autograd gradient
+    for DDP to reduce). Replicas start from the same weights: broadcast from the group's first
+    rank, as DDP's constructor would."""
+    cowclip_dp = [
+        (i, lk) for i, (s, lk) in enumerate(zip(shardings, module._lookups))
+        if isinstance(s, dp_type) and is_cowclip_dp_lookup(lk)
+    ]
+    for _, lk in cowclip_dp:
+        others = [m for m in lk._emb_modules if not isinstance(m, CowClipKernel)]
+        if others:
+            raise NotImplementedError(
+                f"CowClip sharder: data-parallel tables of one {type(module).__name__} must all be CowClip-Adam "
+                f"or none (found {len(others)} other data-parallel kernel(s))"
             )
-        pg = self._env.process_group
-        if pg is not None and dist.get_world_size(pg) > 1:
-            src = dist.get_global_rank(pg, 0)
-            for _, lk in cowclip_dp:
-                for k in lk.cowclip_kernels():
-                    dist.broadcast(k.emb_module.weights, src=src, group=pg)
+    keep = {i for i, _ in cowclip_dp}
+    device = module._device
+    for i, (s, lk) in enumerate(zip(shardings, module._lookups)):
+        if not isinstance(s, dp_type) or i in keep or isinstance(lk, DistributedDataParallel):
+            continue  # (torchrec < 1.7 wrapped the others already)
+        # the stock wrap (torchrec's ShardedEmbeddingBagCollection / ShardedEmbeddingCollection.init_data_parallel)
+        module._lookups[i] = DistributedDataParallel(
+            module=lk,
+            device_ids=[device] if device is not None and device.type in {"cuda", "mtia"} else None,
+            process_group=module._env.process_group,
+            gradient_as_bucket_view=True,
+            broadcast_buffers=True,
+            static_graph=True,
+        )
+    pg = module._env.process_group
+    if pg is not None and dist.get_world_size(pg) > 1:
+        src = dist.get_global_rank(pg, 0)
+        for _, lk in cowclip_dp:
+            for k in lk.cowclip_kernels():
+                dist.broadcast(k.emb_module.weights, src=src, group=pg)
 
 
 class CowClipEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
@@ -628,13 +678,17 @@ class CowClipEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         return types
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
-        """What the CowClip kernel supports (module docstring): ``fused``, plus ``fused_uvm`` on
-        CUDA; ``dense`` for data-parallel. No UVM caching, no key-value kernels."""
-        if sharding_type == _DP:
-            return [EmbeddingComputeKernel.DENSE.value]
-        if compute_device_type == "cuda":
-            return [EmbeddingComputeKernel.FUSED.value, EmbeddingComputeKernel.FUSED_UVM.value]
-        return [EmbeddingComputeKernel.FUSED.value]
+        return cowclip_compute_kernels(sharding_type, compute_device_type)
+
+
+def cowclip_compute_kernels(sharding_type: str, compute_device_type: str) -> list[str]:
+    """What the CowClip kernel supports (module docstring): ``fused``, plus ``fused_uvm`` on CUDA;
+    ``dense`` for data-parallel. No UVM caching, no key-value kernels."""
+    if sharding_type == _DP:
+        return [EmbeddingComputeKernel.DENSE.value]
+    if compute_device_type == "cuda":
+        return [EmbeddingComputeKernel.FUSED.value, EmbeddingComputeKernel.FUSED_UVM.value]
+    return [EmbeddingComputeKernel.FUSED.value]
 
 
 def cowclip_tbes(model: nn.Module) -> list[CowClipAdamTBE]:

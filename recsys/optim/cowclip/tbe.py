@@ -238,6 +238,30 @@ def mean_pooling_weights(offsets: Tensor, n: int, psw: Tensor | None = None) -> 
     return w if psw is None else w * psw.to(torch.float32)
 
 
+def unpooled_as_bags(grad_out: Tensor, offsets: Tensor, num_features: int) -> tuple[Tensor, Tensor]:
+    """An unpooled lookup's gradient ([ids, D], one row per id, feature-major as FBGEMM returns
+    it) in the pooled layout every update path reads: each id its own bag of one, so the batch's
+    row gradient (sum over the id's occurrences) and count (its occurrences) are what the pooled
+    kernels compute. Features hold different numbers of ids, the pooled layout one bag count B
+    for all: feature f fills bags 0..n_f-1 and leaves the rest empty (B = max n_f; the zero
+    padding costs (B*F - ids) * D floats, none when one feature is looked up)."""
+    F = num_features
+    B = (offsets.numel() - 1) // F if F else 0
+    D = grad_out.shape[1] if grad_out.dim() == 2 else 0
+    bounds = offsets[::B].long() if B > 0 else offsets.new_zeros(F + 1, dtype=torch.long)
+    n = bounds[1:] - bounds[:-1]  # ids per feature
+    nb = int(n.max()) if F else 0
+    j = torch.arange(nb + 1, device=offsets.device)
+    # bag j of feature f starts at id min(j, n_f) of the feature
+    bag_offsets = (bounds[:-1, None] + torch.minimum(j[None, :nb], n[:, None])).reshape(-1)
+    bag_offsets = torch.cat([bag_offsets, bounds[-1:]]).to(offsets.dtype)
+    bags = grad_out.new_zeros(nb, F * D)
+    for f in range(F):
+        lo, hi = int(bounds[f]), int(bounds[f + 1])
+        bags[: hi - lo, f * D : (f + 1) * D] = grad_out[lo:hi]
+    return bags, bag_offsets
+
+
 class _CowClipLookup(torch.autograd.Function):
     """Pooled forward with FBGEMM; backward = CowClip-Adam row update, no gradient returned."""
 
@@ -249,13 +273,15 @@ class _CowClipLookup(torch.autograd.Function):
         ctx.save_for_backward(indices, offsets, psw if psw is not None else indices.new_empty(0, dtype=torch.float))
         ctx.has_psw = psw is not None
         with torch.no_grad():
-            return DenseTableBatchedEmbeddingBagsCodegen.forward(tbe, indices, offsets, psw)
+            return tbe.lookup(indices, offsets, psw)
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):  # type: ignore[override]
         indices, offsets, psw = ctx.saved_tensors
         w = psw if ctx.has_psw else None
-        if ctx.tbe.pooling_mode == PoolingMode.MEAN:
+        if ctx.tbe.pooling_mode == PoolingMode.NONE:
+            grad_out, offsets = unpooled_as_bags(grad_out, offsets, len(ctx.tbe.feature_table_map))
+        elif ctx.tbe.pooling_mode == PoolingMode.MEAN:
             # a bag's mean is its sum with every id weighted 1/len(bag): the same row gradients as a
             # weighted SUM bag, so every kernel (they all take per-sample weights) serves MEAN too
             w = mean_pooling_weights(offsets, indices.numel(), w)
@@ -302,8 +328,11 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
         device = torch.device(device or "cpu")
         if location not in STATE_LOCATIONS:
             raise ValueError(f"CowClip-Adam kernel: location must be {'|'.join(STATE_LOCATIONS)}, got {location!r}")
-        if pooling_mode not in (PoolingMode.SUM, PoolingMode.MEAN):
-            raise NotImplementedError(f"CowClip-Adam kernel: pooled lookups only (SUM or MEAN), got {pooling_mode}")
+        if pooling_mode not in (PoolingMode.SUM, PoolingMode.MEAN, PoolingMode.NONE):
+            raise NotImplementedError(f"CowClip-Adam kernel: pooling SUM, MEAN or NONE, got {pooling_mode}")
+        if pooling_mode == PoolingMode.NONE and len({d for _, d in embedding_specs}) > 1:
+            raise NotImplementedError("CowClip-Adam kernel: unpooled tables of one kernel share one dim "
+                                      f"(FBGEMM's unpooled output is [ids, D]), got {[d for _, d in embedding_specs]}")
         if mode not in ("inline", "deferred"):
             raise ValueError(f"mode must be inline|deferred, got {mode!r}")
         if len(set(feature_table_map)) != len(feature_table_map):
@@ -439,11 +468,31 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
         if self.hyper.update_scope == "catchup":  # the lookup reads rows as the dense steps left them
             self.catch_up_lookup(indices, offsets)
         if not torch.is_grad_enabled():
-            return DenseTableBatchedEmbeddingBagsCodegen.forward(self, indices, offsets, per_sample_weights)
+            return self.lookup(indices, offsets, per_sample_weights)
         anchor = self.autograd_anchor
         if anchor is None:
             anchor = torch.empty(0, device=self.weights.device, requires_grad=True)
         return _CowClipLookup.apply(anchor, self, indices, offsets, per_sample_weights)
+
+    def lookup(self, indices: Tensor, offsets: Tensor, per_sample_weights: Tensor | None = None) -> Tensor:
+        """The forward without autograd: FBGEMM's pooled lookup; unpooled, the rows themselves
+        ([ids, D]: FBGEMM's dense CPU op pools whatever its pooling mode says, so gather here)."""
+        if self.pooling_mode != PoolingMode.NONE:
+            return DenseTableBatchedEmbeddingBagsCodegen.forward(self, indices, offsets, per_sample_weights)
+        if per_sample_weights is not None:
+            raise NotImplementedError("CowClip-Adam kernel: unpooled lookups take no per-sample weights")
+        D = self.embedding_specs[0][1]
+        return self.weights.view(-1, D).index_select(0, self.global_rows(indices, offsets))
+
+    def global_rows(self, indices: Tensor, offsets: Tensor) -> Tensor:
+        """Each id's row in the flat buffer's row numbering (``row_starts`` of its feature's table)."""
+        F = len(self.feature_table_map)
+        B = (offsets.numel() - 1) // F
+        bounds = offsets[:: B] if B > 0 else offsets.new_zeros(F + 1)
+        starts = torch.tensor([self.row_starts[t] for t in self.feature_table_map], dtype=torch.long,
+                              device=indices.device)
+        per_feature = (bounds[1:] - bounds[:-1]).long()
+        return indices.long() + torch.repeat_interleave(starts, per_feature, output_size=indices.numel())
 
     def _feature_slices(self, grad_out: Tensor, indices: Tensor, offsets: Tensor, psw: Tensor | None):
         """Per local table t: (t, indices, offsets from 0, grad_output [B, D_t], psw) of its feature."""
@@ -610,13 +659,7 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
                                    max_dim=max(d for _, d in self.embedding_specs), betas=(hp.beta1, hp.beta2),
                                    eps=hp.eps, eps_mode=hp.eps_mode, l2=hp.l2, growth=self.catchup_growth)
             return
-        F = len(self.feature_table_map)
-        B = (offsets.numel() - 1) // F
-        bounds = offsets[:: B] if B > 0 else offsets.new_zeros(F + 1)
-        starts = torch.tensor([self.row_starts[t] for t in self.feature_table_map], dtype=torch.long,
-                              device=indices.device)
-        per_feature = (bounds[1:] - bounds[:-1]).long()
-        grows = indices.long() + torch.repeat_interleave(starts, per_feature, output_size=indices.numel())
+        grows = self.global_rows(indices, offsets)
         behind = grows[self.row_step.index_select(0, grows) < step]
         if behind.numel():
             self._catch_up_rows(torch.unique(behind), step)
