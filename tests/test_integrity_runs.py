@@ -457,11 +457,37 @@ def test_cowclip_adam_reshards_2_1_2_exactly(tmp_path, extra):
     assert (s["auc"], s["logloss"]) == (want["auc"], want["logloss"])
 
 
+@pytest.mark.slow
+def test_kstep_run_reshards_1_2_1_ranks_per_host_exactly(tmp_path):
+    """A k-step run (2 hosts, merges every 5 steps, unmerged moments: host 1 keeps its own
+    optimizer state in host1/) with CowClip-Adam: its checkpoint of step 20, written by 1 rank per
+    host, is loaded and saved again by 2 ranks per host, then 1 rank per host trains steps 21..30;
+    the end equals the uninterrupted run to the last digit."""
+    opts = ["optim.embedding=cowclip_adam", "optim.embedding_lr=0.002", "train.hosts=2", "train.merge_every=5",
+            "checkpoint.every_steps=10", "checkpoint.keep=3"]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    _ok([f"run_dir={ref}", "train.max_steps=30", *opts])
+    assert (ref / "checkpoints" / "step_000000020" / "host1").is_dir()  # the case with per-host optimizer files
+    shutil.copytree(ref, run)
+    shutil.rmtree(run / "checkpoints" / "step_000000030")
+    (run / "summary.json").unlink()
+    r = _ok([f"run_dir={run}", "train.max_steps=20", "resume=true", "train.nproc_per_node=4", *opts])
+    assert "resharded from 1 to 2 ranks per host" in r.stderr
+    marker = json.loads((run / "checkpoints" / "step_000000020" / MARKER).read_text())
+    assert (marker["hosts"], marker["ranks_per_host"]) == (2, 2)
+    r = _ok([f"run_dir={run}", "train.max_steps=30", "resume=true", *opts])
+    assert "resharded from 2 to 1 ranks per host" in r.stderr
+    s, want = _summary(run), _summary(ref)
+    assert s["resumed_from"].endswith("step_000000020")
+    assert (s["auc"], s["logloss"]) == (want["auc"], want["logloss"])
+
+
 @pytest.mark.parametrize("saved_optim, merge_every, reshards", [
     ("rowwise_adagrad", 0, True),  # FBGEMM's fused state: DCP reshards it
     ("cowclip_adam", 0, True),  # our moments and per-row step: laid out like the shards, DCP reshards them
     ("adam", 0, True),
-    ("rowwise_adagrad", 4, False),  # hierarchical: per-host replicas, refused
+    ("rowwise_adagrad", 4, True),  # hierarchical: host 0's files and each host<h>/ are DCP checkpoints too
+    ("fbgemm_cowclip", 0, False),  # FBGEMM's COWCLIP counters live outside the state dict: refused
 ])
 def test_another_world_size_reshards_or_is_refused_in_one_line(tmp_path, saved_optim, merge_every, reshards):
     """Which states may resume on another world size (checkpoint.reshardable); the others stop

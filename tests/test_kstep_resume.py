@@ -192,8 +192,8 @@ def test_host_killed_between_merges_then_resume_matches(tmp_path, moments):
     assert lost_lines(survivor.log_path) == [(1, 0)], survivor.log_path.read_text()[-3000:]
     time.sleep(1)
 
-    # resume both hosts from the last merge checkpoint (RECSYS_RESUME=1 is resume=true, which
-    # recsys/config.py still refuses for merge_every > 0)
+    # resume both hosts from the last merge checkpoint (RECSYS_RESUME=1 is resume=true, read by
+    # the workers from their environment)
     _finish(_start(killed, common, {"RECSYS_RESUME": "1"}))
     a = json.loads((straight / "summary.json").read_text())
     b = json.loads((killed / "summary.json").read_text())

@@ -18,13 +18,15 @@ between hosts, so host h > 0 also writes its optimizer state (no model) into `ho
 exact resume without forcing a moment merge at checkpoint steps. Resume: every host loads the
 model (and, if there is no `host<h>/`, the optimizer state) from host 0's files over its own
 `host_pg`. COMMITTED records `ranks_per_host` (the shard world) and `hosts`; a checkpoint loads
-into any run whose shard world matches (another host count, or a plain run of R ranks).
+into any run whose shard world matches (another host count, or a plain run of R ranks), and,
+with a reshardable optimizer state, into another number of ranks per host.
 
 Integrity (docs/run_integrity.md):
 - COMMITTED also records `shape`, the config that shapes the saved state (model, tables,
   embedding optimizer, batch, shard world, merge settings; `run_dir.state_shape`); a resume
   whose config differs stops with one line naming the keys (`check_compatible`). The world size
-  may change for plain runs with FBGEMM's fused optimizers (`reshardable`): DCP reshards on load.
+  (for k-step runs: the ranks per host) may change with FBGEMM's fused optimizers and our Adam
+  kernels (`reshardable`): DCP reshards on load.
 - COMMITTED records `data`, the identity of the data trained on (recsys/data/identity.py), and
   `data_start_step`; a resume on other data stops with one line saying what changed
   (`check_data`), unless `resume_on_new_data=true`.
@@ -136,14 +138,16 @@ def checkpoint_files(tmp: Path) -> list[str]:
 
 
 # Optimizers whose state is per-row or per-element tensors laid out like the table's shards, which
-# DCP reshards by offset, so a plain (not hierarchical) checkpoint loads on another world size:
-# FBGEMM's fused ones, and our CowClip-Adam / Adam (moments per element, the row step per row; in
-# both update scopes). Tested 2 -> 1 -> 2 ranks with exact metrics (docs/run_integrity.md).
+# DCP reshards by offset, so a checkpoint loads on another world size (a hierarchical one on
+# another number of ranks per host: its files, host 0's and each host<h>/, are DCP checkpoints of
+# one host's ranks): FBGEMM's fused ones, and our CowClip-Adam / Adam (moments per element, the row
+# step per row; in both update scopes). Tested 2 -> 1 -> 2 ranks, and 1 -> 2 -> 1 ranks per host
+# of a k-step run, with exact metrics (docs/run_integrity.md).
 RESHARDABLE_OPTIMIZERS = ("rowwise_adagrad", "adagrad", "sgd", "cowclip_adam", "adam")
 
 
 def reshardable(shape: dict[str, Any]) -> bool:
-    return shape.get("optim.embedding") in RESHARDABLE_OPTIMIZERS and not shape.get("train.merge_every")
+    return shape.get("optim.embedding") in RESHARDABLE_OPTIMIZERS
 
 
 # State-shape keys added after checkpoints were first written, with the value those older
@@ -464,9 +468,7 @@ class Checkpointer:
         with `step` and `rank_state` (what `save` got as rank_state, {} if none)."""
         marker = read_marker(path)
         shard_world = marker.get("ranks_per_host", marker["world_size"])
-        if shard_world != self.shard_world and not (
-            self.groups is None and "ranks_per_host" not in marker and reshardable(marker.get("shape", {}))
-        ):
+        if shard_world != self.shard_world and not reshardable(marker.get("shape", {})):
             what = f"{shard_world} ranks" + (" per host" if "ranks_per_host" in marker else "")
             mine = f"{self.shard_world} ranks" + (" per host" if self.groups is not None else "")
             raise CheckpointError(f"checkpoint {path} was written by {what}, this job has {mine}")
@@ -494,4 +496,5 @@ class Checkpointer:
             rank_file = path / "rank0.pt"
         saved = torch.load(rank_file, weights_only=True)
         torch.set_rng_state(saved["torch_rng"])
-        return dict(marker["extra"], step=marker["step"], world_size=marker["world_size"], rank_state=saved.get("state", {}))
+        return dict(marker["extra"], step=marker["step"], world_size=marker["world_size"], shard_world=shard_world,
+                    rank_state=saved.get("state", {}))

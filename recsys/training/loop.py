@@ -267,8 +267,10 @@ def _run(cfg: ExperimentConfig, model_factory: ModelFactory | None) -> dict[str,
                 job.merger.load_state_dict(extra["rank_state"].get("merger", {}))
             if env.is_main:
                 log.info("resumed from %s at step %d", latest, start_step)
-                if extra.get("world_size", env.world_size) != env.world_size:
-                    log.info("resharded from %d to %d ranks", extra["world_size"], env.world_size)
+                if extra["shard_world"] != job.checkpointer.shard_world:
+                    per_host = " per host" if cfg.train.merge_every > 0 else ""
+                    log.info("resharded from %d to %d ranks%s", extra["shard_world"], job.checkpointer.shard_world,
+                             per_host)
         elif env.is_main:
             log.info("resume=true but no checkpoint in %s: starting from scratch", job.checkpointer.root)
     writer = MetricsWriter(job.run_dir, env.is_main, resume_step=start_step if resumed_from else None,
