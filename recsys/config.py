@@ -15,7 +15,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Literal, Union
 
 import yaml
 
@@ -145,6 +145,9 @@ class TrainConfig:
     merge_every: int = 0  # k: average dense params and embedding shards across hosts every k steps; 0: off
     merge_moments: bool = False  # also average optimizer state (Adam moments, Adagrad momentum)
     merge_route: str = "auto"  # auto (hierarchical when a host has > 1 rank) | flat | hierarchical
+    # which embedding rows a merge averages: touched (rows some host looked up since the last
+    # merge; the others are equal everywhere already) | all (whole shards)
+    merge_rows: Literal["touched", "all"] = "touched"
     pg_timeout_s: float = 600.0  # collective timeout of hierarchical runs: a lost host stops the job
     # Outputs that need the [viz] extra (tensorboard, matplotlib): TensorBoard events in
     # <run_dir>/tb and the picture <run_dir>/curves.png. metrics.jsonl and summary.json are always written.
@@ -246,6 +249,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             except ConfigError as e:
                 errors.append(str(e))
         raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value in allowed and type(value) is type(allowed[0]):
+            return value
+        raise ConfigError(f"{where}: expected one of {', '.join(map(str, allowed))}, got {value!r}")
     if origin is list:
         (item_tp,) = typing.get_args(tp)
         if not isinstance(value, list):

@@ -19,7 +19,8 @@ pytestmark = pytest.mark.slow
 def test_exp_kstep_quick(tmp_path):
     out, results = tmp_path / "exp", tmp_path / "net.json"
     r = subprocess.run(
-        [sys.executable, "tools/exp_kstep.py", "--quick", "--ks", "1,16", "--moments", "off", "--out", str(out),
+        [sys.executable, "tools/exp_kstep.py", "--quick", "--ks", "1,16", "--moments", "off", "--rows", "all",
+         "--out", str(out),
          "--sync", "--eval-every", "16", "--results", str(results), "--network-plot", str(tmp_path / "net.png"),
          "--dmpcollection"],
         cwd=REPO, capture_output=True, text=True, timeout=600,
@@ -87,6 +88,14 @@ def test_network_summary_crossovers_and_results_merge(tmp_path):
     assert s["k"]["1"]["time_to_sync_auc_s"] == 400 and s["k"]["16"]["speedup_vs_k1"] == pytest.approx(400 / 75)
     rows[3]["epoch_s"] = 70.0  # now k=16 is within 10% of the fastest: merges stop paying at 16
     assert E.network_summary(rows)[net]["k_stops_paying"] == 16
+    # touched-row arms: their own keys and crossovers, next to the whole-shard ones
+    touched = dict(rows[2], merge_rows="touched", epoch_s=40.0, rows_merged_last=10, rows_tracked=1000,
+                   cross_host_bytes_total=1.0, samples_per_s=1.0)
+    s = E.network_summary([*rows, touched])[net]
+    assert s["k"]["16-touched"]["speedup_vs_sync"] == pytest.approx(60 / 40) and s["k_beats_sync_touched"] == 16
+    assert s["k"]["16-touched"]["rows_merged_share"] == 0.01 and s["k"]["16"]["epoch_s"] == 75.0
+    assert s["k_beats_sync"] is None and "| k=16, touched rows |" in E.network_table(
+        {"rows": [touched], "summary": {net: s}})
     # merging invocations: same (link, arm, k, moments, route) replaces, others add
     path = tmp_path / "r.json"
     E.merge_results(path, rows[:2], {"n": 1}, None)

@@ -137,7 +137,8 @@ def _launch(run_dir: Path, nnodes: int, overrides: list[str], timeout: int = 400
 
 @pytest.mark.slow
 def test_two_hosts_kstep_bytes(tmp_path):
-    common = ["train.max_steps=32", "train.log_every=8", "train.merge_moments=true"]
+    """Whole-shard merges (train.merge_rows=all): a merge's bytes do not depend on k."""
+    common = ["train.max_steps=32", "train.log_every=8", "train.merge_moments=true", "train.merge_rows=all"]
     k4 = _launch(tmp_path / "k4", 2, [*common, "train.merge_every=4"])
     k1 = _launch(tmp_path / "k1", 2, [*common, "train.merge_every=1"])
     for s, merges in ((k4, 8), (k1, 32)):
@@ -151,6 +152,27 @@ def test_two_hosts_kstep_bytes(tmp_path):
     train = [json.loads(l) for l in (tmp_path / "k4" / "metrics.jsonl").read_text().splitlines()]
     train = [x for x in train if x["kind"] == "train"]
     assert train and all(x["cross_host_bytes_per_step"] > 0 for x in train)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optim", [["optim.embedding=rowwise_adagrad"],
+                                   ["optim.embedding=cowclip_adam", "optim.embedding_lr=0.002",
+                                    "optim.embedding_l2=0.0001"]], ids=["rowwise_adagrad", "cowclip_catchup"])
+def test_touched_row_merges_equal_whole_shard_merges_with_fewer_bytes(tmp_path, optim):
+    """Merging only the rows some host looked up since the last merge ends at the very model
+    whole-shard merges give (2 hosts: averaging two equal values is exact), for FBGEMM's fused
+    row-wise Adagrad and for CowClip-Adam by catch-up (untouched rows advance by the same
+    catch-up on every host), with moments merged and per-row counters max-reduced; and sends
+    fewer bytes across hosts, union exchange included."""
+    common = ["train.max_steps=24", "train.log_every=8", "train.merge_every=4", "train.merge_moments=true", *optim]
+    whole = _launch(tmp_path / "all", 2, [*common, "train.merge_rows=all"])
+    touched = _launch(tmp_path / "touched", 2, [*common, "train.merge_rows=touched"])
+    assert whole["merge_rows"] == "all" and touched["merge_rows"] == "touched"
+    for s in (whole, touched):
+        assert s["merges"] == 6 and s["replica_divergence"] == 0.0
+    assert (touched["auc"], touched["logloss"]) == (whole["auc"], whole["logloss"])
+    assert 0 < touched["rows_merged_last"] < 0.75 * touched["rows_tracked"], touched
+    assert touched["cross_host_bytes_total"] < 0.8 * whole["cross_host_bytes_total"], (touched, whole)
 
 
 @pytest.mark.slow
@@ -227,3 +249,37 @@ def test_hierarchical_route_equals_flat_with_fewer_cross_host_bytes(tmp_path):
         assert r["bytes"] == [steps // 2 * p for p in r["payload"]], r  # 2 hosts: 2*(H-1)/H = 1
         assert r["merges"] == steps // 2 and r["divergence"] == 0.0
         assert r["state"]["intra_host_bytes_total"] == steps // 2 * 4 * -(-3 * n // 2), r
+
+
+# -- the union of touched rows -----------------------------------------------------------------
+
+
+def _union_worker(rank: int, port: int, out: str) -> None:
+    from recsys.training.touched_rows import union
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    g = torch.Generator().manual_seed(rank)
+    results = {}
+    for name, n, share in (("sparse", 100_000, 0.001), ("dense", 1_003, 0.3), ("empty", 50, 0.0)):
+        local = torch.rand(n, generator=g) < share
+        u = union(local, dist.GroupMember.WORLD)
+        parts = [torch.zeros(n, dtype=torch.bool) for _ in range(2)]
+        dist.all_gather_object(parts, local)  # the independent OR
+        results[name] = {"equal": bool(torch.equal(u.mask, parts[0] | parts[1])), "mode": u.mode,
+                         "bytes": u.exchange_bytes, "count": int(u.mask.sum())}
+    if rank == 0:
+        Path(out).write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def test_union_of_touched_rows_is_the_or_of_the_replicas_in_the_smaller_encoding(tmp_path):
+    """Row lists when few rows moved (4 B a row), packed bitmaps when many (1 bit a row, odd
+    length), nothing moved: each equals the OR of both replicas' bitmaps."""
+    out = tmp_path / "u.json"
+    mp.start_processes(_union_worker, args=(_free_port(), str(out)), nprocs=2, start_method="spawn")
+    r = json.loads(out.read_text())
+    assert all(v["equal"] for v in r.values()), r
+    assert r["sparse"]["mode"] == "ids" and r["sparse"]["bytes"] < 100_000 // 8
+    assert r["dense"]["mode"] == "bitmap" and r["dense"]["bytes"] == (1_003 + 7) // 8 + 8
+    assert r["empty"]["count"] == 0 and r["empty"]["mode"] == "ids"

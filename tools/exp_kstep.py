@@ -105,7 +105,8 @@ def _stop_nodes(procs: list[subprocess.Popen], grace: float = 30.0) -> None:
 
 
 def run_one(
-    config: Path, run_dir: Path, k: int, moments: bool, overrides: list[str], timeout: float, net: Any = None
+    config: Path, run_dir: Path, k: int, moments: bool, overrides: list[str], timeout: float, net: Any = None,
+    rows: str = "touched",
 ) -> dict[str, Any]:
     """One 2 x 2 run; returns its summary plus the wall time. Raises on failure.
 
@@ -125,8 +126,8 @@ def run_one(
         arm_args = ["train.hosts=1", "train.merge_every=0", "train.merge_moments=false"]
         prefix = "  [sync]"
     else:
-        arm_args = [f"train.merge_every={k}", f"train.merge_moments={str(moments).lower()}"]
-        prefix = f"  [k={k} moments={'on' if moments else 'off'}]"
+        arm_args = [f"train.merge_every={k}", f"train.merge_moments={str(moments).lower()}", f"train.merge_rows={rows}"]
+        prefix = f"  [k={k} moments={'on' if moments else 'off'} rows={rows}]"
     if run_dir.exists():  # this tool's own output from an earlier invocation: the run starts afresh
         shutil.rmtree(run_dir)
     args = [f"run_dir={run_dir}", "train.threads_per_rank=1", *arm_args, *overrides]
@@ -188,6 +189,8 @@ def run_one(
         row.update(
             merges=s["merges"], merge_route=s.get("merge_route"), cross_host_bytes_total=s["cross_host_bytes_total"],
             merge_payload_bytes_per_rank=s["merge_payload_bytes_per_rank"], replica_divergence=s["replica_divergence"],
+            merge_rows=s.get("merge_rows", "all"), rows_merged_last=s.get("rows_merged_last"),
+            rows_tracked=s.get("rows_tracked"),
         )
     row["cross_host_bytes_per_sample"] = row["cross_host_bytes_total"] / s["samples"]
     row["net"] = str(net.link) if net is not None else "loopback"
@@ -327,11 +330,12 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     for r in sync:
         ax1.axhline(r["auc"], color="black", ls=":", lw=1, label="synchronous DMP (4 ranks)")
         ax2.axhline(r["cross_host_bytes_per_sample"], color="black", ls=":", lw=1, label="synchronous DMP (model)")
-    for moments, style in ((False, "o-"), (True, "s--")):
-        rs = sorted((r for r in rows if r["moments"] == moments), key=lambda r: r["k"])
+    for (moments, kind), style in (((False, "all"), "o-"), ((True, "all"), "s--"), ((False, "touched"), "^-"),
+                                   ((True, "touched"), "v--")):
+        rs = sorted((r for r in rows if r["moments"] == moments and _rows_of(r) == kind), key=lambda r: r["k"])
         if not rs:
             continue
-        label = "moments merged" if moments else "moments not merged"
+        label = ("moments merged" if moments else "moments not merged") + (", touched rows" if kind == "touched" else "")
         ax1.plot([r["k"] for r in rs], [r["auc"] for r in rs], style, label=label)
         ax2.plot([r["k"] for r in rs], [r["cross_host_bytes_per_sample"] for r in rs], style, label=label)
     k1 = [r["auc"] for r in rows if r["k"] == 1]
@@ -357,7 +361,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 
 def headline(rows: list[dict[str, Any]]) -> dict[str, Any]:
     def key(r):
-        return "moments" if r["moments"] else "no_moments"
+        return ("moments" if r["moments"] else "no_moments") + ("_touched" if _rows_of(r) == "touched" else "")
 
     sync = [r for r in rows if r.get("arm") == "sync"]
     rows = [r for r in rows if r.get("arm") != "sync"]
@@ -368,11 +372,12 @@ def headline(rows: list[dict[str, Any]]) -> dict[str, Any]:
     for r in rows:
         auc.setdefault(f"k{r['k']}", {})[key(r)] = round(r["auc"], 6)
     out: dict[str, Any] = {"auc": auc, "oracle_auc": rows[0]["oracle_auc"]}
-    by = {(r["k"], r["moments"]): r for r in rows}
+    by = {(r["k"], key(r)): r for r in rows}
+    names = sorted({key(r) for r in rows})
     gaps, ratios, met = {}, {}, {}
-    for m, name in ((False, "no_moments"), (True, "moments")):
-        if (1, m) in by and (16, m) in by:
-            a, b = by[(1, m)], by[(16, m)]
+    for name in names:
+        if (1, name) in by and (16, name) in by:
+            a, b = by[(1, name)], by[(16, name)]
             gaps[name] = round(a["auc"] - b["auc"], 6)
             ratios[name] = round(a["cross_host_bytes_total"] / b["cross_host_bytes_total"], 3)
             met[name] = gaps[name] <= TARGET_AUC_GAP and ratios[name] >= TARGET_BYTES_RATIO - 1e-9
@@ -385,9 +390,9 @@ def headline(rows: list[dict[str, Any]]) -> dict[str, Any]:
         out["veth_bytes"] = {f"k{r['k']}_{key(r)}": r["veth_cross_host_bytes"] for r in rows}
         out["train_wall_s"] = {f"k{r['k']}_{key(r)}": round(r["train_wall_s"], 2) for r in rows}
         speed = {}
-        for m, name in ((False, "no_moments"), (True, "moments")):
-            if (1, m) in by and (16, m) in by:
-                speed[name] = round(by[(1, m)]["train_wall_s"] / by[(16, m)]["train_wall_s"], 3)
+        for name in names:
+            if (1, name) in by and (16, name) in by:
+                speed[name] = round(by[(1, name)]["train_wall_s"] / by[(16, name)]["train_wall_s"], 3)
         if speed:
             out["train_time_ratio_k1_k16"] = speed
     if sync:
@@ -404,7 +409,17 @@ def _sync_head(sync: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 # -- the network experiment across invocations (one per rate): docs/results/kstep_network.json ------
 def _row_key(r: dict[str, Any]) -> tuple:
-    return (r.get("net", "loopback"), r.get("arm", "kstep"), r["k"], r["moments"], r.get("merge_route"))
+    return (r.get("net", "loopback"), r.get("arm", "kstep"), r["k"], r["moments"], r.get("merge_route"), _rows_of(r))
+
+
+def _rows_of(r: dict[str, Any]) -> str:
+    """Which rows the arm's merges averaged (rows written before touched-row merges existed: all)."""
+    return "-" if r.get("arm") == "sync" else r.get("merge_rows", "all")
+
+
+def _arm_key(r: dict[str, Any]) -> str:
+    """k, suffixed for touched-row merges: '16' (whole shards), '16-touched'."""
+    return str(r["k"]) + ("-touched" if _rows_of(r) == "touched" else "")
 
 
 def merge_results(path: Path, rows: list[dict[str, Any]], meta: dict[str, Any], probe: dict[str, Any] | None) -> dict[str, Any]:
@@ -448,35 +463,43 @@ def network_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     for net in sorted({r.get("net", "loopback") for r in rows}, key=_rate_of):
         rs = [r for r in rows if r.get("net", "loopback") == net]
         sync = next((r for r in rs if r.get("arm") == "sync"), None)
-        ks: dict[int, dict[str, Any]] = {}
+        ks: dict[str, dict[str, Any]] = {}
         for r in sorted((r for r in rs if r.get("arm") != "sync"), key=lambda r: r["moments"], reverse=True):
-            ks[r["k"]] = r  # moments not merged wins when both exist (sorted last)
+            ks[_arm_key(r)] = r  # moments not merged wins when both exist (sorted last)
         entry: dict[str, Any] = {"rate_bps": None if _rate_of(net) == float("inf") else _rate_of(net)}
         if sync is not None:
             entry["sync"] = {"auc": sync["auc"], "epoch_s": sync["epoch_s"], "steps": sync["steps"],
                              "cross_host_bytes_per_sample": sync["cross_host_bytes_per_sample"],
                              "veth_bytes_per_sample": sync.get("veth_cross_host_bytes", 0) / sync["samples"] or None}
         per_k = {}
-        for k in sorted(ks):
+        for k in sorted(ks, key=lambda a: (int(a.split("-")[0]), a)):
             r = ks[k]
             e: dict[str, Any] = {"moments": r["moments"], "auc": r["auc"], "epoch_s": r["epoch_s"], "steps": r["steps"],
                                  "cross_host_bytes_per_sample": r["cross_host_bytes_per_sample"]}
-            if 1 in ks:
-                e["speedup_vs_k1"] = ks[1]["epoch_s"] / r["epoch_s"]
-                e["auc_gap_to_k1"] = ks[1]["auc"] - r["auc"]
+            if "1" in ks:
+                e["speedup_vs_k1"] = ks["1"]["epoch_s"] / r["epoch_s"]
+                e["auc_gap_to_k1"] = ks["1"]["auc"] - r["auc"]
+            if r.get("rows_tracked"):
+                e["rows_merged_share"] = r["rows_merged_last"] / r["rows_tracked"]
             if sync is not None:
                 e["speedup_vs_sync"] = sync["epoch_s"] / r["epoch_s"]
                 e["auc_gap_to_sync"] = sync["auc"] - r["auc"]
                 e["time_to_sync_auc_s"] = time_to_auc(r.get("eval_curve", []), sync["auc"])
                 e["time_to_sync_auc_tol_s"] = time_to_auc(r.get("eval_curve", []), sync["auc"] - TIME_AUC_TOL)
-            per_k[str(k)] = e
+            per_k[k] = e
         entry["k"] = per_k
         if ks:
-            best = min(r["epoch_s"] for r in ks.values())
-            entry["k_stops_paying"] = min(k for k, r in ks.items() if r["epoch_s"] <= best * (1 + STOPS_PAYING))
+            for rows_kind, suffix in (("all", ""), ("touched", "_touched")):
+                same = {r["k"]: r for r in ks.values() if _rows_of(r) == rows_kind}
+                if not same:
+                    continue
+                best = min(r["epoch_s"] for r in same.values())
+                entry["k_stops_paying" + suffix] = min(k for k, r in same.items() if r["epoch_s"] <= best * (1 + STOPS_PAYING))
+                if sync is not None:
+                    entry["k_beats_sync" + suffix] = min((k for k, r in same.items() if r["epoch_s"] < sync["epoch_s"]),
+                                                         default=None)
             if sync is not None:
                 entry["sync_time_to_own_auc_s"] = time_to_auc(sync.get("eval_curve", []), sync["auc"])
-                entry["k_beats_sync"] = min((k for k, r in ks.items() if r["epoch_s"] < sync["epoch_s"]), default=None)
         out[net] = entry
     return out
 
@@ -491,10 +514,11 @@ def network_table(doc: dict[str, Any]) -> str:
         by_net.setdefault(r.get("net", "loopback"), []).append(r)
     for net in sorted(by_net, key=_rate_of):
         e = doc["summary"][net]
-        rows = sorted(by_net[net], key=lambda r: (r.get("arm") != "sync", r["moments"], r["k"]))
+        rows = sorted(by_net[net], key=lambda r: (r.get("arm") != "sync", r["moments"], _rows_of(r), r["k"]))
         for r in rows:
             sync = r.get("arm") == "sync"
-            arm = "sync DMP" if sync else f"k={r['k']}" + (", moments" if r["moments"] else "")
+            arm = "sync DMP" if sync else (f"k={r['k']}" + (", moments" if r["moments"] else "")
+                                           + (", touched rows" if _rows_of(r) == "touched" else ""))
 
             def f(x, fmt):
                 return "-" if x is None else format(x, fmt)
@@ -527,12 +551,16 @@ def plot_network(doc: dict[str, Any], path: Path) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     for i, (net, e) in enumerate(doc["summary"].items()):
         color = f"C{i}"
-        ks = sorted(int(k) for k in e["k"])
         steps = {x["steps"] for x in e["k"].values()}
         tag = f" ({steps.pop()} steps)" if len(steps) == 1 and len({r["steps"] for r in doc["rows"]}) > 1 else ""
-        if ks:
-            ax1.plot(ks, [e["k"][str(k)]["epoch_s"] for k in ks], "o-", color=color, label=f"k-step, {net}")
-            ax2.plot(ks, [e["k"][str(k)]["auc"] for k in ks], "o-", color=color, label=f"k-step, {net}{tag}")
+        for suffix, style, what in (("", "o-", "whole shards"), ("-touched", "^--", "touched rows")):
+            keys = sorted((a for a in e["k"] if a.endswith(suffix) and (suffix or "-" not in a)),
+                          key=lambda a: int(a.split("-")[0]))
+            if keys:
+                ks = [int(a.split("-")[0]) for a in keys]
+                ax1.plot(ks, [e["k"][a]["epoch_s"] for a in keys], style, color=color, label=f"k-step ({what}), {net}")
+                ax2.plot(ks, [e["k"][a]["auc"] for a in keys], style, color=color,
+                         label=f"k-step ({what}), {net}{tag}")
         if "sync" in e:
             ax1.axhline(e["sync"]["epoch_s"], color=color, ls=":", label=f"sync DMP, {net}")
             ax2.axhline(e["sync"]["auc"], color=color, ls=":", label=f"sync DMP, {net}")
@@ -559,6 +587,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help=f"tiny data ({QUICK_CONFIG.relative_to(REPO)})")
     ap.add_argument("--ks", default="1,4,16,64", help="merge intervals, comma-separated")
     ap.add_argument("--moments", choices=("both", "on", "off"), default="both")
+    ap.add_argument("--rows", default="touched",
+                    help="which rows merges average, comma-separated: touched (rows looked up since the last merge), all")
     ap.add_argument("--out", type=Path, default=None, help="run directories and results.json (default runs/exp_kstep[_quick])")
     ap.add_argument("--plot", type=Path, default=None, help="PNG (default <out>/kstep_auc.png)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="config override key=value (repeatable)")
@@ -584,9 +614,12 @@ def main(argv: list[str] | None = None) -> int:
     out = a.out or REPO / "runs" / ("exp_kstep_quick" if a.quick else "exp_kstep")
     ks = [int(x) for x in a.ks.split(",") if x.strip()]
     moments = {"both": [False, True], "on": [True], "off": [False]}[a.moments]
-    grid = [(k, m) for m in moments for k in ks]
+    merge_rows = [x.strip() for x in a.rows.split(",") if x.strip()]
+    if not merge_rows or set(merge_rows) - {"touched", "all"}:
+        ap.error(f"--rows {a.rows}: expected touched, all or both")
+    grid = [(k, m, rw) for rw in merge_rows for m in moments for k in ks]
     if a.sync:
-        grid.insert(0, (SYNC, False))
+        grid.insert(0, (SYNC, False, "-"))
     if a.eval_every:
         bad = [k for k in ks if a.eval_every % k]
         if bad:
@@ -610,11 +643,12 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     t0 = time.perf_counter()
     try:
-        for i, (k, m) in enumerate(grid, 1):
-            what = "synchronous DMP over all ranks" if k == SYNC else f"k={k} moments={'merged' if m else 'not merged'}"
+        for i, (k, m, rw) in enumerate(grid, 1):
+            what = ("synchronous DMP over all ranks" if k == SYNC
+                    else f"k={k} moments={'merged' if m else 'not merged'} rows={rw}")
             _log(f"run {i}/{len(grid)}: {what}")
-            run_dir = out / ("sync" if k == SYNC else f"k{k}_{'mom' if m else 'nomom'}")
-            r = run_one(config, run_dir, k, m, a.overrides, a.timeout, net)
+            run_dir = out / ("sync" if k == SYNC else f"k{k}_{'mom' if m else 'nomom'}_{rw}")
+            r = run_one(config, run_dir, k, m, a.overrides, a.timeout, net, rows=rw)
             rows.append(r)
             elapsed = time.perf_counter() - t0
             _log(
@@ -652,7 +686,9 @@ def main(argv: list[str] | None = None) -> int:
         doc = merge_results(a.results, rows, meta, probe)
         head["network_summary"] = {
             net: {"k_beats_sync": e.get("k_beats_sync"), "k_stops_paying": e.get("k_stops_paying"),
-                  "speedup_k16_vs_k1": (e["k"].get("16") or {}).get("speedup_vs_k1")}
+                  "k_beats_sync_touched": e.get("k_beats_sync_touched"),
+                  "speedup_k16_vs_k1": (e["k"].get("16") or {}).get("speedup_vs_k1"),
+                  "speedup_k16_touched_vs_sync": (e["k"].get("16-touched") or {}).get("speedup_vs_sync")}
             for net, e in doc["summary"].items()
         }
         if probe is not None:

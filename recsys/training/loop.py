@@ -165,6 +165,7 @@ def setup(cfg: ExperimentConfig, model_factory: ModelFactory | None = None) -> J
         merger = KStepMerger(
             dmp, optimizer, groups.replica_pg, cfg.train.merge_every, cfg.train.merge_moments,
             host_pg=groups.host_pg, route=os.environ.get("RECSYS_MERGE_ROUTE", cfg.train.merge_route),
+            rows=cfg.train.merge_rows,
         )
         ckpt.per_host_optim = not cfg.train.merge_moments  # unmerged moments: each host saves its own
     return Job(cfg, env, source, dmp, optimizer, dense, ckpt, run_dir, groups, merger, warmup, resume_from,
@@ -389,7 +390,10 @@ def _run(cfg: ExperimentConfig, model_factory: ModelFactory | None) -> dict[str,
             hosts=job.groups.hosts, merge_every=m.every_k, merge_moments=m.merge_moments, merges=m.merges,
             merge_route=m.route, checkpoint_every_steps=ckpt_every,
             cross_host_bytes_total=_mean_across_ranks(m.cross_host_bytes_total) * env.world_size,
-            merge_payload_bytes_per_rank=m.payload_bytes_per_merge,
+            merge_payload_bytes_per_rank=m.payload_bytes_per_merge, merge_rows=m.rows,
+            # the last merge: embedding rows averaged / held, in all ranks' tracked shards
+            rows_merged_last=int(_mean_across_ranks(m.rows_merged) * env.world_size),
+            rows_tracked=int(_mean_across_ranks(m.rows_tracked) * env.world_size),
             replica_divergence=m.max_divergence(),
         )
         summary["cross_host_bytes_per_step"] = summary["cross_host_bytes_total"] / max(total - bytes_from_step, 1)

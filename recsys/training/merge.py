@@ -16,6 +16,13 @@ groups (recsys/training/loop.py):
     merger = KStepMerger(dmp, optimizer, groups.replica_pg, every_k=16, host_pg=groups.host_pg)
     merger.step(step)  # after each optimizer step, with the 1-based step number
 
+Which embedding rows (``rows=``): ``touched`` (the default) averages only the rows some host
+looked up since the last merge, with their optimizer state, agreed in one all-gather of row lists
+or bitmaps (``recsys.training.touched_rows``: why every other row is equal on every host
+already); a shard whose union holds most of its rows goes whole. ``all``: whole shards. Both
+end at the same model (tests/test_kstep_merge.py); the bytes of a touched-row merge follow the
+rows the batches touched, not the table sizes.
+
 The all-reduce works in place on the real storage: the embedding shards are the local shards of
 the fused optimizer's ShardedTensors, which are views of FBGEMM's weight / momentum buffers.
 Tensors are coalesced into flat buffers per dtype (at most `bucket_bytes` each), so a merge is a
@@ -49,10 +56,13 @@ from torch import nn
 
 from recsys.optim.cowclip.catchup import catch_up_all_tables
 from recsys.training.distributed import collective_device, local_tensors
+from recsys.training.touched_rows import TouchedRows, union
 
 log = logging.getLogger(__name__)
 
 _SKIP_STATE_KEYS = ("step",)
+# a shard whose union of touched rows holds more than this share of its rows is merged whole
+WHOLE_SHARD_FRACTION = 0.75
 
 
 def _params_of(optimizer: Any) -> list[Any]:
@@ -84,11 +94,20 @@ class KStepMerger:
         bucket_bytes: int = 64 << 20,
         host_pg: dist.ProcessGroup | None = None,
         route: str = "auto",
+        rows: str = "touched",
+        tracking_from_start: bool = True,
     ) -> None:
+        """``rows``: ``touched`` (the default) averages only the embedding rows some host looked
+        up since the last merge (``recsys.training.touched_rows``), ``all`` whole shards.
+        ``tracking_from_start``: the merger exists before the model's first forward, so it sees
+        every row that moves; when False (a hook bound after the first step) the first merge
+        takes whole shards."""
         if every_k <= 0:
             raise ValueError(f"every_k must be positive, got {every_k}")
         if route not in ("auto", "flat", "hierarchical"):
             raise ValueError(f"route must be auto, flat or hierarchical, got {route!r}")
+        if rows not in ("touched", "all"):
+            raise ValueError(f"rows must be touched or all, got {rows!r}")
         host_size = dist.get_world_size(host_pg) if host_pg is not None else 1
         if route == "hierarchical" and host_size == 1:
             route = "flat"  # one rank per host: nothing to split
@@ -111,6 +130,12 @@ class KStepMerger:
         self.payload_bytes_per_merge = 0  # bytes this rank averages across hosts per merge
         self.intra_host_bytes_total = 0  # hierarchical route: all-gather bytes inside the host (model)
         self._avg_ok = True
+        self.rows = rows
+        self.touched = TouchedRows(dmp, complete=tracking_from_start) if rows == "touched" and self.hosts > 1 else None
+        # the last merge's embedding rows: averaged / held in tracked tables; bytes sent to agree on them
+        self.rows_merged = 0
+        self.rows_tracked = 0
+        self.union_bytes_per_merge = 0
 
     # -- resume ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, int]:
@@ -126,41 +151,63 @@ class KStepMerger:
         self.intra_host_bytes_total = int(state.get("intra_host_bytes_total", 0))
 
     # -- what gets merged ------------------------------------------------------------------------
-    def _param_tensors(self) -> list[tuple[torch.Tensor, bool]]:
+    def _optimizers(self) -> list[Any]:
+        fused = getattr(self.dmp, "fused_optimizer", None)
+        return [self.optimizer] + ([fused] if fused is not None and fused is not self.optimizer else [])
+
+    def _param_tensors(self) -> list[tuple[torch.Tensor, bool, torch.Tensor | None]]:
+        """(tensor, host-replicated, the embedding shard whose rows it holds or None)."""
         values = _params_of(self.optimizer)
         fused = getattr(self.dmp, "fused_optimizer", None)
         if fused is not None and fused is not self.optimizer:
             values += list(fused.params.values())
-        return [(t, _host_replicated(v)) for v in values for t in local_tensors(v)]
-
-    def _state_tensors(self) -> list[tuple[torch.Tensor, bool]]:
         out = []
-        opts = [self.optimizer]
+        for v in values:
+            rep = _host_replicated(v)
+            out += [(t, rep, None if rep else t) for t in local_tensors(v)]
+        return out
+
+    def _state_tensors(self, floating: bool = True) -> list[tuple[torch.Tensor, bool, torch.Tensor | None]]:
+        """The optimizers' state tensors (floating, or the integer counters), each with the
+        embedding shard whose rows it follows (a state shard with the shard's row count)."""
         fused = getattr(self.dmp, "fused_optimizer", None)
-        if fused is not None and fused is not self.optimizer:
-            opts.append(fused)
-        for opt in opts:
-            for state in opt.state.values():
+        out = []
+        for opt in self._optimizers() if floating else ([fused] if fused is not None else []):
+            for param, state in opt.state.items():
+                shards = [] if _host_replicated(param) else local_tensors(param)
                 for key, value in state.items():
                     if key in _SKIP_STATE_KEYS:
                         continue
                     rep = _host_replicated(value)
-                    out += [(t, rep) for t in local_tensors(value) if t.is_floating_point()]
+                    ts = local_tensors(value)
+                    owners: list[torch.Tensor | None] = [None] * len(ts)
+                    if not rep and len(ts) == len(shards):
+                        owners = [s if t.dim() >= 1 and s.dim() >= 1 and t.shape[0] == s.shape[0] else None
+                                  for t, s in zip(ts, shards)]
+                    for t, owner in zip(ts, owners):
+                        if t.is_floating_point() == floating and t.dtype != torch.bool:
+                            out.append((t, rep, owner))
         return out
 
-    def _counter_tensors(self) -> list[torch.Tensor]:
+    def _counter_tensors(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """Integer state of the fused (embedding) optimizer: not averaged, max-reduced."""
-        fused = getattr(self.dmp, "fused_optimizer", None)
         out, seen = [], set()
-        for state in (fused.state.values() if fused is not None else []):
-            for key, value in state.items():
-                if key in _SKIP_STATE_KEYS:
-                    continue
-                for t in local_tensors(value):
-                    k = (t.data_ptr(), tuple(t.shape))
-                    if t.numel() and not t.is_floating_point() and t.dtype != torch.bool and k not in seen:
-                        seen.add(k)
-                        out.append(t)
+        for t, _, owner in self._state_tensors(floating=False):
+            k = (t.data_ptr(), tuple(t.shape))
+            if t.numel() and k not in seen:
+                seen.add(k)
+                out.append((t, owner))
+        return out
+
+    def _classified_rows(self) -> list[tuple[torch.Tensor, bool, torch.Tensor | None]]:
+        seen, out = set(), []
+        for t, rep, owner in self._param_tensors() + (self._state_tensors() if self.merge_moments else []):
+            if t.numel() == 0:
+                continue
+            key = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
+            if key not in seen:
+                seen.add(key)
+                out.append((t, rep, owner))
         return out
 
     def classified(self) -> list[tuple[torch.Tensor, bool]]:
@@ -168,15 +215,7 @@ class KStepMerger:
         duplicates (same storage, offset and shape). Replicated: plain tensors (the dense
         parameters and their optimizer state, kept equal inside the host by DDP); not
         replicated: local shards of ShardedTensors / DTensors (embedding shards, their state)."""
-        seen, out = set(), []
-        for t, rep in self._param_tensors() + (self._state_tensors() if self.merge_moments else []):
-            if t.numel() == 0:
-                continue
-            key = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
-            if key not in seen:
-                seen.add(key)
-                out.append((t, rep))
-        return out
+        return [(t, rep) for t, rep, _ in self._classified_rows()]
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor a merge averages, without duplicates (same storage, offset and shape)."""
@@ -213,9 +252,18 @@ class KStepMerger:
         # first, so the average is of the dense reference's replicas (O(table), once per merge)
         catch_up_all_tables(self.dmp)
         hierarchical = self.route == "hierarchical"
+        items = self._classified_rows()
+        rows_of = self._touched_rows([owner for t, rep, owner in items if not rep and owner is not None]
+                                     + [owner for _, owner in (self._counter_tensors() if self.merge_moments else [])
+                                        if owner is not None])
         by_kind: dict[tuple[bool, torch.dtype, torch.device], list[torch.Tensor]] = defaultdict(list)
-        for t, rep in self.classified():
-            by_kind[(hierarchical and rep, t.dtype, t.device)].append(t)
+        by_rows: dict[tuple[torch.dtype, torch.device], list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
+        for t, rep, owner in items:
+            idx = rows_of.get(owner.data_ptr()) if owner is not None and not rep else None
+            if idx is not None:
+                by_rows[(t.dtype, t.device)].append((t, idx))
+            else:
+                by_kind[(hierarchical and rep, t.dtype, t.device)].append(t)
         if hierarchical and not self._checked_replicated:
             self._check_replicated([t for (rep, _, _), ts in by_kind.items() if rep for t in ts])
             if self.route != "hierarchical":  # fell back: everything goes flat
@@ -234,13 +282,65 @@ class KStepMerger:
                     n = t.numel()
                     t.copy_(flat[offset : offset + n].view_as(t))
                     offset += n
+        # touched rows of the embedding shards (and their state): one packed buffer per dtype
+        for dtype, device in sorted(by_rows, key=str):
+            pairs = by_rows[(dtype, device)]
+            for bucket in _buckets(pairs, self.bucket_bytes, _rows_bytes):
+                flat = torch.cat([t.index_select(0, idx).reshape(-1) for t, idx in bucket])
+                payload += self._merge_whole(flat)
+                offset = 0
+                for t, idx in bucket:
+                    n = idx.numel() * (t.numel() // max(t.shape[0], 1))
+                    t.index_copy_(0, idx, flat[offset : offset + n].view(idx.numel(), *t.shape[1:]))
+                    offset += n
         if self.merge_moments:  # integer per-row counters (CowClip-Adam's row_step): the largest
-            for t in self._counter_tensors():  # count, so bias correction agrees on every host
-                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg)
-                payload += t.numel() * t.element_size()
+            for t, owner in self._counter_tensors():  # count, so bias correction agrees on every host
+                idx = rows_of.get(owner.data_ptr()) if owner is not None else None
+                part = t if idx is None else t.index_select(0, idx)
+                dist.all_reduce(part, op=dist.ReduceOp.MAX, group=self.pg)
+                if idx is not None:
+                    t.index_copy_(0, idx, part)
+                payload += part.numel() * part.element_size()
+        if self.touched is not None:
+            self.touched.reset()
         self.payload_bytes_per_merge = payload
-        self.cross_host_bytes_total += int(2 * (self.hosts - 1) / self.hosts * payload)
+        self.cross_host_bytes_total += int(2 * (self.hosts - 1) / self.hosts * payload) + self.union_bytes_per_merge
         self.merges += 1
+
+    def _touched_rows(self, owners: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Embedding shard (storage pointer) -> the local rows to average: the union over the hosts
+        of the rows looked up since the last merge. Shards without a bitmap, or whose union holds
+        most of their rows, are left out (merged whole). Collective over replica_pg when rows are
+        tracked; every replica lists the same shards in the same order (the same plan)."""
+        self.union_bytes_per_merge = 0
+        self.rows_merged = self.rows_tracked = 0
+        if self.touched is None or not self.touched.complete:
+            return {}
+        shards, seen = [], set()
+        for owner in owners:
+            bm = self.touched.bitmap_of(owner)
+            if not self.merge_moments and owner.data_ptr() in self.touched.moves_when_absent:
+                bm = None  # absent rows move by each host's own moments: not equal, merge whole
+            if bm is not None and owner.data_ptr() not in seen:
+                seen.add(owner.data_ptr())
+                shards.append((owner.data_ptr(), bm))
+        if not shards:
+            return {}
+        u = union(torch.cat([bm for _, bm in shards]), self.pg)
+        self.union_bytes_per_merge = u.exchange_bytes
+        out, offset = {}, 0
+        for ptr, bm in shards:
+            n = bm.numel()
+            mask = u.mask[offset : offset + n]
+            offset += n
+            idx = mask.nonzero().flatten()
+            self.rows_tracked += n
+            if idx.numel() > WHOLE_SHARD_FRACTION * n:  # gathering most rows costs more than it saves
+                self.rows_merged += n
+                continue
+            self.rows_merged += idx.numel()
+            out[ptr] = idx
+        return out
 
     def _merge_whole(self, flat: torch.Tensor) -> int:
         self._all_reduce_avg(flat)
@@ -301,10 +401,19 @@ def _host_replicated(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and not hasattr(value, "local_shards") and not hasattr(value, "to_local")
 
 
-def _buckets(ts: Iterable[torch.Tensor], cap: int) -> Iterable[list[torch.Tensor]]:
+def _rows_bytes(pair: tuple[torch.Tensor, torch.Tensor]) -> int:
+    t, idx = pair
+    return idx.numel() * (t.numel() // max(t.shape[0], 1)) * t.element_size()
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _buckets(ts: Iterable[Any], cap: int, size_of: Any = _tensor_bytes) -> Iterable[list[Any]]:
     bucket, size = [], 0
     for t in ts:
-        nbytes = t.numel() * t.element_size()
+        nbytes = size_of(t)
         if bucket and size + nbytes > cap:
             yield bucket
             bucket, size = [], 0
@@ -348,6 +457,7 @@ class KStepMergeHook:
         hosts: int | None = None,
         merge_moments: bool = False,
         route: str = "auto",
+        rows: str = "touched",
         timeout: "timedelta | None" = None,
     ) -> None:
         from torchrec.distributed.types import ShardingEnv
@@ -362,6 +472,7 @@ class KStepMergeHook:
         self.total_steps = total_steps
         self.merge_moments = merge_moments
         self.route = route
+        self.rows = rows
         self.hosts = resolve_hosts(hosts or 0)
         self.groups = build_host_groups(self.hosts, timeout or pg_timeout_from_env()) if self.hosts > 1 else None
         self.pg = self.groups.host_pg if self.groups is not None else dist.GroupMember.WORLD
@@ -373,8 +484,11 @@ class KStepMergeHook:
     def _bind(self, model: nn.Module, optimizer: Any) -> KStepMerger:
         if self.merger is None:
             assert self.groups is not None
+            # bound after the first step: the rows that step moved were not seen, so the first
+            # merge takes whole shards (``tracking_from_start=False``), the later ones touched rows
             self.merger = KStepMerger(model, optimizer, self.groups.replica_pg, self.every_k, self.merge_moments,
-                                      host_pg=self.groups.host_pg, route=self.route)
+                                      host_pg=self.groups.host_pg, route=self.route, rows=self.rows,
+                                      tracking_from_start=False)
         elif self.merger.dmp is not model or self.merger.optimizer is not optimizer:
             raise ValueError("KStepMergeHook.step: called with another model or optimizer than at the first step")
         return self.merger

@@ -1,0 +1,158 @@
+"""Which embedding rows moved since the last k-step merge, and their union across hosts.
+
+A merge need only average the rows some host touched since the last merge: every other row was
+equal on every host after that merge (the merge made it so) and has not moved since on any host.
+This holds for every optimizer that updates only the rows of the batch (FBGEMM's fused ones,
+lazy Adam) and for CowClip's catch-up (``update_scope="catchup"``) when the moments are merged
+too: a row nobody looked up is advanced by the same deterministic catch-up from the same state
+over the same steps on every host, bit for bit (``tests/test_kstep_merge.py`` checks both
+against whole-shard merges). With unmerged moments an absent row's catch-up reads each host's
+own moments, so it moves differently on each host: such tables (``moves_when_absent``) are
+merged whole unless the moments are merged.
+
+``TouchedRows`` records the rows each embedding kernel looks up, with a forward pre-hook on the
+kernel (torchrec calls every kernel as ``kernel(features)`` with the rows of its local tables,
+after the input dist: shard-local ids for row-wise shards, table ids otherwise, exactly the rows
+the kernel reads and its backward updates). A bitmap per local table (one byte a row) is keyed by
+the table's local weight (storage pointer), which is what the merger finds among the fused
+optimizer's local shards.
+
+``union`` agrees on the rows across a replica group in one all-gather, of whichever is smaller:
+sorted row lists (4 bytes a touched row) or packed bitmaps (1 bit a local row).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+
+def embedding_kernels(model: nn.Module) -> list[nn.Module]:
+    """Every torchrec embedding kernel of the sharded modules in ``model`` (they sit in the sharded
+    modules' plain ``_lookups`` lists, data-parallel lookups wrapped in DDP)."""
+    out: list[nn.Module] = []
+    for m in model.modules():
+        for lookup in getattr(m, "_lookups", None) or []:
+            lookup = getattr(lookup, "module", lookup)
+            out.extend(getattr(lookup, "_emb_modules", None) or [])
+    return out
+
+
+class TouchedRows:
+    """Per local embedding table, the rows looked up since ``reset``. ``complete`` is False until
+    the first ``reset``: tracking that starts after the model has trained (a hook bound at the
+    first step) cannot tell which rows moved before it, so that merge must take whole shards."""
+
+    def __init__(self, model: nn.Module, complete: bool = True) -> None:
+        self.bitmaps: dict[int, Tensor] = {}  # data_ptr of a table's local weight -> bool[rows]
+        # tables whose optimizer moves rows absent from the batch (CowClip/Adam with the dense
+        # semantics: catch-up or every row every step), by the same key
+        self.moves_when_absent: set[int] = set()
+        self.complete = complete
+        self._handles = []
+        for kernel in embedding_kernels(model):
+            split = getattr(kernel, "split_embedding_weights", None)
+            ftm = getattr(kernel, "_feature_table_map", None)
+            if split is None or ftm is None:
+                continue
+            maps = []
+            for w in split():
+                if not isinstance(w, Tensor) or w.dim() != 2:  # a kernel whose weights are not plain rows
+                    maps = []
+                    break
+                bm = torch.zeros(w.shape[0], dtype=torch.bool, device=w.device)
+                self.bitmaps[w.data_ptr()] = bm
+                maps.append(bm)
+                hyper = getattr(getattr(kernel, "emb_module", None), "hyper", None)
+                if getattr(hyper, "update_scope", "batch") != "batch":
+                    self.moves_when_absent.add(w.data_ptr())
+            if maps:
+                self._handles.append(kernel.register_forward_pre_hook(_recorder(list(ftm), maps)))
+
+    def bitmap_of(self, weight: Tensor) -> Tensor | None:
+        """The bitmap of a table's local weight (a view at the same storage offset), or None."""
+        bm = self.bitmaps.get(weight.data_ptr())
+        return bm if bm is not None and bm.numel() == weight.shape[0] else None
+
+    def reset(self) -> None:
+        for bm in self.bitmaps.values():
+            bm.zero_()
+        self.complete = True
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+def _recorder(feature_table_map: list[int], maps: list[Tensor]):
+    def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+        features = args[0]
+        values = features.values()
+        if values.numel() == 0:
+            return
+        offsets = features.offset_per_key()
+        for f, t in enumerate(feature_table_map):
+            lo, hi = offsets[f], offsets[f + 1]
+            if hi > lo:
+                maps[t][values[lo:hi].long()] = True
+    return hook
+
+
+@dataclass
+class Union:
+    """The union of touched rows over a replica group: ``mask`` over the concatenated row space;
+    ``exchange_bytes``: what this rank sent to agree on it; ``mode``: ``ids`` or ``bitmap``."""
+
+    mask: Tensor
+    exchange_bytes: int
+    mode: str
+
+
+def union(local: Tensor, pg: dist.ProcessGroup | None) -> Union:
+    """The OR of every replica's ``local`` (bool, the same length everywhere) in one all-gather of
+    row lists or of packed bitmaps, whichever is smaller for the largest list in the group."""
+    world = dist.get_world_size(pg) if pg is not None else 1
+    if world == 1:
+        return Union(local.clone(), 0, "none")
+    n = local.numel()
+    ids = local.nonzero().flatten()
+    most = torch.tensor([ids.numel()], dtype=torch.long, device=local.device)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX, group=pg)
+    most_ids = int(most.item())
+    if most_ids * 4 < (n + 7) // 8 and n < 2**31:
+        mine = torch.full((most_ids,), -1, dtype=torch.int32, device=local.device)
+        mine[: ids.numel()] = ids.to(torch.int32)
+        parts = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(parts, mine, group=pg)
+        every = torch.cat(parts)
+        every = every[every >= 0].long()
+        mask = torch.zeros(n, dtype=torch.bool, device=local.device)
+        mask[every] = True
+        return Union(mask, (world - 1) * mine.numel() * 4 + 8, "ids")
+    packed = _pack(local)
+    parts = [torch.empty_like(packed) for _ in range(world)]
+    dist.all_gather(parts, packed, group=pg)
+    merged = parts[0]
+    for p in parts[1:]:
+        merged = merged | p
+    return Union(_unpack(merged, n), (world - 1) * packed.numel() + 8, "bitmap")
+
+
+_BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+
+def _pack(mask: Tensor) -> Tensor:
+    n = mask.numel()
+    padded = torch.zeros((n + 7) // 8 * 8, dtype=torch.uint8, device=mask.device)
+    padded[:n] = mask.to(torch.uint8)
+    return (padded.view(-1, 8) * _BITS.to(mask.device)).sum(dim=1, dtype=torch.uint8)
+
+
+def _unpack(packed: Tensor, n: int) -> Tensor:
+    bits = (packed.view(-1, 1) & _BITS.to(packed.device)).ne(0)
+    return bits.view(-1)[:n]
