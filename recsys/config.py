@@ -39,6 +39,9 @@ class ModelConfig:
     dropout: float = 0.0
     # Embedding rows start uniform with this standard deviation (CowClip reference: 1e-2).
     embedding_init_std: float = 0.01
+    # Tables get this many times the data's cardinality in rows; the ids stay in the first part
+    # (headroom, as hashed tables sized for future ids have). 1: the cardinality.
+    table_rows_factor: int = 1
 
 
 @dataclass
@@ -414,6 +417,8 @@ def validate(cfg: ExperimentConfig, source: str = "config") -> None:
         bad("model.cross_low_rank", "must be >= 0 (0: full-rank cross layers)")
     if m.embedding_init_std <= 0:
         bad("model.embedding_init_std", "must be positive")
+    if m.table_rows_factor < 1:
+        bad("model.table_rows_factor", "must be >= 1")
     if d.source not in _SOURCES:
         bad("data.source", f"unknown source '{d.source}' (choose from {', '.join(_SOURCES)})")
     if isinstance(d.cardinalities, str) and d.cardinalities not in CARDINALITY_PRESETS:

@@ -281,3 +281,29 @@ def test_unpooled_kernel_matches_formula_for_every_update_scope(scope):
     tbe.catch_up_all()
     for w, r_ in zip(tbe.split_embedding_weights(), ref):
         torch.testing.assert_close(w, r_, rtol=0, atol=0.2 * lr if scope == "catchup" else 1e-6)
+
+
+def test_private_torchrec_attributes_still_exist():
+    """The EC sharder mirrors torchrec's sequence create_lookup bodies through these private
+    attributes, and restores the tag after torchrec's grouping overwrites it."""
+    import inspect
+
+    from torchrec.distributed.embedding import ShardedEmbeddingCollection
+    from torchrec.distributed.sharding import (
+        cw_sequence_sharding, dp_sequence_sharding, rw_sequence_sharding, tw_sequence_sharding,
+    )
+
+    for mod, attrs in [
+        (tw_sequence_sharding, ["_grouped_embedding_configs", "_pg"]),
+        (rw_sequence_sharding, ["_grouped_embedding_configs", "_pg"]),
+        (cw_sequence_sharding, ["_grouped_embedding_configs", "_pg"]),
+        (dp_sequence_sharding, ["_grouped_embedding_configs", "_env.process_group"]),
+    ]:
+        src = inspect.getsource(mod)
+        body = src[src.index("def create_lookup"):][:1200]
+        assert "GroupedEmbeddingsLookup(" in body, mod.__name__
+        for a in attrs:
+            assert f"self.{a}" in body, (mod.__name__, a)
+    init = inspect.getsource(ShardedEmbeddingCollection.__init__)
+    assert "self._create_lookups()" in init and "self.create_grouped_sharding_infos(" in init
+    assert "lookup = lookup.module" in inspect.getsource(ShardedEmbeddingCollection._initialize_torch_state)

@@ -266,11 +266,43 @@ def _union_worker(rank: int, port: int, out: str) -> None:
         u = union(local, dist.GroupMember.WORLD)
         parts = [torch.zeros(n, dtype=torch.bool) for _ in range(2)]
         dist.all_gather_object(parts, local)  # the independent OR
-        results[name] = {"equal": bool(torch.equal(u.mask, parts[0] | parts[1])), "mode": u.mode,
+        results[name] = {"or": bool(torch.equal(u.mask, parts[0] | parts[1])), "mode": u.mode,
                          "bytes": u.exchange_bytes, "count": int(u.mask.sum())}
+    # max_divergence: equal replicas by fingerprint, a differing one by its exact difference
+    from recsys.training.merge import KStepMerger
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(300, 40)
+    merger = KStepMerger(model, torch.optim.SGD(model.parameters(), lr=0.1), dist.GroupMember.WORLD, every_k=1)
+    results["equal"] = merger.max_divergence()
+    with torch.no_grad():
+        model.weight[7, 11] += 0.25 if rank == 1 else 0.0
+    results["differ"] = merger.max_divergence()
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
+
+
+def test_fingerprint_is_exact_and_order_free():
+    """Replica checks compare bit fingerprints: equal bits give equal fingerprints whatever the
+    thread count; one changed element or two swapped ones change them."""
+    from recsys.training.merge import _fingerprint
+
+    a = torch.randn(3001, 7, generator=torch.Generator().manual_seed(0))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _fingerprint(a)
+        torch.set_num_threads(max(2, threads))
+        assert _fingerprint(a.clone()) == one
+    finally:
+        torch.set_num_threads(threads)
+    b = a.clone()
+    b.view(-1)[12345] = torch.nextafter(b.view(-1)[12345], torch.tensor(10.0))  # one ulp
+    c = a.clone()
+    c[0, 0], c[0, 1] = a[0, 1], a[0, 0]
+    assert _fingerprint(b) != one and _fingerprint(c) != one
+    assert _fingerprint(a.double()) != _fingerprint(a)
 
 
 def test_union_of_touched_rows_is_the_or_of_the_replicas_in_the_smaller_encoding(tmp_path):
@@ -279,7 +311,8 @@ def test_union_of_touched_rows_is_the_or_of_the_replicas_in_the_smaller_encoding
     out = tmp_path / "u.json"
     mp.start_processes(_union_worker, args=(_free_port(), str(out)), nprocs=2, start_method="spawn")
     r = json.loads(out.read_text())
-    assert all(v["equal"] for v in r.values()), r
+    assert all(r[k]["or"] for k in ("sparse", "dense", "empty")), r
     assert r["sparse"]["mode"] == "ids" and r["sparse"]["bytes"] < 100_000 // 8
     assert r["dense"]["mode"] == "bitmap" and r["dense"]["bytes"] == (1_003 + 7) // 8 + 8
     assert r["empty"]["count"] == 0 and r["empty"]["mode"] == "ids"
+    assert r["equal"] == 0.0 and r["differ"] == 0.25

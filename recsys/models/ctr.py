@@ -206,7 +206,11 @@ def build_model(
     cfg: ModelConfig, names: list[str], cards: list[int], num_dense: int, device: torch.device,
     emb_device: torch.device | None = None,
 ) -> nn.Module:
-    """Builds a model by name: embedding tables on `meta`, the dense network on `device`."""
+    """Builds a model by name: embedding tables on `meta`, the dense network on `device`.
+    Tables have ``cfg.table_rows_factor`` x ``cards`` rows."""
+    if cfg.table_rows_factor < 1:
+        raise ValueError(f"model.table_rows_factor must be >= 1, got {cfg.table_rows_factor}")
+    cards = [int(c) * cfg.table_rows_factor for c in cards]
     if cfg.name == "deepfm":
         return DeepFM(names, cards, num_dense, cfg, device, emb_device)
     if cfg.name == "wide_deep":

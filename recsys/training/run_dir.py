@@ -190,6 +190,7 @@ def state_shape(cfg, sparse_names: list[str], cardinalities: list[int], shard_wo
         "model.dnn": list(m.dnn),
         "model.cross_layers": m.cross_layers,
         "model.cross_low_rank": m.cross_low_rank,
+        **({"model.table_rows_factor": m.table_rows_factor} if m.table_rows_factor != 1 else {}),
         "data.tables": dict(zip(sparse_names, [int(c) for c in cardinalities])),
         "optim.embedding": cfg.optim.embedding,
         "train.batch_size": t.batch_size,
