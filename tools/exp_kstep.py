@@ -190,7 +190,7 @@ def run_one(
             merges=s["merges"], merge_route=s.get("merge_route"), cross_host_bytes_total=s["cross_host_bytes_total"],
             merge_payload_bytes_per_rank=s["merge_payload_bytes_per_rank"], replica_divergence=s["replica_divergence"],
             merge_rows=s.get("merge_rows", "all"), rows_merged_last=s.get("rows_merged_last"),
-            rows_tracked=s.get("rows_tracked"),
+            rows_tracked=s.get("rows_tracked"), merge_seconds=s.get("merge_seconds"),
         )
     row["cross_host_bytes_per_sample"] = row["cross_host_bytes_total"] / s["samples"]
     row["net"] = str(net.link) if net is not None else "loopback"

@@ -394,6 +394,7 @@ def _run(cfg: ExperimentConfig, model_factory: ModelFactory | None) -> dict[str,
             # the last merge: embedding rows averaged / held, in all ranks' tracked shards
             rows_merged_last=int(_mean_across_ranks(m.rows_merged) * env.world_size),
             rows_tracked=int(_mean_across_ranks(m.rows_tracked) * env.world_size),
+            merge_seconds={k: round(v, 3) for k, v in m.seconds.items()},  # rank 0's, all merges, by phase
             replica_divergence=m.max_divergence(),
         )
         summary["cross_host_bytes_per_step"] = summary["cross_host_bytes_total"] / max(total - bytes_from_step, 1)

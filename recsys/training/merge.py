@@ -46,6 +46,7 @@ Routes (`route=`):
 from __future__ import annotations
 
 import logging
+import time
 from collections import defaultdict
 from datetime import timedelta
 from typing import Any, Iterable
@@ -136,6 +137,9 @@ class KStepMerger:
         self.rows_merged = 0
         self.rows_tracked = 0
         self.union_bytes_per_merge = 0
+        # merge time by phase, summed over merges: catch-up + the union of touched rows; whole
+        # tensors (dense part, untracked shards); touched rows packed, all-reduced, unpacked; counters
+        self.seconds: dict[str, float] = {}
 
     # -- resume ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, int]:
@@ -250,6 +254,7 @@ class KStepMerger:
         # CowClip tables with the reference's semantics by catch-up (embedding_l2_scope=catchup):
         # rows are current at different steps on different hosts; bring every row to this step
         # first, so the average is of the dense reference's replicas (O(table), once per merge)
+        t0 = time.perf_counter()
         catch_up_all_tables(self.dmp)
         hierarchical = self.route == "hierarchical"
         items = self._classified_rows()
@@ -268,6 +273,7 @@ class KStepMerger:
             self._check_replicated([t for (rep, _, _), ts in by_kind.items() if rep for t in ts])
             if self.route != "hierarchical":  # fell back: everything goes flat
                 return self.merge()
+        t1 = time.perf_counter()
         payload = 0
         # the same collective order on every rank of a host (their shard lists differ): the
         # host-replicated buckets (with their all-gather over host_pg) first, then the shards
@@ -282,17 +288,23 @@ class KStepMerger:
                     n = t.numel()
                     t.copy_(flat[offset : offset + n].view_as(t))
                     offset += n
+        t2 = time.perf_counter()
+        pack = reduce = unpack = 0.0
         # touched rows of the embedding shards (and their state): one packed buffer per dtype
         for dtype, device in sorted(by_rows, key=str):
             pairs = by_rows[(dtype, device)]
             for bucket in _buckets(pairs, self.bucket_bytes, _rows_bytes):
+                ta = time.perf_counter()
                 flat = torch.cat([t.index_select(0, idx).reshape(-1) for t, idx in bucket])
+                tb = time.perf_counter()
                 payload += self._merge_whole(flat)
+                tc = time.perf_counter()
                 offset = 0
                 for t, idx in bucket:
                     n = idx.numel() * (t.numel() // max(t.shape[0], 1))
                     t.index_copy_(0, idx, flat[offset : offset + n].view(idx.numel(), *t.shape[1:]))
                     offset += n
+                pack, reduce, unpack = pack + tb - ta, reduce + tc - tb, unpack + time.perf_counter() - tc
         if self.merge_moments:  # integer per-row counters (CowClip-Adam's row_step): the largest
             for t, owner in self._counter_tensors():  # count, so bias correction agrees on every host
                 idx = rows_of.get(owner.data_ptr()) if owner is not None else None
@@ -303,6 +315,10 @@ class KStepMerger:
                 payload += part.numel() * part.element_size()
         if self.touched is not None:
             self.touched.reset()
+        t3 = time.perf_counter()
+        for key, seconds in (("catch_up_and_union", t1 - t0), ("whole_tensors", t2 - t1), ("pack_rows", pack),
+                             ("all_reduce_rows", reduce), ("unpack_rows", unpack), ("counters", t3 - t2 - pack - reduce - unpack)):
+            self.seconds[key] = self.seconds.get(key, 0.0) + seconds
         self.payload_bytes_per_merge = payload
         self.cross_host_bytes_total += int(2 * (self.hosts - 1) / self.hosts * payload) + self.union_bytes_per_merge
         self.merges += 1
