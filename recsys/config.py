@@ -26,12 +26,19 @@ class ConfigError(ValueError):
     """A bad configuration; the message is one line that names the file and key."""
 
 
+# The options a string key takes: checked when a file or override sets them (``_coerce``) and
+# again by ``validate`` for configs built in Python.
+ModelName = Literal["deepfm", "wide_deep", "dcn", "dcnv2"]
+DataSource = Literal["synthetic", "criteo", "avazu"]
+EmbeddingOptimizer = Literal["rowwise_adagrad", "adagrad", "sgd", "cowclip_adam", "adam", "fbgemm_cowclip"]
+
+
 @dataclass
 class ModelConfig:
     """Model architecture. Defaults follow the CowClip paper (DNN 400-400-400) except the
     embedding dim: the paper uses 10, FBGEMM's fused kernels need dims divisible by 4, so 16."""
 
-    name: str = "deepfm"  # deepfm | wide_deep | dcn | dcnv2
+    name: ModelName = "deepfm"
     embedding_dim: int = 16
     dnn: list[int] = field(default_factory=lambda: [400, 400, 400])
     cross_layers: int = 3  # dcn / dcnv2
@@ -48,16 +55,16 @@ class ModelConfig:
 class DataConfig:
     """Where batches come from. `synthetic` is the embedded default (no files needed)."""
 
-    source: str = "synthetic"  # synthetic | criteo | avazu
+    source: DataSource = "synthetic"
     # criteo/avazu: raw files (a file, a directory or a glob); preprocessed once into cache_dir.
     path: str = ""
-    format: str = "auto"  # criteo: auto | tsv | csv
+    format: Literal["auto", "tsv", "csv"] = "auto"  # criteo
     cache_dir: str = ""  # default: data_cache/<source>-<name of path>-<hash of its absolute path> (docs/data.md)
     eval_fraction: float = 0.1  # criteo/avazu: the last fraction of rows is the eval split
     max_bad_fraction: float = 0.01
     # How a shard cache that matches its inputs' names, sizes, mtimes and first/last MiB is checked
     # before reuse: full (every byte hashed again, ~0.7 s/GB) | quick (trust those; said in the log)
-    verify: str = "full"
+    verify: Literal["full", "quick"] = "full"
     # Training epochs in a seeded, shuffled order (recsys/data/order.py, docs/data.md): blocks of
     # shuffle_block_rows consecutive rows permuted per epoch, rows permuted again inside windows
     # of shuffle_buffer_rows (0: blocks only). Eval always reads its split in order.
@@ -84,7 +91,7 @@ class OptimConfig:
 
     # rowwise_adagrad | adagrad | sgd (FBGEMM fused); cowclip_adam | adam (our fused kernel,
     # recsys/optim/cowclip/sharder.py); fbgemm_cowclip (FBGEMM's native COWCLIP on rowwise Adagrad)
-    embedding: str = "rowwise_adagrad"
+    embedding: EmbeddingOptimizer = "rowwise_adagrad"
     embedding_lr: float = 0.005
     embedding_eps: float = 1e-8
     dense_lr: float = 1e-3
@@ -96,15 +103,15 @@ class OptimConfig:
     embedding_l2: float = 0.0  # Keras l2(lambda) (cowclip_adam/adam/fbgemm_cowclip)
     # auto (effective_l2_scope): catchup for cowclip_adam, batch otherwise | batch: rows of the batch
     # only (lazy) | all: every row, every step | catchup: as all, absent rows advanced when next read
-    embedding_l2_scope: str = "auto"
+    embedding_l2_scope: Literal["auto", "batch", "all", "catchup"] = "auto"
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
-    adam_eps_mode: str = "torch"  # torch (torch.optim.Adam) | keras (the paper's tf.keras Adam)
+    adam_eps_mode: Literal["torch", "keras"] = "torch"  # torch.optim.Adam's eps | the paper's tf.keras Adam's
     # Scaling rule (recsys/optim/scaling.py): hyperparameters above are for batch `scale_from_batch`;
     # the run's train.batch_size scales them (0: off). cowclip: embedding lr x1, L2 x s, dense lr
     # x sqrt(s); sqrt / linear: every lr x sqrt(s) / x s.
     scale_from_batch: int = 0
-    scale_rule: str = "cowclip"
+    scale_rule: Literal["cowclip", "sqrt", "linear"] = "cowclip"
     warmup_epochs: float = -1.0  # linear dense-lr warmup; -1: 1 epoch when scaling, else none
 
 
@@ -134,7 +141,7 @@ class TrainConfig:
     eval_batch_size: int = 8192
     log_every: int = 20
     nproc_per_node: int = 2
-    device: str = "auto"  # auto | cpu | cuda
+    device: Literal["auto", "cpu", "cuda"] = "auto"
     seed: int = 0
     threads_per_rank: int = 0  # 0: cores / local ranks
     # The dense part of a training step (everything after the embedding lookups, and the loss) runs
@@ -147,7 +154,7 @@ class TrainConfig:
     hosts: int = 1
     merge_every: int = 0  # k: average dense params and embedding shards across hosts every k steps; 0: off
     merge_moments: bool = False  # also average optimizer state (Adam moments, Adagrad momentum)
-    merge_route: str = "auto"  # auto (hierarchical when a host has > 1 rank) | flat | hierarchical
+    merge_route: Literal["auto", "flat", "hierarchical"] = "auto"  # auto: hierarchical when a host has > 1 rank
     # which embedding rows a merge averages: touched (rows some host looked up since the last
     # merge; the others are equal everywhere already) | all (whole shards)
     merge_rows: Literal["touched", "all"] = "touched"
@@ -160,7 +167,8 @@ class TrainConfig:
 
 @dataclass
 class ShardingConfig:
-    planner: str = "torchrec"  # torchrec: torchrec's EmbeddingShardingPlanner; topology: sharding/planner/topology_planner.py
+    # torchrec: torchrec's EmbeddingShardingPlanner; topology: sharding/planner/topology_planner.py
+    planner: Literal["torchrec", "topology"] = "torchrec"
     topology: str = ""  # planner=topology: a topology file or shipped name (CPU runs default to cpu-gloo)
     # Sharding types the planner may use. Empty: the model-parallel ones (TW, RW, CW, TWRW,
     # TWCW). data_parallel tables are updated by the dense optimizer, so they are opt-in.
@@ -221,9 +229,9 @@ CARDINALITY_PRESETS: dict[str, list[int]] = {
     ],
 }
 
-_MODELS = ("deepfm", "wide_deep", "dcn", "dcnv2")
-_SOURCES = ("synthetic", "criteo", "avazu")
-_EMB_OPTIMS = ("rowwise_adagrad", "adagrad", "sgd", "cowclip_adam", "adam", "fbgemm_cowclip")
+_MODELS = typing.get_args(ModelName)
+_SOURCES = typing.get_args(DataSource)
+_EMB_OPTIMS = typing.get_args(EmbeddingOptimizer)
 
 
 def cardinalities(data: DataConfig) -> list[int]:
@@ -395,6 +403,18 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Ex
     return cfg
 
 
+def _literal_fields(obj: Any, prefix: str = "") -> list[tuple[str, Any, tuple[Any, ...]]]:
+    """(dotted key, value, allowed values) of every Literal-typed field in a config tree."""
+    out = []
+    for name, tp in typing.get_type_hints(type(obj)).items():
+        value = getattr(obj, name)
+        if typing.get_origin(tp) is Literal:
+            out.append((prefix + name, value, typing.get_args(tp)))
+        elif dataclasses.is_dataclass(value):
+            out.extend(_literal_fields(value, f"{prefix}{name}."))
+    return out
+
+
 def validate(cfg: ExperimentConfig, source: str = "config") -> None:
     """Impossible values, checked before any process starts."""
 
@@ -402,8 +422,9 @@ def validate(cfg: ExperimentConfig, source: str = "config") -> None:
         raise ConfigError(f"{source}: key '{key}': {why}")
 
     m, d, t, o = cfg.model, cfg.data, cfg.train, cfg.optim
-    if m.name not in _MODELS:
-        bad("model.name", f"unknown model '{m.name}' (choose from {', '.join(_MODELS)})")
+    for key, value, allowed in _literal_fields(cfg):
+        if value not in allowed:
+            bad(key, f"expected one of {', '.join(allowed)}, got {value!r}")
     if m.embedding_dim <= 0 or (m.embedding_dim % 4 and cfg.optim.embedding not in ("cowclip_adam", "adam")):
         bad("model.embedding_dim", f"{m.embedding_dim} is not a positive multiple of 4 (FBGEMM fused kernels need it; "
             "optim.embedding=cowclip_adam|adam take any dim)")
@@ -419,8 +440,6 @@ def validate(cfg: ExperimentConfig, source: str = "config") -> None:
         bad("model.embedding_init_std", "must be positive")
     if m.table_rows_factor < 1:
         bad("model.table_rows_factor", "must be >= 1")
-    if d.source not in _SOURCES:
-        bad("data.source", f"unknown source '{d.source}' (choose from {', '.join(_SOURCES)})")
     if isinstance(d.cardinalities, str) and d.cardinalities not in CARDINALITY_PRESETS:
         bad("data.cardinalities", f"unknown preset '{d.cardinalities}' (choose from {', '.join(CARDINALITY_PRESETS)} or give a list)")
     cards = cardinalities(d)
@@ -449,16 +468,12 @@ def validate(cfg: ExperimentConfig, source: str = "config") -> None:
     else:
         if not d.path:
             bad("data.path", f"source '{d.source}' needs a path to raw files")
-        if d.format not in ("auto", "tsv", "csv"):
-            bad("data.format", f"unknown format '{d.format}' (auto, tsv or csv)")
         if d.source == "criteo" and len(cards) != 26:
             bad("data.cardinalities", f"Criteo has 26 categorical fields, got {len(cards)} sizes")
         if d.source == "avazu" and len(cards) != 22:
             bad("data.cardinalities", f"Avazu has 22 categorical fields, got {len(cards)} sizes (use the 'avazu' preset)")
         if not 0.0 < d.eval_fraction < 1.0:
             bad("data.eval_fraction", f"{d.eval_fraction} is not in (0, 1)")
-        if d.verify not in ("full", "quick"):
-            bad("data.verify", f"unknown verification '{d.verify}' (full or quick)")
         if d.cache_dir and os.path.exists(d.cache_dir) and not os.path.isdir(d.cache_dir):
             bad("data.cache_dir", f"{d.cache_dir} is an existing file, not a directory")
     if not 0.0 <= d.max_bad_fraction <= 1.0:
@@ -469,8 +484,6 @@ def validate(cfg: ExperimentConfig, source: str = "config") -> None:
         bad("data.shuffle_block_rows", "must be positive")
     if d.shuffle_buffer_rows < 0:
         bad("data.shuffle_buffer_rows", "must be >= 0 (0: shuffle blocks only)")
-    if o.embedding not in _EMB_OPTIMS:
-        bad("optim.embedding", f"unknown embedding optimizer '{o.embedding}' (choose from {', '.join(_EMB_OPTIMS)})")
     for key in ("embedding_lr", "dense_lr", "embedding_eps"):
         if getattr(o, key) <= 0:
             bad(f"optim.{key}", "must be positive")
@@ -486,16 +499,10 @@ def validate(cfg: ExperimentConfig, source: str = "config") -> None:
     for key in ("adam_beta1", "adam_beta2"):
         if not 0.0 <= getattr(o, key) < 1.0:
             bad(f"optim.{key}", f"{getattr(o, key)} is not in [0, 1)")
-    if o.embedding_l2_scope not in ("auto", "batch", "all", "catchup"):
-        bad("optim.embedding_l2_scope", f"unknown scope '{o.embedding_l2_scope}' (auto, batch, all or catchup)")
     if o.embedding_l2_scope in ("all", "catchup") and o.embedding not in ("cowclip_adam", "adam"):
         bad("optim.embedding_l2_scope", f"'{o.embedding_l2_scope}' is implemented by the cowclip_adam and adam kernels only")
-    if o.adam_eps_mode not in ("torch", "keras"):
-        bad("optim.adam_eps_mode", f"unknown mode '{o.adam_eps_mode}' (torch or keras)")
     if o.scale_from_batch < 0:
         bad("optim.scale_from_batch", "must be >= 0 (0: no scaling)")
-    if o.scale_rule not in ("cowclip", "sqrt", "linear"):
-        bad("optim.scale_rule", f"unknown rule '{o.scale_rule}' (cowclip, sqrt or linear)")
     if o.warmup_epochs < 0 and o.warmup_epochs != -1.0:
         bad("optim.warmup_epochs", "must be >= 0 (or -1: 1 epoch when scaling)")
     if effective_l2_scope(o) == "catchup" and o.embedding == "cowclip_adam" and t.batch_size > 0:
@@ -529,8 +536,6 @@ def validate(cfg: ExperimentConfig, source: str = "config") -> None:
         bad("train.threads_per_rank", "must be >= 0 (0: cores / local ranks)")
     if t.micro_batch_rows < 0:
         bad("train.micro_batch_rows", "must be >= 0 (0: whole batches)")
-    if t.device not in ("auto", "cpu", "cuda"):
-        bad("train.device", f"unknown device '{t.device}' (auto, cpu or cuda)")
     if t.log_every <= 0:
         bad("train.log_every", "must be positive")
     if t.hosts <= 0:
@@ -545,8 +550,6 @@ def validate(cfg: ExperimentConfig, source: str = "config") -> None:
         bad("sharding.target_hit_rate", f"{cfg.sharding.target_hit_rate} is not in (0, 1]")
     if t.merge_every > 0 and "table_row_wise" in cfg.sharding.sharding_types:
         bad("sharding.sharding_types", "table_row_wise is not supported with train.merge_every > 0 (DMP runs on one host's group)")
-    if t.merge_route not in ("auto", "flat", "hierarchical"):
-        bad("train.merge_route", f"unknown route '{t.merge_route}' (auto, flat or hierarchical)")
     if t.pg_timeout_s <= 0:
         bad("train.pg_timeout_s", "must be positive")
     if t.hosts > 1 and "WORLD_SIZE" in os.environ and world % t.hosts:
@@ -555,8 +558,6 @@ def validate(cfg: ExperimentConfig, source: str = "config") -> None:
     for st in cfg.sharding.sharding_types:
         if st not in known_types:
             bad("sharding.sharding_types", f"unknown sharding type '{st}' (choose from {', '.join(known_types)})")
-    if cfg.sharding.planner not in ("torchrec", "topology"):
-        bad("sharding.planner.build", f"unknown planner '{cfg.sharding.planner}' (torchrec, topology)")
     if cfg.plan and not Path(cfg.plan).is_file():
         bad("plan", f"no such plan file {cfg.plan}")
     if cfg.checkpoint.keep <= 0:

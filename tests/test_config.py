@@ -38,23 +38,24 @@ def test_demo_config_loads_with_overrides():
         ("model:\n  dnn: 400\n", "key 'model.dnn': expected a list of int"),
         ("train:\n  batch_size: 1001\n  nproc_per_node: 2\n", "key 'train.batch_size': 1001 is not divisible by the world size 2"),
         ("model:\n  embedding_dim: 10\n", "key 'model.embedding_dim': 10 is not a positive multiple of 4"),
-        ("model:\n  name: fm\n", "key 'model.name': unknown model 'fm'"),
+        ("model:\n  name: fm\n", "key 'model.name': expected one of deepfm, wide_deep, dcn, dcnv2, got 'fm'"),
         ("data:\n  source: criteo\n", "key 'data.path': source 'criteo' needs a path"),
         ("data:\n  cardinalities: criteo_big\n", "key 'data.cardinalities': unknown preset 'criteo_big'"),
         ("data:\n  train_rows: 10\n", "key 'data.train_rows': 10 rows is less than one batch"),
         ("train: [1, 2]\n", "train: expected a mapping"),
         ("optim:\n  embedding_l2: 1e-5\n", "key 'optim.embedding_l2': is only applied by cowclip_adam"),
-        ("optim:\n  embedding: cowclip_adam\n  adam_eps_mode: tf\n", "key 'optim.adam_eps_mode': unknown mode 'tf'"),
+        ("optim:\n  embedding: cowclip_adam\n  adam_eps_mode: tf\n", "key 'optim.adam_eps_mode': expected one of torch, keras, got 'tf'"),
         ("optim:\n  embedding: adagrad\n  embedding_l2_scope: all\n", "key 'optim.embedding_l2_scope': 'all' is"),
         ("optim:\n  embedding: adam\n  embedding_l2_scope: dense\n",
-         "key 'optim.embedding_l2_scope': unknown scope 'dense' (auto, batch, all or catchup)"),
+         "key 'optim.embedding_l2_scope': expected one of auto, batch, all, catchup, got 'dense'"),
         # the default scope for cowclip_adam is the catch-up, which assumes 2*l2 < r for the L2 as scaled
         ("optim:\n  embedding: cowclip_adam\n  embedding_l2: 0.01\n  scale_from_batch: 1024\ntrain:\n  batch_size: 65536\n",
          "key 'optim.embedding_l2': 0.64 (as scaled to the batch) needs 2*l2 < optim.cowclip_r (1) with embedding_l2_scope catchup"),
-        ("optim:\n  scale_rule: cubic\n", "key 'optim.scale_rule': unknown rule 'cubic'"),
+        ("optim:\n  scale_rule: cubic\n", "key 'optim.scale_rule': expected one of cowclip, sqrt, linear, got 'cubic'"),
         ("train:\n  merge_every: 4\nsharding:\n  sharding_types: [table_row_wise]\n",
          "key 'sharding.sharding_types': table_row_wise is not supported with train.merge_every > 0"),
-        ("optim:\n  embedding: lamb\n", "key 'optim.embedding': unknown embedding optimizer 'lamb'"),
+        ("optim:\n  embedding: lamb\n", "key 'optim.embedding': expected one of rowwise_adagrad, adagrad, sgd, "
+         "cowclip_adam, adam, fbgemm_cowclip, got 'lamb'"),
         ("train:\n  batch_size: [\n", "is not valid YAML"),
         # a key given twice: YAML would keep the last silently
         ("train:\n  batch_size: 128\n  log_every: 5\n  batch_size: 1024\n",
@@ -62,7 +63,7 @@ def test_demo_config_loads_with_overrides():
         ("train:\n  log_every: 5\ntrain:\n  max_steps: 3\n", "line 3: key 'train' given twice (first at line 1)"),
         ("", "holds no settings (it is empty or only comments); write at least one key, e.g. `name: my-run`"),
         ("# only a comment\n", "holds no settings (it is empty or only comments)"),
-        ("data:\n  source: criteo\n  path: x.tsv\n  verify: all\n", "key 'data.verify': unknown verification 'all' (full or quick)"),
+        ("data:\n  source: criteo\n  path: x.tsv\n  verify: all\n", "key 'data.verify': expected one of full, quick, got 'all'"),
         # non-finite numbers (YAML .nan/.inf and the strings float() accepts) and impossible signs
         ("optim:\n  dense_lr: .nan\n", "key 'optim.dense_lr': expected a finite number, got nan"),
         ("optim:\n  embedding_lr: .inf\n", "key 'optim.embedding_lr': expected a finite number, got inf"),
@@ -205,3 +206,14 @@ def test_auto_l2_scope_resolves_per_kernel_and_an_explicit_scope_wins(tmp_path, 
     assert effective_l2_scope(cfg.optim) == effective
     if embedding != "rowwise_adagrad":  # with the lazy scope the catch-up's l2 bound does not apply
         assert load_config(None, [over[0], "optim.embedding_l2_scope=batch", "optim.embedding_l2=0.6"]).optim.embedding_l2 == 0.6
+
+
+def test_config_built_in_python_is_checked_against_its_literal_types():
+    """validate() checks the Literal-typed keys of a config built in code (no YAML, no _coerce)."""
+    from recsys.config import ExperimentConfig, validate
+
+    cfg = ExperimentConfig()
+    cfg.train.merge_route = "ring"
+    with pytest.raises(ConfigError, match=r"^config: key 'train.merge_route': expected one of auto, flat, hierarchical, "
+                                          r"got 'ring'$"):
+        validate(cfg)
