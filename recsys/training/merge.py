@@ -137,7 +137,7 @@ class KStepMerger:
         self.rows_merged = 0
         self.rows_tracked = 0
         self.union_bytes_per_merge = 0
-        # merge time by phase, summed over merges: catch-up + the union of touched rows; whole
+        # merge time by phase, summed over merges: catch-up, the union of touched rows; whole
         # tensors (dense part, untracked shards); touched rows packed, all-reduced, unpacked; counters
         self.seconds: dict[str, float] = {}
 
@@ -256,6 +256,7 @@ class KStepMerger:
         # first, so the average is of the dense reference's replicas (O(table), once per merge)
         t0 = time.perf_counter()
         catch_up_all_tables(self.dmp)
+        t_caught = time.perf_counter()
         hierarchical = self.route == "hierarchical"
         items = self._classified_rows()
         rows_of = self._touched_rows([owner for t, rep, owner in items if not rep and owner is not None]
@@ -316,7 +317,8 @@ class KStepMerger:
         if self.touched is not None:
             self.touched.reset()
         t3 = time.perf_counter()
-        for key, seconds in (("catch_up_and_union", t1 - t0), ("whole_tensors", t2 - t1), ("pack_rows", pack),
+        for key, seconds in (("catch_up", t_caught - t0), ("union", t1 - t_caught), ("whole_tensors", t2 - t1),
+                             ("pack_rows", pack),
                              ("all_reduce_rows", reduce), ("unpack_rows", unpack), ("counters", t3 - t2 - pack - reduce - unpack)):
             self.seconds[key] = self.seconds.get(key, 0.0) + seconds
         self.payload_bytes_per_merge = payload
@@ -342,14 +344,11 @@ class KStepMerger:
                 shards.append((owner.data_ptr(), bm))
         if not shards:
             return {}
-        u = union(torch.cat([bm for _, bm in shards]), self.pg)
+        u = union([bm for _, bm in shards], self.pg)
         self.union_bytes_per_merge = u.exchange_bytes
-        out, offset = {}, 0
-        for ptr, bm in shards:
+        out = {}
+        for (ptr, bm), idx in zip(shards, u.rows):
             n = bm.numel()
-            mask = u.mask[offset : offset + n]
-            offset += n
-            idx = mask.nonzero().flatten()
             self.rows_tracked += n
             if idx.numel() > WHOLE_SHARD_FRACTION * n:  # gathering most rows costs more than it saves
                 self.rows_merged += n

@@ -105,42 +105,54 @@ def _recorder(feature_table_map: list[int], maps: list[Tensor]):
 
 @dataclass
 class Union:
-    """The union of touched rows over a replica group: ``mask`` over the concatenated row space;
-    ``exchange_bytes``: what this rank sent to agree on it; ``mode``: ``ids`` or ``bitmap``."""
+    """The union of touched rows over a replica group: ``rows[i]``, the sorted local rows of
+    bitmap i; ``exchange_bytes``: what this rank sent to agree on it; ``mode``: ``ids`` or
+    ``bitmap``."""
 
-    mask: Tensor
+    rows: list[Tensor]
     exchange_bytes: int
     mode: str
 
 
-def union(local: Tensor, pg: dist.ProcessGroup | None) -> Union:
-    """The OR of every replica's ``local`` (bool, the same length everywhere) in one all-gather of
-    row lists or of packed bitmaps, whichever is smaller for the largest list in the group."""
+def union(bitmaps: list[Tensor], pg: dist.ProcessGroup | None) -> Union:
+    """The OR of every replica's bitmaps (the same list of lengths everywhere) in one all-gather
+    of row lists or of packed bitmaps, whichever is smaller for the largest list in the group.
+    In the list case the work after the one pass that finds this rank's rows is proportional to
+    the rows touched, not to the table sizes."""
+    local = [bm.nonzero().flatten() for bm in bitmaps]
     world = dist.get_world_size(pg) if pg is not None else 1
     if world == 1:
-        return Union(local.clone(), 0, "none")
-    n = local.numel()
-    ids = local.nonzero().flatten()
-    most = torch.tensor([ids.numel()], dtype=torch.long, device=local.device)
+        return Union(local, 0, "none")
+    sizes = [bm.numel() for bm in bitmaps]
+    starts = [0]
+    for n_i in sizes:
+        starts.append(starts[-1] + n_i)
+    n = starts[-1]
+    device = bitmaps[0].device
+    count = sum(x.numel() for x in local)
+    most = torch.tensor([count], dtype=torch.long, device=device)
     dist.all_reduce(most, op=dist.ReduceOp.MAX, group=pg)
     most_ids = int(most.item())
     if most_ids * 4 < (n + 7) // 8 and n < 2**31:
-        mine = torch.full((most_ids,), -1, dtype=torch.int32, device=local.device)
-        mine[: ids.numel()] = ids.to(torch.int32)
+        mine = torch.full((most_ids,), -1, dtype=torch.int32, device=device)
+        if count:
+            mine[:count] = torch.cat([x + s for x, s in zip(local, starts)]).to(torch.int32)
         parts = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(parts, mine, group=pg)
         every = torch.cat(parts)
-        every = every[every >= 0].long()
-        mask = torch.zeros(n, dtype=torch.bool, device=local.device)
-        mask[every] = True
-        return Union(mask, (world - 1) * mine.numel() * 4 + 8, "ids")
-    packed = _pack(local)
+        every = torch.unique(every[every >= 0].long())  # sorted
+        bounds = torch.searchsorted(every, torch.tensor(starts, dtype=torch.long, device=device)).tolist()
+        rows = [every[bounds[i] : bounds[i + 1]] - starts[i] for i in range(len(bitmaps))]
+        return Union(rows, (world - 1) * mine.numel() * 4 + 8, "ids")
+    packed = _pack(torch.cat(bitmaps))
     parts = [torch.empty_like(packed) for _ in range(world)]
     dist.all_gather(parts, packed, group=pg)
     merged = parts[0]
     for p in parts[1:]:
         merged = merged | p
-    return Union(_unpack(merged, n), (world - 1) * packed.numel() + 8, "bitmap")
+    mask = _unpack(merged, n)
+    rows = [mask[starts[i] : starts[i + 1]].nonzero().flatten() for i in range(len(bitmaps))]
+    return Union(rows, (world - 1) * packed.numel() + 8, "bitmap")
 
 
 _BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
