@@ -69,13 +69,17 @@ def planned(plan) -> dict[str, list]:
     return out
 
 
-def main(mode: str, out: Path, num_iterations: int = 3, batch_size: int = 16, learning_rate: float = 0.05) -> None:
+def main(mode: str, out: Path, iterations: int = 3, batch: int = 16, learning_rate: float = 0.05) -> None:
+    """train_dlrm.py's ``train()`` on CPU/gloo with small sizes: the same names (``device``,
+    ``learning_rate``, ``eb_configs``, ``train_model``, ``model``, ``non_fused_optimizer``,
+    ``train_pipeline``, ``train_iterator``), the doc's block where the script builds its tag,
+    sharder and DMP, and the doc's loop lines in its loop."""
     device = torch.device("cpu")
     dist.init_process_group(backend="gloo")
     rank = dist.get_rank()
     torch.manual_seed(1 + (rank if mode == "merge" else 0))  # merge: each host starts differently
-
-    merger = KStepMergeHook(every_k=2, total_steps=num_iterations)
+    out = out.resolve()
+    os.chdir(out)  # the doc's save_plan writes plan.json into the working directory
 
     eb_configs = [
         EmbeddingBagConfig(name=f"t_{feature_name}", embedding_dim=EMBEDDING_DIM, num_embeddings=NUM_EMBEDDINGS,
@@ -90,19 +94,25 @@ def main(mode: str, out: Path, num_iterations: int = 3, batch_size: int = 16, le
         dense_device=device,
     )
     train_model = DLRMTrain(dlrm_model)
-    # this test covers table-wise and row-wise CowClip tables (column-wise: tests/test_cowclip_*.py)
+
+    # ---- the doc's block (docs/dropin.md), line for line; the test's own lines are marked
+    batch_size, num_iterations = 32, int(1e4)  # train_dlrm.py's dataset batch and loop length
+    batch_size, num_iterations = batch, iterations  # test: a small run
+    constraints = None  # or torchrec ParameterConstraints per table, below
+    # test: one table of each kind row-wise, table-wise and column-wise (the doc's second block)
     constraints = {t.name: ParameterConstraints(sharding_types=[("row_wise", "table_wise", "column_wise")[i % 3]])
                    for i, t in enumerate(eb_configs)}
-
+    merger = KStepMergeHook(every_k=2, total_steps=num_iterations)
     tag_cowclip_adam(train_model.model.sparse_arch.parameters(), lr=learning_rate)
     sharders = [CowClipEmbeddingBagCollectionSharder()]
     planner = TopologyAwarePlanner("cpu-gloo", batch_size=batch_size, constraints=constraints, hosts=merger.hosts)
     plan = planner.collective_plan(train_model, sharders)
-    if rank == 0:  # the test's own: the same file written before DMP, to compare with the doc's (after it)
+    if rank == 0:  # test: the same file written before DMP, to compare with the doc's (after it)
         save_plan(plan, out / "plan_before_dmp.json", model=train_model, planner=planner)
     model = DistributedModelParallel(module=train_model, device=device, sharders=sharders, plan=plan, env=merger.env)
-    if rank == 0:
-        save_plan(plan, out / "plan.json", model=train_model, planner=planner)
+    if dist.get_rank() == 0:
+        save_plan(plan, "plan.json", model=train_model, planner=planner)
+    # ---- end of the doc's block (its loop lines are in the loop below)
 
     non_fused_optimizer = KeyedOptimizerWrapper(
         dict(in_backward_optimizer_filter(model.named_parameters())),

@@ -37,6 +37,36 @@ def doc_lines() -> list[str]:
     return [ln for ln in lines if ln and not ln.startswith("#")]
 
 
+# What torchrec's examples/golden_training/train_dlrm.py defines where the doc's block goes (in its
+# train(), after train_model is built) and in its loop: the block may read these and nothing else
+# it does not define itself (pasted into the script, it must not stop with a NameError).
+TRAIN_DLRM_NAMES = {
+    "os", "torch", "dist", "DistributedModelParallel", "num_embeddings", "embedding_dim", "learning_rate", "rank",
+    "device", "backend", "eb_configs", "dlrm_model", "train_model", "non_fused_optimizer", "train_pipeline",
+    "train_iterator",
+}
+
+
+def doc_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
+
+
+def test_doc_blocks_read_only_names_train_dlrm_defines():
+    import ast
+    import builtins
+
+    for block in doc_blocks():
+        tree = ast.parse(block)
+        defined = set(TRAIN_DLRM_NAMES) | set(dir(builtins))
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                defined |= {(a.asname or a.name).split(".")[0] for a in node.names}
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                defined.add(node.id)
+        read = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+        assert not read - defined, f"{DOC.name}: a block reads names train_dlrm.py does not define: {read - defined}"
+
+
 def test_doc_lines_are_the_tested_lines():
     worker = {ln.strip() for ln in WORKER.read_text().splitlines()}
     lines = doc_lines()
