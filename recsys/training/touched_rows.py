@@ -65,8 +65,10 @@ class TouchedRows:
                     maps = []
                     break
                 bm = torch.zeros(w.shape[0], dtype=torch.bool, device=w.device)
-                self.bitmaps[w.data_ptr()] = bm
                 maps.append(bm)
+                if w.shape[0] == 0:  # an empty shard shares its storage pointer with the next table's
+                    continue
+                self.bitmaps[w.data_ptr()] = bm
                 hyper = getattr(getattr(kernel, "emb_module", None), "hyper", None)
                 if getattr(hyper, "update_scope", "batch") != "batch":
                     self.moves_when_absent.add(w.data_ptr())
