@@ -266,13 +266,13 @@ def test_cli_detach_list_down():
 @needs_netns
 @pytest.mark.slow
 def test_exp_kstep_net_puts_cross_host_gloo_bytes_on_the_link(tmp_path):
-    """2 hosts x 2 ranks in namespaces at 1 Gbit/s, sync, k=1 and k=16: the bytes the hosts sent into
-    the link match the merger's model (plus headers, the stores' and DMP's start-up traffic),
+    """2 hosts x 2 ranks in namespaces at 1 Gbit/s, sync, k=1 and k=16 (whole-shard merges): the
+    bytes the hosts sent into the link match the merger's model (plus headers, the stores' and DMP's start-up traffic),
     and k=1 sends many times the bytes of k=16. Slow (~1 minute)."""
     out = tmp_path / "exp"
     r = subprocess.run(
-        [sys.executable, "tools/exp_kstep.py", "--quick", "--ks", "1,16", "--moments", "off", "--net", "rate=1gbit",
-         "--sync", "--out", str(out)],
+        [sys.executable, "tools/exp_kstep.py", "--quick", "--ks", "1,16", "--moments", "off", "--rows", "all",
+         "--net", "rate=1gbit", "--sync", "--out", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=900,
     )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
