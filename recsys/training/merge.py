@@ -259,9 +259,9 @@ class KStepMerger:
         t_caught = time.perf_counter()
         hierarchical = self.route == "hierarchical"
         items = self._classified_rows()
+        counters = self._counter_tensors() if self.merge_moments else []
         rows_of = self._touched_rows([owner for t, rep, owner in items if not rep and owner is not None]
-                                     + [owner for _, owner in (self._counter_tensors() if self.merge_moments else [])
-                                        if owner is not None])
+                                     + [owner for _, owner in counters if owner is not None])
         by_kind: dict[tuple[bool, torch.dtype, torch.device], list[torch.Tensor]] = defaultdict(list)
         by_rows: dict[tuple[torch.dtype, torch.device], list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
         for t, rep, owner in items:
@@ -307,7 +307,7 @@ class KStepMerger:
                     offset += n
                 pack, reduce, unpack = pack + tb - ta, reduce + tc - tb, unpack + time.perf_counter() - tc
         if self.merge_moments:  # integer per-row counters (CowClip-Adam's row_step): the largest
-            for t, owner in self._counter_tensors():  # count, so bias correction agrees on every host
+            for t, owner in counters:  # count, so bias correction agrees on every host
                 idx = rows_of.get(owner.data_ptr()) if owner is not None else None
                 part = t if idx is None else t.index_select(0, idx)
                 dist.all_reduce(part, op=dist.ReduceOp.MAX, group=self.pg)

@@ -46,6 +46,7 @@ from recsys.optim.cowclip.exchange import ExchangeTable
 from recsys.optim.cowclip.sharder import (
     CowClipKernel,
     CowClipLookup,
+    CowClipShardedModule,
     ExchangeLookup,
     forget_dense_steps,
     is_cowclip_dp_lookup,
@@ -115,7 +116,7 @@ def _sequence_lookup_for(sharding: Any, cowclip_tables: dict[str, list[ExchangeT
     raise NotImplementedError(f"CowClip EmbeddingCollection sharder: sharding {type(sharding).__name__} is not supported")
 
 
-class ShardedCowClipEmbeddingCollection(ShardedEmbeddingCollection):
+class ShardedCowClipEmbeddingCollection(CowClipShardedModule, ShardedEmbeddingCollection):
     """``ShardedEmbeddingCollection`` whose lookups build CowClip kernels for tagged tables."""
 
     def __init__(self, module: EmbeddingCollection, table_name_to_parameter_sharding: dict[str, ParameterSharding],
@@ -158,20 +159,12 @@ class ShardedCowClipEmbeddingCollection(ShardedEmbeddingCollection):
                     info.fused_params["optimizer"] = COWCLIP_ADAM
         return infos
 
-    def _cowclip_kernels(self) -> list[CowClipKernel]:
-        return [k for lk in self._lookups
-                for k in (lk.cowclip_kernels() if isinstance(lk, CowClipLookup) else [])]
-
     def _create_lookups(self) -> None:
         for sharding in self._sharding_type_to_sharding.values():
             if self.enable_embedding_update and sharding.enable_embedding_update:
                 raise NotImplementedError("CowClip EmbeddingCollection sharder: tables with enable_embedding_update "
                                           "(written by the model) are not supported")
             self._lookups.append(_sequence_lookup_for(sharding, self._cowclip_tables))
-
-    def catch_up_all(self) -> int:
-        """``update_scope="catchup"`` tables: every row to the current step (as the pooled module's)."""
-        return sum(k.emb_module.catch_up_all() for k in self._cowclip_kernels())
 
     def init_data_parallel(self) -> None:
         init_data_parallel(self, list(self._sharding_type_to_sharding.values()), DpSequenceEmbeddingSharding)

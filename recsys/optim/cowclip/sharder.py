@@ -570,7 +570,25 @@ def forget_dense_steps(module: Any, incompatible_keys: Any) -> None:
         k.emb_module.forget_dense_step()
 
 
-class ShardedCowClipEmbeddingBagCollection(ShardedEmbeddingBagCollection):
+class CowClipShardedModule:
+    """What the sharded EBC and EC share: their CowClip kernels and the catch-up of all rows.
+    Mixed in before torchrec's sharded module, whose ``_lookups`` it reads."""
+
+    _lookups: list[Any]
+
+    def _cowclip_kernels(self) -> list[CowClipKernel]:
+        """The CowClip kernels of every lookup (they sit in torchrec's plain ``_lookups`` list)."""
+        return [k for lk in self._lookups
+                for k in (lk.cowclip_kernels() if isinstance(lk, CowClipLookup) else [])]
+
+    def catch_up_all(self) -> int:
+        """``update_scope="catchup"`` tables: every row to the current step (the kernels sit in
+        torchrec's plain ``_lookups`` list, out of ``modules()``; ``catch_up_all_tables`` finds
+        this method instead). Returns the rows advanced."""
+        return sum(k.emb_module.catch_up_all() for k in self._cowclip_kernels())
+
+
+class ShardedCowClipEmbeddingBagCollection(CowClipShardedModule, ShardedEmbeddingBagCollection):
     """``ShardedEmbeddingBagCollection`` whose lookups build CowClip kernels for tagged tables."""
 
     def __init__(self, module: EmbeddingBagCollection, table_name_to_parameter_sharding: dict[str, ParameterSharding],
@@ -587,20 +605,10 @@ class ShardedCowClipEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         # loading writes row_step in place: the catch-up kernels must derive their step again
         self.register_load_state_dict_post_hook(forget_dense_steps)
 
-    def _cowclip_kernels(self) -> list[CowClipKernel]:
-        """The CowClip kernels of every lookup (they sit in torchrec's plain ``_lookups`` list)."""
-        return [k for lk in self._lookups
-                for k in (lk.cowclip_kernels() if isinstance(lk, CowClipLookup) else [])]
 
     def _create_lookups(self) -> None:
         for sharding in self._embedding_shardings:
             self._lookups.append(_lookup_for(sharding, self._cowclip_tables))
-
-    def catch_up_all(self) -> int:
-        """``update_scope="catchup"`` tables: every row to the current step (the kernels sit in
-        torchrec's plain ``_lookups`` list, out of ``modules()``; ``catch_up_all_tables`` finds
-        this method instead). Returns the rows advanced."""
-        return sum(k.emb_module.catch_up_all() for k in self._cowclip_kernels())
 
     def init_data_parallel(self) -> None:
         init_data_parallel(self, list(self._embedding_shardings), DpPooledEmbeddingSharding)
