@@ -6,8 +6,9 @@
 # STACK names constraints.txt (default), constraints-oldest.txt or constraints-newest.txt; its first
 # line, "# python: X.Y", names the Python. The venv lives outside the repository, in
 # $RECSYS_STACKS (default ~/.cache/recsys/stacks), named after the hash of the constraints file, so
-# it is built once per version set and reused by every clone (CI included). Then, from a scratch
-# directory outside the repository:
+# it is built once per version set and reused by every clone. With RECSYS_STACKS_PRUNE=1 (CI: each
+# CUDA-build stack is 4-6 GB) the venv is removed when the tier ends, so CI holds one stack at a time.
+# Then, from a scratch directory outside the repository:
 #   1. pip installs WHEEL with its dependencies (all already there) and no extra: no launcher, no
 #      docker client, no TensorBoard, no matplotlib may appear;
 #   2. the CowClip op the wheel ships loads (no JIT build) and matches the torch-ops reference; the
@@ -87,7 +88,13 @@ install_wheel() {
 }
 
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/recsys-stack-$STACK.XXXXXX")
-trap '"$PY" -m pip uninstall -q -y torchrec-cowclip-trainer >/dev/null 2>&1; rm -rf "$WORK"' EXIT
+cleanup() {
+    "$PY" -m pip uninstall -q -y torchrec-cowclip-trainer >/dev/null 2>&1
+    rm -rf "$WORK"
+    [ "${RECSYS_STACKS_PRUNE:-0}" = 1 ] && rm -rf "$VENV"
+    return 0
+}
+trap cleanup EXIT
 cd "$WORK" || exit 2
 export XDG_CACHE_HOME=$WORK/cache  # a JIT build, if any, lands here (and step 2 checks there is none)
 unset PYTHONPATH RECSYS_NO_CPP RECSYS_CPP_JIT RECSYS_EXT_DIR
