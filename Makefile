@@ -9,11 +9,11 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat constraints.txt pyproject.toml setup.py recsys/optim/csrc/* | sha1sum | cut -c1-12)
 PIP := $(PY) -m pip install -q --disable-pip-version-check -c constraints.txt
 
-.PHONY: venv test-deps demo test test-fast test-gpu test-stacks wheel ci bench clean
+.PHONY: venv test-deps demo test test-unit test-system test-gpu test-stacks wheel ci bench clean
 venv: $(STAMP)
 
 # Test-only dependency: triton's interpreter (TRITON_INTERPRET=1) runs the CUDA CowClip kernel on
-# CPU tensors in tests/test_cowclip_triton.py (a ~290 MB wheel, so not part of `make demo`).
+# CPU tensors in tests/integration/test_cowclip_triton.py (a ~290 MB wheel, so not part of `make demo`).
 TEST_STAMP := $(VENV)/.test-deps-$(shell grep -E '^triton' constraints.txt | sha1sum | cut -c1-8)
 test-deps: $(TEST_STAMP)
 $(TEST_STAMP): $(STAMP)
@@ -23,7 +23,7 @@ $(TEST_STAMP): $(STAMP)
 $(STAMP):
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "installing the pinned CPU stack into $(VENV) (torch 2.13.0+cpu, fbgemm-gpu-cpu 1.8.0, torchrec 1.8.0, every extra)"
-	$(PIP) setuptools "torch==2.13.0+cpu" fbgemm-gpu-cpu tensordict torchmetrics tqdm pyre-extensions iopath numpy PyYAML tensorboard pytest matplotlib ninja
+	$(PIP) setuptools "torch==2.13.0+cpu" fbgemm-gpu-cpu tensordict torchmetrics tqdm pyre-extensions iopath numpy PyYAML tensorboard pytest pytest-xdist matplotlib ninja
 	@# torchrec declares a dependency on the CUDA fbgemm-gpu, which breaks `import torchrec` on CPU torch.
 	$(PIP) --no-deps torchrec
 	@# The [launch] extra, TorchX (docs/launch.md): the pinned nightly. Never also `torchx` (the same module).
@@ -39,13 +39,21 @@ $(STAMP):
 demo: venv
 	$(VENV)/bin/recsys train --config configs/experiments/demo.yaml
 
-# pytest exits 5 when it collects no tests; that is not a failure of the suite. The 40 slowest
-# tests are listed at the end (where the suite's time goes).
+# The tiers are directories (tests/conftest.py): unit, integration, system, gpu. `make test` runs the
+# unit and integration tiers in parallel (pytest-xdist, one worker per core, a test file's tests on
+# one worker so module fixtures are built once); `make test-system` runs the system tier one test at
+# a time (root, network namespaces, Slurm, Chromium, cross-host timeouts) and the GPU tier (skipped
+# without a CUDA device). pytest exits 5 when it collects no tests; that is not a failure of the
+# suite. The 40 slowest tests are listed at the end (where the suite's time goes).
+XDIST ?= -n 2 --dist loadfile
 test: venv test-deps
-	$(VENV)/bin/pytest -q --durations=40 || [ $$? -eq 5 ]
+	$(VENV)/bin/pytest -q $(XDIST) --durations=40 tests/unit tests/integration || [ $$? -eq 5 ]
 
-test-fast: venv test-deps
-	$(VENV)/bin/pytest -q -m "not slow"
+test-unit: venv test-deps
+	$(VENV)/bin/pytest -q tests/unit || [ $$? -eq 5 ]
+
+test-system: venv test-deps
+	$(VENV)/bin/pytest -q --durations=20 tests/system tests/gpu || [ $$? -eq 5 ]
 
 # The GPU suite (tests/gpu; docs/install.md "Testing on a GPU"): NCCL, FBGEMM's CUDA kernels, the
 # Triton kernel compiled, a training run on CUDA. It needs a CUDA build of the stack, e.g.
@@ -70,9 +78,11 @@ STACKS ?= default oldest newest
 test-stacks: wheel
 	@rc=0; for s in $(STACKS); do bash tools/stack_tier.sh $$s $(WHEEL_DIR)/*.whl || rc=1; done; exit $$rc
 
-# What CI runs (.ci/run): `make test`, then `make test-stacks`, with each tier's time.
+# What CI runs (.ci/run): every tier, each with its time: `make test`, `make test-system`, then
+# `make test-stacks`.
 ci:
-	@t0=$$(date +%s) && $(MAKE) test && echo "CI tier: default stack, full suite: $$(($$(date +%s) - t0)) s"
+	@t0=$$(date +%s) && $(MAKE) test && echo "CI tier: unit + integration (default stack, parallel): $$(($$(date +%s) - t0)) s"
+	@t0=$$(date +%s) && $(MAKE) test-system && echo "CI tier: system + gpu (default stack): $$(($$(date +%s) - t0)) s"
 	@t0=$$(date +%s) && $(MAKE) test-stacks && echo "CI tier: stacks ($(STACKS)): $$(($$(date +%s) - t0)) s"
 
 # The benchmark's reference, DeepCTR-Torch, is installed without its deps so it cannot replace torch.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A single-node Slurm cluster on localhost, for tests/test_slurm.py (see docs/launch.md).
+# A single-node Slurm cluster on localhost, for tests/system/test_slurm.py (see docs/launch.md).
 #
 #   tools/slurm_local.sh start    # installs Debian's munge + Slurm if missing, writes
 #                                 # /etc/slurm/slurm.conf, starts munged, slurmctld, slurmd and

@@ -16,8 +16,8 @@
 #   3. `recsys train --config smoke` stops with one line naming the [viz] extra;
 #   4. the smoke config trains on 2 ranks with CowClip-Adam (catch-up) and k-step merges (2 hosts);
 #   5. recsys-plan make / show / validate a topology-aware plan (cpu-gloo, and dgx-a100-2host on meta);
-#   6. tests/test_dropin_pipeline.py runs against the installed wheel (RECSYS_TEST_INSTALLED=1);
-#   7. tests/test_cowclip_sequence.py (CowClip EmbeddingCollection sharding, which leans on torchrec
+#   6. tests/integration/test_dropin_pipeline.py runs against the installed wheel (RECSYS_TEST_INSTALLED=1);
+#   7. tests/integration/test_cowclip_sequence.py (CowClip EmbeddingCollection sharding, which leans on torchrec
 #      internals that move between versions) runs against the installed wheel.
 # Each step prints its seconds; the last line is "stack-STACK: N passed, M failed".
 set -uo pipefail
@@ -100,9 +100,9 @@ export XDG_CACHE_HOME=$WORK/cache  # a JIT build, if any, lands here (and step 2
 unset PYTHONPATH RECSYS_NO_CPP RECSYS_CPP_JIT RECSYS_EXT_DIR
 export PATH=$VENV/bin:$PATH
 
-op_loads() {  # tests/op_check.py: the installed recsys and its prebuilt op, against the reference
+op_loads() {  # tests/support/op_check.py: the installed recsys and its prebuilt op, against the reference
     local out
-    out=$("$PY" "$REPO/tests/op_check.py") || return 1
+    out=$("$PY" "$REPO/tests/support/op_check.py") || return 1
     echo "$out" | grep -v '^MODULE'
     echo "$out" | grep -q "^MODULE .*/site-packages/recsys/__init__.py$" &&  # the wheel, not a checkout
         echo "$out" | grep -q "^REASON installed build " && echo "$out" | grep -q "^MATCH"
@@ -147,12 +147,12 @@ plans() {
 
 dropin_test() {
     RECSYS_TEST_INSTALLED=1 "$PY" -m pytest -q -p no:cacheprovider -c /dev/null --rootdir "$WORK" \
-        "$REPO/tests/test_dropin_pipeline.py" 2>&1 | tail -3
+        "$REPO/tests/integration/test_dropin_pipeline.py" 2>&1 | tail -3
 }
 
 sequence_test() {  # the tests directory is on sys.path (pytest's rootdir-less import), the repository is not
     "$PY" -m pytest -q -p no:cacheprovider -c /dev/null --rootdir "$WORK" \
-        "$REPO/tests/test_cowclip_sequence.py" 2>&1 | tail -3
+        "$REPO/tests/integration/test_cowclip_sequence.py" 2>&1 | tail -3
 }
 
 echo "[stack $STACK] Python $PYV ($BASE_PY), $CONSTRAINTS, venv $VENV"

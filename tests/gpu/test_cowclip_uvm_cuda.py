@@ -1,10 +1,10 @@
-"""CowClip tables in host memory on a GPU, the round trip (tests/cowclip_uvm_dmp.py): a DMP over
+"""CowClip tables in host memory on a GPU, the round trip (tests/support/cowclip_uvm_dmp.py): a DMP over
 NCCL whose plan puts CowClip tables in ``fused_uvm`` (table-wise, row-wise, column-wise; one
 with ``uvm_host_mapped``) next to one in ``fused`` (HBM). Weights, both moments and ``row_step``
 of the UVM tables are unified memory (``torch.ops.fbgemm.is_uvm_tensor``), the HBM table's are
 not, training matches the per-table formula on CPU, and a DCP checkpoint restored into a fresh
 model (whose state is in host memory again) replays the remaining steps to the same weights.
-The same run on CPU with gloo is in tests/test_cowclip_uvm.py."""
+The same run on CPU with gloo is in tests/integration/test_cowclip_uvm.py."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from gpu_util import spawn_nccl
 
 
 def _worker(rank: int, world: int, out: str) -> None:
-    from tests import cowclip_uvm_dmp
+    from tests.support import cowclip_uvm_dmp
 
     cowclip_uvm_dmp.run(rank, world, out, torch.device("cuda", rank))
 
@@ -24,7 +24,7 @@ def _worker(rank: int, world: int, out: str) -> None:
 def test_cowclip_uvm_tables_train_checkpoint_and_resume(tmp_path, world):
     if torch.cuda.device_count() < world:
         pytest.skip(f"world {world} needs {world} GPUs, this machine has {torch.cuda.device_count()}")
-    from tests import cowclip_uvm_dmp
+    from tests.support import cowclip_uvm_dmp
 
     spawn_nccl(_worker, world, str(tmp_path))
     # the Triton kernel (FMA, its own summation order) against the torch formula on CPU: Adam

@@ -37,7 +37,7 @@ kernel launches, not its waits, are what costs; docs/install.md "What the GPU ru
 Triton is optional and imported on first use: without it this module imports,
 ``triton_available()`` is False and ``cowclip_update_for`` never returns the Triton op. With ``TRITON_INTERPRET=1`` (set before triton
 is imported) the same kernel runs on CPU tensors through Triton's interpreter: that is how CI checks
-it against the torch reference (``tests/test_cowclip_triton.py``).
+it against the torch reference (``tests/integration/test_cowclip_triton.py``).
 """
 
 from __future__ import annotations
