@@ -9,15 +9,16 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat constraints.txt pyproject.toml setup.py recsys/optim/csrc/* | sha1sum | cut -c1-12)
 PIP := $(PY) -m pip install -q --disable-pip-version-check -c constraints.txt
 
-.PHONY: venv test-deps demo test test-unit test-system test-gpu test-stacks wheel ci bench clean
+.PHONY: venv test-deps demo lint test test-unit test-system test-gpu test-stacks wheel ci bench clean
 venv: $(STAMP)
 
-# Test-only dependency: triton's interpreter (TRITON_INTERPRET=1) runs the CUDA CowClip kernel on
-# CPU tensors in tests/integration/test_cowclip_triton.py (a ~290 MB wheel, so not part of `make demo`).
-TEST_STAMP := $(VENV)/.test-deps-$(shell grep -E '^triton' constraints.txt | sha1sum | cut -c1-8)
+# Test-only dependencies: triton's interpreter (TRITON_INTERPRET=1) runs the CUDA CowClip kernel on
+# CPU tensors in tests/integration/test_cowclip_triton.py (a ~290 MB wheel, 1 GB installed, so not
+# part of `make demo`), and ruff for `make lint`.
+TEST_STAMP := $(VENV)/.test-deps-$(shell grep -E '^(triton|ruff)=' constraints.txt | sha1sum | cut -c1-8)
 test-deps: $(TEST_STAMP)
 $(TEST_STAMP): $(STAMP)
-	$(PIP) triton
+	$(PIP) triton ruff
 	@rm -f $(VENV)/.test-deps-* && touch $@
 
 $(STAMP):
@@ -46,6 +47,12 @@ demo: venv
 # without a CUDA device). pytest exits 5 when it collects no tests; that is not a failure of the
 # suite. The 40 slowest tests are listed at the end (where the suite's time goes).
 XDIST ?= -n 2 --dist loadfile
+
+# ruff (pyproject.toml [tool.ruff]): the lint rules (pycodestyle, pyflakes, bugbear) and the format.
+# `$(VENV)/bin/ruff format .` fixes the format; CI runs this first.
+lint: venv test-deps
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
 test: venv test-deps
 	$(VENV)/bin/pytest -q $(XDIST) --durations=40 tests/unit tests/integration || [ $$? -eq 5 ]
 
@@ -78,9 +85,10 @@ STACKS ?= default oldest newest
 test-stacks: wheel
 	@rc=0; for s in $(STACKS); do bash tools/stack_tier.sh $$s $(WHEEL_DIR)/*.whl || rc=1; done; exit $$rc
 
-# What CI runs (.ci/run): every tier, each with its time: `make test`, `make test-system`, then
-# `make test-stacks`.
+# What CI runs (.ci/run): every tier, each with its time: `make lint`, `make test`,
+# `make test-system`, then `make test-stacks`.
 ci:
+	@t0=$$(date +%s) && $(MAKE) lint && echo "CI tier: lint (ruff check + format): $$(($$(date +%s) - t0)) s"
 	@t0=$$(date +%s) && $(MAKE) test && echo "CI tier: unit + integration (default stack, parallel): $$(($$(date +%s) - t0)) s"
 	@t0=$$(date +%s) && $(MAKE) test-system && echo "CI tier: system + gpu (default stack): $$(($$(date +%s) - t0)) s"
 	@t0=$$(date +%s) && $(MAKE) test-stacks && echo "CI tier: stacks ($(STACKS)): $$(($$(date +%s) - t0)) s"

@@ -25,7 +25,13 @@ from recsys.config import ConfigError, check_training_extras, load_config
 from recsys.training.checkpoint import CheckpointError, Checkpointer
 from recsys.training.process import die_with_parent
 from recsys.training.run_dir import (
-    LAUNCHER_ENV, RunDirError, RunFinished, RunLock, preflight, shard_world_size, state_shape,
+    LAUNCHER_ENV,
+    RunDirError,
+    RunFinished,
+    RunLock,
+    preflight,
+    shard_world_size,
+    state_shape,
 )
 
 
@@ -76,8 +82,9 @@ def _train(args: argparse.Namespace) -> int:
         RunLock(cfg.resolved_run_dir()).acquire()  # held until this process exits
         source = build_source(cfg)
         world = shard_world_size(cfg, cfg.train.nproc_per_node)
-        preflight(cfg, source, state_shape(cfg, source.sparse_names, source.cardinalities, world),
-                  warn=False)  # the workers repeat it (and warn about broken checkpoints) before writing
+        preflight(
+            cfg, source, state_shape(cfg, source.sparse_names, source.cardinalities, world), warn=False
+        )  # the workers repeat it (and warn about broken checkpoints) before writing
     except RunFinished as e:
         print(e, file=sys.stderr)
         return 0
@@ -90,8 +97,12 @@ def _train(args: argparse.Namespace) -> int:
         cmd = [sys.executable, *worker]
     else:
         cmd = [
-            sys.executable, "-m", "recsys.training.torchrun_quiet", "--standalone",
-            f"--nproc_per_node={cfg.train.nproc_per_node}", *worker,
+            sys.executable,
+            "-m",
+            "recsys.training.torchrun_quiet",
+            "--standalone",
+            f"--nproc_per_node={cfg.train.nproc_per_node}",
+            *worker,
         ]
     env = dict(os.environ, **{LAUNCHER_ENV: str(os.getpid())})  # the workers' rank 0 accepts our lock
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.train.nproc_per_node)))
@@ -101,8 +112,7 @@ def _train(args: argparse.Namespace) -> int:
 def _supervise(cmd: list[str], env: dict[str, str], run_dir) -> int:
     """Runs the job in its own session, dying with us; SIGINT/SIGTERM stop it and say so once."""
     me = os.getpid()
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True,
-                            preexec_fn=lambda: die_with_parent(signal.SIGTERM, expected_parent=me))
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=lambda: die_with_parent(signal.SIGTERM, expected_parent=me))
     stopped: list[int] = []
 
     def stop(sig: int, _frame) -> None:
@@ -128,8 +138,7 @@ def _supervise(cmd: list[str], env: dict[str, str], run_dir) -> int:
         except ProcessLookupError:
             pass
         name = signal.Signals(-rc).name if -rc in signal.Signals._value2member_map_ else f"signal {-rc}"
-        print(f"error: torchrun (pid {proc.pid}) was killed by {name}; its workers were stopped with it; {where}",
-              file=sys.stderr)
+        print(f"error: torchrun (pid {proc.pid}) was killed by {name}; its workers were stopped with it; {where}", file=sys.stderr)
         return 128 - rc
     print(f"stopped by {signal.Signals(stopped[0]).name}: every worker has exited; {where}", file=sys.stderr)
     return 128 + stopped[0]
@@ -150,8 +159,7 @@ def _preprocess(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         if args.tasks < 1 or args.procs < 1 or not 0 <= args.task < args.tasks:
-            raise ConfigError(f"--task {args.task} of --tasks {args.tasks} (--procs {args.procs}): "
-                              "need 0 <= task < tasks and procs >= 1")
+            raise ConfigError(f"--task {args.task} of --tasks {args.tasks} (--procs {args.procs}): need 0 <= task < tasks and procs >= 1")
         if cfg.data.source == "synthetic":
             raise ConfigError(f"{args.config}: key 'data.source': generated data (synthetic) has nothing to preprocess")
         total = args.tasks * args.procs
@@ -180,12 +188,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.batch_size=8192 resume=true")
     p = sub.add_parser("preprocess", help="preprocess raw data into the config's shard cache (all, or one task of many)")
     p.add_argument("--config", required=True, help="experiment YAML whose data section names the raw files")
-    p.add_argument("--task", type=int, default=_env_int("SLURM_ARRAY_TASK_ID", 0),
-                   help="this task's index (default: $SLURM_ARRAY_TASK_ID, else 0)")
-    p.add_argument("--tasks", type=int, default=_env_int("SLURM_ARRAY_TASK_COUNT", 1),
-                   help="number of tasks the files are split over (default: $SLURM_ARRAY_TASK_COUNT, else 1)")
-    p.add_argument("--procs", type=int, default=1,
-                   help="processes this task runs, each preprocessing its own part (parts: tasks x procs)")
+    p.add_argument(
+        "--task", type=int, default=_env_int("SLURM_ARRAY_TASK_ID", 0), help="this task's index (default: $SLURM_ARRAY_TASK_ID, else 0)"
+    )
+    p.add_argument(
+        "--tasks",
+        type=int,
+        default=_env_int("SLURM_ARRAY_TASK_COUNT", 1),
+        help="number of tasks the files are split over (default: $SLURM_ARRAY_TASK_COUNT, else 1)",
+    )
+    p.add_argument("--procs", type=int, default=1, help="processes this task runs, each preprocessing its own part (parts: tasks x procs)")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. data.path=/data/day_*.gz")
     p = sub.add_parser("export", help="write a run's model as one unsharded state_dict (recsys/training/export.py)")
     p.add_argument("--run-dir", required=True, help="the run directory (its config.yaml and checkpoints/)")
@@ -210,8 +222,10 @@ def _export(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     rows = sum(meta["cardinalities"])
-    print(f"wrote {args.out}: {meta['model']['name']} at step {meta['step']} ({len(meta['sparse_names'])} sparse features, "
-          f"{rows:,} ids in all), from {meta['checkpoint']}")
+    print(
+        f"wrote {args.out}: {meta['model']['name']} at step {meta['step']} ({len(meta['sparse_names'])} sparse features, "
+        f"{rows:,} ids in all), from {meta['checkpoint']}"
+    )
     return 0
 
 

@@ -211,21 +211,113 @@ class ExperimentConfig:
 # Table-size presets (Criteo Kaggle C1..C26; see docs/data.md for where they come from).
 CARDINALITY_PRESETS: dict[str, list[int]] = {
     "criteo_kaggle_filtered": [
-        1446, 554, 157339, 117822, 306, 18, 11882, 630, 5, 39530, 5131, 156656, 3176, 28, 11043,
-        148913, 12, 4560, 2003, 5, 154564, 18, 17, 53031, 82, 40955,
+        1446,
+        554,
+        157339,
+        117822,
+        306,
+        18,
+        11882,
+        630,
+        5,
+        39530,
+        5131,
+        156656,
+        3176,
+        28,
+        11043,
+        148913,
+        12,
+        4560,
+        2003,
+        5,
+        154564,
+        18,
+        17,
+        53031,
+        82,
+        40955,
     ],
     "criteo_kaggle_raw": [
-        1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27,
-        14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
+        1460,
+        583,
+        10131227,
+        2202608,
+        305,
+        24,
+        12517,
+        633,
+        3,
+        93145,
+        5683,
+        8351593,
+        3194,
+        27,
+        14992,
+        5461306,
+        10,
+        5652,
+        2173,
+        4,
+        7046547,
+        18,
+        15,
+        286181,
+        105,
+        142572,
     ],
     "criteo_1tb": [
-        45833188, 36746, 17245, 7413, 20243, 3, 7114, 1441, 62, 29275261, 1572176, 345138, 10,
-        2209, 11267, 128, 4, 974, 14, 48937457, 11316796, 40094537, 452104, 12606, 104, 35,
+        45833188,
+        36746,
+        17245,
+        7413,
+        20243,
+        3,
+        7114,
+        1441,
+        62,
+        29275261,
+        1572176,
+        345138,
+        10,
+        2209,
+        11267,
+        128,
+        4,
+        974,
+        14,
+        48937457,
+        11316796,
+        40094537,
+        452104,
+        12606,
+        104,
+        35,
     ],
     # Avazu's 22 categorical fields hashed into tables sized after its vocabularies (min count 2).
     "avazu": [
-        240, 7, 7, 4737, 7745, 26, 8552, 559, 36, 2686408, 6729486, 8251, 5, 4, 2626, 8, 9, 435,
-        4, 68, 172, 60,
+        240,
+        7,
+        7,
+        4737,
+        7745,
+        26,
+        8552,
+        559,
+        36,
+        2686408,
+        6729486,
+        8251,
+        5,
+        4,
+        2626,
+        8,
+        9,
+        435,
+        4,
+        68,
+        172,
+        60,
     ],
 }
 
@@ -354,8 +446,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             key = self.construct_object(key_node, deep=deep)
             line = key_node.start_mark.line + 1
             if key in seen:
-                raise _DuplicateKey(f"line {line}: key '{key}' given twice (first at line {seen[key]}); "
-                                    "keep one")
+                raise _DuplicateKey(f"line {line}: key '{key}' given twice (first at line {seen[key]}); keep one")
             seen[key] = line
         return super().construct_mapping(node, deep)
 
@@ -377,8 +468,7 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Ex
             text = p.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
             raise ConfigError(
-                f"config file {p} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
-                "is it a YAML file?"
+                f"config file {p} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); is it a YAML file?"
             ) from None
         except OSError as e:
             raise ConfigError(f"config file {p} cannot be read ({e.strerror or e})") from None
@@ -393,8 +483,9 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Ex
             where = f" line {mark.line + 1}" if mark is not None else ""
             raise ConfigError(f"{p}:{where} is not valid YAML ({getattr(e, 'problem', e)})") from None
         if values is None:  # a 0-byte file (a failed copy?) would otherwise run every default silently
-            raise ConfigError(f"config file {p} holds no settings (it is empty or only comments); "
-                              "write at least one key, e.g. `name: my-run`")
+            raise ConfigError(
+                f"config file {p} holds no settings (it is empty or only comments); write at least one key, e.g. `name: my-run`"
+            )
         _apply(cfg, values, str(p))
     for text in overrides:
         key, value = parse_override(text)
@@ -426,8 +517,11 @@ def validate(cfg: ExperimentConfig, source: str = "config") -> None:
         if value not in allowed:
             bad(key, f"expected one of {', '.join(allowed)}, got {value!r}")
     if m.embedding_dim <= 0 or (m.embedding_dim % 4 and cfg.optim.embedding not in ("cowclip_adam", "adam")):
-        bad("model.embedding_dim", f"{m.embedding_dim} is not a positive multiple of 4 (FBGEMM fused kernels need it; "
-            "optim.embedding=cowclip_adam|adam take any dim)")
+        bad(
+            "model.embedding_dim",
+            f"{m.embedding_dim} is not a positive multiple of 4 (FBGEMM fused kernels need it; "
+            "optim.embedding=cowclip_adam|adam take any dim)",
+        )
     if not m.dnn or any(h <= 0 for h in m.dnn):
         bad("model.dnn", f"{m.dnn}: need at least one positive layer width")
     if not 0.0 <= m.dropout < 1.0:
@@ -512,8 +606,11 @@ def validate(cfg: ExperimentConfig, source: str = "config") -> None:
 
         l2 = effective_optim(o, t.batch_size, 1)[0].embedding_l2
         if 2 * l2 >= o.cowclip_r:
-            bad("optim.embedding_l2", f"{l2:g} (as scaled to the batch) needs 2*l2 < optim.cowclip_r ({o.cowclip_r:g}) "
-                "with embedding_l2_scope catchup; lower it or set optim.embedding_l2_scope=batch")
+            bad(
+                "optim.embedding_l2",
+                f"{l2:g} (as scaled to the batch) needs 2*l2 < optim.cowclip_r ({o.cowclip_r:g}) "
+                "with embedding_l2_scope catchup; lower it or set optim.embedding_l2_scope=batch",
+            )
     if t.nproc_per_node <= 0:
         bad("train.nproc_per_node", "must be positive")
     if t.batch_size <= 0:
@@ -570,8 +667,10 @@ def validate(cfg: ExperimentConfig, source: str = "config") -> None:
 def check_training_extras(cfg: ExperimentConfig, source: str = "config") -> None:
     """The optional packages a training run's outputs need (pyproject extras), checked by
     `recsys train` and the workers before anything starts; planning and preprocessing need none."""
-    for key, feature, module in (("tensorboard", "writing TensorBoard events", "tensorboard"),
-                                 ("curves", "drawing curves.png", "matplotlib")):
+    for key, feature, module in (
+        ("tensorboard", "writing TensorBoard events", "tensorboard"),
+        ("curves", "drawing curves.png", "matplotlib"),
+    ):
         if getattr(cfg.train, key):
             line = missing_extra(feature, module, "viz", instead=f"set train.{key}=false")
             if line:

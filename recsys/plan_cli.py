@@ -70,7 +70,9 @@ def factory_model(spec: str):
     try:
         module = importlib.import_module(mod_name)
     except Exception as e:
-        raise UsageError(f"--model {spec}: cannot import '{mod_name}' ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+        raise UsageError(
+            f"--model {spec}: cannot import '{mod_name}' ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        ) from None
     factory = getattr(module, fn_name, None)
     if not callable(factory):
         raise UsageError(f"--model {spec}: module '{mod_name}' has no function '{fn_name}'")
@@ -229,8 +231,10 @@ def cmd_make(args: argparse.Namespace) -> int:
     if world <= 0 or world % local:
         if args.local_world_size or not cluster:
             raise UsageError(f"--world-size {world} is not a positive multiple of --local-world-size {local}")
-        raise UsageError(f"--world-size {world} does not fill whole hosts of topology {args.topology} ({local} ranks per "
-                         f"host): give a multiple of {local}, or a topology with {world} GPUs per host")
+        raise UsageError(
+            f"--world-size {world} does not fill whole hosts of topology {args.topology} ({local} ranks per "
+            f"host): give a multiple of {local}, or a topology with {world} GPUs per host"
+        )
     batch = (args.batch_size or cfg.train.batch_size) // world
     if batch <= 0:
         raise UsageError(f"--batch-size: fewer samples than ranks ({world})")
@@ -243,26 +247,47 @@ def cmd_make(args: argparse.Namespace) -> int:
             raise UsageError(f"--target-hit-rate: expected a number in (0, 1], got {args.target_hit_rate}")
         stats = load_sample(args.data_sample, model, cfg, batch=batch * world)
     planner = build_planner(
-        cfg.sharding, model, world, local, args.compute_device, batch,
+        cfg.sharding,
+        model,
+        world,
+        local,
+        args.compute_device,
+        batch,
         hbm_bytes=int(args.hbm_gb * gb) if args.hbm_gb else None,
         ddr_bytes=int(args.ddr_gb * gb) if args.ddr_gb else None,
-        cache_stats=stats, target_hit_rate=args.target_hit_rate,
+        cache_stats=stats,
+        target_hit_rate=args.target_hit_rate,
     )
     try:
         plan = planner.plan(model, sharders)
     except Exception as e:  # torchrec's PlannerError is multi-line; keep its first line
         raise UsageError(f"planning failed: {str(e).strip().splitlines()[0]}") from None
-    meta = {"planner": cfg.sharding.planner, "topology": cfg.sharding.topology, "config": str(args.config), "overrides": args.overrides,
-            "batch_size_per_rank": batch, "hbm_gb": args.hbm_gb, "ddr_gb": args.ddr_gb}
+    meta = {
+        "planner": cfg.sharding.planner,
+        "topology": cfg.sharding.topology,
+        "config": str(args.config),
+        "overrides": args.overrides,
+        "batch_size_per_rank": batch,
+        "hbm_gb": args.hbm_gb,
+        "ddr_gb": args.ddr_gb,
+    }
     if getattr(planner, "last_pooling", None):  # what its modelled step used (sharding/planner/cost/plan_cost.py)
         meta["pooling"] = planner.last_pooling
     if stats:
         from sharding.planner.cache_sizing import summary
         from sharding.constants import MAX_CACHE_LOAD_FACTOR
 
-        lfs = {name: ps.cache_params.load_factor for mp in plan.plan.values() for name, ps in mp.items()
-               if ps.compute_kernel == "fused_uvm_caching" and ps.cache_params is not None and ps.cache_params.load_factor is not None}
-        meta.update(data_sample=args.data_sample, target_hit_rate=args.target_hit_rate, cache_sizing=summary(stats, lfs, args.target_hit_rate, MAX_CACHE_LOAD_FACTOR))
+        lfs = {
+            name: ps.cache_params.load_factor
+            for mp in plan.plan.values()
+            for name, ps in mp.items()
+            if ps.compute_kernel == "fused_uvm_caching" and ps.cache_params is not None and ps.cache_params.load_factor is not None
+        }
+        meta.update(
+            data_sample=args.data_sample,
+            target_hit_rate=args.target_hit_rate,
+            cache_sizing=summary(stats, lfs, args.target_hit_rate, MAX_CACHE_LOAD_FACTOR),
+        )
     with _writing(args.out):
         plan_io.save_plan(plan, args.out, model, world_size=world, compute_device=args.compute_device, meta=meta)
     print(f"wrote {args.out}: {sum(len(m) for m in plan.plan.values())} tables on {world} ranks")
@@ -298,8 +323,12 @@ def cmd_show(args: argparse.Namespace) -> int:
         _emit(plan_html.render_html(rep, tr, topo, cost), args.out)  # times: the planner's model, as the text report
     elif args.format == "json":
         if topo is not None:
-            rep["modeled_step"] = {**cost.as_dict(), "batch_size_per_rank": batch, "batch_size_assumed": assumed,
-                                   "model": "sharding/planner/cost/model.py"}
+            rep["modeled_step"] = {
+                **cost.as_dict(),
+                "batch_size_per_rank": batch,
+                "batch_size_assumed": assumed,
+                "model": "sharding/planner/cost/model.py",
+            }
             rep["traffic"] = tr.to_dict()
         _emit(json.dumps(rep, indent=1), args.out)
     else:
@@ -309,8 +338,10 @@ def cmd_show(args: argparse.Namespace) -> int:
 
             text += "\n\n" + format_step(cost, args.topology, batch) + "\n\n" + plan_traffic.format_text(tr)
             if assumed:
-                text += (f"\nbatch per rank: {batch} assumed (the plan file records none: save_plan(..., planner=...) "
-                         "records it); --batch-size sets it")
+                text += (
+                    f"\nbatch per rank: {batch} assumed (the plan file records none: save_plan(..., planner=...) "
+                    "records it); --batch-size sets it"
+                )
         _emit(text, args.out)
     return 0
 
@@ -353,8 +384,10 @@ def cmd_diff(args: argparse.Namespace) -> int:
             r["modeled_s_delta"] = tb[r["rank"]] - ta[r["rank"]]
         d["modeled_step_s"] = [sa, sb]
         text += "\nmodeled time per rank on {} (b - a): {}\nmodeled step (the planner's model): {:.4f} ms -> {:.4f} ms".format(
-            args.topology, ", ".join(f"{r['rank']}: {r['modeled_s_delta'] * 1e3:+.4f} ms" for r in d["ranks"]),
-            sa * 1e3, sb * 1e3,
+            args.topology,
+            ", ".join(f"{r['rank']}: {r['modeled_s_delta'] * 1e3:+.4f} ms" for r in d["ranks"]),
+            sa * 1e3,
+            sb * 1e3,
         )
     _emit(json.dumps(d, indent=1) if args.format == "json" else text, args.out)
     return 0
@@ -410,35 +443,71 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="recsys-plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     m = sub.add_parser("make", help="plan a model for a cluster and write the plan file")
-    m.add_argument("--config", "--model", dest="config", required=True, metavar="MODEL",
-                   help="experiment YAML (model and data sections), or package.module:factory (a function returning your nn.Module)")
+    m.add_argument(
+        "--config",
+        "--model",
+        dest="config",
+        required=True,
+        metavar="MODEL",
+        help="experiment YAML (model and data sections), or package.module:factory (a function returning your nn.Module)",
+    )
     m.add_argument("--world-size", type=int, default=0, help="ranks (default: train.nproc_per_node)")
     m.add_argument("--local-world-size", type=int, default=0, help="ranks per host (default: min(world, 8))")
     m.add_argument("--compute-device", choices=("cuda", "cpu"), default="cuda")
-    m.add_argument("--topology", default="", help="topology YAML, shipped name (configs/topologies) or `nvidia-smi topo -m` text (.txt): plan with the topology-aware planner")
-    m.add_argument("--gpu", default="", help="GPU model of an imported nvidia-smi topology (e.g. 'NVIDIA H100 80GB HBM3', h100-sxm, a100-80gb-sxm): HBM size and bandwidth from its preset")
-    m.add_argument("--hbm-bw-gb-s", type=float, default=None, help="HBM bandwidth for an imported nvidia-smi topology (default: the --gpu preset)")
+    m.add_argument(
+        "--topology",
+        default="",
+        help="topology YAML, shipped name (configs/topologies) or `nvidia-smi topo -m` text (.txt): plan with the topology-aware planner",
+    )
+    m.add_argument(
+        "--gpu",
+        default="",
+        help="GPU model of an imported nvidia-smi topology (e.g. 'NVIDIA H100 80GB HBM3', h100-sxm, a100-80gb-sxm): "
+        "HBM size and bandwidth from its preset",
+    )
+    m.add_argument(
+        "--hbm-bw-gb-s", type=float, default=None, help="HBM bandwidth for an imported nvidia-smi topology (default: the --gpu preset)"
+    )
     m.add_argument("--hbm-gb", type=float, default=0.0, help="HBM per GPU (default: torchrec's)")
     m.add_argument("--ddr-gb", type=float, default=0.0, help="host memory per rank (default: torchrec's)")
     m.add_argument("--batch-size", type=int, default=0, help="global batch (default: train.batch_size)")
-    m.add_argument("--data-sample", default="", metavar="SAMPLE",
-                   help="size UVM caches from id frequencies: a JSON id histogram, synthetic:N (N rows of the configured "
-                        "generator), data:N (first N rows of the configured data), or a preprocessed shard directory [DIR:N]")
-    m.add_argument("--target-hit-rate", type=float, default=0.95,
-                   help="with --data-sample: each UVM-cached table's load factor is the smallest reaching this hit rate")
+    m.add_argument(
+        "--data-sample",
+        default="",
+        metavar="SAMPLE",
+        help="size UVM caches from id frequencies: a JSON id histogram, synthetic:N (N rows of the configured "
+        "generator), data:N (first N rows of the configured data), or a preprocessed shard directory [DIR:N]",
+    )
+    m.add_argument(
+        "--target-hit-rate",
+        type=float,
+        default=0.95,
+        help="with --data-sample: each UVM-cached table's load factor is the smallest reaching this hit rate",
+    )
     m.add_argument("--out", required=True)
     m.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
     m.set_defaults(fn=cmd_make)
     s = sub.add_parser("show", help="per-table placement and per-rank memory")
     s.add_argument("plan")
-    s.add_argument("--model", "--config", dest="config", default=None, metavar="MODEL",
-                   help="experiment YAML or package.module:factory: check the plan is for this model, report its optimizer state")
+    s.add_argument(
+        "--model",
+        "--config",
+        dest="config",
+        default=None,
+        metavar="MODEL",
+        help="experiment YAML or package.module:factory: check the plan is for this model, report its optimizer state",
+    )
     s.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
-    s.add_argument("--format", choices=("text", "json", "html"), default="text",
-                   help="html: one self-contained file with charts (needs --out)")
+    s.add_argument(
+        "--format", choices=("text", "json", "html"), default="text", help="html: one self-contained file with charts (needs --out)"
+    )
     s.add_argument("--topology", help="topology YAML or shipped name (configs/topologies/): adds modeled time per rank")
-    s.add_argument("--batch-size", type=int, default=0,
-                   help="batch per rank for the modelled step (default: the plan file's; 512, said to be assumed, if it has none)")
+    s.add_argument(
+        "--batch-size",
+        type=int,
+        default=0,
+        help="batch per rank for the modelled step (default: the plan file's; 512, said to be assumed, if it has none)",
+    )
     s.add_argument("--out")
     s.set_defaults(fn=cmd_show)
     d = sub.add_parser("diff", help="tables that moved or changed kernel; memory deltas per rank")
@@ -448,11 +517,20 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--topology", default="", help="also report modeled time deltas per rank on this topology")
     d.add_argument("--out")
     d.set_defaults(fn=cmd_diff)
-    v = sub.add_parser("validate", help="torchrec sharding types/kernels, shards tile each table, ranks in the world, "
-                                       "every table once, fits memory; with --model: the plan is for that model")
+    v = sub.add_parser(
+        "validate",
+        help="torchrec sharding types/kernels, shards tile each table, ranks in the world, "
+        "every table once, fits memory; with --model: the plan is for that model",
+    )
     v.add_argument("plan")
-    v.add_argument("--model", "--config", dest="config", default=None, metavar="MODEL",
-                   help="experiment YAML or package.module:factory (optional: the plan file records its tables)")
+    v.add_argument(
+        "--model",
+        "--config",
+        dest="config",
+        default=None,
+        metavar="MODEL",
+        help="experiment YAML or package.module:factory (optional: the plan file records its tables)",
+    )
     v.add_argument("--world-size", type=int, default=0)
     v.add_argument("--hbm-gb", type=float, default=0.0)
     v.add_argument("--ddr-gb", type=float, default=0.0)

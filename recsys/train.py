@@ -69,8 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         os._exit(2)  # no teardown: the groups are broken, and the store may be on the lost host
     except KeyboardInterrupt:  # a direct run's Ctrl-C (under `recsys train` the launcher says it)
         if rank == 0 and "RECSYS_RUN_LOCK_PID" not in os.environ:
-            print("interrupted: the last complete checkpoint is kept (resume=true continues from it)",
-                  file=sys.stderr, flush=True)
+            print("interrupted: the last complete checkpoint is kept (resume=true continues from it)", file=sys.stderr, flush=True)
         os._exit(130)
     finally:
         shutdown()

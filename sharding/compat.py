@@ -39,9 +39,19 @@ from functools import lru_cache
 from importlib import metadata
 from typing import Any
 
-__all__ = ["distribution_version", "fbgemm_version", "torchrec_version", "torch_version",
-           "install_log_filters", "FbgemmCompatTableFilter", "fbgemm_cowclip_types",
-           "SEBC_WRAPS_DP_IN_INIT", "ddp_wrap_skipping", "keep_zero_capacities", "estimator_sharders"]
+__all__ = [
+    "distribution_version",
+    "fbgemm_version",
+    "torchrec_version",
+    "torch_version",
+    "install_log_filters",
+    "FbgemmCompatTableFilter",
+    "fbgemm_cowclip_types",
+    "SEBC_WRAPS_DP_IN_INIT",
+    "ddp_wrap_skipping",
+    "keep_zero_capacities",
+    "estimator_sharders",
+]
 
 
 def _parse(version: str) -> tuple[int, int, int]:
@@ -126,8 +136,7 @@ SEBC_WRAPS_DP_IN_INIT: bool = _torchrec_before((1, 7))
 
 
 @contextmanager
-def ddp_wrap_skipping(skip: Callable[[Any], bool], module_name: str = "torchrec.distributed.embeddingbag"
-                      ) -> Iterator[None]:
+def ddp_wrap_skipping(skip: Callable[[Any], bool], module_name: str = "torchrec.distributed.embeddingbag") -> Iterator[None]:
     """For torchrec < 1.7 (:data:`SEBC_WRAPS_DP_IN_INIT`): while the block runs,
     ``ShardedEmbeddingBagCollection.__init__``'s inline ``DistributedDataParallel(module=lookup, ...)``
     returns ``lookup`` itself, unwrapped, when ``skip(lookup)``; every other lookup is wrapped as

@@ -44,18 +44,22 @@ class OptimizerState:
 
 # FBGEMM keeps optimizer state in fp32 whatever the weights' precision; CowClip-Adam (recsys/optim/
 # recsys/optim/cowclip/tbe.py) registers momentum1 and momentum2 like the weights (fp32) and row_step (int64).
-KINDS: dict[str, OptimizerState] = {s.kind: s for s in (
-    OptimizerState("sgd", 0, 0),
-    OptimizerState("rowwise_adagrad", 0, 4),  # momentum1: one float per row
-    OptimizerState("rowwise_adagrad_counter", 0, 12),  # + prev_iter, row_counter (COWCLIP / COUNTER decay)
-    OptimizerState("adagrad", 4, 0),
-    OptimizerState("adam", 8, 0),
-    OptimizerState("partial_rowwise_adam", 4, 4),
-    OptimizerState("lamb", 8, 0),
-    OptimizerState("partial_rowwise_lamb", 4, 4),
-    OptimizerState("lars_sgd", 4, 0),
-    OptimizerState("cowclip_adam", 8, 8),
-)}
+KINDS: dict[str, OptimizerState] = {
+    s.kind: s
+    for s in (
+        OptimizerState("sgd", 0, 0),
+        OptimizerState("rowwise_adagrad", 0, 4),  # momentum1: one float per row
+        OptimizerState("rowwise_adagrad_counter", 0, 12),  # + prev_iter, row_counter (COWCLIP / COUNTER decay)
+        OptimizerState("adagrad", 4, 0),
+        OptimizerState("adam", 8, 0),
+        OptimizerState("partial_rowwise_adam", 4, 4),
+        OptimizerState("lamb", 8, 0),
+        OptimizerState("partial_rowwise_lamb", 4, 4),
+        OptimizerState("lars_sgd", 4, 0),
+        OptimizerState("cowclip_adam", 8, 8),
+    )
+}
+
 
 def _data_type_bits() -> dict[str, int]:
     from torchrec.modules.embedding_configs import DATA_TYPE_NUM_BITS
@@ -72,10 +76,17 @@ def weight_bytes(data_type: str, rows: int, cols: int) -> int:
 
 
 _EMB_OPT_KIND = {
-    "exact_sgd": "sgd", "sgd": "sgd", "none": "sgd",
-    "exact_row_wise_adagrad": "rowwise_adagrad", "row_wise_adagrad": "rowwise_adagrad",
-    "exact_adagrad": "adagrad", "adam": "adam", "partial_row_wise_adam": "partial_rowwise_adam",
-    "lamb": "lamb", "partial_row_wise_lamb": "partial_rowwise_lamb", "lars_sgd": "lars_sgd",
+    "exact_sgd": "sgd",
+    "sgd": "sgd",
+    "none": "sgd",
+    "exact_row_wise_adagrad": "rowwise_adagrad",
+    "row_wise_adagrad": "rowwise_adagrad",
+    "exact_adagrad": "adagrad",
+    "adam": "adam",
+    "partial_row_wise_adam": "partial_rowwise_adam",
+    "lamb": "lamb",
+    "partial_row_wise_lamb": "partial_rowwise_lamb",
+    "lars_sgd": "lars_sgd",
 }
 
 
@@ -115,23 +126,29 @@ def check_cowclip_sharders(model: nn.Module, sharders: Sequence[Any] | None) -> 
     A sharder that trains CowClip-Adam says so with ``trains_cowclip_adam = True``. Checked by the
     planners before planning, on every rank, so all stop together."""
     for path, m in model.named_modules():
-        tagged = [c.name for c, p in _module_tables(m)
-                  if (getattr(p, "_optimizer_kwargs", [{}])[0] or {}).get("optimizer") == COWCLIP_ADAM_TAG]
+        tagged = [
+            c.name for c, p in _module_tables(m) if (getattr(p, "_optimizer_kwargs", [{}])[0] or {}).get("optimizer") == COWCLIP_ADAM_TAG
+        ]
         if not tagged:
             continue
         sharder = next((s for s in sharders or () if isinstance(m, s.module_type)), None)
         if sharder is not None and getattr(sharder, "trains_cowclip_adam", False):
             continue
         kind = type(m).__name__
-        what = (f"no sharder given shards its {kind}" if sharder is None
-                else f"its sharder {type(sharder).__name__} does not train CowClip-Adam")
+        what = (
+            f"no sharder given shards its {kind}"
+            if sharder is None
+            else f"its sharder {type(sharder).__name__} does not train CowClip-Adam"
+        )
         from torchrec.modules.embedding_modules import EmbeddingCollection
 
         base = "EmbeddingCollection" if isinstance(m, EmbeddingCollection) else "EmbeddingBagCollection"
         fix = f"CowClip-Adam trains {base} tables: add CowClip{base}Sharder() to the sharders"
         names = ", ".join(tagged[:3]) + (f" and {len(tagged) - 3} more" if len(tagged) > 3 else "")
-        raise ValueError(f"table{'s' if len(tagged) > 1 else ''} {names} of {kind} '{path or '<model>'}' "
-                         f"{'are' if len(tagged) > 1 else 'is'} tagged for CowClip-Adam, but {what}; {fix}")
+        raise ValueError(
+            f"table{'s' if len(tagged) > 1 else ''} {names} of {kind} '{path or '<model>'}' "
+            f"{'are' if len(tagged) > 1 else 'is'} tagged for CowClip-Adam, but {what}; {fix}"
+        )
 
 
 def table_parameters(model: nn.Module) -> Iterator[tuple[Any, nn.Parameter]]:

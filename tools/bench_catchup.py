@@ -128,8 +128,9 @@ def run(args) -> dict:
     for m in args.methods:
         scope = "catchup" if m.startswith("catchup") else m
         hp = CowClipHyper(update_scope=scope, **HP)
-        tbe = CowClipAdamTBE([(n, DIM) for n in cards], list(range(T)), hp, [DIM] * T, mode="inline",
-                             catchup_op="torch" if m == "catchup_torch" else "auto")
+        tbe = CowClipAdamTBE(
+            [(n, DIM) for n in cards], list(range(T)), hp, [DIM] * T, mode="inline", catchup_op="torch" if m == "catchup_torch" else "auto"
+        )
         with torch.no_grad():
             tbe.weights.normal_(0, 1e-2)
             tbe.momentum1.normal_(0, 1e-5)
@@ -165,17 +166,25 @@ def run(args) -> dict:
                 times[m].append(dt)
     med = {m: 1e3 * statistics.median(v) for m, v in times.items()}
     res = {
-        "fraction": args.fraction, "rows": sum(cards), "rows_full": sum(full), "batch": args.batch,
-        "tables": T, "dim": DIM, "threads": args.threads, "trained_steps": args.trained_steps,
-        "iters": args.iters, "step_ms": med,
+        "fraction": args.fraction,
+        "rows": sum(cards),
+        "rows_full": sum(full),
+        "batch": args.batch,
+        "tables": T,
+        "dim": DIM,
+        "threads": args.threads,
+        "trained_steps": args.trained_steps,
+        "iters": args.iters,
+        "step_ms": med,
         "step_ms_min": {m: 1e3 * min(v) for m, v in times.items()},
     }
     if cu:
         res["catchup_op"] = tbes[cu].catchup_op
         res["catchup_rows_behind_per_step"] = statistics.median(behind)
         res["catchup_mean_log2_gap"] = statistics.median(gaps)
-        res["unique_rows_per_step"] = int(sum(torch.unique(batches[-1][0][t * args.batch:(t + 1) * args.batch]).numel()
-                                              for t in range(T)))
+        res["unique_rows_per_step"] = int(
+            sum(torch.unique(batches[-1][0][t * args.batch : (t + 1) * args.batch]).numel() for t in range(T))
+        )
     if "batch" in med and "catchup" in med:
         res["catchup_over_lazy"] = med["catchup"] / med["batch"]
         res["target_catchup_over_lazy_le_1.3"] = res["catchup_over_lazy"] <= 1.3
@@ -209,13 +218,13 @@ def run_all_rows(args) -> dict:
     rs0 = steady_state_row_step(cards, args.batch, args.trained_steps)
     g = torch.Generator().manual_seed(0)
     n = sum(cards) * DIM
-    state0 = (torch.randn(n, generator=g) * 1e-2, torch.randn(n, generator=g) * 1e-5,
-              torch.rand(n, generator=g) * 1e-10 + 1e-12)
+    state0 = (torch.randn(n, generator=g) * 1e-2, torch.randn(n, generator=g) * 1e-5, torch.rand(n, generator=g) * 1e-10 + 1e-12)
     tbes = {}
     for m in methods:
         hp = CowClipHyper(update_scope="catchup", **HP)
-        tbes[m] = CowClipAdamTBE([(c, DIM) for c in cards], list(range(T)), hp, [DIM] * T, mode="inline",
-                                 catchup_op="torch" if m == "catchup_torch" else "auto")
+        tbes[m] = CowClipAdamTBE(
+            [(c, DIM) for c in cards], list(range(T)), hp, [DIM] * T, mode="inline", catchup_op="torch" if m == "catchup_torch" else "auto"
+        )
         tbes[m].set_optimizer_step(args.trained_steps)
     times: dict[str, list[float]] = {m: [] for m in methods}
     advanced = {}
@@ -231,11 +240,20 @@ def run_all_rows(args) -> dict:
             if i >= args.warmup:
                 times[m].append(time.perf_counter() - t0)
     med = {m: 1e3 * statistics.median(v) for m, v in times.items()}
-    res = {"mode": "all_rows", "fraction": args.fraction, "rows": sum(cards), "rows_full": sum(full),
-           "batch": args.batch, "trained_steps": args.trained_steps, "threads": args.threads, "iters": args.iters,
-           "rows_behind": advanced[methods[0]], "catch_up_all_ms": med,
-           "mean_log2_gap": float((args.trained_steps - rs0[rs0 < args.trained_steps]).float().log2().mean()),
-           "ns_per_row_behind": {m: 1e6 * v / max(advanced[m], 1) for m, v in med.items()}}
+    res = {
+        "mode": "all_rows",
+        "fraction": args.fraction,
+        "rows": sum(cards),
+        "rows_full": sum(full),
+        "batch": args.batch,
+        "trained_steps": args.trained_steps,
+        "threads": args.threads,
+        "iters": args.iters,
+        "rows_behind": advanced[methods[0]],
+        "catch_up_all_ms": med,
+        "mean_log2_gap": float((args.trained_steps - rs0[rs0 < args.trained_steps]).float().log2().mean()),
+        "ns_per_row_behind": {m: 1e6 * v / max(advanced[m], 1) for m, v in med.items()},
+    }
     if len(methods) == 2:
         res["catch_up_all_torch_over_fused"] = med["catchup_torch"] / med["catchup"]
         a, b = tbes["catchup"], tbes["catchup_torch"]  # the last round's results, same start state
@@ -252,8 +270,12 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--iters", type=int, default=7, help="timed rounds (one step of each method per round)")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--trained-steps", type=int, default=5500, help="steady state: steps trained before (1 epoch "
-                    "of raw Criteo-Kaggle at batch 8K is about 5,500)")
+    ap.add_argument(
+        "--trained-steps",
+        type=int,
+        default=5500,
+        help="steady state: steps trained before (1 epoch of raw Criteo-Kaggle at batch 8K is about 5,500)",
+    )
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--all-rows", action="store_true", help="time catch_up_all (what a checkpoint runs) instead")
     args = ap.parse_args(argv)

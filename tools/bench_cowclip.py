@@ -22,7 +22,8 @@ step (round i: one step of each method, in the order ours, fbgemm, pertable, tor
 load hits them alike; ratios are of medians taken in the same rounds. ours and fbgemm have their own
 tables; pertable and torchref share a third set (torchref runs right after pertable on the same
 batch and so finds its rows warm: it is the slow reference, that does not change its story). Neither
-ours nor fbgemm finds rows that another method just updated in the cache. dense runs in its own subprocess, on ``--dense-tables`` tables when
+ours nor fbgemm finds rows that another method just updated in the cache. dense runs in its own
+subprocess, on ``--dense-tables`` tables when
 26 tables would not fit the ``--dense-mem-gb`` budget (weights + grad + 2 Adam moments + Adam
 temporaries ~ 7 x the table bytes); its step time is then scaled linearly to 26 tables (Adam over
 dense parameters and the dense gradient are linear in the table count) and reported as such.
@@ -173,8 +174,17 @@ def _run_sparse(methods, rows, batch, iters, warmup, threads, thp=False, nsteps_
 
         if not fused_available():
             raise RuntimeError("C++ extension unavailable")
-        hyper = CowClipHyper(learning_rate=HP["lr"], beta1=HP["betas"][0], beta2=HP["betas"][1], eps=HP["eps"],
-                             cowclip=True, cowclip_r=HP["r"], cowclip_zeta=HP["zeta"], l2=HP["l2"])
+        hyper = CowClipHyper(
+            learning_rate=HP["lr"],
+            beta1=HP["betas"][0],
+            beta2=HP["betas"][1],
+            eps=HP["eps"],
+            cowclip=True,
+            cowclip_r=HP["r"],
+            cowclip_zeta=HP["zeta"],
+            l2=HP["l2"],
+        )
+
         def make_tbe():
             tbe = CowClipAdamTBE([(rows, DIM)] * T, list(range(T)), hyper, [DIM] * T, mode="inline")
             with torch.no_grad():
@@ -201,8 +211,7 @@ def _run_sparse(methods, rows, batch, iters, warmup, threads, thp=False, nsteps_
 
         steps["ours"] = ours
         steps["pertable"] = lambda i: per_table_loop(i, fused_cowclip_adam_step)
-        steps["torchref"] = lambda i: per_table_loop(
-            i, cowclip_adam_step, update_scope="batch", l2_scope="batch", bias_correction="row")
+        steps["torchref"] = lambda i: per_table_loop(i, cowclip_adam_step, update_scope="batch", l2_scope="batch", bias_correction="row")
 
     if "fbgemm" in methods:
         from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -214,7 +223,9 @@ def _run_sparse(methods, rows, batch, iters, warmup, threads, thp=False, nsteps_
 
         fb = SplitTableBatchedEmbeddingBagsCodegen(
             embedding_specs=[(rows, DIM, EmbeddingLocation.HOST, ComputeDevice.CPU)] * T,
-            optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=1e-2, eps=1e-8,
+            optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+            learning_rate=1e-2,
+            eps=1e-8,
             pooling_mode=PoolingMode.SUM,
         )
 
@@ -278,8 +289,13 @@ def _run_dense(rows, batch, iters, warmup, threads, tables):
         step(i)
     s = _summary([_timed(step, i) for i in range(warmup, warmup + iters)])
     scale = NUM_TABLES / tables
-    s.update(tables_measured=tables, scale_to_26=scale, step_ms_measured=s["step_ms"], cpu_ms_measured=s["cpu_ms"],
-             step_peak_mb_measured=s["step_peak_mb"])
+    s.update(
+        tables_measured=tables,
+        scale_to_26=scale,
+        step_ms_measured=s["step_ms"],
+        cpu_ms_measured=s["cpu_ms"],
+        step_peak_mb_measured=s["step_peak_mb"],
+    )
     for k in ("step_ms", "step_ms_min", "cpu_ms", "cpu_ms_min", "step_peak_mb"):
         s[k] *= scale
     return {"dense": s}
@@ -324,26 +340,42 @@ def run_gpu(rows: int, batch: int, iters: int, warmup: int, device: str, profile
     ids = make_ids(rows, batch, 4)
     kjt = [(torch.cat(idt).to(dev), torch.arange(T * batch + 1, device=dev)) for idt in ids]
     grad = (torch.randn(batch, T * DIM) * 1e-3).to(dev)
-    hyper = CowClipHyper(learning_rate=HP["lr"], beta1=HP["betas"][0], beta2=HP["betas"][1], eps=HP["eps"],
-                         cowclip=True, cowclip_r=HP["r"], cowclip_zeta=HP["zeta"], l2=HP["l2"])
+    hyper = CowClipHyper(
+        learning_rate=HP["lr"],
+        beta1=HP["betas"][0],
+        beta2=HP["betas"][1],
+        eps=HP["eps"],
+        cowclip=True,
+        cowclip_r=HP["r"],
+        cowclip_zeta=HP["zeta"],
+        l2=HP["l2"],
+    )
     import dataclasses
 
     ours = CowClipAdamTBE([(rows, DIM)] * T, list(range(T)), hyper, [DIM] * T, mode="inline", device=dev)
-    lazy = CowClipAdamTBE([(rows, DIM)] * T, list(range(T)), dataclasses.replace(hyper, update_scope="batch"),
-                          [DIM] * T, mode="inline", device=dev)
+    lazy = CowClipAdamTBE(
+        [(rows, DIM)] * T, list(range(T)), dataclasses.replace(hyper, update_scope="batch"), [DIM] * T, mode="inline", device=dev
+    )
     with torch.no_grad():
         ours.weights.uniform_(-0.01, 0.01)
         lazy.weights.uniform_(-0.01, 0.01)
-    loc, cdev = ((EmbeddingLocation.DEVICE, ComputeDevice.CUDA) if dev.type == "cuda"
-                 else (EmbeddingLocation.HOST, ComputeDevice.CPU))
+    loc, cdev = (EmbeddingLocation.DEVICE, ComputeDevice.CUDA) if dev.type == "cuda" else (EmbeddingLocation.HOST, ComputeDevice.CPU)
     modules = {"ours": ours, "ours_lazy": lazy}
     errors = {}
-    for name, opt, kw in (("fbgemm_rowwise_adagrad", EmbOptimType.EXACT_ROWWISE_ADAGRAD, {}),
-                          ("fbgemm_adam", EmbOptimType.ADAM, {"beta1": HP["betas"][0], "beta2": HP["betas"][1]})):
+    for name, opt, kw in (
+        ("fbgemm_rowwise_adagrad", EmbOptimType.EXACT_ROWWISE_ADAGRAD, {}),
+        ("fbgemm_adam", EmbOptimType.ADAM, {"beta1": HP["betas"][0], "beta2": HP["betas"][1]}),
+    ):
         try:
             modules[name] = SplitTableBatchedEmbeddingBagsCodegen(
-                embedding_specs=[(rows, DIM, loc, cdev)] * T, optimizer=opt, learning_rate=HP["lr"], eps=HP["eps"],
-                pooling_mode=PoolingMode.SUM, device=dev, **kw)
+                embedding_specs=[(rows, DIM, loc, cdev)] * T,
+                optimizer=opt,
+                learning_rate=HP["lr"],
+                eps=HP["eps"],
+                pooling_mode=PoolingMode.SUM,
+                device=dev,
+                **kw,
+            )
         except Exception as e:  # noqa: BLE001 - a kernel this build lacks is reported, not fatal
             errors[name] = f"{type(e).__name__}: {e}"[:300]
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
@@ -378,10 +410,18 @@ def run_gpu(rows: int, batch: int, iters: int, warmup: int, device: str, profile
             rows = []
             for e in prof.key_averages():
                 dev_us = getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
-                rows.append((e.key[:70], e.count // profile_steps, round(dev_us / profile_steps, 1),
-                             round(e.self_cpu_time_total / profile_steps, 1)))
-            profile[m] = {"top_device_us_per_step": sorted(rows, key=lambda r: -r[2])[:12],
-                          "top_host_us_per_step": sorted(rows, key=lambda r: -r[3])[:12]}
+                rows.append(
+                    (
+                        e.key[:70],
+                        e.count // profile_steps,
+                        round(dev_us / profile_steps, 1),
+                        round(e.self_cpu_time_total / profile_steps, 1),
+                    )
+                )
+            profile[m] = {
+                "top_device_us_per_step": sorted(rows, key=lambda r: -r[2])[:12],
+                "top_host_us_per_step": sorted(rows, key=lambda r: -r[3])[:12],
+            }
     checks = {}
     if "ours_lazy" in step_ms:
         for m in list(step_ms):
@@ -393,38 +433,64 @@ def run_gpu(rows: int, batch: int, iters: int, warmup: int, device: str, profile
     if "ours_over_fbgemm_adam" in ratios:
         checks["ours<=fbgemm_adam"] = ratios["ours_over_fbgemm_adam"] <= 1.0
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu"
-    return {"bench": "cowclip_gpu", "device": name, "torch": torch.__version__, "rows": rows, "batch": batch,
-            "tables": T, "dim": DIM, "iters": iters, "semantics": {"ours": "CowClip-Adam, update_scope=catchup (the default: L2 reaches absent rows "
-                          "through the catch-up on lookup)", "ours_lazy": "update_scope=batch (only the "
-                          "batch's rows move, as FBGEMM's row-wise Adagrad and Adam do)"},
-            "ours_kernel": getattr(ours._tables_op, "__name__", str(ours._tables_op)),
-            "step_ms": {m: round(v, 3) for m, v in step_ms.items()},
-            "step_ms_min": {m: round(1e3 * min(v), 3) for m, v in samples.items()},
-            "ratios": {k: round(v, 3) for k, v in ratios.items()}, "checks": checks, "errors": errors,
-            **({"profile": profile} if profile else {})}
+    return {
+        "bench": "cowclip_gpu",
+        "device": name,
+        "torch": torch.__version__,
+        "rows": rows,
+        "batch": batch,
+        "tables": T,
+        "dim": DIM,
+        "iters": iters,
+        "semantics": {
+            "ours": "CowClip-Adam, update_scope=catchup (the default: L2 reaches absent rows through the catch-up on lookup)",
+            "ours_lazy": "update_scope=batch (only the batch's rows move, as FBGEMM's row-wise Adagrad and Adam do)",
+        },
+        "ours_kernel": getattr(ours._tables_op, "__name__", str(ours._tables_op)),
+        "step_ms": {m: round(v, 3) for m, v in step_ms.items()},
+        "step_ms_min": {m: round(1e3 * min(v), 3) for m, v in samples.items()},
+        "ratios": {k: round(v, 3) for k, v in ratios.items()},
+        "checks": checks,
+        "errors": errors,
+        **({"profile": profile} if profile else {}),
+    }
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--device", default=None, help="cuda: ours vs FBGEMM's CUDA kernels (GPU_METHODS); cpu: "
-                    "the same code on CPU (a rehearsal). Without it: the CPU benchmark (METHODS), to which "
-                    "the options other than --rows/--batch/--iters/--warmup belong")
+    ap.add_argument(
+        "--device",
+        default=None,
+        help="cuda: ours vs FBGEMM's CUDA kernels (GPU_METHODS); cpu: "
+        "the same code on CPU (a rehearsal). Without it: the CPU benchmark (METHODS), to which "
+        "the options other than --rows/--batch/--iters/--warmup belong",
+    )
     ap.add_argument("--quick", action="store_true", help="one small config (100K rows, batch 8K), few iterations")
-    ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
-                    help="with --device: also profile STEPS steps of each method (top kernels and host ops)")
+    ap.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="with --device: also profile STEPS steps of each method (top kernels and host ops)",
+    )
     ap.add_argument("--rows", type=int, nargs="+", default=[100_000, 1_000_000])
     ap.add_argument("--batch", type=int, nargs="+", default=[8192, 65536])
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--iters", type=int, default=15, help="timed rounds (one step of each method per round)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--dense-iters", type=int, default=3, help="iterations of the (slow) dense baseline")
-    ap.add_argument("--dense-mem-gb", type=float, default=4.0,
-                    help="memory budget of the dense baseline: fewer tables (then scaled to 26) above it")
-    ap.add_argument("--thp", action="store_true",
-                    help="back every method's table storage (ours and FBGEMM alike) with 2 MB transparent "
-                         "huge pages (madvise MADV_HUGEPAGE + MADV_COLLAPSE, Linux >= 6.1)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads of every method (FBGEMM's CPU "
-                                                           "kernels use the same at::parallel_for pool)")
+    ap.add_argument(
+        "--dense-mem-gb", type=float, default=4.0, help="memory budget of the dense baseline: fewer tables (then scaled to 26) above it"
+    )
+    ap.add_argument(
+        "--thp",
+        action="store_true",
+        help="back every method's table storage (ours and FBGEMM alike) with 2 MB transparent "
+        "huge pages (madvise MADV_HUGEPAGE + MADV_COLLAPSE, Linux >= 6.1)",
+    )
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch threads of every method (FBGEMM's CPU kernels use the same at::parallel_for pool)"
+    )
     args = ap.parse_args(argv)
     if args.quick:
         args.rows, args.batch, args.iters, args.warmup, args.dense_iters = [100_000], [8192], 6, 1, 2
@@ -435,8 +501,7 @@ def main(argv=None) -> int:
         for r in rows:
             for b in batch:
                 res = run_gpu(r, b, args.iters, args.warmup, args.device, args.profile)
-                print(f"rows={r} batch={b} " + ", ".join(f"{m}={v:.3f} ms" for m, v in res["step_ms"].items()),
-                      flush=True)
+                print(f"rows={r} batch={b} " + ", ".join(f"{m}={v:.3f} ms" for m, v in res["step_ms"].items()), flush=True)
                 print(json.dumps(res), flush=True)
         return 0
 
@@ -451,25 +516,39 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     avail = ck.fused_available()
-    print(f"cowclip extension: {'available' if avail else 'UNAVAILABLE'} ({ck.fallback_reason()}), "
-          f"load {time.perf_counter() - t0:.1f}s", flush=True)
+    print(
+        f"cowclip extension: {'available' if avail else 'UNAVAILABLE'} ({ck.fallback_reason()}), load {time.perf_counter() - t0:.1f}s",
+        flush=True,
+    )
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    machine = {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
-               "threads": args.threads, "thp": args.thp, "load_avg_start": os.getloadavg()}
+    machine = {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "threads": args.threads,
+        "thp": args.thp,
+        "load_avg_start": os.getloadavg(),
+    }
     print(f"machine: {machine}", flush=True)
 
     results = []
     sparse_methods = [m for m in args.methods if m != "dense"]
     for rows in args.rows:
         for batch in args.batch:
-            cfg = {"rows": rows, "batch": batch, "tables": NUM_TABLES, "dim": DIM, "threads": args.threads,
-                   "thp": args.thp, "load_avg": os.getloadavg()}
+            cfg = {
+                "rows": rows,
+                "batch": batch,
+                "tables": NUM_TABLES,
+                "dim": DIM,
+                "threads": args.threads,
+                "thp": args.thp,
+                "load_avg": os.getloadavg(),
+            }
             if sparse_methods:
-                r = _subprocess("sparse", (sparse_methods, rows, batch, args.iters, args.warmup, args.threads,
-                                           args.thp))
+                r = _subprocess("sparse", (sparse_methods, rows, batch, args.iters, args.warmup, args.threads, args.thp))
                 if "error" in r:
-                    print(f"rows={rows} batch={batch} sparse methods failed: {r['error']}\n{r.get('trace', '')}",
-                          flush=True)
+                    print(f"rows={rows} batch={batch} sparse methods failed: {r['error']}\n{r.get('trace', '')}", flush=True)
                 else:
                     cfg.update(r)
             if "dense" in args.methods:
@@ -484,11 +563,13 @@ def main(argv=None) -> int:
                 if m not in cfg:
                     continue
                 r = cfg[m]
-                extra = (f"  [measured on {r['tables_measured']} tables, x{r['scale_to_26']:.2f}]"
-                         if "tables_measured" in r else "")
-                print(f"rows={rows:>8} batch={batch:>6} {m:>9}: {r['step_ms']:9.1f} ms/step wall "
-                      f"(min {r['step_ms_min']:.1f})  cpu {r['cpu_ms']:9.1f} ms  "
-                      f"step peak {r['step_peak_mb']:7.1f} MB{extra}", flush=True)
+                extra = f"  [measured on {r['tables_measured']} tables, x{r['scale_to_26']:.2f}]" if "tables_measured" in r else ""
+                print(
+                    f"rows={rows:>8} batch={batch:>6} {m:>9}: {r['step_ms']:9.1f} ms/step wall "
+                    f"(min {r['step_ms_min']:.1f})  cpu {r['cpu_ms']:9.1f} ms  "
+                    f"step peak {r['step_peak_mb']:7.1f} MB{extra}",
+                    flush=True,
+                )
             ratios = {}
             if "ours" in cfg:
                 for m in ("fbgemm", "dense", "torchref", "pertable"):
@@ -496,8 +577,7 @@ def main(argv=None) -> int:
                         ratios[f"ours_over_{m}"] = cfg["ours"]["step_ms"] / cfg[m]["step_ms"]
                         ratios[f"ours_over_{m}_cpu"] = cfg["ours"]["cpu_ms"] / cfg[m]["cpu_ms"]
             cfg["ratios"] = ratios
-            print(f"rows={rows:>8} batch={batch:>6} ratios: " + ", ".join(f"{k}={v:.3f}" for k, v in ratios.items()),
-                  flush=True)
+            print(f"rows={rows:>8} batch={batch:>6} ratios: " + ", ".join(f"{k}={v:.3f}" for k, v in ratios.items()), flush=True)
             results.append(cfg)
 
     checks = {}
@@ -514,15 +594,15 @@ def main(argv=None) -> int:
         if len(peaks) >= 2:
             checks[f"batch{batch}:ours_step_peak_flat"] = max(peaks) <= min(peaks) * 1.5 + 16
     summary = {
-        "bench": "cowclip", "quick": args.quick, "machine": machine, "load_avg_end": os.getloadavg(),
+        "bench": "cowclip",
+        "quick": args.quick,
+        "machine": machine,
+        "load_avg_end": os.getloadavg(),
         "extension": avail,
         "ratios": {f"{c['rows']}x{c['batch']}": c["ratios"] for c in results},
-        "step_ms": {f"{c['rows']}x{c['batch']}": {m: round(c[m]["step_ms"], 2) for m in METHODS if m in c}
-                    for c in results},
-        "cpu_ms": {f"{c['rows']}x{c['batch']}": {m: round(c[m]["cpu_ms"], 2) for m in METHODS if m in c}
-                   for c in results},
-        "step_peak_mb": {f"{c['rows']}x{c['batch']}": {m: round(c[m]["step_peak_mb"], 1) for m in METHODS if m in c}
-                         for c in results},
+        "step_ms": {f"{c['rows']}x{c['batch']}": {m: round(c[m]["step_ms"], 2) for m in METHODS if m in c} for c in results},
+        "cpu_ms": {f"{c['rows']}x{c['batch']}": {m: round(c[m]["cpu_ms"], 2) for m in METHODS if m in c} for c in results},
+        "step_peak_mb": {f"{c['rows']}x{c['batch']}": {m: round(c[m]["step_peak_mb"], 1) for m in METHODS if m in c} for c in results},
         "anon_huge_mb": {f"{c['rows']}x{c['batch']}": c["ours"].get("anon_huge_mb") for c in results if "ours" in c},
         "checks": checks,
     }

@@ -26,7 +26,8 @@ pyarrow and pandas are optional (not project dependencies): install them outside
 
 Rates are rows/s of wall time (the file is in the page cache after the first pass), and rows per
 CPU-second of this process (all its threads): on a machine shared with other work the CPU
-figures depend much less on the load. The last line is one JSON object. The generated file lives in ``--workdir`` and is deleted unless ``--keep``.
+figures depend much less on the load. The last line is one JSON object. The generated file lives in
+``--workdir`` and is deleted unless ``--keep``.
 """
 
 from __future__ import annotations
@@ -56,7 +57,9 @@ from recsys.data.raw_formats import preprocess_criteo  # noqa: E402
 from recsys.data.read_blocks import BlockReader  # noqa: E402
 from recsys.data.shards import ShardedDataset, ShardWriter  # noqa: E402
 
-SAMPLE = Path(os.environ.get("RECSYS_SHARED_DIR") or Path(__file__).resolve().parents[2] / "shared") / "data" / "criteo_kaggle_sample_1k.tsv"
+SAMPLE = (
+    Path(os.environ.get("RECSYS_SHARED_DIR") or Path(__file__).resolve().parents[2] / "shared") / "data" / "criteo_kaggle_sample_1k.tsv"
+)
 
 
 def generate(path: Path, rows: int, seed: int = 0) -> None:
@@ -65,8 +68,7 @@ def generate(path: Path, rows: int, seed: int = 0) -> None:
     if SAMPLE.is_file():
         templates = [(line.rstrip("\n").split("\t") + [""] * 40)[:40] for line in open(SAMPLE) if line.strip()]
     else:
-        templates = [[str(rng.randint(0, 1)), *(str(rng.randint(0, 500)) for _ in range(13)), *(["x"] * 26)]
-                     for _ in range(1000)]
+        templates = [[str(rng.randint(0, 1)), *(str(rng.randint(0, 500)) for _ in range(13)), *(["x"] * 26)] for _ in range(1000)]
     with open(path, "w", buffering=1 << 22) as f:
         out: list[str] = []
         for _ in range(rows):
@@ -84,10 +86,12 @@ def reference_preprocess(path: Path, out: Path) -> int:
     """End to end with every line through the reference (per-line) parser, single thread."""
     reader = BlockReader(path, b"\t", CRITEO_COLUMNS, CRITEO_COLUMNS)
     report = FileReport(path=str(path), format="tsv")
-    with ShardWriter(out, kind="criteo", dense_names=CRITEO_DENSE_NAMES, sparse_names=CRITEO_SPARSE_NAMES,
-                     rows_per_shard=1 << 20, overwrite=True) as writer:
-        run_file(reader, lambda b, lay: parse_criteo_block(b, lay, 14, fast=False), writer, report, None, 1,
-                 Progress([path], every_s=1e9), 0.01)
+    with ShardWriter(
+        out, kind="criteo", dense_names=CRITEO_DENSE_NAMES, sparse_names=CRITEO_SPARSE_NAMES, rows_per_shard=1 << 20, overwrite=True
+    ) as writer:
+        run_file(
+            reader, lambda b, lay: parse_criteo_block(b, lay, 14, fast=False), writer, report, None, 1, Progress([path], every_s=1e9), 0.01
+        )
         writer.commit([report.to_dict()])
     return report.good_rows
 
@@ -116,8 +120,7 @@ def pandas_read(path: Path) -> int | None:
         import pandas as pd
     except ImportError:
         return None
-    df = pd.read_csv(path, sep="\t", header=None, names=CRITEO_COLUMNS, engine="c",
-                     dtype={c: str for c in CRITEO_SPARSE_NAMES})
+    df = pd.read_csv(path, sep="\t", header=None, names=CRITEO_COLUMNS, engine="c", dtype={c: str for c in CRITEO_SPARSE_NAMES})
     return len(df)
 
 
@@ -169,11 +172,15 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/bench_data"))
     ap.add_argument("--file", type=Path, help="an existing Criteo TSV instead of a generated one")
     ap.add_argument("--keep", action="store_true", help="keep the generated file and shards")
-    ap.add_argument("--peers", default="", help="comma-separated subset of the peers (default: all); the "
-                    "loader peers read ours_1w's shards, so keep ours_1w among them")
+    ap.add_argument(
+        "--peers",
+        default="",
+        help="comma-separated subset of the peers (default: all); the loader peers read ours_1w's shards, so keep ours_1w among them",
+    )
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     import recsys.data.batching  # noqa: F401  (torch and torchrec load here, not inside a timing)
+
     args.workdir.mkdir(parents=True, exist_ok=True)
     path = args.file or args.workdir / f"criteo_{args.rows}.tsv"
     if not path.is_file():
@@ -209,8 +216,11 @@ def main() -> None:
             if rate is not None and cpu_rate is not None:
                 rates[name].append(rate)
                 cpu_rates[name].append(cpu_rate)
-            print(f"round {r + 1}: {name:12s} " + ("not available" if rate is None else
-                  f"{rate / 1e3:8.0f}K rows/s, {cpu_rate / 1e3:8.0f}K rows per CPU-second"), flush=True)
+            print(
+                f"round {r + 1}: {name:12s} "
+                + ("not available" if rate is None else f"{rate / 1e3:8.0f}K rows/s, {cpu_rate / 1e3:8.0f}K rows per CPU-second"),
+                flush=True,
+            )
     med = {k: (statistics.median(v) if v else None) for k, v in rates.items()}
     cpu_med = {k: (statistics.median(v) if v else None) for k, v in cpu_rates.items()}
     digests = {k: shard_digest(o) for k, o in outs.items() if k in chosen}
@@ -224,21 +234,35 @@ def main() -> None:
         print(f"  {k:12s} {'-' if v is None else f'{v / 1e3:8.0f}K'}")
     print(f"  shards of {' / '.join(digests)} byte-identical: {identical}")
     result = {
-        "bench": "data", "file": str(path), "rows": rows["ours_1w"], "file_mb": round(size_mb, 1),
-        "repeats": args.repeats, "cores": len(os.sched_getaffinity(0)),
+        "bench": "data",
+        "file": str(path),
+        "rows": rows["ours_1w"],
+        "file_mb": round(size_mb, 1),
+        "repeats": args.repeats,
+        "cores": len(os.sched_getaffinity(0)),
         "rows_per_s": {k: (None if v is None else round(v)) for k, v in med.items() if not k.startswith("loader")},
         "loader_read_samples_per_s": None if med["loader_read"] is None else round(med["loader_read"]),
         "loader_samples_per_s": None if med["loader"] is None else round(med["loader"]),
-        **{f"{k}_samples_per_s": None if med[k] is None else round(med[k])
-           for k in ("loader_shuffled_read", "loader_shuffled", "loader_shuffled_rank_of_2")},
+        **{
+            f"{k}_samples_per_s": None if med[k] is None else round(med[k])
+            for k in ("loader_shuffled_read", "loader_shuffled", "loader_shuffled_rank_of_2")
+        },
         "rows_per_cpu_s": {k: (None if v is None else round(v)) for k, v in cpu_med.items() if not k.startswith("loader")},
-        "cpu_ratios": {k: (None if cpu_med[a] is None or cpu_med[b] is None else round(cpu_med[a] / cpu_med[b], 2))
-                       for k, (a, b) in {"ours_1w/reference": ("ours_1w", "reference"),
-                                         "ours_2w/reference": ("ours_2w", "reference"),
-                                         "ours_1w/pyarrow_raw": ("ours_1w", "pyarrow_raw")}.items()},
-        "ratios": {"ours_1w/reference": ratio("ours_1w", "reference"), "ours_2w/reference": ratio("ours_2w", "reference"),
-                   "ours_2w/pyarrow_raw": ratio("ours_2w", "pyarrow_raw"), "ours_1w/pyarrow_raw": ratio("ours_1w", "pyarrow_raw"),
-                   "ours_2w/pandas": ratio("ours_2w", "pandas")},
+        "cpu_ratios": {
+            k: (None if cpu_med[a] is None or cpu_med[b] is None else round(cpu_med[a] / cpu_med[b], 2))
+            for k, (a, b) in {
+                "ours_1w/reference": ("ours_1w", "reference"),
+                "ours_2w/reference": ("ours_2w", "reference"),
+                "ours_1w/pyarrow_raw": ("ours_1w", "pyarrow_raw"),
+            }.items()
+        },
+        "ratios": {
+            "ours_1w/reference": ratio("ours_1w", "reference"),
+            "ours_2w/reference": ratio("ours_2w", "reference"),
+            "ours_2w/pyarrow_raw": ratio("ours_2w", "pyarrow_raw"),
+            "ours_1w/pyarrow_raw": ratio("ours_1w", "pyarrow_raw"),
+            "ours_2w/pandas": ratio("ours_2w", "pandas"),
+        },
         "round_ratios": {  # the same ratios per round: peers ran back to back, under the same load
             "ours_1w/reference": [round(a / b, 2) for a, b in zip(rates["ours_1w"], rates["reference"])],
             "ours_2w/reference": [round(a / b, 2) for a, b in zip(rates["ours_2w"], rates["reference"])],

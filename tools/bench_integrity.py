@@ -63,19 +63,33 @@ def checkpoint_costs(workdir: Path, dim: int) -> dict:
     assert why is None, why
     written = sum(p.stat().st_size for p in out.iterdir())
     shutil.rmtree(out)
-    return {"rows": sum(cards), "dim": dim, "state_gb": nbytes / 1e9, "files_gb": written / 1e9, "files": len(hashes),
-            "save_s": save_s, "hash_s": hash_s, "verify_s": verify_s,
-            "hash_over_save": hash_s / save_s, "verify_over_save": verify_s / save_s,
-            "hash_gb_per_s": written / 1e9 / hash_s}
+    return {
+        "rows": sum(cards),
+        "dim": dim,
+        "state_gb": nbytes / 1e9,
+        "files_gb": written / 1e9,
+        "files": len(hashes),
+        "save_s": save_s,
+        "hash_s": hash_s,
+        "verify_s": verify_s,
+        "hash_over_save": hash_s / save_s,
+        "verify_over_save": verify_s / save_s,
+        "hash_gb_per_s": written / 1e9 / hash_s,
+    }
 
 
 def _criteo_lines(shared: Path) -> list[str]:
     sample = shared / "criteo_kaggle_sample_1k.tsv"
     if sample.is_file():
-        return [l if l.endswith("\n") else l + "\n" for l in sample.read_text().splitlines()]
+        return [ln if ln.endswith("\n") else ln + "\n" for ln in sample.read_text().splitlines()]
     rng = random.Random(0)
-    return ["\t".join([str(rng.randint(0, 1))] + [str(rng.randint(0, 99)) for _ in range(13)]
-                      + [f"{rng.getrandbits(32):08x}" for _ in range(26)]) + "\n" for _ in range(1000)]
+    return [
+        "\t".join(
+            [str(rng.randint(0, 1))] + [str(rng.randint(0, 99)) for _ in range(13)] + [f"{rng.getrandbits(32):08x}" for _ in range(26)]
+        )
+        + "\n"
+        for _ in range(1000)
+    ]
 
 
 def data_costs(workdir: Path, data_mb: int, shared: Path) -> dict:
@@ -97,9 +111,15 @@ def data_costs(workdir: Path, data_mb: int, shared: Path) -> dict:
     parse_s = time.perf_counter() - t0
     shutil.rmtree(workdir / "cache")
     path.unlink()
-    return {"bytes_gb": size / 1e9, "rows": manifest["num_rows"], "parse_s": parse_s, "hash_s": hash_s,
-            "hash_over_parse": hash_s / parse_s, "hash_s_per_gb": hash_s / (size / 1e9),
-            "parse_s_per_gb": parse_s / (size / 1e9)}
+    return {
+        "bytes_gb": size / 1e9,
+        "rows": manifest["num_rows"],
+        "parse_s": parse_s,
+        "hash_s": hash_s,
+        "hash_over_parse": hash_s / parse_s,
+        "hash_s_per_gb": hash_s / (size / 1e9),
+        "parse_s_per_gb": parse_s / (size / 1e9),
+    }
 
 
 def main() -> None:
@@ -112,8 +132,7 @@ def main() -> None:
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench_integrity_", dir=args.workdir))
     try:
-        result = {"machine": f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}",
-                  "torch": torch.__version__}
+        result = {"machine": f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}", "torch": torch.__version__}
         result["data"] = data_costs(work, args.data_mb, Path(args.shared))
         print("data:", result["data"], flush=True)
         if not args.skip_checkpoint:

@@ -62,13 +62,40 @@ from sharding.topology.cluster import load_topology, shipped_topologies  # noqa:
 from sharding.planner.topology_planner import TopologyAwarePlanner, default_constraints  # noqa: E402
 
 KAGGLE = CARDINALITY_PRESETS["criteo_kaggle_raw"]
-CRITEO_1TB = [39884406, 39043, 17289, 7420, 20263, 3, 7120, 1543, 63, 38532951, 2953546, 403346, 10, 2208,
-              11938, 155, 4, 976, 14, 39979771, 25641295, 39664984, 585935, 12972, 108, 36]
+CRITEO_1TB = [
+    39884406,
+    39043,
+    17289,
+    7420,
+    20263,
+    3,
+    7120,
+    1543,
+    63,
+    38532951,
+    2953546,
+    403346,
+    10,
+    2208,
+    11938,
+    155,
+    4,
+    976,
+    14,
+    39979771,
+    25641295,
+    39664984,
+    585935,
+    12972,
+    108,
+    36,
+]
 
 
 def ebc(specs: list[tuple[int, int]]) -> EmbeddingBagCollection:
-    tables = [EmbeddingBagConfig(name=f"t_{i}", embedding_dim=d, num_embeddings=n, feature_names=[f"f_{i}"])
-              for i, (n, d) in enumerate(specs)]
+    tables = [
+        EmbeddingBagConfig(name=f"t_{i}", embedding_dim=d, num_embeddings=n, feature_names=[f"f_{i}"]) for i, (n, d) in enumerate(specs)
+    ]
     return EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
 
 
@@ -92,7 +119,9 @@ def default_planner(cluster, batch: int, constraints, timeout_s: int | None = No
     hbm = None if cluster.compute_device == "cpu" else min(g.hbm_bytes for h in cluster.hosts for g in h.gpus)
     topo = TopologyFactory.create_topology(
         trainer_config=TrainerConfig(world_size=cluster.world_size, local_world_size=cluster.local_world_size),
-        hardware_config=HardwareConfig(hbm_cap_bytes=hbm, ddr_cap_bytes=min(h.ddr_bytes for h in cluster.hosts) // cluster.local_world_size),
+        hardware_config=HardwareConfig(
+            hbm_cap_bytes=hbm, ddr_cap_bytes=min(h.ddr_bytes for h in cluster.hosts) // cluster.local_world_size
+        ),
         kernel_config=KernelConfig(compute_device=cluster.compute_device),
     )
     return EmbeddingShardingPlanner(topology=topo, batch_size=batch, constraints=constraints, debug=False, timeout_seconds=timeout_s)
@@ -123,8 +152,7 @@ def _time_enumeration(planner) -> list[float]:
     return spent
 
 
-def run_one(topo_name: str, model_name: str, batch: int, default_timeout: int | None = 60,
-            sharding_types: list[str] | None = None) -> dict:
+def run_one(topo_name: str, model_name: str, batch: int, default_timeout: int | None = 60, sharding_types: list[str] | None = None) -> dict:
     cluster = load_topology(topo_name)
     module = ebc(MODELS[model_name]())
     sharders = [EmbeddingBagCollectionSharder()]
@@ -210,10 +238,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=4096, help="per rank")
     ap.add_argument("--topologies", nargs="*", default=None)
     ap.add_argument("--models", nargs="*", default=None, choices=sorted(MODELS))
-    ap.add_argument("--default-timeout", type=int, default=60,
-                    help="search time limit (s) for torchrec's default planner (0: none, as torchrec's default)")
-    ap.add_argument("--data-parallel", action="store_true",
-                    help="allow data_parallel next to the model-parallel types, for both planners")
+    ap.add_argument(
+        "--default-timeout",
+        type=int,
+        default=60,
+        help="search time limit (s) for torchrec's default planner (0: none, as torchrec's default)",
+    )
+    ap.add_argument("--data-parallel", action="store_true", help="allow data_parallel next to the model-parallel types, for both planners")
     ap.add_argument("--out", default="", help="also append each finished row to this file, one JSON object a line")
     ap.add_argument("--plot", default="", help="also draw ours/default and bound/default per row into this PNG")
     ap.add_argument("--replot", default="", help="only draw --plot from the rows of an earlier --out file")
@@ -241,21 +272,40 @@ def main(argv: list[str] | None = None) -> int:
                     f.write(json.dumps(row) + "\n")
             print("   ", {k: v for k, v in row.items() if not k.endswith(("_kernels", "_types"))}, flush=True)
     print()
-    hdr = f"{'topology':<32} {'model':<14} {'world':>5} {'plan s (def/ours)':>18} {'step ms (def/ours)':>22} {'ratio':>6} {'bound ms':>9} {'bound/def':>9} {'torchrec est (def/ours)':>24} {'max HBM GiB (def/ours)':>22}"
+    hdr = (
+        f"{'topology':<32} {'model':<14} {'world':>5} {'plan s (def/ours)':>18} {'step ms (def/ours)':>22} {'ratio':>6} "
+        f"{'bound ms':>9} {'bound/def':>9} {'torchrec est (def/ours)':>24} {'max HBM GiB (def/ours)':>22}"
+    )
     print(hdr)
     for r in rows:
         if "ratio_ours_vs_default" not in r:
-            print(f"{r['topology']:<32} {r['model']:<14} {r['world']:>5} {r['default_plan_s']:>8}/{r['ours_plan_s']:<9} "
-                  f"default: {r.get('default_error', 'ok')[:60]} | ours: {r.get('ours_error', 'ok')[:60]}")
+            print(
+                f"{r['topology']:<32} {r['model']:<14} {r['world']:>5} {r['default_plan_s']:>8}/{r['ours_plan_s']:<9} "
+                f"default: {r.get('default_error', 'ok')[:60]} | ours: {r.get('ours_error', 'ok')[:60]}"
+            )
             continue
-        print(f"{r['topology']:<32} {r['model']:<14} {r['world']:>5} {r['default_plan_s']:>8}/{r['ours_plan_s']:<9} "
-              f"{r['default_step_ms']:>10}/{r['ours_step_ms']:<11} {r['ratio_ours_vs_default']:>6} "
-              f"{r['lower_bound_ms']:>9} {r['best_possible_ratio']:>9} "
-              f"{r['default_torchrec_est']:>11}/{r['ours_torchrec_est']:<12} {r['default_max_hbm_gib']:>10}/{r['ours_max_hbm_gib']:<11}"
-              + (" default search cut" if r.get("default_search_cut") else "") + (" ours search cut" if r.get("ours_search_cut") else ""))
+        print(
+            f"{r['topology']:<32} {r['model']:<14} {r['world']:>5} {r['default_plan_s']:>8}/{r['ours_plan_s']:<9} "
+            f"{r['default_step_ms']:>10}/{r['ours_step_ms']:<11} {r['ratio_ours_vs_default']:>6} "
+            f"{r['lower_bound_ms']:>9} {r['best_possible_ratio']:>9} "
+            f"{r['default_torchrec_est']:>11}/{r['ours_torchrec_est']:<12} {r['default_max_hbm_gib']:>10}/{r['ours_max_hbm_gib']:<11}"
+            + (" default search cut" if r.get("default_search_cut") else "")
+            + (" ours search cut" if r.get("ours_search_cut") else "")
+        )
     if args.plot:
         plot_rows(rows, args.plot)
-    print(json.dumps({"quick": args.quick, "data_parallel": args.data_parallel, "batch_size_per_rank": args.batch_size, "default_timeout_s": args.default_timeout, "total_s": round(time.perf_counter() - t_all, 1), "rows": rows}))
+    print(
+        json.dumps(
+            {
+                "quick": args.quick,
+                "data_parallel": args.data_parallel,
+                "batch_size_per_rank": args.batch_size,
+                "default_timeout_s": args.default_timeout,
+                "total_s": round(time.perf_counter() - t_all, 1),
+                "rows": rows,
+            }
+        )
+    )
     return 0
 
 

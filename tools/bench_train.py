@@ -256,15 +256,20 @@ class Completed:
 
 
 def run_monitored(
-    cmd: Sequence[str], log_path: Path, timeout_s: float, env: dict[str, str] | None = None,
-    metrics: Path | None = None, train_records: int = 0,
+    cmd: Sequence[str],
+    log_path: Path,
+    timeout_s: float,
+    env: dict[str, str] | None = None,
+    metrics: Path | None = None,
+    train_records: int = 0,
 ) -> Completed:
     """Runs `cmd` in its own session (so a timeout can end its whole tree by process group) with
     stdout+stderr to `log_path`, measuring the tree's memory while it runs."""
     t0 = time.perf_counter()
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(list(cmd), cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            list(cmd), cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+        )
         mon = TreeMonitor(proc.pid, metrics=metrics, train_records=train_records)
         mon.sample()
         mon.start()
@@ -322,8 +327,16 @@ def recsys_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "recsys.cli"]
 
 
-def bench_ours(setting: str, batch: int, nproc: int, plan: StepPlan, workdir: Path, timeout_s: float,
-               micro_batch_rows: int | None = None, system: str = "ours") -> RunResult:
+def bench_ours(
+    setting: str,
+    batch: int,
+    nproc: int,
+    plan: StepPlan,
+    workdir: Path,
+    timeout_s: float,
+    micro_batch_rows: int | None = None,
+    system: str = "ours",
+) -> RunResult:
     """One `recsys train` run; throughput is the median samples/s of its train records after the
     warm-up ones (the loop measures each window excluding eval and checkpoint time).
     `micro_batch_rows`: train.micro_batch_rows (None: the config's default; 0: whole batches)."""
@@ -332,14 +345,26 @@ def bench_ours(setting: str, batch: int, nproc: int, plan: StepPlan, workdir: Pa
     run_dir = workdir / name
     eval_rows = max(8192, 2 * nproc)
     overrides = [
-        f"name={name}", f"run_dir={run_dir}",
-        "model.name=deepfm", f"model.embedding_dim={EMB_DIM}", f"model.dnn=[{','.join(map(str, DNN))}]",
+        f"name={name}",
+        f"run_dir={run_dir}",
+        "model.name=deepfm",
+        f"model.embedding_dim={EMB_DIM}",
+        f"model.dnn=[{','.join(map(str, DNN))}]",
         "model.dropout=0.0",
-        "data.source=synthetic", f"data.cardinalities={setting}",
-        f"data.train_rows={batch * plan.max_steps}", f"data.eval_rows={eval_rows}",
-        f"train.batch_size={batch}", f"train.nproc_per_node={nproc}", f"train.max_steps={plan.max_steps}",
-        f"train.log_every={plan.log_every}", "train.eval_every=0", f"train.eval_batch_size={eval_rows}",
-        "train.device=cpu", "train.threads_per_rank=0", "checkpoint.every_steps=0", "resume=false",
+        "data.source=synthetic",
+        f"data.cardinalities={setting}",
+        f"data.train_rows={batch * plan.max_steps}",
+        f"data.eval_rows={eval_rows}",
+        f"train.batch_size={batch}",
+        f"train.nproc_per_node={nproc}",
+        f"train.max_steps={plan.max_steps}",
+        f"train.log_every={plan.log_every}",
+        "train.eval_every=0",
+        f"train.eval_batch_size={eval_rows}",
+        "train.device=cpu",
+        "train.threads_per_rank=0",
+        "checkpoint.every_steps=0",
+        "resume=false",
     ] + ([f"train.micro_batch_rows={micro_batch_rows}"] if micro_batch_rows is not None else [])
     cmd = [*recsys_command(), "train", "--config", str(CONFIG), *overrides]
     metrics = run_dir / "metrics.jsonl"
@@ -453,7 +478,6 @@ def _child_deepctr(setting: str, batch: int, threads: int, plan: ChildPlan) -> d
         if t is not threading.current_thread():
             t.join(timeout=5)
     import torch
-    import torch.nn.functional as F
 
     sys.path.insert(0, str(REPO))
     from recsys.config import CARDINALITY_PRESETS
@@ -521,8 +545,20 @@ def bench_child(
     median of the timed steps' samples/s."""
     system = "dense_floor" if kind == "dense" else "deepctr_torch"
     res = RunResult(system, setting, batch, 1)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--child-batch", str(batch),
-           "--child-setting", setting, "--threads", str(threads), "--child-plan", json.dumps(asdict(plan))]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--child",
+        kind,
+        "--child-batch",
+        str(batch),
+        "--child-setting",
+        setting,
+        "--threads",
+        str(threads),
+        "--child-plan",
+        json.dumps(asdict(plan)),
+    ]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     info: dict[str, Any] = {}
     try:
@@ -578,8 +614,9 @@ def progress_line(i: int, n: int, r: RunResult) -> str:
     head = f"[{i:>2}/{n}] {r.system:<13} {where:<8} batch {r.batch:>6} procs {r.nproc}"
     if r.ok:
         spread = f"windows {min(r.windows):,.0f}..{max(r.windows):,.0f}" if r.windows else ""
-        return (f"{head}  {_fmt_rate(r.samples_per_s)} samples/s  peak {_fmt_mb(r.memory.peak_mb):>8}"
-                f"  ({spread}; {r.detail}; {r.wall_s:.0f} s)")
+        return (
+            f"{head}  {_fmt_rate(r.samples_per_s)} samples/s  peak {_fmt_mb(r.memory.peak_mb):>8}  ({spread}; {r.detail}; {r.wall_s:.0f} s)"
+        )
     return f"{head}  {r.status.upper()}: {r.detail} ({r.wall_s:.0f} s)"
 
 
@@ -636,10 +673,14 @@ def evaluate_targets(results: list[RunResult], settings: Sequence[str], batches:
         ref = find(results, "deepctr_torch", "criteo_kaggle_raw", b)
         if ref and ref.ok and ref.memory.peak_mb:
             candidates = [r for r in results if r.system == "ours" and r.setting == "criteo_kaggle_raw" and r.batch == b and r.ok]
+
             # One configuration must meet both; prefer one that does, else the fastest.
             def verdict(r: RunResult) -> tuple[bool, bool]:
-                return (r.samples_per_s >= RAW_MIN_SPEEDUP_VS_DEEPCTR * ref.samples_per_s,
-                        r.memory.peak_mb is not None and r.memory.peak_mb < RAW_MAX_MEMORY_FRACTION_OF_DEEPCTR * ref.memory.peak_mb)
+                return (
+                    r.samples_per_s >= RAW_MIN_SPEEDUP_VS_DEEPCTR * ref.samples_per_s,
+                    r.memory.peak_mb is not None and r.memory.peak_mb < RAW_MAX_MEMORY_FRACTION_OF_DEEPCTR * ref.memory.peak_mb,
+                )
+
             if candidates:
                 both = [r for r in candidates if all(verdict(r))]
                 chosen = max(both or candidates, key=lambda r: r.samples_per_s)
@@ -658,8 +699,12 @@ def evaluate_targets(results: list[RunResult], settings: Sequence[str], batches:
 
 
 def machine_info(threads: int) -> dict[str, Any]:
-    info: dict[str, Any] = {"cpu_count": os.cpu_count(), "python": platform.python_version(),
-                            "platform": platform.platform(), "reference_threads": threads}
+    info: dict[str, Any] = {
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "reference_threads": threads,
+    }
     try:
         import torch
 
@@ -692,9 +737,7 @@ def machine_info(threads: int) -> dict[str, Any]:
     return info
 
 
-def report(
-    results: list[RunResult], settings: Sequence[str], batches: Sequence[int], procs: Sequence[int], threads: int
-) -> dict[str, Any]:
+def report(results: list[RunResult], settings: Sequence[str], batches: Sequence[int], procs: Sequence[int], threads: int) -> dict[str, Any]:
     """Prints the table, ratios, memory comparison and targets; returns the headline dict."""
     print("\n=== Throughput (samples/s; median of measured windows) ===")
     cols = [f"ours p{p}" for p in procs] + ["ours best", "DeepCTR", "floor", "best/DeepCTR", "best/floor"]
@@ -733,12 +776,18 @@ def report(
             headline["deepctr_torch"][name][str(b)] = rv
             headline["ratios"][name][str(b)] = {"ours_over_deepctr": r_ref, "ours_over_floor": r_floor}
             headline["peak_rss_mb"][name][str(b)] = mem_b
-    over = [(SHORT[s], b) for s in settings for b in batches
-            if (r := _ratio((best_ours(results, s, b) or RunResult("", "", 0, 0)).samples_per_s,
-                            headline["dense_floor"][str(b)])) is not None and r > 1.0]
+    over = [
+        (SHORT[s], b)
+        for s in settings
+        for b in batches
+        if (r := _ratio((best_ours(results, s, b) or RunResult("", "", 0, 0)).samples_per_s, headline["dense_floor"][str(b)])) is not None
+        and r > 1.0
+    ]
     if over:
-        print(f"note: ours above the dense floor at {over}: the floor is one process on {threads} threads; at small "
-              f"batches 2 one-thread ranks can use the cores better, and a loaded machine makes single figures noisy")
+        print(
+            f"note: ours above the dense floor at {over}: the floor is one process on {threads} threads; at small "
+            f"batches 2 one-thread ranks can use the cores better, and a loaded machine makes single figures noisy"
+        )
     skipped = [r for r in results if r.status in ("skipped", "missing", "error")]
     if skipped:
         print("\nNot measured:")
@@ -755,11 +804,18 @@ def report(
                 if r and r.ok:
                     parts.append(f"ours p{p} {_fmt_mb(r.memory.peak_mb)} (train phase {_fmt_mb(r.memory.train_peak_mb)})")
             refm = ref.memory.peak_mb if ref and ref.ok else None
-            best = min((x for x in results if x.system == "ours" and x.setting == s and x.batch == b and x.ok and x.memory.peak_mb),
-                       key=lambda x: x.memory.peak_mb, default=None)
+            best = min(
+                (x for x in results if x.system == "ours" and x.setting == s and x.batch == b and x.ok and x.memory.peak_mb),
+                key=lambda x: x.memory.peak_mb,
+                default=None,
+            )
             frac = _ratio(best.memory.peak_mb, refm) if best else None
-            print(f"  {SHORT[s]:<8} batch {b:>6}: " + ", ".join(parts) + f"; DeepCTR {_fmt_mb(refm)}"
-                  + (f"; lowest ours / DeepCTR = {frac:.2f}" if frac is not None else ""))
+            print(
+                f"  {SHORT[s]:<8} batch {b:>6}: "
+                + ", ".join(parts)
+                + f"; DeepCTR {_fmt_mb(refm)}"
+                + (f"; lowest ours / DeepCTR = {frac:.2f}" if frac is not None else "")
+            )
 
     headline["micro_batching"] = report_micro_batching(results, settings, batches, procs)
     targets = evaluate_targets(results, settings, batches)
@@ -771,32 +827,50 @@ def report(
     fo = best_ours(results, "criteo_kaggle_filtered", TARGET_BATCH)
     fl = find(results, "dense_floor", "-", TARGET_BATCH)
     fr = find(results, "deepctr_torch", "criteo_kaggle_filtered", TARGET_BATCH)
-    print(f"  filtered: ours >= {FILTERED_MIN_FRACTION_OF_FLOOR} x dense floor: "
-          f"{verdict(targets['filtered_8k_ours_ge_0.75x_floor'])}"
-          f" ({_fmt_ratio(_ratio(fo.samples_per_s if fo else None, fl.samples_per_s if fl and fl.ok else None))})")
-    print(f"  filtered: ours >= {FILTERED_MIN_SPEEDUP_VS_DEEPCTR} x DeepCTR-Torch: "
-          f"{verdict(targets['filtered_8k_ours_ge_1.5x_deepctr'])}"
-          f" ({_fmt_ratio(_ratio(fo.samples_per_s if fo else None, fr.samples_per_s if fr and fr.ok else None))})")
+    print(
+        f"  filtered: ours >= {FILTERED_MIN_FRACTION_OF_FLOOR} x dense floor: "
+        f"{verdict(targets['filtered_8k_ours_ge_0.75x_floor'])}"
+        f" ({_fmt_ratio(_ratio(fo.samples_per_s if fo else None, fl.samples_per_s if fl and fl.ok else None))})"
+    )
+    print(
+        f"  filtered: ours >= {FILTERED_MIN_SPEEDUP_VS_DEEPCTR} x DeepCTR-Torch: "
+        f"{verdict(targets['filtered_8k_ours_ge_1.5x_deepctr'])}"
+        f" ({_fmt_ratio(_ratio(fo.samples_per_s if fo else None, fr.samples_per_s if fr and fr.ok else None))})"
+    )
     rr = find(results, "deepctr_torch", "criteo_kaggle_raw", TARGET_BATCH)
     jp = targets["raw_8k_judged_procs"]
-    judged = next((x for x in results if x.system == "ours" and x.setting == "criteo_kaggle_raw"
-                   and x.batch == TARGET_BATCH and x.nproc == jp), None) if jp else None
+    judged = (
+        next(
+            (x for x in results if x.system == "ours" and x.setting == "criteo_kaggle_raw" and x.batch == TARGET_BATCH and x.nproc == jp),
+            None,
+        )
+        if jp
+        else None
+    )
     ref_ok = rr is not None and rr.ok
-    print(f"  raw:      ours >= {RAW_MIN_SPEEDUP_VS_DEEPCTR:.0f} x DeepCTR-Torch: {verdict(targets['raw_8k_ours_ge_20x_deepctr'])}"
-          + (f" (procs {jp}: {_fmt_ratio(_ratio(judged.samples_per_s, rr.samples_per_s))})" if judged and ref_ok else ""))
-    print(f"  raw:      ours peak memory < {RAW_MAX_MEMORY_FRACTION_OF_DEEPCTR} x DeepCTR-Torch's: "
-          f"{verdict(targets['raw_8k_ours_memory_lt_0.5x_deepctr'])}"
-          + (f" (procs {jp}: {_fmt_mb(judged.memory.peak_mb)} vs {_fmt_mb(rr.memory.peak_mb)}; whole run incl. the final"
-             f" eval+checkpoint. Training phase only: {_fmt_mb(judged.memory.train_peak_mb)},"
-             f" {verdict(targets['info_raw_8k_ours_train_phase_memory_lt_0.5x_deepctr'])}, for information)"
-             if judged and ref_ok else ""))
+    print(
+        f"  raw:      ours >= {RAW_MIN_SPEEDUP_VS_DEEPCTR:.0f} x DeepCTR-Torch: {verdict(targets['raw_8k_ours_ge_20x_deepctr'])}"
+        + (f" (procs {jp}: {_fmt_ratio(_ratio(judged.samples_per_s, rr.samples_per_s))})" if judged and ref_ok else "")
+    )
+    print(
+        f"  raw:      ours peak memory < {RAW_MAX_MEMORY_FRACTION_OF_DEEPCTR} x DeepCTR-Torch's: "
+        f"{verdict(targets['raw_8k_ours_memory_lt_0.5x_deepctr'])}"
+        + (
+            f" (procs {jp}: {_fmt_mb(judged.memory.peak_mb)} vs {_fmt_mb(rr.memory.peak_mb)}; whole run incl. the final"
+            f" eval+checkpoint. Training phase only: {_fmt_mb(judged.memory.train_peak_mb)},"
+            f" {verdict(targets['info_raw_8k_ours_train_phase_memory_lt_0.5x_deepctr'])}, for information)"
+            if judged and ref_ok
+            else ""
+        )
+    )
     print(f"  all targets: {verdict(targets['all_pass'])}")
     headline["targets"] = targets
     return headline
 
 
-def report_micro_batching(results: list[RunResult], settings: Sequence[str], batches: Sequence[int],
-                          procs: Sequence[int]) -> dict[str, Any]:
+def report_micro_batching(
+    results: list[RunResult], settings: Sequence[str], batches: Sequence[int], procs: Sequence[int]
+) -> dict[str, Any]:
     """Large batches against the 8K batch (target: samples/s at 64K and 128K at least the 8K
     figure, best of the process counts), and, with --whole-batch-peer, each of ours' rows against
     the same run with whole batches."""
@@ -811,7 +885,8 @@ def report_micro_batching(results: list[RunResult], settings: Sequence[str], bat
             ratio = _ratio(cur.samples_per_s if cur else None, base.samples_per_s if base else None)
             entry: dict[str, Any] = {"over_8k": ratio}
             line = f"  {name:<8} batch {b:>6}: {_fmt_rate(cur.samples_per_s if cur else None).strip()}" + (
-                f" = {_fmt_ratio(ratio).strip()} of batch {TARGET_BATCH}" if ratio is not None else "")
+                f" = {_fmt_ratio(ratio).strip()} of batch {TARGET_BATCH}" if ratio is not None else ""
+            )
             for p in procs:
                 mb = next((x for x in results if x.system == "ours" and x.setting == s and x.batch == b and x.nproc == p), None)
                 wh = next((x for x in results if x.system == "ours_whole" and x.setting == s and x.batch == b and x.nproc == p), None)
@@ -819,7 +894,9 @@ def report_micro_batching(results: list[RunResult], settings: Sequence[str], bat
                     continue
                 mv, wv = (mb.samples_per_s if mb and mb.ok else None), (wh.samples_per_s if wh.ok else None)
                 entry[f"p{p}"] = {"micro": mv, "whole": wv, "micro_over_whole": _ratio(mv, wv)}
-                line += f"; p{p} micro-batched {_fmt_rate(mv).strip()} vs whole {_fmt_rate(wv).strip()} ({_fmt_ratio(_ratio(mv, wv)).strip()})"
+                line += (
+                    f"; p{p} micro-batched {_fmt_rate(mv).strip()} vs whole {_fmt_rate(wv).strip()} ({_fmt_ratio(_ratio(mv, wv)).strip()})"
+                )
             print(line)
             per[str(b)] = entry
         large = [per[str(b)]["over_8k"] for b in batches if b > TARGET_BATCH]
@@ -831,21 +908,37 @@ def report_micro_batching(results: list[RunResult], settings: Sequence[str], bat
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny check: batch 1024, filtered tables, few steps (< 3 min)")
-    p.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=None,
-                   help="comma-separated global batch sizes (default 1024,8192,65536)")
-    p.add_argument("--settings", type=lambda s: [x.strip() for x in s.split(",")], default=None,
-                   help=f"comma-separated table-size presets (default {','.join(SETTINGS)}; 'filtered'/'raw' accepted)")
-    p.add_argument("--procs", type=lambda s: [int(x) for x in s.split(",")], default=None,
-                   help="comma-separated process counts for ours (default 1,2)")
+    p.add_argument(
+        "--batch-sizes",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=None,
+        help="comma-separated global batch sizes (default 1024,8192,65536)",
+    )
+    p.add_argument(
+        "--settings",
+        type=lambda s: [x.strip() for x in s.split(",")],
+        default=None,
+        help=f"comma-separated table-size presets (default {','.join(SETTINGS)}; 'filtered'/'raw' accepted)",
+    )
+    p.add_argument(
+        "--procs", type=lambda s: [int(x) for x in s.split(",")], default=None, help="comma-separated process counts for ours (default 1,2)"
+    )
     p.add_argument("--threads", type=int, default=2, help="torch threads of DeepCTR-Torch and the dense floor (default 2)")
     p.add_argument("--skip-deepctr", action="store_true", help="do not run DeepCTR-Torch")
-    p.add_argument("--micro-batch-rows", type=int, default=None,
-                   help="train.micro_batch_rows of ours (default: the config's; 0: whole batches)")
-    p.add_argument("--whole-batch-peer", action="store_true",
-                   help="also run ours with whole batches (train.micro_batch_rows=0) as a peer: the micro-batching gain")
-    p.add_argument("--deepctr-budget-s", type=float, default=120.0,
-                   help="at raw table sizes, skip a DeepCTR-Torch run predicted (from its smaller batches) "
-                        "to take longer than this (default 120)")
+    p.add_argument(
+        "--micro-batch-rows", type=int, default=None, help="train.micro_batch_rows of ours (default: the config's; 0: whole batches)"
+    )
+    p.add_argument(
+        "--whole-batch-peer",
+        action="store_true",
+        help="also run ours with whole batches (train.micro_batch_rows=0) as a peer: the micro-batching gain",
+    )
+    p.add_argument(
+        "--deepctr-budget-s",
+        type=float,
+        default=120.0,
+        help="at raw table sizes, skip a DeepCTR-Torch run predicted (from its smaller batches) to take longer than this (default 120)",
+    )
     p.add_argument("--timeout-s", type=float, default=None, help="per-run timeout (default: by table size)")
     p.add_argument("--out", type=Path, default=None, help="also write the full results as JSON here")
     p.add_argument("--keep-logs", action="store_true", help="keep the temp dir with the run logs")
@@ -878,16 +971,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         return child_main(args)
     t_start = time.perf_counter()
     info = machine_info(args.threads)
-    print(f"bench_train: {info.get('cpu_count')} CPUs, torch {info.get('torch')}, torchrec {info.get('torchrec')}, "
-          f"fbgemm {info.get('fbgemm_gpu')}, deepctr-torch {info.get('deepctr_torch') or 'NOT INSTALLED'}; "
-          f"settings {[SHORT[s] for s in args.settings]}, batches {args.batch_sizes}, procs {args.procs}"
-          + (" (quick)" if args.quick else ""), flush=True)
+    print(
+        f"bench_train: {info.get('cpu_count')} CPUs, torch {info.get('torch')}, torchrec {info.get('torchrec')}, "
+        f"fbgemm {info.get('fbgemm_gpu')}, deepctr-torch {info.get('deepctr_torch') or 'NOT INSTALLED'}; "
+        f"settings {[SHORT[s] for s in args.settings]}, batches {args.batch_sizes}, procs {args.procs}"
+        + (" (quick)" if args.quick else ""),
+        flush=True,
+    )
     load = info.get("loadavg_1m_at_start")
     if load is not None and load > 0.5:
         print(f"warning: load average {load} before start: other work is running, figures will be low and noisy", flush=True)
     if info.get("cpu_count") != args.threads:
-        print(f"note: reference/floor use {args.threads} threads but this machine has {info.get('cpu_count')} CPUs "
-              f"(ours uses all of them); pass --threads to match", flush=True)
+        print(
+            f"note: reference/floor use {args.threads} threads but this machine has {info.get('cpu_count')} CPUs "
+            f"(ours uses all of them); pass --threads to match",
+            flush=True,
+        )
 
     jobs: list[tuple[str, str, int, int]] = [("dense_floor", "-", b, 1) for b in args.batch_sizes]
     for s in args.settings:
@@ -917,8 +1016,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if deepctr_missing:
                     r = RunResult(system, s, b, 1, status="missing", detail=deepctr_missing)
                 elif raw and b != TARGET_BATCH and est is not None and est > args.deepctr_budget_s:
-                    r = RunResult(system, s, b, 1, status="skipped",
-                                  detail=f"predicted {est:.0f} s from its smaller batches > --deepctr-budget-s {args.deepctr_budget_s:.0f}")
+                    r = RunResult(
+                        system,
+                        s,
+                        b,
+                        1,
+                        status="skipped",
+                        detail=f"predicted {est:.0f} s from its smaller batches > --deepctr-budget-s {args.deepctr_budget_s:.0f}",
+                    )
                 else:
                     r, child = bench_child("deepctr", s, b, plan, args.threads, workdir, timeout)
                     if r.status == "missing":
@@ -951,8 +1056,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "peak_rss_mb": headline["peak_rss_mb"],
         "targets": headline["targets"],
         "micro_batching": headline["micro_batching"],
-        "failed": [f"{r.system}/{SHORT.get(r.setting, '-')}/b{r.batch}/p{r.nproc}: {r.status}"
-                   for r in results if r.status != "ok"],
+        "failed": [f"{r.system}/{SHORT.get(r.setting, '-')}/b{r.batch}/p{r.nproc}: {r.status}" for r in results if r.status != "ok"],
         "wall_s": round(total_s, 1),
     }
     headline = _clean(headline)

@@ -94,15 +94,17 @@ def run(args) -> dict:
     zeta = torch.full((TABLES,), ZETA, dtype=torch.float64)
     g = torch.Generator(device=dev).manual_seed(0)
     w0 = torch.randn(N * DIM, generator=g, device=dev) * 1e-2
-    bufs = {m: [w0.clone(), torch.zeros_like(w0), torch.zeros_like(w0),
-                torch.zeros(N, dtype=torch.long, device=dev)] for m in ("triton", "torch")}
+    bufs = {
+        m: [w0.clone(), torch.zeros_like(w0), torch.zeros_like(w0), torch.zeros(N, dtype=torch.long, device=dev)]
+        for m in ("triton", "torch")
+    }
     del w0
     batches = _batches(cards, B, args.warmup + args.iters, dev)
 
     def table_state(buf: list, t: int, step):
         """Table t's [n, DIM] views of a method's buffers, as one table's CowClipAdamState."""
         n, sl = cards[t], slice(cum[t] * DIM, cum[t + 1] * DIM)
-        st = CowClipAdamState(buf[1][sl].view(n, DIM), buf[2][sl].view(n, DIM), buf[3][cum[t]:cum[t + 1]], step)
+        st = CowClipAdamState(buf[1][sl].view(n, DIM), buf[2][sl].view(n, DIM), buf[3][cum[t] : cum[t + 1]], step)
         return buf[0][sl].view(n, DIM), st
 
     def triton_step(i: int) -> None:
@@ -113,9 +115,20 @@ def run(args) -> dict:
         idx, off, grad = batches[i]
         for t in range(TABLES):
             w, st = table_state(bufs["torch"], t, torch.zeros((), dtype=torch.long, device=dev))
-            cowclip_adam_step(w, st, idx[t * B:(t + 1) * B], off[: B + 1],
-                              grad[:, t * DIM:(t + 1) * DIM].contiguous(), None, zeta=ZETA, clip=True,
-                              update_scope="batch", l2_scope="batch", bias_correction="row", **HP)
+            cowclip_adam_step(
+                w,
+                st,
+                idx[t * B : (t + 1) * B],
+                off[: B + 1],
+                grad[:, t * DIM : (t + 1) * DIM].contiguous(),
+                None,
+                zeta=ZETA,
+                clip=True,
+                update_scope="batch",
+                l2_scope="batch",
+                bias_correction="row",
+                **HP,
+            )
 
     steps = {"triton": triton_step, "torch": torch_step}
     if args.catchup:  # the reference semantics on the GPU: rows behind caught up, then the same kernel
@@ -135,23 +148,46 @@ def run(args) -> dict:
                 idx, off, grad = batches[i]
                 S = state["step"]
                 if method == "catchup_triton":  # as CowClipAdamTBE.catch_up_lookup: one launch over the ids
-                    triton_catch_up_lookup(*cu, meta_dev, idx, off, S, lr=HP["lr"], max_dim=DIM, betas=HP["betas"],
-                                           eps=HP["eps"], eps_mode="torch", l2=HP["l2"])
+                    triton_catch_up_lookup(
+                        *cu,
+                        meta_dev,
+                        idx,
+                        off,
+                        S,
+                        lr=HP["lr"],
+                        max_dim=DIM,
+                        betas=HP["betas"],
+                        eps=HP["eps"],
+                        eps_mode="torch",
+                        l2=HP["l2"],
+                    )
                     ctr.triton_cowclip_adam_tables(*cu, meta, zeta, idx, off, grad, None, **HP)
                     state["step"] = S + 1
                     return
                 u = torch.unique(idx + starts.repeat_interleave(B))
                 u = u[cu[3].index_select(0, u) < S]  # the rows behind (the TBE's way before the lookup kernel)
                 if method == "catchup_triton_rows":
-                    triton_catch_up_rows(*cu, u * DIM, u, torch.full_like(u, DIM), S, lr=HP["lr"], betas=HP["betas"],
-                                         eps=HP["eps"], eps_mode="torch", l2=HP["l2"], max_dim=DIM)
+                    triton_catch_up_rows(
+                        *cu,
+                        u * DIM,
+                        u,
+                        torch.full_like(u, DIM),
+                        S,
+                        lr=HP["lr"],
+                        betas=HP["betas"],
+                        eps=HP["eps"],
+                        eps_mode="torch",
+                        l2=HP["l2"],
+                        max_dim=DIM,
+                    )
                 else:  # the torch version, as CowClipAdamTBE._catch_up_rows: longest gaps first, whole rows
                     rs, order = torch.sort(cu[3].index_select(0, u), stable=True)
                     u = u[order]
                     views = [x.view(-1, DIM) for x in cu[:3]]
                     w, m, v = (x.index_select(0, u) for x in views)
-                    w, m, v = catch_up(w, m, v, rs, S, lr=HP["lr"], betas=HP["betas"], eps=HP["eps"], eps_mode="torch",
-                                       l2=HP["l2"], presorted=True)
+                    w, m, v = catch_up(
+                        w, m, v, rs, S, lr=HP["lr"], betas=HP["betas"], eps=HP["eps"], eps_mode="torch", l2=HP["l2"], presorted=True
+                    )
                     for x, new in zip(views, (w, m, v)):
                         x.index_copy_(0, u, new)
                     cu[3].index_fill_(0, u, S)
@@ -173,9 +209,19 @@ def run(args) -> dict:
             idx, off, grad = batches[i]
             for t in range(TABLES):
                 w, st = table_state(bufs["dense"], t, dense_step[t])
-                cowclip_adam_step(w, st, idx[t * B:(t + 1) * B], off[: B + 1],
-                                  grad[:, t * DIM:(t + 1) * DIM].contiguous(), None, zeta=ZETA, clip=True,
-                                  update_scope="all", l2_scope="all", **HP)
+                cowclip_adam_step(
+                    w,
+                    st,
+                    idx[t * B : (t + 1) * B],
+                    off[: B + 1],
+                    grad[:, t * DIM : (t + 1) * DIM].contiguous(),
+                    None,
+                    zeta=ZETA,
+                    clip=True,
+                    update_scope="all",
+                    l2_scope="all",
+                    **HP,
+                )
 
         steps["dense"] = dense_fn
     times = {m: [] for m in steps}
@@ -189,30 +235,56 @@ def run(args) -> dict:
             if i >= args.warmup:
                 times[m].append(time.perf_counter() - t0)
     med = {m: 1e3 * statistics.median(v) for m, v in times.items()}
-    diff = {name: float((a - b).abs().max()) for name, a, b in
-            zip(("weights", "momentum1", "momentum2"), bufs["triton"][:3], bufs["torch"][:3])}
+    diff = {
+        name: float((a - b).abs().max()) for name, a, b in zip(("weights", "momentum1", "momentum2"), bufs["triton"][:3], bufs["torch"][:3])
+    }
     if args.catchup:  # the two catch-ups, same batches, same start: the same tables to float rounding
         for m in ("catchup_triton", "catchup_triton_rows"):
-            diff.update({f"{m}_{name}": float((a - b).abs().max()) for name, a, b in
-                         zip(("weights", "momentum1", "momentum2"), bufs[m][:3], bufs["catchup_torch"][:3])})
+            diff.update(
+                {
+                    f"{m}_{name}": float((a - b).abs().max())
+                    for name, a, b in zip(("weights", "momentum1", "momentum2"), bufs[m][:3], bufs["catchup_torch"][:3])
+                }
+            )
     res = {
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__, "sizes": args.sizes, "rows": N,
+        "torch": torch.__version__,
+        "sizes": args.sizes,
+        "rows": N,
         "rows_per_table": cards[0] if args.sizes == "uniform" else None,
-        "fraction": args.fraction if args.sizes == "raw" else None, "tables": TABLES, "dim": DIM, "batch": B,
-        "iters": args.iters, "step_ms": med, "step_ms_min": {m: 1e3 * min(v) for m, v in times.items()},
+        "fraction": args.fraction if args.sizes == "raw" else None,
+        "tables": TABLES,
+        "dim": DIM,
+        "batch": B,
+        "iters": args.iters,
+        "step_ms": med,
+        "step_ms_min": {m: 1e3 * min(v) for m, v in times.items()},
         "torch_over_triton": med["torch"] / med["triton"],
-        **({"catchup_triton_over_lazy": med["catchup_triton"] / med["triton"],
-            "catchup_triton_rows_over_lazy": med["catchup_triton_rows"] / med["triton"],
-            "catchup_triton_rows_over_catchup_triton": med["catchup_triton_rows"] / med["catchup_triton"],
-            "catchup_torch_over_lazy": med["catchup_torch"] / med["triton"],
-            "trained_steps": args.trained_steps,
-            "catchup_rows_behind_per_step": statistics.median(behind_counts)} if args.catchup else {}),
+        **(
+            {
+                "catchup_triton_over_lazy": med["catchup_triton"] / med["triton"],
+                "catchup_triton_rows_over_lazy": med["catchup_triton_rows"] / med["triton"],
+                "catchup_triton_rows_over_catchup_triton": med["catchup_triton_rows"] / med["catchup_triton"],
+                "catchup_torch_over_lazy": med["catchup_torch"] / med["triton"],
+                "trained_steps": args.trained_steps,
+                "catchup_rows_behind_per_step": statistics.median(behind_counts),
+            }
+            if args.catchup
+            else {}
+        ),
         **({"dense_over_lazy": med["dense"] / med["triton"]} if args.dense else {}),
         **({"dense_over_catchup": med["dense"] / med["catchup_triton"]} if args.dense and args.catchup else {}),
-        "max_abs_diff_after": diff, "row_steps_equal": bool(torch.equal(bufs["triton"][3], bufs["torch"][3])),
-        **({"catchup_row_steps_equal": all(torch.equal(bufs[m][3], bufs["catchup_torch"][3])
-                                           for m in ("catchup_triton", "catchup_triton_rows"))} if args.catchup else {}),
+        "max_abs_diff_after": diff,
+        "row_steps_equal": bool(torch.equal(bufs["triton"][3], bufs["torch"][3])),
+        **(
+            {
+                "catchup_row_steps_equal": all(
+                    torch.equal(bufs[m][3], bufs["catchup_torch"][3]) for m in ("catchup_triton", "catchup_triton_rows")
+                )
+            }
+            if args.catchup
+            else {}
+        ),
     }
     if args.profile:  # where a method's step goes: the top ops of a few more steps (after the check above)
         from torch.profiler import ProfilerActivity, profile
@@ -231,8 +303,9 @@ def run(args) -> dict:
         from torch.autograd import DeviceType
 
         # kernels and copies only (as the table's "Self CUDA time total"): an op's row repeats its kernels' time
-        dev_us = sum(e.self_device_time_total for e in avg
-                     if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False))
+        dev_us = sum(
+            e.self_device_time_total for e in avg if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+        )
         res["profile_device_ms_per_step"] = dev_us / 1e3 / steps_profiled
         res["profile_host_ms_per_step"] = sum(e.self_cpu_time_total for e in avg) / 1e3 / steps_profiled
     try:
@@ -259,8 +332,7 @@ def host_time(args) -> dict:
     for c in cards:
         cum.append(cum[-1] + c)
     N, step = cum[-1], args.trained_steps
-    meta = torch.tensor([[cum[t] * DIM, cards[t], DIM, t * DIM, cum[t], 1] for t in range(TABLES)],
-                        dtype=torch.long, device=dev)
+    meta = torch.tensor([[cum[t] * DIM, cards[t], DIM, t * DIM, cum[t], 1] for t in range(TABLES)], dtype=torch.long, device=dev)
     W = torch.zeros(N * DIM, device=dev)
     M, V = torch.zeros_like(W), torch.zeros_like(W)
     RS = torch.full((N,), step, dtype=torch.long, device=dev)  # every row current
@@ -292,15 +364,30 @@ def host_time(args) -> dict:
     scratch = cct._scratch(dev, L, programs)
     kernel = cct._lookup_kernel()
     return {
-        "lookup_us": per_call_us(lambda: cct.triton_catch_up_lookup(W, M, V, RS, meta, idx, off, step, max_dim=DIM,
-                                                                    **kw)),
+        "lookup_us": per_call_us(lambda: cct.triton_catch_up_lookup(W, M, V, RS, meta, idx, off, step, max_dim=DIM, **kw)),
         "previous_way_us": per_call_us(previous_way, 100),
         "parts_us": {
             "launch_args": per_call_us(lambda: cct._launch_args(*la)),
             "scratch": per_call_us(lambda: cct._scratch(dev, L, programs)),
-            "launch": per_call_us(lambda: kernel[(programs,)](
-                W, M, V, RS, idx, off, meta, L, TABLES, B, *scratch, *launch_args, BLOCK=cct.LOOKUP_BLOCK,
-                SEARCH_STEPS=max(1, math.ceil(math.log2(TABLES))), **consts)),
+            "launch": per_call_us(
+                lambda: kernel[(programs,)](
+                    W,
+                    M,
+                    V,
+                    RS,
+                    idx,
+                    off,
+                    meta,
+                    L,
+                    TABLES,
+                    B,
+                    *scratch,
+                    *launch_args,
+                    BLOCK=cct.LOOKUP_BLOCK,
+                    SEARCH_STEPS=max(1, math.ceil(math.log2(TABLES))),
+                    **consts,
+                )
+            ),
         },
     }
 
@@ -308,24 +395,45 @@ def host_time(args) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--sizes", choices=("uniform", "raw"), default="uniform",
-                    help="uniform: --rows per table; raw: the raw Criteo-Kaggle sizes times --fraction")
+    ap.add_argument(
+        "--sizes",
+        choices=("uniform", "raw"),
+        default="uniform",
+        help="uniform: --rows per table; raw: the raw Criteo-Kaggle sizes times --fraction",
+    )
     ap.add_argument("--rows", type=int, default=1_000_000, help="rows per table (--sizes uniform)")
     ap.add_argument("--fraction", type=float, default=1.0, help="share of every raw table's rows (--sizes raw)")
-    ap.add_argument("--dense", action="store_true", help="also time the dense pass (update_scope='all', torch "
-                    "ops): the reference semantics over every row each step, the ceiling the catch-up must beat")
+    ap.add_argument(
+        "--dense",
+        action="store_true",
+        help="also time the dense pass (update_scope='all', torch "
+        "ops): the reference semantics over every row each step, the ceiling the catch-up must beat",
+    )
     ap.add_argument("--batch", type=int, default=8192)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--catchup", action="store_true", help="also time the reference semantics: the batch's rows "
-                    "behind (from the steady state of --trained-steps) caught up by the Triton kernel and, as its peer, "
-                    "by the torch version, then the same update kernel")
+    ap.add_argument(
+        "--catchup",
+        action="store_true",
+        help="also time the reference semantics: the batch's rows "
+        "behind (from the steady state of --trained-steps) caught up by the Triton kernel and, as its peer, "
+        "by the torch version, then the same update kernel",
+    )
     ap.add_argument("--trained-steps", type=int, default=5500)
-    ap.add_argument("--profile", nargs="?", const="triton", default=None,
-                    choices=("triton", "torch", "catchup_triton", "catchup_triton_rows", "catchup_torch"),
-                    help="also print torch.profiler's top ops of 5 more steps of this method (default triton)")
-    ap.add_argument("--host-time", action="store_true", help="only the host time per call of the lookup's "
-                    "catch-up with no row behind: the new way against the previous one, and the new way's parts")
+    ap.add_argument(
+        "--profile",
+        nargs="?",
+        const="triton",
+        default=None,
+        choices=("triton", "torch", "catchup_triton", "catchup_triton_rows", "catchup_torch"),
+        help="also print torch.profiler's top ops of 5 more steps of this method (default triton)",
+    )
+    ap.add_argument(
+        "--host-time",
+        action="store_true",
+        help="only the host time per call of the lookup's "
+        "catch-up with no row behind: the new way against the previous one, and the new way's parts",
+    )
     args = ap.parse_args(argv)
     res = host_time(args) if args.host_time else run(args)
     for k, v in res.items():

@@ -55,8 +55,10 @@ GPU_PLANS = ["row_wise", "table_row_wise", "table_wise:fused_uvm", "table_wise:f
 def _tables(max_rows: int, dim: int):
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
-    return [EmbeddingBagConfig(name=f"t_{i}", embedding_dim=dim, num_embeddings=min(n, max_rows), feature_names=[f"f_{i}"])
-            for i, n in enumerate(CARDINALITY_PRESETS["criteo_kaggle_raw"])]
+    return [
+        EmbeddingBagConfig(name=f"t_{i}", embedding_dim=dim, num_embeddings=min(n, max_rows), feature_names=[f"f_{i}"])
+        for i, n in enumerate(CARDINALITY_PRESETS["criteo_kaggle_raw"])
+    ]
 
 
 def _cluster(args, world: int):
@@ -96,9 +98,12 @@ def _plan(args, world: int, which: str):
     if which != "planner":
         which, _, kernel = which.partition(":")
         st, _, k = which.rpartition("_") if which[-1].isdigit() else (which, "", "")
-        cons = {t: ParameterConstraints(sharding_types=[st], compute_kernels=[kernel or "fused"],
-                                        min_partition=args.dim // int(k) if k else None)
-                for t in cons}
+        cons = {
+            t: ParameterConstraints(
+                sharding_types=[st], compute_kernels=[kernel or "fused"], min_partition=args.dim // int(k) if k else None
+            )
+            for t in cons
+        }
     planner = TopologyAwarePlanner(cluster, args.batch, cons, column_splits=() if which != "planner" else (2, 4))
     plan = planner.plan(module, [EmbeddingBagCollectionSharder()])
     types = sorted({so.sharding_type for so in planner.best_plan})
@@ -112,9 +117,13 @@ def _rank0_plan(args, cluster, module):
     from sharding.planner.cost.model import TopologyCostModel
 
     per = {t.name: table_wise(rank=0, compute_kernel="fused") for t in _tables(args.max_rows, args.dim)}
-    mplan = construct_module_sharding_plan(module, per_param_sharding=per,
-                                           local_size=cluster.local_world_size, world_size=cluster.world_size,
-                                           device_type="cuda" if args.cuda else "cpu")
+    mplan = construct_module_sharding_plan(
+        module,
+        per_param_sharding=per,
+        local_size=cluster.local_world_size,
+        world_size=cluster.world_size,
+        device_type="cuda" if args.cuda else "cpu",
+    )
     plan = ShardingPlan({"": mplan})
     tables = {t.name: {"num_embeddings": t.num_embeddings, "embedding_dim": t.embedding_dim} for t in _tables(args.max_rows, args.dim)}
     return plan, TopologyCostModel(cluster, args.batch).score_sharding_plan(plan, tables).step_time, ["table_wise"]
@@ -175,8 +184,12 @@ def _collectives(world: int, device, args) -> dict:
     t = _timed(lambda: dist.all_to_all_single(out_big, big), device, max(5, args.reps // 5))
     per_peer = big.numel() * 4 / world  # bytes each rank sends to each peer
     # the model's view of a rank in an all-to-all: it sends to and receives from every peer
-    return {"a2a_latency_us": lat * 1e6, "a2a_big_ms": t * 1e3, "a2a_bytes_per_peer": per_peer,
-            "a2a_pair_gb_s": 2 * per_peer * (world - 1) / t / 1e9 if world > 1 else None}
+    return {
+        "a2a_latency_us": lat * 1e6,
+        "a2a_big_ms": t * 1e3,
+        "a2a_bytes_per_peer": per_peer,
+        "a2a_pair_gb_s": 2 * per_peer * (world - 1) / t / 1e9 if world > 1 else None,
+    }
 
 
 def _sparse_steps(plan, world: int, device, args) -> float:
@@ -190,14 +203,20 @@ def _sparse_steps(plan, world: int, device, args) -> float:
     tables = _tables(args.max_rows, args.dim)
     ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
     sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.01})
-    dmp = DistributedModelParallel(ebc, env=ShardingEnv.from_process_group(dist.GroupMember.WORLD), plan=plan,
-                                   sharders=[sharder], device=device)
+    dmp = DistributedModelParallel(
+        ebc, env=ShardingEnv.from_process_group(dist.GroupMember.WORLD), plan=plan, sharders=[sharder], device=device
+    )
     g = torch.Generator().manual_seed(dist.get_rank())
     batches = []
     for _ in range(4):
         vals = torch.cat([torch.randint(0, t.num_embeddings, (args.batch,), generator=g) for t in tables])
-        batches.append(KeyedJaggedTensor(keys=[t.feature_names[0] for t in tables], values=vals.to(device),
-                                         lengths=torch.ones(len(tables) * args.batch, dtype=torch.int32, device=device)))
+        batches.append(
+            KeyedJaggedTensor(
+                keys=[t.feature_names[0] for t in tables],
+                values=vals.to(device),
+                lengths=torch.ones(len(tables) * args.batch, dtype=torch.int32, device=device),
+            )
+        )
     it = iter(range(10**9))
 
     def step():
@@ -226,8 +245,9 @@ def plot(path: str, names: list[str], modeled: list[float], measured: list[float
         ax.annotate(n, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
     hi = max(max(modeled), max(measured)) * 1.1
     ax.plot([0, hi], [0, hi], "k--", lw=0.8, label="measured = modeled")
-    ax.set(xlim=(0, hi), ylim=(0, hi), xlabel="modeled step ms (sharding/planner/cost/model.py)", ylabel="measured sparse step ms",
-           title=title)
+    ax.set(
+        xlim=(0, hi), ylim=(0, hi), xlabel="modeled step ms (sharding/planner/cost/model.py)", ylabel="measured sparse step ms", title=title
+    )
     ax.legend(loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -256,10 +276,12 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "res.json")
-        print(f"[calibrate] {args.nproc} ranks on {cluster.name} ({'cuda' if args.cuda else 'cpu'}), batch {args.batch}/rank, "
-              f"{len(PLANS)} plans x {args.reps} steps ...", flush=True)
-        mp.start_processes(_worker, args=(args.nproc, free_port(), args, out), nprocs=args.nproc, join=True,
-                           start_method="spawn")
+        print(
+            f"[calibrate] {args.nproc} ranks on {cluster.name} ({'cuda' if args.cuda else 'cpu'}), batch {args.batch}/rank, "
+            f"{len(PLANS)} plans x {args.reps} steps ...",
+            flush=True,
+        )
+        mp.start_processes(_worker, args=(args.nproc, free_port(), args, out), nprocs=args.nproc, join=True, start_method="spawn")
         res = json.loads(Path(out).read_text())
     col = res["collectives"]
     bw = bandwidth_matrix(cluster)
@@ -267,8 +289,10 @@ def main(argv: list[str] | None = None) -> int:
     col["modeled_pair_gb_s"] = float(bw[0, 1] / 1e9) if args.nproc > 1 else None
     print(f"all-to-all latency: measured {col['a2a_latency_us']:.1f} us, modeled {col['modeled_latency_us']:.1f} us")
     if args.nproc > 1:
-        print(f"all-to-all pair bandwidth (send + receive per peer): measured {col['a2a_pair_gb_s']:.2f} GB/s, "
-              f"modeled {col['modeled_pair_gb_s']:.2f} GB/s")
+        print(
+            f"all-to-all pair bandwidth (send + receive per peer): measured {col['a2a_pair_gb_s']:.2f} GB/s, "
+            f"modeled {col['modeled_pair_gb_s']:.2f} GB/s"
+        )
     for n, p in res["plans"].items():
         if "skipped" in p:
             print(f"plan {n}: skipped: {p['skipped']}")
@@ -283,9 +307,22 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nfit: measured = {a:.3f} ms + {b:.2f} x modeled; Spearman rank correlation {rho:.2f}")
     if args.plot:
         plot(args.plot, names, mod, meas, f"{args.nproc} rank(s) on {cluster.name}, batch {args.batch}/rank")
-    print(json.dumps({"nproc": args.nproc, "topology": cluster.name, "device": "cuda" if args.cuda else "cpu",
-                      "batch_per_rank": args.batch, "collectives": col, "plans": res["plans"], "fit_intercept_ms": a,
-                      "fit_slope": b, "spearman": rho, "total_s": round(time.perf_counter() - t0, 1)}))
+    print(
+        json.dumps(
+            {
+                "nproc": args.nproc,
+                "topology": cluster.name,
+                "device": "cuda" if args.cuda else "cpu",
+                "batch_per_rank": args.batch,
+                "collectives": col,
+                "plans": res["plans"],
+                "fit_intercept_ms": a,
+                "fit_slope": b,
+                "spearman": rho,
+                "total_s": round(time.perf_counter() - t0, 1),
+            }
+        )
+    )
     return 0
 
 

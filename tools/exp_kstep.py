@@ -105,7 +105,13 @@ def _stop_nodes(procs: list[subprocess.Popen], grace: float = 30.0) -> None:
 
 
 def run_one(
-    config: Path, run_dir: Path, k: int, moments: bool, overrides: list[str], timeout: float, net: Any = None,
+    config: Path,
+    run_dir: Path,
+    k: int,
+    moments: bool,
+    overrides: list[str],
+    timeout: float,
+    net: Any = None,
     rows: str = "touched",
 ) -> dict[str, Any]:
     """One 2 x 2 run; returns its summary plus the wall time. Raises on failure.
@@ -137,9 +143,23 @@ def run_one(
     try:
         for node in range(HOSTS):
             cmd = [
-                sys.executable, "-m", "torch.distributed.run", "--nnodes", str(HOSTS),
-                "--nproc_per_node", str(RANKS_PER_HOST), "--node_rank", str(node), "--rdzv_backend", "c10d",
-                "--rdzv_endpoint", f"{addr}:{port}", "--rdzv_id", f"kstep{port}", "--rdzv_conf", "is_host=false",
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                str(HOSTS),
+                "--nproc_per_node",
+                str(RANKS_PER_HOST),
+                "--node_rank",
+                str(node),
+                "--rdzv_backend",
+                "c10d",
+                "--rdzv_endpoint",
+                f"{addr}:{port}",
+                "--rdzv_id",
+                f"kstep{port}",
+                "--rdzv_conf",
+                "is_host=false",
             ]
             node_env = env
             if net is not None:
@@ -147,7 +167,12 @@ def run_one(
                 node_env = dict(env, **net.host_env(node))
             cmd += ["-m", "recsys.train", "--config", str(config), *args]
             p = subprocess.Popen(
-                cmd, cwd=REPO, env=node_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                cmd,
+                cwd=REPO,
+                env=node_env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
                 start_new_session=True,
             )
             sink: list[str] = []
@@ -176,21 +201,36 @@ def run_one(
     per_epoch = steps_per_epoch_of(run_dir / "metrics.jsonl") or s["steps"]
     train_s = s.get("train_s_no_eval_this_run", s["train_wall_s_this_run"])
     row = {
-        "arm": "sync" if k == SYNC else "kstep", "k": k, "moments": moments, "overrides": list(overrides),
-        "auc": s["auc"], "logloss": s["logloss"], "oracle_auc": s.get("oracle_auc"),
-        "steps": s["steps"], "samples": s["samples"], "steps_per_epoch": per_epoch, "wall_s": wall,
-        "train_wall_s": s["train_wall_s_this_run"], "train_s": train_s,
-        "epoch_s": train_s * per_epoch / s["steps"], "samples_per_s": s["samples"] / train_s,
+        "arm": "sync" if k == SYNC else "kstep",
+        "k": k,
+        "moments": moments,
+        "overrides": list(overrides),
+        "auc": s["auc"],
+        "logloss": s["logloss"],
+        "oracle_auc": s.get("oracle_auc"),
+        "steps": s["steps"],
+        "samples": s["samples"],
+        "steps_per_epoch": per_epoch,
+        "wall_s": wall,
+        "train_wall_s": s["train_wall_s_this_run"],
+        "train_s": train_s,
+        "epoch_s": train_s * per_epoch / s["steps"],
+        "samples_per_s": s["samples"] / train_s,
         "eval_curve": curve,
     }
     if k == SYNC:
         row.update(merges=0, merge_route=None, **sync_cross_host_bytes(run_dir / "plan.json", dict(s, evals=len(curve))))
     else:
         row.update(
-            merges=s["merges"], merge_route=s.get("merge_route"), cross_host_bytes_total=s["cross_host_bytes_total"],
-            merge_payload_bytes_per_rank=s["merge_payload_bytes_per_rank"], replica_divergence=s["replica_divergence"],
-            merge_rows=s.get("merge_rows", "all"), rows_merged_last=s.get("rows_merged_last"),
-            rows_tracked=s.get("rows_tracked"), merge_seconds=s.get("merge_seconds"),
+            merges=s["merges"],
+            merge_route=s.get("merge_route"),
+            cross_host_bytes_total=s["cross_host_bytes_total"],
+            merge_payload_bytes_per_rank=s["merge_payload_bytes_per_rank"],
+            replica_divergence=s["replica_divergence"],
+            merge_rows=s.get("merge_rows", "all"),
+            rows_merged_last=s.get("rows_merged_last"),
+            rows_tracked=s.get("rows_tracked"),
+            merge_seconds=s.get("merge_seconds"),
         )
     row["cross_host_bytes_per_sample"] = row["cross_host_bytes_total"] / s["samples"]
     row["net"] = str(net.link) if net is not None else "loopback"
@@ -200,7 +240,8 @@ def run_one(
             veth_cross_host_bytes=sent["sent_total"],  # launch to exit: rendezvous, planning, eval included
             veth_bytes={h: v for h, v in sent.items() if h != "sent_total"},
             veth_vs_model=sent["sent_total"] / (row["cross_host_bytes_total"] + row.get("cross_host_bytes_evals", 0))
-            if row["cross_host_bytes_total"] else None,
+            if row["cross_host_bytes_total"]
+            else None,
         )
     return row
 
@@ -252,7 +293,8 @@ def sync_cross_host_bytes(plan_json: Path, summary: dict[str, Any]) -> dict[str,
     per_eval = sum(float(ev.fwd[a, b]) for a in range(world) for b in range(world) if host[a] != host[b])
     return {
         "cross_host_bytes_total": (emb + dense) * summary["steps"],
-        "cross_host_bytes_per_step_embeddings": emb, "cross_host_bytes_per_step_dense": dense,
+        "cross_host_bytes_per_step_embeddings": emb,
+        "cross_host_bytes_per_step_dense": dense,
         "cross_host_bytes_evals": per_eval * summary.get("evals", 1),
     }
 
@@ -270,7 +312,8 @@ from torchrec.distributed.model_parallel import DMPCollection
 from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
 f = tempfile.NamedTemporaryFile(delete=False)
 dist.init_process_group("gloo", init_method=f"file://{f.name}", rank=0, world_size=1)
-ebc = EmbeddingBagCollection([EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=100, feature_names=["f0"])], device=torch.device("meta"))
+ebc = EmbeddingBagCollection([EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=100, feature_names=["f0"])],
+                             device=torch.device("meta"))
 plan = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cpu")).collective_plan(ebc, pg=dist.GroupMember.WORLD)
 try:
     DMPCollection(module=ebc, device=torch.device("cpu"), plan=plan, world_size=1, sharding_group_size=1, global_pg=dist.GroupMember.WORLD)
@@ -330,8 +373,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     for r in sync:
         ax1.axhline(r["auc"], color="black", ls=":", lw=1, label="synchronous DMP (4 ranks)")
         ax2.axhline(r["cross_host_bytes_per_sample"], color="black", ls=":", lw=1, label="synchronous DMP (model)")
-    for (moments, kind), style in (((False, "all"), "o-"), ((True, "all"), "s--"), ((False, "touched"), "^-"),
-                                   ((True, "touched"), "v--")):
+    for (moments, kind), style in (((False, "all"), "o-"), ((True, "all"), "s--"), ((False, "touched"), "^-"), ((True, "touched"), "v--")):
         rs = sorted((r for r in rows if r["moments"] == moments and _rows_of(r) == kind), key=lambda r: r["k"])
         if not rs:
             continue
@@ -468,14 +510,23 @@ def network_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
             ks[_arm_key(r)] = r  # moments not merged wins when both exist (sorted last)
         entry: dict[str, Any] = {"rate_bps": None if _rate_of(net) == float("inf") else _rate_of(net)}
         if sync is not None:
-            entry["sync"] = {"auc": sync["auc"], "epoch_s": sync["epoch_s"], "steps": sync["steps"],
-                             "cross_host_bytes_per_sample": sync["cross_host_bytes_per_sample"],
-                             "veth_bytes_per_sample": sync.get("veth_cross_host_bytes", 0) / sync["samples"] or None}
+            entry["sync"] = {
+                "auc": sync["auc"],
+                "epoch_s": sync["epoch_s"],
+                "steps": sync["steps"],
+                "cross_host_bytes_per_sample": sync["cross_host_bytes_per_sample"],
+                "veth_bytes_per_sample": sync.get("veth_cross_host_bytes", 0) / sync["samples"] or None,
+            }
         per_k = {}
         for k in sorted(ks, key=lambda a: (int(a.split("-")[0]), a)):
             r = ks[k]
-            e: dict[str, Any] = {"moments": r["moments"], "auc": r["auc"], "epoch_s": r["epoch_s"], "steps": r["steps"],
-                                 "cross_host_bytes_per_sample": r["cross_host_bytes_per_sample"]}
+            e: dict[str, Any] = {
+                "moments": r["moments"],
+                "auc": r["auc"],
+                "epoch_s": r["epoch_s"],
+                "steps": r["steps"],
+                "cross_host_bytes_per_sample": r["cross_host_bytes_per_sample"],
+            }
             if "1" in ks:
                 e["speedup_vs_k1"] = ks["1"]["epoch_s"] / r["epoch_s"]
                 e["auc_gap_to_k1"] = ks["1"]["auc"] - r["auc"]
@@ -496,8 +547,7 @@ def network_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 best = min(r["epoch_s"] for r in same.values())
                 entry["k_stops_paying" + suffix] = min(k for k, r in same.items() if r["epoch_s"] <= best * (1 + STOPS_PAYING))
                 if sync is not None:
-                    entry["k_beats_sync" + suffix] = min((k for k, r in same.items() if r["epoch_s"] < sync["epoch_s"]),
-                                                         default=None)
+                    entry["k_beats_sync" + suffix] = min((k for k, r in same.items() if r["epoch_s"] < sync["epoch_s"]), default=None)
             if sync is not None:
                 entry["sync_time_to_own_auc_s"] = time_to_auc(sync.get("eval_curve", []), sync["auc"])
         out[net] = entry
@@ -506,8 +556,10 @@ def network_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def network_table(doc: dict[str, Any]) -> str:
     """Markdown, one row per (link, arm): what docs/kstep.md shows from the results file."""
-    head = ("| link | arm | steps | epoch s | samples/s | vs k=1 | vs sync | eval AUC | AUC gap to sync | "
-            "time to sync AUC s (exact / -0.001) | modelled cross-host B/sample | veth B/sample |")
+    head = (
+        "| link | arm | steps | epoch s | samples/s | vs k=1 | vs sync | eval AUC | AUC gap to sync | "
+        "time to sync AUC s (exact / -0.001) | modelled cross-host B/sample | veth B/sample |"
+    )
     out = [head, "|" + "---|" * head.count(" | ") + "---|"]
     by_net: dict[str, list[dict[str, Any]]] = {}
     for r in doc["rows"]:
@@ -517,8 +569,11 @@ def network_table(doc: dict[str, Any]) -> str:
         rows = sorted(by_net[net], key=lambda r: (r.get("arm") != "sync", r["moments"], _rows_of(r), r["k"]))
         for r in rows:
             sync = r.get("arm") == "sync"
-            arm = "sync DMP" if sync else (f"k={r['k']}" + (", moments" if r["moments"] else "")
-                                           + (", touched rows" if _rows_of(r) == "touched" else ""))
+            arm = (
+                "sync DMP"
+                if sync
+                else (f"k={r['k']}" + (", moments" if r["moments"] else "") + (", touched rows" if _rows_of(r) == "touched" else ""))
+            )
 
             def f(x, fmt):
                 return "-" if x is None else format(x, fmt)
@@ -554,13 +609,11 @@ def plot_network(doc: dict[str, Any], path: Path) -> None:
         steps = {x["steps"] for x in e["k"].values()}
         tag = f" ({steps.pop()} steps)" if len(steps) == 1 and len({r["steps"] for r in doc["rows"]}) > 1 else ""
         for suffix, style, what in (("", "o-", "whole shards"), ("-touched", "^--", "touched rows")):
-            keys = sorted((a for a in e["k"] if a.endswith(suffix) and (suffix or "-" not in a)),
-                          key=lambda a: int(a.split("-")[0]))
+            keys = sorted((a for a in e["k"] if a.endswith(suffix) and (suffix or "-" not in a)), key=lambda a: int(a.split("-")[0]))
             if keys:
                 ks = [int(a.split("-")[0]) for a in keys]
                 ax1.plot(ks, [e["k"][a]["epoch_s"] for a in keys], style, color=color, label=f"k-step ({what}), {net}")
-                ax2.plot(ks, [e["k"][a]["auc"] for a in keys], style, color=color,
-                         label=f"k-step ({what}), {net}{tag}")
+                ax2.plot(ks, [e["k"][a]["auc"] for a in keys], style, color=color, label=f"k-step ({what}), {net}{tag}")
         if "sync" in e:
             ax1.axhline(e["sync"]["epoch_s"], color=color, ls=":", label=f"sync DMP, {net}")
             ax2.axhline(e["sync"]["auc"], color=color, ls=":", label=f"sync DMP, {net}")
@@ -587,27 +640,36 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help=f"tiny data ({QUICK_CONFIG.relative_to(REPO)})")
     ap.add_argument("--ks", default="1,4,16,64", help="merge intervals, comma-separated")
     ap.add_argument("--moments", choices=("both", "on", "off"), default="both")
-    ap.add_argument("--rows", default="touched",
-                    help="which rows merges average, comma-separated: touched (rows looked up since the last merge), all")
+    ap.add_argument(
+        "--rows", default="touched", help="which rows merges average, comma-separated: touched (rows looked up since the last merge), all"
+    )
     ap.add_argument("--out", type=Path, default=None, help="run directories and results.json (default runs/exp_kstep[_quick])")
     ap.add_argument("--plot", type=Path, default=None, help="PNG (default <out>/kstep_auc.png)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="config override key=value (repeatable)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     ap.add_argument(
-        "--net", default=None, metavar="rate=1gbit,delay=1ms",
-        help="run each host in a network namespace behind a shaped link (tools/simnet.py; root, ip, tc); "
-        "default: both hosts on loopback",
+        "--net",
+        default=None,
+        metavar="rate=1gbit,delay=1ms",
+        help="run each host in a network namespace behind a shaped link (tools/simnet.py; root, ip, tc); default: both hosts on loopback",
     )
-    ap.add_argument("--sync", action="store_true",
-                    help="add the synchronous baseline: one DMP sharded over all 4 ranks (train.hosts=1, no merges)")
-    ap.add_argument("--eval-every", type=int, default=0,
-                    help="mid-run evals every N steps (a multiple of every k), for the time to reach sync's AUC")
-    ap.add_argument("--results", type=Path, default=None,
-                    help="also merge the rows into this JSON (e.g. docs/results/kstep_network.json: one file "
-                    "over several invocations, one per rate) and recompute the per-link summary")
+    ap.add_argument(
+        "--sync", action="store_true", help="add the synchronous baseline: one DMP sharded over all 4 ranks (train.hosts=1, no merges)"
+    )
+    ap.add_argument(
+        "--eval-every", type=int, default=0, help="mid-run evals every N steps (a multiple of every k), for the time to reach sync's AUC"
+    )
+    ap.add_argument(
+        "--results",
+        type=Path,
+        default=None,
+        help="also merge the rows into this JSON (e.g. docs/results/kstep_network.json: one file "
+        "over several invocations, one per rate) and recompute the per-link summary",
+    )
     ap.add_argument("--network-plot", type=Path, default=None, help="with --results: time-vs-k plot of every link in it")
-    ap.add_argument("--dmpcollection", action="store_true",
-                    help="try torchrec's DMPCollection (2D parallelism) here and record whether it runs")
+    ap.add_argument(
+        "--dmpcollection", action="store_true", help="try torchrec's DMPCollection (2D parallelism) here and record whether it runs"
+    )
     a = ap.parse_args(argv)
 
     config = a.config or (QUICK_CONFIG if a.quick else CONFIG)
@@ -644,15 +706,15 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         for i, (k, m, rw) in enumerate(grid, 1):
-            what = ("synchronous DMP over all ranks" if k == SYNC
-                    else f"k={k} moments={'merged' if m else 'not merged'} rows={rw}")
+            what = "synchronous DMP over all ranks" if k == SYNC else f"k={k} moments={'merged' if m else 'not merged'} rows={rw}"
             _log(f"run {i}/{len(grid)}: {what}")
             run_dir = out / ("sync" if k == SYNC else f"k{k}_{'mom' if m else 'nomom'}_{rw}")
             r = run_one(config, run_dir, k, m, a.overrides, a.timeout, net, rows=rw)
             rows.append(r)
             elapsed = time.perf_counter() - t0
             _log(
-                f"run {i}/{len(grid)} done in {r['wall_s']:.0f} s ({r['epoch_s']:.1f} s per epoch): auc {r['auc']:.4f} (oracle {r['oracle_auc']:.4f}) "
+                f"run {i}/{len(grid)} done in {r['wall_s']:.0f} s ({r['epoch_s']:.1f} s per epoch): "
+                f"auc {r['auc']:.4f} (oracle {r['oracle_auc']:.4f}) "
                 f"{r['cross_host_bytes_per_sample']:,.0f} cross-host B/sample"
                 + (f" (veth {r['veth_cross_host_bytes'] / r['samples']:,.0f})" if net is not None else "")
                 + f"; ETA {elapsed / i * (len(grid) - i):.0f} s"
@@ -661,7 +723,10 @@ def main(argv: list[str] | None = None) -> int:
         if net is not None:
             net.__exit__(None, None, None)
     meta = {
-        "config": str(config), "overrides": a.overrides, "hosts": HOSTS, "ranks_per_host": RANKS_PER_HOST,
+        "config": str(config),
+        "overrides": a.overrides,
+        "hosts": HOSTS,
+        "ranks_per_host": RANKS_PER_HOST,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "net": str(net.link) if net is not None else "loopback",
@@ -685,10 +750,13 @@ def main(argv: list[str] | None = None) -> int:
         probe = probe_dmpcollection() if a.dmpcollection else None
         doc = merge_results(a.results, rows, meta, probe)
         head["network_summary"] = {
-            net: {"k_beats_sync": e.get("k_beats_sync"), "k_stops_paying": e.get("k_stops_paying"),
-                  "k_beats_sync_touched": e.get("k_beats_sync_touched"),
-                  "speedup_k16_vs_k1": (e["k"].get("16") or {}).get("speedup_vs_k1"),
-                  "speedup_k16_touched_vs_sync": (e["k"].get("16-touched") or {}).get("speedup_vs_sync")}
+            net: {
+                "k_beats_sync": e.get("k_beats_sync"),
+                "k_stops_paying": e.get("k_stops_paying"),
+                "k_beats_sync_touched": e.get("k_beats_sync_touched"),
+                "speedup_k16_vs_k1": (e["k"].get("16") or {}).get("speedup_vs_k1"),
+                "speedup_k16_touched_vs_sync": (e["k"].get("16-touched") or {}).get("speedup_vs_sync"),
+            }
             for net, e in doc["summary"].items()
         }
         if probe is not None:

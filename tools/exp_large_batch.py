@@ -110,8 +110,9 @@ def base_runner(arm: str, arms: list[str]) -> str:
     return next(a for a in group if a in arms or a == arm)
 
 
-def plan_runs(seeds: list[int], batches: list[int], arms: list[str], base: int,
-              repeat_arms: list[str] | None = None) -> list[tuple[int, int, str]]:
+def plan_runs(
+    seeds: list[int], batches: list[int], arms: list[str], base: int, repeat_arms: list[str] | None = None
+) -> list[tuple[int, int, str]]:
     """(seed, batch, arm) of every run the grid trains, in the order it trains them (``ARM_TIERS``);
     a base-batch run shared by several arms (``SAME_AT_BASE_GROUPS``) appears once.
 
@@ -121,13 +122,19 @@ def plan_runs(seeds: list[int], batches: list[int], arms: list[str], base: int,
     deviation do not decide a target). Within a further seed the targets' batches run before its
     base run: the clip's share (CowClip against no clip + rule at one batch) needs no base run, and
     a base run at 1K takes about as long as five at 64K."""
+
     def wanted(seed: int, b: int, arm: str) -> bool:
         if seed == seeds[0] or repeat_arms is None:
             return True
         return (b == base or b >= TARGET_BATCH) and arm in repeat_arms
 
-    runs = [(seed, b, arm) for seed in seeds for b in batches for arm in arms
-            if (b != base or base_runner(arm, arms) == arm) and wanted(seed, b, arm)]
+    runs = [
+        (seed, b, arm)
+        for seed in seeds
+        for b in batches
+        for arm in arms
+        if (b != base or base_runner(arm, arms) == arm) and wanted(seed, b, arm)
+    ]
 
     def priority(run: tuple[int, int, str]) -> tuple:
         seed, b, arm = run
@@ -168,15 +175,17 @@ def _metrics(run_dir: Path) -> dict[str, Any]:
     for e in evals:
         before = [s for s in elapsed if s <= e["step"]]
         t = elapsed[max(before)] if before else None
-        out_evals.append({"step": e["step"], "epoch": round(e["epoch"], 4), "auc": e["auc"], "logloss": e["logloss"],
-                          "train_s": t})
+        out_evals.append({"step": e["step"], "epoch": round(e["epoch"], 4), "auc": e["auc"], "logloss": e["logloss"], "train_s": t})
     clip: dict[int, list[float]] = {}
     for r in train:
         if "clipped_row_fraction" in r:
             clip.setdefault(max(0, int(-(-r["epoch"] // 1)) - 1), []).append(r["clipped_row_fraction"])
-    return {"evals": out_evals,
-            "clipped_share_per_epoch": [sum(v) / len(v) for _, v in sorted(clip.items())] if clip else None,
-            "train_s": offset + last, "pieces": pieces}
+    return {
+        "evals": out_evals,
+        "clipped_share_per_epoch": [sum(v) / len(v) for _, v in sorted(clip.items())] if clip else None,
+        "train_s": offset + last,
+        "pieces": pieces,
+    }
 
 
 def _run(config: Path, overrides: list[str], run_dir: Path, log_path: Path, resume: bool) -> dict:
@@ -241,8 +250,10 @@ def _cell(spec: str, plan: list[tuple[int, int, str]]) -> tuple[int, int, str]:
     except ValueError:
         raise SystemExit(f"--only {spec!r}: expected BATCH:ARM[:SEED], e.g. 8192:cowclip:0") from None
     if cell not in plan:
-        raise SystemExit(f"--only {spec!r}: not a planned run (seed {cell[0]}, batch {cell[1]}, arm {cell[2]}); "
-                         "see the [i/n] lines of --report for the plan")
+        raise SystemExit(
+            f"--only {spec!r}: not a planned run (seed {cell[0]}, batch {cell[1]}, arm {cell[2]}); "
+            "see the [i/n] lines of --report for the plan"
+        )
     return cell
 
 
@@ -277,11 +288,11 @@ def _plot(results: list[dict], base: int, out: Path) -> None:
     styles = {"cowclip": "-", "sqrt": "--", "noclip_rule": ":", "cowclip_lazy": "-."}
     for b, colour in zip(batches, cycle[::-1]):
         for arm, style in styles.items():
-            r = next((x for x in results if x["arm"] == arm and x["batch"] == b and x["seed"] == 0
-                      and not x.get("shared_with")), None)
+            r = next((x for x in results if x["arm"] == arm and x["batch"] == b and x["seed"] == 0 and not x.get("shared_with")), None)
             if r and r.get("evals"):
-                ax.plot([e["step"] for e in r["evals"]], [e["auc"] for e in r["evals"]], style, color=colour,
-                        marker=".", label=f"{b}: {arm}")
+                ax.plot(
+                    [e["step"] for e in r["evals"]], [e["auc"] for e in r["evals"]], style, color=colour, marker=".", label=f"{b}: {arm}"
+                )
     if oracle:
         ax.axhline(sum(oracle) / len(oracle), color="grey", ls=":")
     ax.set_xscale("log")
@@ -294,8 +305,9 @@ def _plot(results: list[dict], base: int, out: Path) -> None:
         for arm in arms:
             r = next((x for x in results if x["arm"] == arm and x["batch"] == b and x["seed"] == 0), None)
             if r and r.get("evals"):
-                ax.plot([e["epoch"] for e in r["evals"]], [e["auc"] for e in r["evals"]], marker=".",
-                        color=colour_of[arm], label=LABELS[arm])
+                ax.plot(
+                    [e["epoch"] for e in r["evals"]], [e["auc"] for e in r["evals"]], marker=".", color=colour_of[arm], label=LABELS[arm]
+                )
         ax.set_xlabel("epoch")
         ax.set_title(f"batch {b}: AUC after each epoch")
         ax.grid(alpha=0.3)
@@ -365,9 +377,16 @@ def _targets_by_seed(results: list[dict], large: list[int]) -> dict[str, dict[st
     get a verdict each, since the combined one hides which rule failed."""
     out: dict[str, dict[str, bool | None]] = {}
     for seed in sorted({r["seed"] for r in results}):
+
         def delta(arm: str, b: int, seed: int = seed) -> float | None:
-            return next((r["auc_vs_base"] for r in results if r["seed"] == seed and r["arm"] == arm
-                         and r["batch"] == b and r.get("auc_vs_base") is not None), None)
+            return next(
+                (
+                    r["auc_vs_base"]
+                    for r in results
+                    if r["seed"] == seed and r["arm"] == arm and r["batch"] == b and r.get("auc_vs_base") is not None
+                ),
+                None,
+            )
 
         v: dict[str, bool | None] = {}
         for b in large:
@@ -391,8 +410,7 @@ def _headline(results: list[dict], base: int, batches: list[int]) -> dict[str, A
         that ran both: while a second seed has run one arm and not yet the other, a difference of
         the two arms' means would mix a seed's shift into the arms' difference."""
         by_seed = {r["seed"]: r["auc"] for r in results if r["arm"] == other and r["batch"] == b}
-        diffs = [r["auc"] - by_seed[r["seed"]] for r in results
-                 if r["arm"] == arm and r["batch"] == b and r["seed"] in by_seed]
+        diffs = [r["auc"] - by_seed[r["seed"]] for r in results if r["arm"] == arm and r["batch"] == b and r["seed"] in by_seed]
         return sum(diffs) / len(diffs) if diffs else None
 
     def by_batch(arm: str, other: str) -> dict[str, float]:
@@ -400,8 +418,11 @@ def _headline(results: list[dict], base: int, batches: list[int]) -> dict[str, A
         return {f"@{b}": d for b in batches if (d := paired(arm, other, b)) is not None}
 
     large = [b for b in batches if b >= TARGET_BATCH]
-    out: dict[str, Any] = {"base_batch": base, "batches": batches,
-                           "auc_vs_base": {f"{a}@{b}": delta(a, b) for a in ARMS for b in batches if delta(a, b) is not None}}
+    out: dict[str, Any] = {
+        "base_batch": base,
+        "batches": batches,
+        "auc_vs_base": {f"{a}@{b}": delta(a, b) for a in ARMS for b in batches if delta(a, b) is not None},
+    }
     # the clip's own share: CowClip's final AUC minus no clip + the same rule's (both with the
     # reference semantics) at the same batch, paired by seed, at every batch where both ran (the
     # targets name 64K and 128K; at 8K it proved far larger than there)
@@ -441,35 +462,61 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1024, 8192, 65536, 131072])
     ap.add_argument("--base-batch", type=int, default=1024)
     ap.add_argument("--arms", nargs="+", default=DEFAULT_ARMS, choices=list(ARMS))
-    ap.add_argument("--seeds", type=int, nargs="+", default=None,
-                    help="train.seed and data.shuffle_seed per repeat (the data and its teacher stay the same); "
-                         "seeds after the first run only the --repeat-arms cells (default 0 1; --quick: 0)")
+    ap.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=None,
+        help="train.seed and data.shuffle_seed per repeat (the data and its teacher stay the same); "
+        "seeds after the first run only the --repeat-arms cells (default 0 1; --quick: 0)",
+    )
     # sqrt is not repeated by default: it lost 0.02-0.035 in the first seed, 40-70x the 0.0005 a
     # second seed could move it, so its runs (40 minutes each at 64K) would decide nothing. linear
     # is: at 64K it beat CowClip by 0.0024 in the first seed, which fails a target on one seed
-    ap.add_argument("--repeat-arms", nargs="+", default=["cowclip", "noclip_rule", "linear"], choices=list(ARMS),
-                    help="the arms a further seed repeats, at the base batch and at 64K and above")
+    ap.add_argument(
+        "--repeat-arms",
+        nargs="+",
+        default=["cowclip", "noclip_rule", "linear"],
+        choices=list(ARMS),
+        help="the arms a further seed repeats, at the base batch and at 64K and above",
+    )
     ap.add_argument("--repeat-all", action="store_true", help="a further seed repeats every cell")
     ap.add_argument("--set", nargs="*", default=[], help="extra key=value overrides for every run")
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "exp_large_batch_paper")
     ap.add_argument("--docs", type=Path, default=REPO / "docs", help="where large_batch.md/.png and results/ go")
     ap.add_argument("--marker", default="paper", help="docs/large_batch.md section the table goes into")
     ap.add_argument("--no-docs", action="store_true")
-    ap.add_argument("--reuse", action="store_true",
-                    help="keep runs that already finished in --out, resume interrupted ones from their last epoch")
-    ap.add_argument("--only", nargs="+", default=None, metavar="BATCH:ARM[:SEED]",
-                    help="train only these planned cells (seed 0 if left out), e.g. one that fits the time a "
-                         "machine has left; the others are reported if finished, as with --report")
+    ap.add_argument(
+        "--reuse", action="store_true", help="keep runs that already finished in --out, resume interrupted ones from their last epoch"
+    )
+    ap.add_argument(
+        "--only",
+        nargs="+",
+        default=None,
+        metavar="BATCH:ARM[:SEED]",
+        help="train only these planned cells (seed 0 if left out), e.g. one that fits the time a "
+        "machine has left; the others are reported if finished, as with --report",
+    )
     ap.add_argument("--quick", action="store_true", help="tiny data and batches: a smoke test of the tool")
-    ap.add_argument("--report", action="store_true",
-                    help="train nothing: write the table, JSON and plot of the runs finished so far (a grid that "
-                         "is still running elsewhere, or was stopped), saying how many of the planned runs they are")
+    ap.add_argument(
+        "--report",
+        action="store_true",
+        help="train nothing: write the table, JSON and plot of the runs finished so far (a grid that "
+        "is still running elsewhere, or was stopped), saying how many of the planned runs they are",
+    )
     a = ap.parse_args(argv)
     extra = list(a.set)
     batches = sorted(a.batches)
     if a.quick:
-        extra = ["data.cardinalities=criteo_kaggle_filtered", "data.train_rows=20000", "data.eval_rows=4096",
-                 "model.dnn=[32]", "train.eval_batch_size=4096", "train.epochs=2", *extra]
+        extra = [
+            "data.cardinalities=criteo_kaggle_filtered",
+            "data.train_rows=20000",
+            "data.eval_rows=4096",
+            "model.dnn=[32]",
+            "train.eval_batch_size=4096",
+            "train.epochs=2",
+            *extra,
+        ]
         batches, a.base_batch = [256, 2048], 256
     if a.base_batch not in batches:
         raise SystemExit(f"--base-batch {a.base_batch} must be one of --batches {batches}")
@@ -486,8 +533,14 @@ def main(argv: list[str] | None = None) -> None:
     ran = 0
     for i, (seed, b, arm) in enumerate(plan):
         per_epoch = max(1, rows // b)
-        overrides = [f"train.batch_size={b}", f"optim.scale_from_batch={a.base_batch}", *ARMS[arm],
-                     f"train.eval_every={per_epoch}", f"checkpoint.every_steps={per_epoch}", "checkpoint.keep=1"]
+        overrides = [
+            f"train.batch_size={b}",
+            f"optim.scale_from_batch={a.base_batch}",
+            *ARMS[arm],
+            f"train.eval_every={per_epoch}",
+            f"checkpoint.every_steps={per_epoch}",
+            "checkpoint.keep=1",
+        ]
         if seed:
             overrides += [f"train.seed={seed}", f"data.shuffle_seed={seed}"]
         overrides += extra
@@ -515,30 +568,54 @@ def main(argv: list[str] | None = None) -> None:
             ran += 1
         s.update(batch=b, arm=arm, seed=seed)
         results.append(s)
-        print(f"    auc {s['auc']:.4f} (oracle {s['oracle_auc']:.4f}) logloss {s['logloss']:.4f} "
-              f"{s['samples_per_s_this_run']:,.0f} samples/s, {s['train_s']:.0f} s training", flush=True)
+        print(
+            f"    auc {s['auc']:.4f} (oracle {s['oracle_auc']:.4f}) logloss {s['logloss']:.4f} "
+            f"{s['samples_per_s_this_run']:,.0f} samples/s, {s['train_s']:.0f} s training",
+            flush=True,
+        )
         if b == a.base_batch:
-            results += [dict(s, arm=other, shared_with=arm) for other in a.arms
-                        if other != arm and base_runner(other, a.arms) == arm]
+            results += [dict(s, arm=other, shared_with=arm) for other in a.arms if other != arm and base_runner(other, a.arms) == arm]
     _annotate(results, a.base_batch)
     (a.out / "results.json").write_text(json.dumps(results, indent=1))
 
     finished = sum(1 for r in results if not r.get("shared_with"))
     table = _table(results)
     if finished < len(plan):
-        table = (f"**Partial: {finished} of the {len(plan)} planned runs have finished** (the grid continues with "
-                 f"`tools/exp_large_batch.py --reuse`; this table has the runs finished so far).\n\n" + table)
+        table = (
+            f"**Partial: {finished} of the {len(plan)} planned runs have finished** (the grid continues with "
+            f"`tools/exp_large_batch.py --reuse`; this table has the runs finished so far).\n\n" + table
+        )
     print(table)
     headline = _headline(results, a.base_batch, batches)
     headline.update(runs_finished=finished, runs_planned=len(plan))
     if not a.no_docs:
         (a.docs / "results").mkdir(parents=True, exist_ok=True)
-        keep = ("batch", "arm", "seed", "auc", "best_auc", "auc_vs_base", "best_auc_vs_base", "logloss", "oracle_auc",
-                "steps", "samples_per_s_this_run", "train_s", "pieces", "wall_s", "train_s_to_base_auc",
-                "clipped_share_per_epoch", "evals")
-        results_json.write_text(json.dumps(
-            {"config": _config_key(a.config),
-             "overrides": extra, **headline, "runs": [{k: r.get(k) for k in keep} for r in results]}, indent=1) + "\n")
+        keep = (
+            "batch",
+            "arm",
+            "seed",
+            "auc",
+            "best_auc",
+            "auc_vs_base",
+            "best_auc_vs_base",
+            "logloss",
+            "oracle_auc",
+            "steps",
+            "samples_per_s_this_run",
+            "train_s",
+            "pieces",
+            "wall_s",
+            "train_s_to_base_auc",
+            "clipped_share_per_epoch",
+            "evals",
+        )
+        results_json.write_text(
+            json.dumps(
+                {"config": _config_key(a.config), "overrides": extra, **headline, "runs": [{k: r.get(k) for k in keep} for r in results]},
+                indent=1,
+            )
+            + "\n"
+        )
         _plot(results, a.base_batch, a.docs / "large_batch.png" if a.marker == "results" else a.docs / f"large_batch_{a.marker}.png")
         doc = a.docs / "large_batch.md"
         start, end = f"<!-- {a.marker}:start -->\n", f"\n<!-- {a.marker}:end -->"

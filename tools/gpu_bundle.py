@@ -47,8 +47,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 # name==version: the stack of constraints-oldest.txt, for the machine's torch 2.11 / Python 3.12
-PACKAGES = ["fbgemm-gpu==1.6.0", "torchrec==1.6.1", "tensordict==0.15.3", "pyvers==0.2.3",
-            "iopath==0.1.10", "torchmetrics==1.0.3"]
+PACKAGES = ["fbgemm-gpu==1.6.0", "torchrec==1.6.1", "tensordict==0.15.3", "pyvers==0.2.3", "iopath==0.1.10", "torchmetrics==1.0.3"]
 PYTHON = "3.12"
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
 FATBIN_MAGIC = 0xBA55ED50
@@ -74,12 +73,31 @@ def download(cache: Path) -> list[Path]:
         whl = _wheel_for(cache, spec)
         if whl is None:
             plat = [a for p in PLATFORMS for a in ("--platform", p)]
-            r = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                                "--python-version", PYTHON, "--implementation", "cp", *plat, "-d", str(cache), spec],
-                               capture_output=True, text=True)
+            r = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "download",
+                    "-q",
+                    "--no-deps",
+                    "--only-binary=:all:",
+                    "--python-version",
+                    PYTHON,
+                    "--implementation",
+                    "cp",
+                    *plat,
+                    "-d",
+                    str(cache),
+                    spec,
+                ],
+                capture_output=True,
+                text=True,
+            )
             if r.returncode != 0:  # no wheel on the registry: build one from the sdist (pure Python)
-                r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(cache), spec],
-                                   capture_output=True, text=True)
+                r = subprocess.run(
+                    [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(cache), spec], capture_output=True, text=True
+                )
             whl = _wheel_for(cache, spec)
             if whl is None:
                 raise SystemExit(f"gpu_bundle: could not get a wheel of {spec}: {r.stderr.strip()[-500:]}")
@@ -91,18 +109,20 @@ def _fatbin_section(data: bytes) -> tuple[int, int] | None:
     """(file offset, size) of the ELF section ``.nv_fatbin``; None where there is none."""
     if data[:4] != b"\x7fELF" or data[4] != 2:
         return None
-    shoff, = struct.unpack_from("<Q", data, 0x28)
+    (shoff,) = struct.unpack_from("<Q", data, 0x28)
     shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+
     def sh(i):  # name, offset, size
         base = shoff + i * shentsize
-        name, = struct.unpack_from("<I", data, base)
+        (name,) = struct.unpack_from("<I", data, base)
         off, size = struct.unpack_from("<QQ", data, base + 0x18)
         return name, off, size
+
     _, stroff, _ = sh(shstrndx)
     for i in range(shnum):
         name, off, size = sh(i)
         end = data.index(b"\0", stroff + name)
-        if data[stroff + name:end] == b".nv_fatbin":
+        if data[stroff + name : end] == b".nv_fatbin":
             return off, size
     return None
 
@@ -124,12 +144,12 @@ def prune_fatbins(data: bytearray, keep: int) -> dict[str, int]:
         e, end = pos + hsize, pos + hsize + fsize
         while e < end:
             _kind, _v, ehsize, psize = struct.unpack_from("<HHIQ", data, e)
-            arch, = struct.unpack_from("<I", data, e + 28)
+            (arch,) = struct.unpack_from("<I", data, e + 28)
             key = f"sm_{arch}"
             if arch == keep:
                 out[key + "_kept"] = out.get(key + "_kept", 0) + psize
             else:
-                data[e + ehsize:e + ehsize + psize] = bytes(psize)
+                data[e + ehsize : e + ehsize + psize] = bytes(psize)
                 out[key + "_zeroed"] = out.get(key + "_zeroed", 0) + psize
             e += ehsize + psize
         pos = end
@@ -201,8 +221,7 @@ def reassemble(src: Path, target: Path) -> dict:
     manifest = json.loads(next(src.glob("p*/manifest.json")).read_text())
     missing = [p["path"] for p in manifest["parts"] if not (src / p["path"]).is_file()]
     if missing:
-        raise SystemExit(f"gpu_bundle: {src}: missing {', '.join(missing)} (each carried folder must arrive "
-                         f"while the machine is warm)")
+        raise SystemExit(f"gpu_bundle: {src}: missing {', '.join(missing)} (each carried folder must arrive while the machine is warm)")
     h = hashlib.sha256()
     for p in manifest["parts"]:
         data = (src / p["path"]).read_bytes()
@@ -220,11 +239,14 @@ def reassemble(src: Path, target: Path) -> dict:
         if tar.wait() != 0:
             raise SystemExit("gpu_bundle: unpacking failed")
     else:
+
         class Parts(io.RawIOBase):
             def __init__(self):
                 self.files = [open(src / p["path"], "rb") for p in manifest["parts"]]
+
             def readable(self):
                 return True
+
             def readinto(self, b):
                 while self.files:
                     n = self.files[0].readinto(b)
@@ -232,6 +254,7 @@ def reassemble(src: Path, target: Path) -> dict:
                         return n
                     self.files.pop(0).close()
                 return 0
+
         with tarfile.open(fileobj=io.BufferedReader(Parts(), 1 << 20), mode="r|xz") as t:
             t.extractall(target, filter="data")
     return manifest
@@ -240,14 +263,16 @@ def reassemble(src: Path, target: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(REPO / ".gpu"), help="where the carry folders p0, p1, ... go")
-    ap.add_argument("--part-mib", type=int, default=48,
-                    help="MiB per part (a command carries 64 MiB with the working tree, ~3 MiB)")
+    ap.add_argument("--part-mib", type=int, default=48, help="MiB per part (a command carries 64 MiB with the working tree, ~3 MiB)")
     ap.add_argument("--keep-arch", default="90", help="the GPU architecture whose cubins stay (90: H100/H200), or all")
     ap.add_argument("--level", type=int, default=6, help="xz preset")
     ap.add_argument("--verify", action="store_true", help="reassemble --out into a scratch dir and check it")
     ap.add_argument("--target", default="", help="with --verify: unpack here (kept) instead of a scratch dir")
-    ap.add_argument("--import-with", default="", help="with --verify: a Python 3.12 with torch 2.11 that imports "
-                    "fbgemm_gpu and torchrec from the scratch dir")
+    ap.add_argument(
+        "--import-with",
+        default="",
+        help="with --verify: a Python 3.12 with torch 2.11 that imports fbgemm_gpu and torchrec from the scratch dir",
+    )
     args = ap.parse_args(argv)
     out = Path(args.out)
     t0 = time.perf_counter()
@@ -255,14 +280,19 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as scratch:
             tmp = args.target or scratch
             manifest = reassemble(out, Path(tmp))
-            res = {"verified": True, "parts": len(manifest["parts"]), "archive_sha256": manifest["archive_sha256"],
-                   "unpack_s": round(time.perf_counter() - t0, 1)}
+            res = {
+                "verified": True,
+                "parts": len(manifest["parts"]),
+                "archive_sha256": manifest["archive_sha256"],
+                "unpack_s": round(time.perf_counter() - t0, 1),
+            }
             if args.import_with:
-                code = ("import fbgemm_gpu, torchrec, torch; from fbgemm_gpu.split_table_batched_embeddings_ops_training "
-                        "import SplitTableBatchedEmbeddingBagsCodegen; print(fbgemm_gpu.__version__, torchrec.__version__, "
-                        "hasattr(torch.ops.fbgemm, 'split_embedding_codegen_lookup_adam_function_pt2'))")
-                r = subprocess.run([args.import_with, "-c", code], capture_output=True, text=True,
-                                   env={**os.environ, "PYTHONPATH": tmp})
+                code = (
+                    "import fbgemm_gpu, torchrec, torch; from fbgemm_gpu.split_table_batched_embeddings_ops_training "
+                    "import SplitTableBatchedEmbeddingBagsCodegen; print(fbgemm_gpu.__version__, torchrec.__version__, "
+                    "hasattr(torch.ops.fbgemm, 'split_embedding_codegen_lookup_adam_function_pt2'))"
+                )
+                r = subprocess.run([args.import_with, "-c", code], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": tmp})
                 res["import"] = r.stdout.strip() if r.returncode == 0 else f"failed: {r.stderr.strip()[-800:]}"
             print(json.dumps(res))
             return 0 if "failed" not in str(res.get("import", "")) else 1

@@ -43,8 +43,9 @@ def _run(cmd: list[str], log: Path, limit: float, env: dict | None = None) -> di
         f.write(f"\n$ {' '.join(cmd)}\n")
         f.flush()
         try:
-            p = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               timeout=limit, env={**os.environ, **(env or {})})
+            p = subprocess.run(
+                cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=limit, env={**os.environ, **(env or {})}
+            )
             out, rc = p.stdout, p.returncode
         except subprocess.TimeoutExpired as e:
             out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
@@ -95,22 +96,29 @@ print(json.dumps(res))
 """
     r = _run([sys.executable, "-c", code], out / "env.log", limit)
     try:
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-                             capture_output=True, text=True)
+        smi = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"], capture_output=True, text=True
+        )
         smi_line = smi.stdout.strip() or smi.stderr.strip()[:200]
     except FileNotFoundError:
         smi_line = "no nvidia-smi"
-    r["figures"] = {**(_last_json(r["stdout"]) or {}), "nvidia_smi": smi_line,
-                    "cpu_cores": os.cpu_count(), "host": platform.node()}
+    r["figures"] = {**(_last_json(r["stdout"]) or {}), "nvidia_smi": smi_line, "cpu_cores": os.cpu_count(), "host": platform.node()}
     fig = r["figures"]
-    r["passed"] = (r["rc"] == 0 and bool(fig.get("cowclip_op")) and bool(fig.get("gpus"))
-                   and not any(str(fig.get(k, "failed")).startswith("failed") for k in ("fbgemm_gpu", "torchrec")))
+    r["passed"] = (
+        r["rc"] == 0
+        and bool(fig.get("cowclip_op"))
+        and bool(fig.get("gpus"))
+        and not any(str(fig.get(k, "failed")).startswith("failed") for k in ("fbgemm_gpu", "torchrec"))
+    )
     return r
 
 
 def step_bench(out: Path, limit: float) -> dict:
-    r = _run([sys.executable, "tools/bench_cowclip.py", "--device", "cuda", "--iters", "30", "--warmup", "5", "--profile", "5"],
-             out / "bench.log", limit)
+    r = _run(
+        [sys.executable, "tools/bench_cowclip.py", "--device", "cuda", "--iters", "30", "--warmup", "5", "--profile", "5"],
+        out / "bench.log",
+        limit,
+    )
     fig = _last_json(r["stdout"])
     r["figures"] = fig
     r["passed"] = r["rc"] == 0 and bool(fig) and bool(fig.get("checks")) and all(fig["checks"].values())
@@ -120,8 +128,7 @@ def step_bench(out: Path, limit: float) -> dict:
 def step_tests(out: Path, limit: float) -> dict:
     xml = out / "junit.xml"
     select = os.environ.get("GPU_TESTS", "tests/gpu").split()  # pytest node ids: a rerun of some tests
-    r = _run([sys.executable, "-m", "pytest", "-ra", "-p", "no:cacheprovider", f"--junitxml={xml}", *select],
-             out / "tests.log", limit)
+    r = _run([sys.executable, "-m", "pytest", "-ra", "-p", "no:cacheprovider", f"--junitxml={xml}", *select], out / "tests.log", limit)
     r["selected"] = select
     tests = {}
     if xml.is_file():
@@ -143,8 +150,11 @@ def step_tests(out: Path, limit: float) -> dict:
             tests[name] = t
     r["figures"] = {"tests": tests}
     # world-2 tests skip on a one-GPU machine (their reason says so); none may fail
-    r["passed"] = (r["rc"] == 0 and any(t["outcome"] == "passed" for t in tests.values())
-                   and not any(t["outcome"] in ("failed", "error") for t in tests.values()))
+    r["passed"] = (
+        r["rc"] == 0
+        and any(t["outcome"] == "passed" for t in tests.values())
+        and not any(t["outcome"] in ("failed", "error") for t in tests.values())
+    )
     return r
 
 
@@ -156,8 +166,11 @@ def _num(v: str | None):
 
 
 def step_calibrate(out: Path, limit: float) -> dict:
-    r = _run([sys.executable, "tools/calibrate_cost_model.py", "--nproc", "1", "--topology", "dgx-h100",
-              "--reps", "20"], out / "calibrate.log", limit)
+    r = _run(
+        [sys.executable, "tools/calibrate_cost_model.py", "--nproc", "1", "--topology", "dgx-h100", "--reps", "20"],
+        out / "calibrate.log",
+        limit,
+    )
     r["figures"] = _last_json(r["stdout"])
     r["passed"] = r["rc"] == 0 and r["figures"] is not None
     return r
@@ -167,8 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "gpu_check_out"))
     ap.add_argument("--only", default=",".join(STEPS), help="comma-separated steps, of " + ",".join(STEPS))
-    ap.add_argument("--budget-s", type=float, default=540, help="stop starting steps once less than a step's "
-                    "limit is left of this")
+    ap.add_argument("--budget-s", type=float, default=540, help="stop starting steps once less than a step's limit is left of this")
     ap.add_argument("--note", default="", help="written into the record (e.g. the carried parts' timings)")
     args = ap.parse_args(argv)
     out = Path(args.out)

@@ -181,12 +181,10 @@ def _shape(tc: list[str], dev: str, spec: LinkSpec) -> None:
     parent = ["root"]
     if spec.rate is not None:
         burst = max(128 * 1024, int(spec.rate_bps / 8 * 0.005))
-        _run([*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf", "rate", spec.rate,
-              "burst", str(burst), "latency", "100ms"])
+        _run([*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf", "rate", spec.rate, "burst", str(burst), "latency", "100ms"])
         parent = ["parent", "1:1"]
     if spec.delay is not None:
-        r = _run([*tc, "qdisc", "add", "dev", dev, *parent, "handle", "10:", "netem", "limit", "100000",
-                  "delay", spec.delay], check=False)
+        r = _run([*tc, "qdisc", "add", "dev", dev, *parent, "handle", "10:", "netem", "limit", "100000", "delay", spec.delay], check=False)
         if r.returncode != 0:
             err = (r.stderr or r.stdout).strip()
             if "unknown" in err.lower():
@@ -284,9 +282,7 @@ class SimNet:
     # life cycle
     def up(self) -> "SimNet":
         require_support()
-        if _run(["ip", "netns", "list"]).stdout.find(f"{PREFIX}-{self.name}-h") >= 0 or Path(
-            f"/sys/class/net/{self.bridge}"
-        ).exists():
+        if _run(["ip", "netns", "list"]).stdout.find(f"{PREFIX}-{self.name}-h") >= 0 or Path(f"/sys/class/net/{self.bridge}").exists():
             raise SimNetError(f"simnet: a network named {self.name!r} exists already (tools/simnet.py down --name {self.name})")
         self._is_up = True  # from here on, down() deletes what this object made
         try:
@@ -393,8 +389,7 @@ def _raise_exit(signum: int, _frame: Any) -> None:
 
 def list_all() -> dict[str, list[str]]:
     """Every simnet namespace and root-namespace link there is now (by the name prefix)."""
-    ns = [ln.split()[0] for ln in _run(["ip", "netns", "list"], check=False).stdout.splitlines()
-          if ln.startswith(f"{PREFIX}-")]
+    ns = [ln.split()[0] for ln in _run(["ip", "netns", "list"], check=False).stdout.splitlines() if ln.startswith(f"{PREFIX}-")]
     links = sorted(p.name for p in Path("/sys/class/net").iterdir() if p.name.startswith(PREFIX))
     tables = []
     if shutil.which("nft"):
@@ -443,9 +438,12 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             no_netem = probe(LinkSpec(delay="1ms"))
             no_loss = probe(LinkSpec(loss_pct=1.0))
-            print("simnet: ok (root, ip, tc, netns, veth, tbf rate limits); delay: "
-                  + ("ok (netem)" if no_netem is None else "unavailable: " + no_netem)
-                  + "; loss: " + ("ok (nftables)" if no_loss is None else "unavailable: " + no_loss))
+            print(
+                "simnet: ok (root, ip, tc, netns, veth, tbf rate limits); delay: "
+                + ("ok (netem)" if no_netem is None else "unavailable: " + no_netem)
+                + "; loss: "
+                + ("ok (nftables)" if no_loss is None else "unavailable: " + no_loss)
+            )
             return 0
         require_support()
         if a.cmd == "list":
@@ -469,14 +467,19 @@ def main(argv: list[str] | None = None) -> int:
         net = SimNet(a.name, a.hosts, LinkSpec.parse(a.net))
         if a.detach:
             net.up()
-            print(f"simnet: {net.hosts} hosts up ({net.link}); bridge {net.bridge} {net.bridge_addr}; "
-                  + ", ".join(f"{net.ns(i)} {net.host_addr(i)}" for i in range(net.hosts)))
+            print(
+                f"simnet: {net.hosts} hosts up ({net.link}); bridge {net.bridge} {net.bridge_addr}; "
+                + ", ".join(f"{net.ns(i)} {net.host_addr(i)}" for i in range(net.hosts))
+            )
             return 0
         signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started in the background
         with net:
-            print(f"simnet: {net.hosts} hosts up ({net.link}); bridge {net.bridge} {net.bridge_addr}; "
-                  + ", ".join(f"{net.ns(i)} {net.host_addr(i)}" for i in range(net.hosts))
-                  + "; Ctrl-C to delete", flush=True)
+            print(
+                f"simnet: {net.hosts} hosts up ({net.link}); bridge {net.bridge} {net.bridge_addr}; "
+                + ", ".join(f"{net.ns(i)} {net.host_addr(i)}" for i in range(net.hosts))
+                + "; Ctrl-C to delete",
+                flush=True,
+            )
             while True:
                 time.sleep(3600)
     except SimNetError as e:

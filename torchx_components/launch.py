@@ -67,8 +67,9 @@ def _optional_int(option: str, value: object) -> Optional[int]:
         raise LaunchError(f"train: --{option} must be an integer, got {value!r}") from None
 
 
-def _check_resources(nnodes: int, nproc: Optional[int], cpu: int, gpu: int, memMB: int, max_restarts: int,
-                     max_retries: int, rdzv_port: int) -> None:
+def _check_resources(
+    nnodes: int, nproc: Optional[int], cpu: int, gpu: int, memMB: int, max_restarts: int, max_retries: int, rdzv_port: int
+) -> None:
     if nnodes < 1:
         raise LaunchError(f"train: --nnodes must be at least 1, got {nnodes}")
     if nproc is None:  # not known yet (taken from the config): the rest is checked later
@@ -80,18 +81,14 @@ def _check_resources(nnodes: int, nproc: Optional[int], cpu: int, gpu: int, memM
     if gpu < 0:
         raise LaunchError(f"train: --gpu must be 0 or more, got {gpu}")
     if nproc is not None and 0 < gpu < nproc:
-        raise LaunchError(
-            f"train: --gpu {gpu} is fewer than --nproc_per_node {nproc}; each process needs its own GPU"
-        )
+        raise LaunchError(f"train: --gpu {gpu} is fewer than --nproc_per_node {nproc}; each process needs its own GPU")
     if nproc is not None and memMB < MIN_MEM_MB_PER_PROC * nproc:
         raise LaunchError(
             f"train: --memMB {memMB} is too little for {nproc} processes per node "
             f"(at least {MIN_MEM_MB_PER_PROC} MB each, {MIN_MEM_MB_PER_PROC * nproc} MB)"
         )
     if max_restarts < 0 or max_retries < 0:
-        raise LaunchError(
-            f"train: --max_restarts and --max_retries must be 0 or more, got {max_restarts} and {max_retries}"
-        )
+        raise LaunchError(f"train: --max_restarts and --max_retries must be 0 or more, got {max_restarts} and {max_retries}")
     if not 0 < rdzv_port < 65536:
         raise LaunchError(f"train: --rdzv_port must be in 1..65535, got {rdzv_port}")
 
@@ -134,8 +131,7 @@ def train(
         python: Python interpreter on the nodes; empty: the one running this component (the venv's)
     """
     nproc_per_node = _optional_int("nproc_per_node", nproc_per_node)
-    _check_resources(nnodes, nproc_per_node, cpu, gpu, memMB,
-                     max_restarts, max_retries, rdzv_port)
+    _check_resources(nnodes, nproc_per_node, cpu, gpu, memMB, max_restarts, max_retries, rdzv_port)
     overrides = list(overrides)
     if resume:
         overrides.append("resume=true")
@@ -161,21 +157,31 @@ def train(
         # `$$` escapes the macro template, bash expands the variable at run time
         endpoint = _noquote(f"$${{{macros.rank0_env}:=localhost}}:{rdzv_port}")
     cmd = [  # torchrun without its multi-line reports of failures the workers explained in one line
-        python, "-m", "recsys.training.torchrun_quiet",
-        "--nnodes", str(nnodes),
-        "--nproc_per_node", str(nproc),
-        "--rdzv_backend", "c10d",
-        "--rdzv_endpoint", endpoint,
-        "--rdzv_id", _noquote(macros.app_id),
-        "--max_restarts", str(max_restarts),
-        "-m", "recsys.train",
-        "--config", config,
+        python,
+        "-m",
+        "recsys.training.torchrun_quiet",
+        "--nnodes",
+        str(nnodes),
+        "--nproc_per_node",
+        str(nproc),
+        "--rdzv_backend",
+        "c10d",
+        "--rdzv_endpoint",
+        endpoint,
+        "--rdzv_id",
+        _noquote(macros.app_id),
+        "--max_restarts",
+        str(max_restarts),
+        "-m",
+        "recsys.train",
+        "--config",
+        config,
         *overrides,
     ]
     bindir = os.path.dirname(python) if os.path.isabs(python) else ""
     script = _join(cmd)
     if bindir:
-        script = f"export PATH={shlex.quote(bindir)}:\"$${{PATH}}\"; exec {script}"
+        script = f'export PATH={shlex.quote(bindir)}:"$${{PATH}}"; exec {script}'
     else:
         script = f"exec {script}"
 
@@ -247,10 +253,26 @@ def plan(
         raise LaunchError(str(e).replace("\n", " ")) from None
     python = python or sys.executable
     cmd = [
-        python, "-m", "recsys.plan_cli", "make", "--config", config, "--out", out,
-        "--world-size", str(world_size), "--local-world-size", str(local_world_size),
-        "--compute-device", compute_device, "--hbm-gb", str(hbm_gb), "--ddr-gb", str(ddr_gb),
-        "--batch-size", str(batch_size),
+        python,
+        "-m",
+        "recsys.plan_cli",
+        "make",
+        "--config",
+        config,
+        "--out",
+        out,
+        "--world-size",
+        str(world_size),
+        "--local-world-size",
+        str(local_world_size),
+        "--compute-device",
+        compute_device,
+        "--hbm-gb",
+        str(hbm_gb),
+        "--ddr-gb",
+        str(ddr_gb),
+        "--batch-size",
+        str(batch_size),
     ]
     for o in overrides:
         cmd += ["--set", o]
@@ -301,8 +323,7 @@ def preprocess(
         python: Python interpreter on the nodes; empty: the one running this component
     """
     if tasks < 1 or procs_per_task < 1 or cpu < 1 or memMB < 1024 or max_retries < 0:
-        raise LaunchError("preprocess: --tasks, --procs_per_task and --cpu must be >= 1, --memMB >= 1024 "
-                          "and --max_retries >= 0")
+        raise LaunchError("preprocess: --tasks, --procs_per_task and --cpu must be >= 1, --memMB >= 1024 and --max_retries >= 0")
     from recsys.config import ConfigError, load_config
     from recsys.data.source import raw_files
 
@@ -321,8 +342,20 @@ def preprocess(
                 name="preprocess",
                 image=REPO,
                 entrypoint=python,
-                args=["-m", "recsys.cli", "preprocess", "--config", config, "--task", macros.replica_id,
-                      "--tasks", str(tasks), "--procs", str(procs_per_task), *overrides],
+                args=[
+                    "-m",
+                    "recsys.cli",
+                    "preprocess",
+                    "--config",
+                    config,
+                    "--task",
+                    macros.replica_id,
+                    "--tasks",
+                    str(tasks),
+                    "--procs",
+                    str(procs_per_task),
+                    *overrides,
+                ],
                 num_replicas=tasks,
                 resource=specs.Resource(cpu=cpu, gpu=0, memMB=memMB),
                 env={"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(max(1, cpu // procs_per_task))},

@@ -107,8 +107,10 @@ class FileReport:
         if self.bad_rows:
             s += f" ({self.reasons_text()}); first bad lines: {self.lines_text()}"
         if self.padded_rows:
-            s += (f"; padded {self.padded_rows} short rows whose trailing empty fields were missing "
-                  f"({self.padded_fields} fields in all, up to {self.padded_max} in a row, read as empty)")
+            s += (
+                f"; padded {self.padded_rows} short rows whose trailing empty fields were missing "
+                f"({self.padded_fields} fields in all, up to {self.padded_max} in a row, read as empty)"
+            )
         if self.blank_lines:
             s += f"; ignored {self.blank_lines} blank lines"
         return s

@@ -58,7 +58,12 @@ def steps_per_epoch(source: DataSource, split: int, global_batch: int) -> int:
 
 
 def train_batches(
-    source: DataSource, global_batch: int, rank: int, world: int, start_step: int, stop_step: int,
+    source: DataSource,
+    global_batch: int,
+    rank: int,
+    world: int,
+    start_step: int,
+    stop_step: int,
     order: EpochOrder | None = None,
 ) -> Iterator[Batch]:
     """Training batches for steps [start_step, stop_step), wrapping over epochs, in `order`
@@ -85,4 +90,3 @@ def eval_blocks(source: DataSource, global_batch: int, rank: int, world: int) ->
             break
         lo = start + rank * local
         yield source.read(EVAL, lo, lo + local)
-

@@ -109,11 +109,15 @@ def describe_change(old: dict[str, Any] | None, new: dict[str, Any]) -> str | No
     if added or removed:
         parts = []
         if added:
-            parts.append(f"new input file{'s' if len(added) > 1 else ''} {', '.join(added[:3])}"
-                         + (f" and {len(added) - 3} more" if len(added) > 3 else ""))
+            parts.append(
+                f"new input file{'s' if len(added) > 1 else ''} {', '.join(added[:3])}"
+                + (f" and {len(added) - 3} more" if len(added) > 3 else "")
+            )
         if removed:
-            parts.append(f"input file{'s' if len(removed) > 1 else ''} {', '.join(removed[:3])} no longer given"
-                         + (f" (and {len(removed) - 3} more)" if len(removed) > 3 else ""))
+            parts.append(
+                f"input file{'s' if len(removed) > 1 else ''} {', '.join(removed[:3])} no longer given"
+                + (f" (and {len(removed) - 3} more)" if len(removed) > 3 else "")
+            )
         return "; ".join(parts)
     for path, f in new_files.items():
         if old_files[path] != f:
@@ -121,6 +125,9 @@ def describe_change(old: dict[str, Any] | None, new: dict[str, Any]) -> str | No
     if [f.get("path") for f in old.get("files", [])] != [f["path"] for f in new["files"]]:
         return "the input files are given in another order"
     old_opts, new_opts = old.get("options", {}), new["options"]
-    diffs = [f"{k} {old_opts.get(k)!r} -> {new_opts.get(k)!r}" for k in sorted(set(old_opts) | set(new_opts))
-             if old_opts.get(k) != new_opts.get(k)]
+    diffs = [
+        f"{k} {old_opts.get(k)!r} -> {new_opts.get(k)!r}"
+        for k in sorted(set(old_opts) | set(new_opts))
+        if old_opts.get(k) != new_opts.get(k)
+    ]
     return "parse options changed: " + ", ".join(diffs)

@@ -87,8 +87,9 @@ def _complete_with_key(out_dir: Path, key: dict[str, Any]) -> dict[str, Any] | N
     return manifest if manifest.get("cache_key") == key else None
 
 
-def join_parts(out_dir: Path, paths: Sequence[Path], tasks: int, key_of: Callable[[list[Path]], dict[str, Any]],
-               key: dict[str, Any] | None = None) -> dict[str, Any] | None:
+def join_parts(
+    out_dir: Path, paths: Sequence[Path], tasks: int, key_of: Callable[[list[Path]], dict[str, Any]], key: dict[str, Any] | None = None
+) -> dict[str, Any] | None:
     """Write ``out_dir``'s manifest over the parts of ``tasks`` tasks once each of them is
     complete and built from its files as they are now (None before that). Under a lock, so
     concurrent finishers join once; shard files and parts that the new manifest does not list (an
@@ -109,8 +110,7 @@ def join_parts(out_dir: Path, paths: Sequence[Path], tasks: int, key_of: Callabl
                 continue
             part = _complete_with_key(part_dir(out_dir, t), key_of(files))
             if part is None:
-                logger.info("%s: part %d of %d is not written (or stale) yet; the last task to finish joins",
-                            out_dir, t, tasks)
+                logger.info("%s: part %d of %d is not written (or stale) yet; the last task to finish joins", out_dir, t, tasks)
                 return None
             parts.append((t, part))
         first = parts[0][1]
@@ -122,8 +122,13 @@ def join_parts(out_dir: Path, paths: Sequence[Path], tasks: int, key_of: Callabl
             shards += [{**s, "dir": where} for s in m["shards"]]
             sources += m.get("sources", [])
         manifest = {k: v for k, v in first.items() if k not in ("shards", "sources", "num_rows", "cache_key", "created_by")}
-        manifest.update(num_rows=sum(s["num_rows"] for s in shards), shards=shards, sources=sources,
-                        created_by=f"{JOINED_BY} ({len(parts)} parts)", cache_key=key)
+        manifest.update(
+            num_rows=sum(s["num_rows"] for s in shards),
+            shards=shards,
+            sources=sources,
+            created_by=f"{JOINED_BY} ({len(parts)} parts)",
+            cache_key=key,
+        )
         replace_manifest(out_dir, manifest)
         _remove_unlisted(out_dir, {part_dir(out_dir, t).name for t, _ in parts})
         ShardedDataset.open(out_dir)  # every listed file is there, with its dtype and shape

@@ -22,8 +22,7 @@ from typing import Any
 # cache-key options that change which rows come out (rows_per_shard and max_bad_fraction do not)
 ROW_OPTIONS = ("kind", "pad_short_rows", "parser_version", "format_version")
 
-SYNTHETIC_FIELDS = ("seed", "train_rows", "eval_rows", "zipf_exponent", "teacher_head", "teacher_dim",
-                    "teacher_scale", "positive_rate")
+SYNTHETIC_FIELDS = ("seed", "train_rows", "eval_rows", "zipf_exponent", "teacher_head", "teacher_dim", "teacher_scale", "positive_rate")
 
 
 def synthetic_identity(data_cfg: Any) -> dict[str, Any]:
@@ -38,13 +37,15 @@ def shard_identity(manifest: dict[str, Any], eval_fraction: float) -> dict[str, 
     for src in manifest.get("sources", []):
         path = str(src.get("path"))
         known = sizes.get(path, {})
-        files.append({
-            "name": Path(path).name,
-            "bytes": known.get("size"),
-            "rows": src.get("good_rows"),
-            "sha256": src.get("sha256"),  # None for caches built before whole-file hashes
-            "head_tail": f"{known.get('head_sha256')} {known.get('tail_sha256')}",
-        })
+        files.append(
+            {
+                "name": Path(path).name,
+                "bytes": known.get("size"),
+                "rows": src.get("good_rows"),
+                "sha256": src.get("sha256"),  # None for caches built before whole-file hashes
+                "head_tail": f"{known.get('head_sha256')} {known.get('tail_sha256')}",
+            }
+        )
     options = key.get("options", {})
     return {
         "source": manifest.get("kind"),
@@ -68,7 +69,8 @@ def _same_file(x: dict[str, Any], y: dict[str, Any]) -> bool:
 def describe_data_change(old: dict[str, Any], new: dict[str, Any]) -> str | None:
     """One line saying how the data `new` differs from `old` (None when it is the same)."""
     same_files = len(old.get("files", [])) == len(new.get("files", [])) and all(
-        _same_file(x, y) for x, y in zip(old.get("files", []), new.get("files", [])))
+        _same_file(x, y) for x, y in zip(old.get("files", []), new.get("files", []))
+    )
     rest = ("source", "options", "rows", "eval_fraction", *SYNTHETIC_FIELDS)
     if same_files and all(old.get(k) == new.get(k) for k in rest):
         return None
@@ -89,8 +91,9 @@ def describe_data_change(old: dict[str, Any], new: dict[str, Any]) -> str | None
             if x.get("name") != y.get("name"):
                 parts.append(f"{where} {x.get('name')} -> {y.get('name')}")
             elif x.get("bytes") != y.get("bytes") or x.get("rows") != y.get("rows"):
-                parts.append(f"{y.get('name')}: {x.get('rows')} rows, {x.get('bytes')} bytes -> "
-                             f"{y.get('rows')} rows, {y.get('bytes')} bytes")
+                parts.append(
+                    f"{y.get('name')}: {x.get('rows')} rows, {x.get('bytes')} bytes -> {y.get('rows')} rows, {y.get('bytes')} bytes"
+                )
             else:
                 parts.append(f"{y.get('name')}: other content, same size")
             break  # the first file that differs says enough

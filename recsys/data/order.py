@@ -55,8 +55,7 @@ class EpochOrder:
 
     def __post_init__(self) -> None:
         if self.num_rows < 1 or self.block_rows < 1 or self.buffer_rows < 0:
-            raise ValueError(f"bad epoch order: {self.num_rows} rows, blocks of {self.block_rows}, "
-                             f"buffer {self.buffer_rows}")
+            raise ValueError(f"bad epoch order: {self.num_rows} rows, blocks of {self.block_rows}, buffer {self.buffer_rows}")
 
     @property
     def blocks_per_window(self) -> int:
@@ -85,9 +84,8 @@ class EpochOrder:
         """Row indices of one window, in the order its positions read them."""
         blocks, _ = self._epoch(epoch)
         k = self.blocks_per_window
-        mine = blocks[window * k:(window + 1) * k]
-        rows = np.concatenate([np.arange(b * self.block_rows, min((b + 1) * self.block_rows, self.num_rows))
-                               for b in mine])
+        mine = blocks[window * k : (window + 1) * k]
+        rows = np.concatenate([np.arange(b * self.block_rows, min((b + 1) * self.block_rows, self.num_rows)) for b in mine])
         if self.buffer_rows > 0:
             rows = rows[np.random.default_rng([self.seed, epoch, window]).permutation(rows.size)]
         return rows
@@ -140,5 +138,4 @@ class WindowReader:
         """Rows at positions [start, stop) of an epoch, in that order."""
         if not self.order.shuffle:
             return self._read(start, stop)
-        return RowBlock.concat([self._window(epoch, w).take(slice(a, b))
-                                for w, a, b in self.order.windows(epoch, start, stop)])
+        return RowBlock.concat([self._window(epoch, w).take(slice(a, b)) for w, a, b in self.order.windows(epoch, start, stop)])

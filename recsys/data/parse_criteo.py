@@ -281,9 +281,7 @@ def _fast_rows(
     return clean, raw, ids, labels
 
 
-def parse_criteo_block(
-    block: Block, layout: Layout, min_pad_cols: int | None, *, fast: bool = True
-) -> ParsedBlock:
+def parse_criteo_block(block: Block, layout: Layout, min_pad_cols: int | None, *, fast: bool = True) -> ParsedBlock:
     """Parse one block (see the module docstring); rows come out in line order.
 
     ``fast=False`` sends every line through the reference path (for tests and comparisons).
@@ -293,9 +291,7 @@ def parse_criteo_block(
         lines = data.split(b"\n")
         if data.endswith(b"\n"):
             lines.pop()
-        good, raw, ids, labels, rep = parse_criteo_lines(
-            [(block.first_lineno + i, x) for i, x in enumerate(lines)], layout, min_pad_cols
-        )
+        good, raw, ids, labels, rep = parse_criteo_lines([(block.first_lineno + i, x) for i, x in enumerate(lines)], layout, min_pad_cols)
         return ParsedBlock(dense_transform(raw), ids, labels, rep)
     n = len(data)
     total = n if data.endswith(b"\n") else n + 1  # a last line without newline gets one
@@ -348,9 +344,7 @@ def parse_criteo_block(
     raw, ids, labels = raw[clean], ids[clean], labels[clean]
     rep = BlockReport(total_rows=fast_idx.shape[0], good_rows=fast_idx.shape[0])
     if slow_idx.shape[0]:
-        lines = [
-            (block.first_lineno + int(i), buf[int(line_start[i]) : int(line_end[i])].tobytes()) for i in slow_idx
-        ]
+        lines = [(block.first_lineno + int(i), buf[int(line_start[i]) : int(line_end[i])].tobytes()) for i in slow_idx]
         s_lines, s_raw, s_ids, s_labels, s_rep = parse_criteo_lines(lines, layout, min_pad_cols)
         rep.total_rows += s_rep.total_rows
         rep.good_rows += s_rep.good_rows

@@ -148,8 +148,7 @@ def run_files_in_processes(
     """
     parts = writer.tmp / "parts"
     parts.mkdir()
-    writer_args = {"kind": writer.kind, "dense_names": writer.dense_names, "sparse_names": writer.sparse_names,
-                   "rows_per_shard": 1 << 20}
+    writer_args = {"kind": writer.kind, "dense_names": writer.dense_names, "sparse_names": writer.sparse_names, "rows_per_shard": 1 << 20}
     # fork: the children need nothing but numpy and this package, and (unlike spawn) it does not
     # re-import the caller's __main__, which breaks scripts without an `if __name__ == "__main__"`.
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"

@@ -73,10 +73,10 @@ DEFAULT_ROWS_PER_SHARD = 1 << 20
 PARSER_VERSION = 1
 
 
-
 # How an up-to-date-looking cache is checked before reuse: every byte of its inputs hashed again
 # ("full"), or size, mtime and the first and last MiB only ("quick"; recsys/data/cache_key.py).
 Verify = Literal["full", "quick"]
+
 
 def detect_format(path: str | Path, default: str | None = None) -> str:
     """Guess the layout of a raw file from its first line: ``"tsv"``, ``"csv"`` or ``"avazu"``.
@@ -150,8 +150,7 @@ def cache_lock(out_dir: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def _existing_manifest(out_dir: Path, key: dict[str, Any], overwrite: bool,
-                       verify: Verify = "full") -> tuple[dict | None, bool]:
+def _existing_manifest(out_dir: Path, key: dict[str, Any], overwrite: bool, verify: Verify = "full") -> tuple[dict | None, bool]:
     """``(manifest, False)`` when ``out_dir`` is a complete cache with this exact key (reuse it);
     ``(None, replace)`` when it must be built, ``replace`` saying whether an existing cache goes.
 
@@ -179,15 +178,21 @@ def _existing_manifest(out_dir: Path, key: dict[str, Any], overwrite: bool,
     if why is None and verify == "full":
         why, unverified = _content_changes(manifest)
         if unverified:
-            logger.warning("%s: %s predate%s whole-file hashes: reused as matched by size, modification time and "
-                           "first and last MiB only (delete the cache to rebuild it with them)", out_dir,
-                           ", ".join(unverified[:3]) + (f" and {len(unverified) - 3} more" if len(unverified) > 3 else ""),
-                           "s" if len(unverified) == 1 else "")
+            logger.warning(
+                "%s: %s predate%s whole-file hashes: reused as matched by size, modification time and "
+                "first and last MiB only (delete the cache to rebuild it with them)",
+                out_dir,
+                ", ".join(unverified[:3]) + (f" and {len(unverified) - 3} more" if len(unverified) > 3 else ""),
+                "s" if len(unverified) == 1 else "",
+            )
     if why is not None:
         logger.warning("%s: rebuilding the shard cache: %s", out_dir, why)
         return None, True
-    how = ("every byte of the inputs verified" if verify == "full" else
-           "data.verify=quick: inputs matched by size, modification time and first and last MiB, not every byte")
+    how = (
+        "every byte of the inputs verified"
+        if verify == "full"
+        else "data.verify=quick: inputs matched by size, modification time and first and last MiB, not every byte"
+    )
     logger.info("%s: shard cache is up to date (%d rows; %s); skipping preprocessing", out_dir, manifest["num_rows"], how)
     return manifest, False
 
@@ -202,8 +207,7 @@ def _content_changes(manifest: dict[str, Any]) -> tuple[str | None, list[str]]:
             unverified.append(str(src.get("path")))
             continue
         if content_sha256(src["path"]) != want:
-            return (f"{src['path']} changed (same size and modification time, other content: its SHA-256 differs)",
-                    unverified)
+            return (f"{src['path']} changed (same size and modification time, other content: its SHA-256 differs)", unverified)
     return None, unverified
 
 
@@ -236,8 +240,7 @@ def _log_summary(report: FileReport) -> None:
         logger.info(report.summary())
 
 
-def _check_common_args(rows_per_shard: int, max_bad_fraction: float, block_bytes: int, workers: int | None,
-                       verify: str = "full") -> None:
+def _check_common_args(rows_per_shard: int, max_bad_fraction: float, block_bytes: int, workers: int | None, verify: str = "full") -> None:
     if verify not in ("full", "quick"):
         raise ValueError(f"verify must be 'full' or 'quick', got {verify!r}")
     if int(rows_per_shard) < 1:
@@ -268,13 +271,16 @@ def _run(
     dense_names = CRITEO_DENSE_NAMES if kind == "criteo" else []
     sparse_names = CRITEO_SPARSE_NAMES if kind == "criteo" else AVAZU_SPARSE_NAMES
     with ShardWriter(
-        out_dir, kind=kind, dense_names=dense_names, sparse_names=sparse_names,
-        rows_per_shard=rows_per_shard, overwrite=replace,
+        out_dir,
+        kind=kind,
+        dense_names=dense_names,
+        sparse_names=sparse_names,
+        rows_per_shard=rows_per_shard,
+        overwrite=replace,
     ) as writer:
         reports = []
         if len(jobs) > 1 and workers > 1:  # many files: one process per file
-            for report in run_files_in_processes(jobs, parse, writer, min(workers, len(jobs)), progress,
-                                                 max_bad_fraction):
+            for report in run_files_in_processes(jobs, parse, writer, min(workers, len(jobs)), progress, max_bad_fraction):
                 _log_summary(report)
                 reports.append(report.to_dict())
         else:  # one file (or one worker): blocks on threads
@@ -305,23 +311,41 @@ class _CriteoParse:
         return parse_criteo_block(block, layout, min_pad)
 
 
-def criteo_key(paths: Sequence[Path], fmt: str = "auto", rows_per_shard: int = DEFAULT_ROWS_PER_SHARD,
-               max_bad_fraction: float = 0.01, pad_short_rows: bool = True) -> dict[str, Any]:
+def criteo_key(
+    paths: Sequence[Path],
+    fmt: str = "auto",
+    rows_per_shard: int = DEFAULT_ROWS_PER_SHARD,
+    max_bad_fraction: float = 0.01,
+    pad_short_rows: bool = True,
+) -> dict[str, Any]:
     """The cache key :func:`preprocess_criteo` writes for these files and options (also the key
     of a dataset joined from parts, recsys/data/fanout.py)."""
-    return make_key(paths, {
-        "kind": "criteo", "format": fmt, "pad_short_rows": bool(pad_short_rows), "rows_per_shard": int(rows_per_shard),
-        "max_bad_fraction": float(max_bad_fraction), "parser_version": PARSER_VERSION, "format_version": FORMAT_VERSION,
-    })
+    return make_key(
+        paths,
+        {
+            "kind": "criteo",
+            "format": fmt,
+            "pad_short_rows": bool(pad_short_rows),
+            "rows_per_shard": int(rows_per_shard),
+            "max_bad_fraction": float(max_bad_fraction),
+            "parser_version": PARSER_VERSION,
+            "format_version": FORMAT_VERSION,
+        },
+    )
 
 
-def avazu_key(paths: Sequence[Path], rows_per_shard: int = DEFAULT_ROWS_PER_SHARD,
-              max_bad_fraction: float = 0.01) -> dict[str, Any]:
+def avazu_key(paths: Sequence[Path], rows_per_shard: int = DEFAULT_ROWS_PER_SHARD, max_bad_fraction: float = 0.01) -> dict[str, Any]:
     """The cache key :func:`preprocess_avazu` writes for these files and options."""
-    return make_key(paths, {
-        "kind": "avazu", "rows_per_shard": int(rows_per_shard), "max_bad_fraction": float(max_bad_fraction),
-        "parser_version": PARSER_VERSION, "format_version": FORMAT_VERSION,
-    })
+    return make_key(
+        paths,
+        {
+            "kind": "avazu",
+            "rows_per_shard": int(rows_per_shard),
+            "max_bad_fraction": float(max_bad_fraction),
+            "parser_version": PARSER_VERSION,
+            "format_version": FORMAT_VERSION,
+        },
+    )
 
 
 def preprocess_criteo(
@@ -369,8 +393,7 @@ def preprocess_criteo(
                 raise ValueError(f"{p}: looks like {f} data, not Criteo (use preprocess_avazu)")
             sep = b"\t" if f == "tsv" else b","
             jobs.append((p, f, BlockReader(p, sep, CRITEO_COLUMNS, CRITEO_COLUMNS, block_bytes)))
-        return _run("criteo", jobs, _CriteoParse(bool(pad_short_rows)), out_dir, key, rows_per_shard,
-                    max_bad_fraction, replace, workers)
+        return _run("criteo", jobs, _CriteoParse(bool(pad_short_rows)), out_dir, key, rows_per_shard, max_bad_fraction, replace, workers)
 
 
 def preprocess_avazu(
@@ -399,8 +422,7 @@ def preprocess_avazu(
         existing, replace = _existing_manifest(out_dir, key, overwrite, verify)
         if existing is not None:
             return existing
-        jobs = [(p, "avazu", BlockReader(p, b",", ["click", *AVAZU_SPARSE_NAMES], AVAZU_COLUMNS, block_bytes))
-                for p in paths]
+        jobs = [(p, "avazu", BlockReader(p, b",", ["click", *AVAZU_SPARSE_NAMES], AVAZU_COLUMNS, block_bytes)) for p in paths]
         return _run("avazu", jobs, parse_avazu_block, out_dir, key, rows_per_shard, max_bad_fraction, replace, workers)
 
 

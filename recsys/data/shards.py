@@ -152,7 +152,7 @@ def clean_stale_temp_dirs(dest: str | Path) -> list[Path]:
         for entry in parent.iterdir():
             if not entry.name.startswith(prefix):
                 continue
-            parts = entry.name[len(prefix):].rsplit(".", 2)
+            parts = entry.name[len(prefix) :].rsplit(".", 2)
             if len(parts) != 3 or parts[0] != host or not parts[1].isdigit():
                 continue
             if _pid_alive(int(parts[1])):
@@ -375,9 +375,7 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
     if not root.is_dir():
         raise InvalidShardDirError(f"{root}: shard directory does not exist")
     if not mpath.is_file():
-        raise InvalidShardDirError(
-            f"{root}: not a complete shard directory (no {MANIFEST_NAME}; an interrupted write?)"
-        )
+        raise InvalidShardDirError(f"{root}: not a complete shard directory (no {MANIFEST_NAME}; an interrupted write?)")
     try:
         manifest = json.loads(mpath.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -462,9 +460,7 @@ class ShardedDataset:
                     msg = str(e).splitlines()[0] if str(e) else type(e).__name__
                     raise InvalidShardDirError(f"{p}: unreadable shard file ({msg})") from None
                 if a.dtype != dtype or a.shape != shape:
-                    raise InvalidShardDirError(
-                        f"{p}: expected {dtype} {shape}, found {a.dtype} {a.shape}"
-                    )
+                    raise InvalidShardDirError(f"{p}: expected {dtype} {shape}, found {a.dtype} {a.shape}")
                 loaded.append(a)
             arrays.append(tuple(loaded))
         return cls(root, manifest, arrays)
@@ -531,11 +527,11 @@ class ShardedDataset:
         while pos < stop:
             lo = pos - int(offsets[shard])
             hi = min(stop, int(offsets[shard + 1])) - int(offsets[shard])
-            d, s, l = self._arrays[shard]
+            d, s, lab = self._arrays[shard]
             take = hi - lo
             dense[out : out + take] = d[lo:hi]
             sparse[out : out + take] = s[lo:hi]
-            labels[out : out + take] = l[lo:hi]
+            labels[out : out + take] = lab[lo:hi]
             out += take
             pos += take
             shard += 1

@@ -17,8 +17,17 @@ from recsys.data.order import EpochOrder
 from recsys.data.synthetic import EVAL, NUM_DENSE, TRAIN, CriteoLikeGenerator, RowBlock
 
 __all__ = [
-    "DataSource", "SyntheticSource", "ShardSource", "build_source", "epoch_order", "prepare_data", "preprocess_task",
-    "preprocess_tasks", "check_row_counts", "TRAIN", "EVAL",
+    "DataSource",
+    "SyntheticSource",
+    "ShardSource",
+    "build_source",
+    "epoch_order",
+    "prepare_data",
+    "preprocess_task",
+    "preprocess_tasks",
+    "check_row_counts",
+    "TRAIN",
+    "EVAL",
 ]
 
 log = logging.getLogger(__name__)
@@ -199,11 +208,16 @@ def _preprocessing(cfg: ExperimentConfig) -> tuple[Callable[[list[Path], Path], 
 
     d = cfg.data
     if d.source == "criteo":
-        return (lambda files, out: raw_formats.preprocess_criteo(files, out, fmt=d.format, max_bad_fraction=d.max_bad_fraction,
-                                                                 verify=d.verify),
-                lambda files: raw_formats.criteo_key(files, d.format, max_bad_fraction=d.max_bad_fraction))
-    return (lambda files, out: raw_formats.preprocess_avazu(files, out, max_bad_fraction=d.max_bad_fraction, verify=d.verify),
-            lambda files: raw_formats.avazu_key(files, max_bad_fraction=d.max_bad_fraction))
+        return (
+            lambda files, out: raw_formats.preprocess_criteo(
+                files, out, fmt=d.format, max_bad_fraction=d.max_bad_fraction, verify=d.verify
+            ),
+            lambda files: raw_formats.criteo_key(files, d.format, max_bad_fraction=d.max_bad_fraction),
+        )
+    return (
+        lambda files, out: raw_formats.preprocess_avazu(files, out, max_bad_fraction=d.max_bad_fraction, verify=d.verify),
+        lambda files: raw_formats.avazu_key(files, max_bad_fraction=d.max_bad_fraction),
+    )
 
 
 def preprocess_task(cfg: ExperimentConfig, task: int, tasks: int) -> dict | None:

@@ -50,16 +50,14 @@ class RowBlock:
 
     def take(self, index: slice | np.ndarray) -> "RowBlock":
         """The rows at ``index`` (a slice or an index array), every field."""
-        return RowBlock(self.dense[index], self.sparse[index], self.labels[index],
-                        None if self.probs is None else self.probs[index])
+        return RowBlock(self.dense[index], self.sparse[index], self.labels[index], None if self.probs is None else self.probs[index])
 
     @staticmethod
     def concat(blocks: "list[RowBlock]") -> "RowBlock":
         """The rows of ``blocks`` one after the other (one block: itself, no copy)."""
         if len(blocks) == 1:
             return blocks[0]
-        field = lambda name: None if getattr(blocks[0], name) is None else \
-            np.concatenate([getattr(b, name) for b in blocks])  # noqa: E731
+        field = lambda name: None if getattr(blocks[0], name) is None else np.concatenate([getattr(b, name) for b in blocks])  # noqa: E731
         return RowBlock(field("dense"), field("sparse"), field("labels"), field("probs"))
 
 

@@ -86,7 +86,12 @@ class CTRModel(nn.Module):
     """Base: holds the embedding collection and the concatenated dense+embedding input."""
 
     def __init__(
-        self, names: list[str], cards: list[int], num_dense: int, cfg: ModelConfig, device: torch.device,
+        self,
+        names: list[str],
+        cards: list[int],
+        num_dense: int,
+        cfg: ModelConfig,
+        device: torch.device,
         emb_device: torch.device | None = None,
     ) -> None:
         super().__init__()
@@ -203,7 +208,11 @@ class DCN(CTRModel):
 
 
 def build_model(
-    cfg: ModelConfig, names: list[str], cards: list[int], num_dense: int, device: torch.device,
+    cfg: ModelConfig,
+    names: list[str],
+    cards: list[int],
+    num_dense: int,
+    device: torch.device,
     emb_device: torch.device | None = None,
 ) -> nn.Module:
     """Builds a model by name: embedding tables on `meta`, the dense network on `device`.

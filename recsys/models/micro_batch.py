@@ -47,8 +47,14 @@ class ChunkedOverArch(torch.autograd.Function):
     """(mean BCE loss, logits) of ``over`` on rows [lo, lo + rows) at a time; see the module doc."""
 
     @staticmethod
-    def forward(ctx, over: Callable[..., Tensor], n_params: int, rows: int, labels: Tensor,  # type: ignore[override]
-                *tensors: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(
+        ctx,
+        over: Callable[..., Tensor],
+        n_params: int,
+        rows: int,
+        labels: Tensor,  # type: ignore[override]
+        *tensors: Tensor,
+    ) -> tuple[Tensor, Tensor]:
         params, inputs = tensors[:n_params], tensors[n_params:]
         batch = labels.shape[0]
         wants = [x.requires_grad for x in inputs]
@@ -91,8 +97,9 @@ class ChunkedOverArch(torch.autograd.Function):
         return (None, None, None, None, *p, *x)
 
 
-def chunked_loss(over: Callable[..., Tensor], params: Iterable[nn.Parameter], dense: Tensor,
-                 sparse_out: tuple[Tensor, ...], labels: Tensor, rows: int) -> tuple[Tensor, Tensor]:
+def chunked_loss(
+    over: Callable[..., Tensor], params: Iterable[nn.Parameter], dense: Tensor, sparse_out: tuple[Tensor, ...], labels: Tensor, rows: int
+) -> tuple[Tensor, Tensor]:
     """(mean BCE loss, detached logits) of ``over(dense, *sparse_out)`` against ``labels``,
     computed ``rows`` samples at a time with the gradients of the whole batch (``params``: the
     parameters ``over`` uses)."""

@@ -12,9 +12,7 @@ from recsys.config import OptimConfig
 
 def dense_optimizer(model: nn.Module, cfg: OptimConfig) -> KeyedOptimizerWrapper:
     params = dict(in_backward_optimizer_filter(model.named_parameters()))
-    return KeyedOptimizerWrapper(
-        params, lambda ps: torch.optim.Adam(ps, lr=cfg.dense_lr, weight_decay=cfg.dense_weight_decay)
-    )
+    return KeyedOptimizerWrapper(params, lambda ps: torch.optim.Adam(ps, lr=cfg.dense_lr, weight_decay=cfg.dense_weight_decay))
 
 
 def combined_optimizer(dmp: nn.Module, dense: KeyedOptimizerWrapper) -> CombinedOptimizer:

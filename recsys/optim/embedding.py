@@ -49,9 +49,16 @@ def split_wide(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]
 
 def cowclip_hyper(cfg: OptimConfig, clip: bool) -> CowClipHyper:
     return CowClipHyper(
-        learning_rate=cfg.embedding_lr, beta1=cfg.adam_beta1, beta2=cfg.adam_beta2, eps=cfg.embedding_eps,
-        eps_mode=cfg.adam_eps_mode, cowclip=clip, cowclip_r=cfg.cowclip_r, cowclip_zeta=cfg.cowclip_zeta,
-        l2=cfg.embedding_l2, update_scope=effective_l2_scope(cfg),
+        learning_rate=cfg.embedding_lr,
+        beta1=cfg.adam_beta1,
+        beta2=cfg.adam_beta2,
+        eps=cfg.embedding_eps,
+        eps_mode=cfg.adam_eps_mode,
+        cowclip=clip,
+        cowclip_r=cfg.cowclip_r,
+        cowclip_zeta=cfg.cowclip_zeta,
+        l2=cfg.embedding_l2,
+        update_scope=effective_l2_scope(cfg),
     )
 
 
@@ -64,12 +71,15 @@ def _fbgemm_cowclip_kwargs(cfg: OptimConfig, dim: int) -> dict:
 
     zeta_p = cfg.cowclip_r * math.sqrt(dim) * cfg.cowclip_zeta
     return {
-        "lr": cfg.embedding_lr, "eps": cfg.embedding_eps,
+        "lr": cfg.embedding_lr,
+        "eps": cfg.embedding_eps,
         "weight_decay_mode": WeightDecayMode.COWCLIP,
         "weight_decay": cfg.embedding_l2,
         "cowclip_regularization": CowClipDefinition(
             counter_weight_decay_mode=CounterWeightDecayMode.L2 if cfg.embedding_l2 else CounterWeightDecayMode.NONE,
-            counter_halflife=-1, weight_norm_coefficient=cfg.cowclip_r, lower_bound=cfg.cowclip_r * zeta_p,
+            counter_halflife=-1,
+            weight_norm_coefficient=cfg.cowclip_r,
+            lower_bound=cfg.cowclip_r * zeta_p,
         ),
     }
 

@@ -72,9 +72,7 @@ def scale_hyperparameters(
     a dataclass needs the field); without it ``warmup_steps`` is left as given. Raises ``ValueError`` (one line) on bad input.
     """
     factors = scale_factors(base_batch, batch, rule)
-    if steps_per_epoch is not None and (
-        isinstance(steps_per_epoch, bool) or not isinstance(steps_per_epoch, int) or steps_per_epoch <= 0
-    ):
+    if steps_per_epoch is not None and (isinstance(steps_per_epoch, bool) or not isinstance(steps_per_epoch, int) or steps_per_epoch <= 0):
         raise ValueError(f"steps_per_epoch must be a positive integer, got {steps_per_epoch!r}")
     if not (isinstance(warmup_epochs, (int, float)) and warmup_epochs >= 0):
         raise ValueError(f"warmup_epochs must be >= 0, got {warmup_epochs!r}")
@@ -131,12 +129,12 @@ def effective_optim(optim: T, batch: int, steps_per_epoch: int) -> tuple[T, int]
     by ``scale_rule``; ``warmup_epochs`` -1 means one epoch when scaling (the paper), none otherwise.
     The returned config has ``scale_from_batch = 0`` so it is never scaled twice.
     """
-    base = getattr(optim, "scale_from_batch")
-    warm_epochs = getattr(optim, "warmup_epochs")
+    base = optim.scale_from_batch
+    warm_epochs = optim.warmup_epochs
     if warm_epochs == -1.0:
         warm_epochs = 1.0 if base else 0.0
     warmup_steps = int(warm_epochs * steps_per_epoch)
     if not base:
         return optim, warmup_steps
-    scaled = scale_hyperparameters(optim, base, batch, getattr(optim, "scale_rule"))
+    scaled = scale_hyperparameters(optim, base, batch, optim.scale_rule)
     return dataclasses.replace(scaled, scale_from_batch=0), warmup_steps  # type: ignore[type-var]

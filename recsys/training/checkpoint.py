@@ -244,8 +244,14 @@ def _fsync_tree(path: Path) -> None:
 
 class Checkpointer:
     def __init__(
-        self, root: Path, rank: int, world_size: int, keep: int = 2, groups: Any = None,
-        shape: dict[str, Any] | None = None, data: dict[str, Any] | None = None,
+        self,
+        root: Path,
+        rank: int,
+        world_size: int,
+        keep: int = 2,
+        groups: Any = None,
+        shape: dict[str, Any] | None = None,
+        data: dict[str, Any] | None = None,
     ) -> None:
         """`groups`: a `hierarchy.HostGroups` for hierarchical runs (see the module docstring).
         `shape`: the config that shapes the saved state, recorded in and checked against COMMITTED.
@@ -325,13 +331,21 @@ class Checkpointer:
                 f"resume_on_new_data=true to go on training on this data (its epochs counted from step {marker['step']})"
             )
         if warn:
-            log.warning("resume_on_new_data=true: step %d's model goes on training on other data (%s); epoch 0 of "
-                        "this data starts at step %d", marker["step"], change, marker["step"])
+            log.warning(
+                "resume_on_new_data=true: step %d's model goes on training on other data (%s); epoch 0 of this data starts at step %d",
+                marker["step"],
+                change,
+                marker["step"],
+            )
         return int(marker["step"])
 
     # -- save ----------------------------------------------------------------------------------
     def save(
-        self, step: int, model: nn.Module, optimizer: KeyedOptimizer, extra: dict[str, Any],
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: KeyedOptimizer,
+        extra: dict[str, Any],
         rank_state: dict[str, Any] | None = None,
     ) -> Path:
         """Collective over all ranks. `rank_state`: small per-rank state (saved in rank<r>.pt)."""
@@ -413,7 +427,7 @@ class Checkpointer:
         dist.broadcast_object_list(box, src=0)
         failed: OSError | None = None
         try:
-            mine = {name: file_sha256(tmp / name) for name in box[0][self.rank::self.world_size]}
+            mine = {name: file_sha256(tmp / name) for name in box[0][self.rank :: self.world_size]}
         except OSError as e:  # raised after the gather, so no rank waits for this one
             mine, failed = {}, e
         parts: list[Any] = [None] * self.world_size
@@ -428,8 +442,14 @@ class Checkpointer:
         for sub in tmp.glob("host*"):
             _fsync_tree(sub)
         _fsync_tree(tmp)
-        marker = {"step": step, "world_size": self.world_size, "extra": extra, "shape": self.shape, "lineage": self.lineage,
-                  "sha256": hashes}
+        marker = {
+            "step": step,
+            "world_size": self.world_size,
+            "extra": extra,
+            "shape": self.shape,
+            "lineage": self.lineage,
+            "sha256": hashes,
+        }
         if self.data is not None:
             marker.update(data=self.data, data_start_step=self.data_start_step)
         if g is not None:
@@ -496,5 +516,10 @@ class Checkpointer:
             rank_file = path / "rank0.pt"
         saved = torch.load(rank_file, weights_only=True)
         torch.set_rng_state(saved["torch_rng"])
-        return dict(marker["extra"], step=marker["step"], world_size=marker["world_size"], shard_world=shard_world,
-                    rank_state=saved.get("state", {}))
+        return dict(
+            marker["extra"],
+            step=marker["step"],
+            world_size=marker["world_size"],
+            shard_world=shard_world,
+            rank_state=saved.get("state", {}),
+        )

@@ -95,8 +95,7 @@ def register_peers(hosts: int, timeout_s: float | None) -> Peers:
         if addr:
             hosts_at.setdefault(addr, set()).add(h)
     global _peers
-    _peers = Peers(max(world // per_host, 1), per_host, rank,
-                   {a: next(iter(hs)) for a, hs in hosts_at.items() if len(hs) == 1}, timeout_s)
+    _peers = Peers(max(world // per_host, 1), per_host, rank, {a: next(iter(hs)) for a, hs in hosts_at.items() if len(hs) == 1}, timeout_s)
     return _peers
 
 
@@ -108,15 +107,16 @@ def _peers_from_env() -> Peers:
 
 
 def _failure_kind(e: BaseException) -> str | None:
-    """"closed" / "timeout" when `e` (or what it was raised from) is a lost-peer error, else None."""
+    """ "closed" / "timeout" when `e` (or what it was raised from) is a lost-peer error, else None."""
     seen = 0
     while e is not None and seen < 5:
         text = str(e)
         if isinstance(e, (RuntimeError, ConnectionError, OSError)):
             if any(m in text for m in _CLOSED):
                 return "closed"
-            if any(m in text for m in _TIMEOUT) and ("gloo" in text.lower() or isinstance(e, dist.DistError)
-                                                    or "pair" in text or "waiting" in text):
+            if any(m in text for m in _TIMEOUT) and (
+                "gloo" in text.lower() or isinstance(e, dist.DistError) or "pair" in text or "waiting" in text
+            ):
                 return "timeout"
         e, seen = e.__cause__ or e.__context__, seen + 1
     return None
@@ -207,6 +207,9 @@ def end_stuck_launcher(grace_s: float = 10.0) -> bool:
         return False
     subprocess.Popen(
         [sys.executable, "-c", _WATCHDOG, str(ppid), start, str(grace_s)],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True, close_fds=True,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        start_new_session=True,
+        close_fds=True,
     )
     return True

@@ -26,7 +26,7 @@ class DistEnv:
 
 
 def device_type(cfg: TrainConfig) -> str:
-    """"cuda" or "cpu": what `train.device` (auto: CUDA when visible) selects; the launcher checks
+    """ "cuda" or "cpu": what `train.device` (auto: CUDA when visible) selects; the launcher checks
     a topology against it before any worker starts."""
     return "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
 

@@ -46,11 +46,19 @@ def export_model(run_dir: str | os.PathLike, out: str | os.PathLike, step: int |
         raise RunDirError(f"cannot export {run_dir}: {e}") from None
     ckpt = _checkpoint(run_dir, step)
     source = build_source(cfg)  # the table names and sizes the run trained (the data cache for raw data)
-    meta = {"format": FORMAT, "version": VERSION, "step": int(read_marker(ckpt)["step"]), "checkpoint": str(ckpt),
-            "model": dataclasses.asdict(cfg.model), "sparse_names": list(source.sparse_names),
-            "cardinalities": [int(c) for c in source.cardinalities], "dense_names": list(source.dense_names)}
-    model = build_model(cfg.model, meta["sparse_names"], meta["cardinalities"], len(meta["dense_names"]),
-                        torch.device("meta")).to_empty(device="cpu")
+    meta = {
+        "format": FORMAT,
+        "version": VERSION,
+        "step": int(read_marker(ckpt)["step"]),
+        "checkpoint": str(ckpt),
+        "model": dataclasses.asdict(cfg.model),
+        "sparse_names": list(source.sparse_names),
+        "cardinalities": [int(c) for c in source.cardinalities],
+        "dense_names": list(source.dense_names),
+    }
+    model = build_model(cfg.model, meta["sparse_names"], meta["cardinalities"], len(meta["dense_names"]), torch.device("meta")).to_empty(
+        device="cpu"
+    )
     state = model.state_dict()
     _load_whole(ckpt, state)
     out = Path(out)
@@ -73,8 +81,9 @@ def load_exported(path: str | os.PathLike, device: torch.device | str = "cpu") -
     if not isinstance(d, dict) or d.get("format") != FORMAT:
         raise ValueError(f"{path}: not a recsys export (written by `recsys export`)")
     device = torch.device(device)
-    model = build_model(ModelConfig(**d["model"]), d["sparse_names"], d["cardinalities"], len(d["dense_names"]),
-                        torch.device("meta")).to_empty(device=device)
+    model = build_model(
+        ModelConfig(**d["model"]), d["sparse_names"], d["cardinalities"], len(d["dense_names"]), torch.device("meta")
+    ).to_empty(device=device)
     model.load_state_dict(d["state_dict"])
     return model.eval()
 

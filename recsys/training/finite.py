@@ -49,14 +49,16 @@ class FiniteGuard:
         if self.first_bad is None and not math.isfinite(loss):
             self.first_bad, self.bad_value = step, loss
 
-    def check(self, step: int, model: nn.Module | None = None,
-              last_checkpoint: Callable[[], str | None] = lambda: None) -> None:
+    def check(self, step: int, model: nn.Module | None = None, last_checkpoint: Callable[[], str | None] = lambda: None) -> None:
         """Collective over the default group. `model`: also check its weights (before a checkpoint).
         `last_checkpoint`: where a resume would start, for the message (asked only on failure)."""
         bad_tensor = first_nonfinite_tensor(model) if model is not None else None
         # one MIN all-reduce: the earliest bad step, and (negated) whether any rank holds a bad tensor
-        flags = torch.tensor([self.first_bad if self.first_bad is not None else _NONE, -int(bad_tensor is not None)],
-                             dtype=torch.int64, device=collective_device())
+        flags = torch.tensor(
+            [self.first_bad if self.first_bad is not None else _NONE, -int(bad_tensor is not None)],
+            dtype=torch.int64,
+            device=collective_device(),
+        )
         world = dist.get_world_size() if dist.is_initialized() else 1
         if world > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MIN)
@@ -70,18 +72,18 @@ class FiniteGuard:
             seen = [None] * world
             dist.all_gather_object(seen, mine)
         latest = last_checkpoint()
-        then = (f"the last checkpoint is {latest} (lower optim.embedding_lr or optim.dense_lr, then resume=true "
-                "continues from it)" if latest else
-                "no checkpoint was written (lower optim.embedding_lr or optim.dense_lr and run again)")
+        then = (
+            f"the last checkpoint is {latest} (lower optim.embedding_lr or optim.dense_lr, then resume=true continues from it)"
+            if latest
+            else "no checkpoint was written (lower optim.embedding_lr or optim.dense_lr and run again)"
+        )
         if first != _NONE:
             rank, (s, value, _) = min(((r, x) for r, x in enumerate(seen) if x[0] is not None), key=lambda rx: rx[1][0])
             what = f"the loss is {_word(value)} at step {s} (rank {rank})"
         else:
             rank, (_, _, name) = next((r, x) for r, x in enumerate(seen) if x[2] is not None)
             what = f"{name} holds non-finite values at step {step} (rank {rank})"
-        raise NonFiniteError(
-            f"training stopped: {what}; nothing non-finite was saved, {then}"
-        )
+        raise NonFiniteError(f"training stopped: {what}; nothing non-finite was saved, {then}")
 
 
 def _word(value: float) -> str:

@@ -37,7 +37,14 @@ from recsys.training.merge import KStepMerger
 from recsys.training.metrics import MetricsWriter, evaluate, format_metric, write_json_atomic
 from recsys.training.progress import Progress
 from recsys.training.run_dir import (
-    ResumePoint, RunDirError, RunFinished, RunLock, preflight, shard_world_size, state_shape, total_steps,
+    ResumePoint,
+    RunDirError,
+    RunFinished,
+    RunLock,
+    preflight,
+    shard_world_size,
+    state_shape,
+    total_steps,
 )
 import sharding.plan.io as plan_io
 from sharding.planner.build import allowed_sharding_types, build_planner, make_plan
@@ -106,12 +113,18 @@ def setup(cfg: ExperimentConfig, model_factory: ModelFactory | None = None) -> J
     _on_rank0(env, lambda: _write_or_fail(run_dir / "config.yaml", config_mod.dump(cfg)))
 
     # the scaling rule (optim.scale_from_batch): hyperparameters for this batch size, dense-lr warmup
-    optim_cfg, warmup_steps = effective_optim(cfg.optim, cfg.train.batch_size,
-                                              steps_per_epoch(source, TRAIN, cfg.train.batch_size))
+    optim_cfg, warmup_steps = effective_optim(cfg.optim, cfg.train.batch_size, steps_per_epoch(source, TRAIN, cfg.train.batch_size))
     if env.is_main and cfg.optim.scale_from_batch:
-        log.info("scaling rule %s from batch %d to %d: embedding_lr %.4g, dense_lr %.4g, embedding_l2 %.4g, "
-                 "dense warmup %d steps", cfg.optim.scale_rule, cfg.optim.scale_from_batch, cfg.train.batch_size,
-                 optim_cfg.embedding_lr, optim_cfg.dense_lr, optim_cfg.embedding_l2, warmup_steps)
+        log.info(
+            "scaling rule %s from batch %d to %d: embedding_lr %.4g, dense_lr %.4g, embedding_l2 %.4g, dense warmup %d steps",
+            cfg.optim.scale_rule,
+            cfg.optim.scale_from_batch,
+            cfg.train.batch_size,
+            optim_cfg.embedding_lr,
+            optim_cfg.dense_lr,
+            optim_cfg.embedding_l2,
+            warmup_steps,
+        )
 
     model = model_factory(cfg, source) if model_factory else default_model(cfg, source, env.device)
     attach_embedding_optimizer(model, optim_cfg)
@@ -119,17 +132,29 @@ def setup(cfg: ExperimentConfig, model_factory: ModelFactory | None = None) -> J
     sharders = embedding_sharders(optim_cfg)
     local_batch = cfg.train.batch_size // env.world_size
     if env.is_main and module.micro_batched and local_batch > cfg.train.micro_batch_rows:
-        log.info("dense part in micro-batches of %d rows (local batch %d: %d chunks); one embedding update per batch",
-                 cfg.train.micro_batch_rows, local_batch, -(-local_batch // cfg.train.micro_batch_rows))
+        log.info(
+            "dense part in micro-batches of %d rows (local batch %d: %d chunks); one embedding update per batch",
+            cfg.train.micro_batch_rows,
+            local_batch,
+            -(-local_batch // cfg.train.micro_batch_rows),
+        )
     elif env.is_main and cfg.train.micro_batch_rows and not module.micro_batched:
-        log.info("train.micro_batch_rows=%d: %s has no sparse()/over() split (recsys.models.micro_batch.SplitCTRModel); "
-                 "whole batches", cfg.train.micro_batch_rows, type(model).__name__)
+        log.info(
+            "train.micro_batch_rows=%d: %s has no sparse()/over() split (recsys.models.micro_batch.SplitCTRModel); whole batches",
+            cfg.train.micro_batch_rows,
+            type(model).__name__,
+        )
     tables = plan_io.model_tables(module)
     # Hierarchical training: shard over the host's ranks; the same plan on every host.
-    groups = build_host_groups(resolve_hosts(cfg.train.hosts), pg_timeout_from_env(cfg.train.pg_timeout_s)) if cfg.train.merge_every > 0 else None
+    groups = (
+        build_host_groups(resolve_hosts(cfg.train.hosts), pg_timeout_from_env(cfg.train.pg_timeout_s))
+        if cfg.train.merge_every > 0
+        else None
+    )
     if env.world_size > 1:  # a collective failure caused by another host is then told in one line naming it
-        register_peers(groups.hosts if groups else resolve_hosts(1), pg_timeout_from_env(cfg.train.pg_timeout_s).total_seconds()
-                       if groups else None)
+        register_peers(
+            groups.hosts if groups else resolve_hosts(1), pg_timeout_from_env(cfg.train.pg_timeout_s).total_seconds() if groups else None
+        )
     shard_world = groups.ranks_per_host if groups else env.world_size
     if cfg.plan:  # a saved plan: it must be for this model and world size (the host's, if hierarchical)
         plan, header = plan_io.read_plan_file(cfg.plan)
@@ -137,18 +162,24 @@ def setup(cfg: ExperimentConfig, model_factory: ModelFactory | None = None) -> J
         meta = dict(header["meta"], loaded_from=str(cfg.plan))
     elif groups:  # planned for one host on global rank 0, broadcast to all hosts
         planner = build_planner(
-            host_local_sharding(cfg.sharding), module, shard_world, min(env.local_world_size, shard_world), env.device.type, local_batch,
-            cache_stats=_cache_stats(cfg, module), target_hit_rate=cfg.sharding.target_hit_rate,
+            host_local_sharding(cfg.sharding),
+            module,
+            shard_world,
+            min(env.local_world_size, shard_world),
+            env.device.type,
+            local_batch,
+            cache_stats=_cache_stats(cfg, module),
+            target_hit_rate=cfg.sharding.target_hit_rate,
         )
         plan = planner.collective_plan(module, sharders, dist.GroupMember.WORLD)
         meta = {"planner": cfg.sharding.planner, "batch_size_per_rank": local_batch, "hosts": groups.hosts}
     else:
-        plan = make_plan(cfg.sharding, module, sharders, env.device, env.local_world_size, local_batch,
-                         cache_stats=_cache_stats(cfg, module))
+        plan = make_plan(
+            cfg.sharding, module, sharders, env.device, env.local_world_size, local_batch, cache_stats=_cache_stats(cfg, module)
+        )
         meta = {"planner": cfg.sharding.planner, "batch_size_per_rank": local_batch}
     # the plan this run used, as a reusable file and as torchrec's table
-    _on_rank0(env, lambda: _save_plan_files(run_dir, plan_io.plan_to_dict(plan, shard_world, env.device.type, tables, meta),
-                                            str(plan)))
+    _on_rank0(env, lambda: _save_plan_files(run_dir, plan_io.plan_to_dict(plan, shard_world, env.device.type, tables, meta), str(plan)))
     sharding_env = {}
     if groups:  # DMP over the host's ranks, with the plan moved onto them
         plan = remap_plan_to_host(plan, groups, env.device.type)
@@ -157,19 +188,22 @@ def setup(cfg: ExperimentConfig, model_factory: ModelFactory | None = None) -> J
     dense = dense_optimizer(dmp, optim_cfg)
     optimizer = combined_optimizer(dmp, dense)
     warmup = DenseLrWarmup(dense, optim_cfg.dense_lr, warmup_steps) if warmup_steps else None
-    ckpt = Checkpointer(run_dir / "checkpoints", env.rank, env.world_size, cfg.checkpoint.keep, groups, shape,
-                        source.identity())
+    ckpt = Checkpointer(run_dir / "checkpoints", env.rank, env.world_size, cfg.checkpoint.keep, groups, shape, source.identity())
     ckpt.data_start_step = resume_from.data_start_step if resume_from is not None else 0
     merger = None
     if groups:  # train.merge_route (RECSYS_MERGE_ROUTE overrides): auto (hierarchical when R > 1) | flat | hierarchical
         merger = KStepMerger(
-            dmp, optimizer, groups.replica_pg, cfg.train.merge_every, cfg.train.merge_moments,
-            host_pg=groups.host_pg, route=os.environ.get("RECSYS_MERGE_ROUTE", cfg.train.merge_route),
+            dmp,
+            optimizer,
+            groups.replica_pg,
+            cfg.train.merge_every,
+            cfg.train.merge_moments,
+            host_pg=groups.host_pg,
+            route=os.environ.get("RECSYS_MERGE_ROUTE", cfg.train.merge_route),
             rows=cfg.train.merge_rows,
         )
         ckpt.per_host_optim = not cfg.train.merge_moments  # unmerged moments: each host saves its own
-    return Job(cfg, env, source, dmp, optimizer, dense, ckpt, run_dir, groups, merger, warmup, resume_from,
-               lock if env.is_main else None)
+    return Job(cfg, env, source, dmp, optimizer, dense, ckpt, run_dir, groups, merger, warmup, resume_from, lock if env.is_main else None)
 
 
 def _write_or_fail(path: Path, text: str) -> None:
@@ -259,8 +293,9 @@ def _run(cfg: ExperimentConfig, model_factory: ModelFactory | None) -> dict[str,
             except (CheckpointError, KeyboardInterrupt, SystemExit):
                 raise
             except BaseException as e:  # corrupt bytes behind complete-looking files (DCP raises on every rank)
-                raise CheckpointError(f"cannot load checkpoint {latest}: {describe_failure(e)}; move it aside to resume from "
-                                      "an earlier one") from None
+                raise CheckpointError(
+                    f"cannot load checkpoint {latest}: {describe_failure(e)}; move it aside to resume from an earlier one"
+                ) from None
             start_step, resumed_from = int(extra["step"]), str(latest)
             # FBGEMM's COWCLIP/counter modes keep their iteration outside the state dict
             job.optimizer.set_optimizer_step(start_step)
@@ -270,21 +305,26 @@ def _run(cfg: ExperimentConfig, model_factory: ModelFactory | None) -> dict[str,
                 log.info("resumed from %s at step %d", latest, start_step)
                 if extra["shard_world"] != job.checkpointer.shard_world:
                     per_host = " per host" if cfg.train.merge_every > 0 else ""
-                    log.info("resharded from %d to %d ranks%s", extra["shard_world"], job.checkpointer.shard_world,
-                             per_host)
+                    log.info("resharded from %d to %d ranks%s", extra["shard_world"], job.checkpointer.shard_world, per_host)
         elif env.is_main:
             log.info("resume=true but no checkpoint in %s: starting from scratch", job.checkpointer.root)
-    writer = MetricsWriter(job.run_dir, env.is_main, resume_step=start_step if resumed_from else None,
-                           tensorboard=cfg.train.tensorboard)
+    writer = MetricsWriter(job.run_dir, env.is_main, resume_step=start_step if resumed_from else None, tensorboard=cfg.train.tensorboard)
     if env.is_main:
         log.info(
             "training %s on %d rank(s) (%s, %s): %d steps of %d samples (%d steps/epoch)",
-            cfg.model.name, env.world_size, env.device, env.backend, total, t.batch_size, per_epoch,
+            cfg.model.name,
+            env.world_size,
+            env.device,
+            env.backend,
+            total,
+            t.batch_size,
+            per_epoch,
         )
 
     pipeline = TrainPipelineSparseDist(job.dmp, job.optimizer, env.device)
-    batches = train_batches(job.source, t.batch_size, env.rank, env.world_size, start_step - data_start,
-                            total - data_start, epoch_order(cfg, job.source))
+    batches = train_batches(
+        job.source, t.batch_size, env.rank, env.world_size, start_step - data_start, total - data_start, epoch_order(cfg, job.source)
+    )
     progress = Progress(total, start_step, t.batch_size)
     wall0 = time.perf_counter()
     loss_sum, loss_n = 0.0, 0
@@ -298,8 +338,13 @@ def _run(cfg: ExperimentConfig, model_factory: ModelFactory | None) -> dict[str,
         ckpt_every = -(-ckpt_every // job.merger.every_k) * job.merger.every_k
         if ckpt_every != cfg.checkpoint.every_steps and env.is_main:
             later = "" if ckpt_every < total else f"; none before the final one at step {total}"
-            log.info("checkpoint.every_steps=%d rounded up to %d: checkpoints are taken at merge steps only "
-                     "(train.merge_every=%d)%s", cfg.checkpoint.every_steps, ckpt_every, job.merger.every_k, later)
+            log.info(
+                "checkpoint.every_steps=%d rounded up to %d: checkpoints are taken at merge steps only (train.merge_every=%d)%s",
+                cfg.checkpoint.every_steps,
+                ckpt_every,
+                job.merger.every_k,
+                later,
+            )
     last_eval: dict[str, Any] = {}
     guard = FiniteGuard()  # a non-finite loss or weight stops the run (recsys/training/finite.py)
 
@@ -318,8 +363,7 @@ def _run(cfg: ExperimentConfig, model_factory: ModelFactory | None) -> dict[str,
             if env.is_main:
                 oracle = f" (oracle {format_metric(result['oracle_auc'])})" if "oracle_auc" in result else ""
                 why = f" ({result['auc_undefined']})" if "auc_undefined" in result else ""
-                log.info("eval step %d: auc %s%s%s logloss %.4f", step, format_metric(result["auc"]), why, oracle,
-                         result["logloss"])
+                log.info("eval step %d: auc %s%s%s logloss %.4f", step, format_metric(result["auc"]), why, oracle, result["logloss"])
             pipeline.attach(job.dmp)
         return record
 
@@ -387,10 +431,15 @@ def _run(cfg: ExperimentConfig, model_factory: ModelFactory | None) -> dict[str,
     if job.merger is not None:
         m = job.merger
         summary.update(
-            hosts=job.groups.hosts, merge_every=m.every_k, merge_moments=m.merge_moments, merges=m.merges,
-            merge_route=m.route, checkpoint_every_steps=ckpt_every,
+            hosts=job.groups.hosts,
+            merge_every=m.every_k,
+            merge_moments=m.merge_moments,
+            merges=m.merges,
+            merge_route=m.route,
+            checkpoint_every_steps=ckpt_every,
             cross_host_bytes_total=_mean_across_ranks(m.cross_host_bytes_total) * env.world_size,
-            merge_payload_bytes_per_rank=m.payload_bytes_per_merge, merge_rows=m.rows,
+            merge_payload_bytes_per_rank=m.payload_bytes_per_merge,
+            merge_rows=m.rows,
             # the last merge: embedding rows averaged / held, in all ranks' tracked shards
             rows_merged_last=int(_mean_across_ranks(m.rows_merged) * env.world_size),
             rows_tracked=int(_mean_across_ranks(m.rows_tracked) * env.world_size),

@@ -145,7 +145,8 @@ class KStepMerger:
     def state_dict(self) -> dict[str, int]:
         """The counters (per rank); checkpoints save them so totals survive a resume."""
         return {
-            "merges": self.merges, "cross_host_bytes_total": self.cross_host_bytes_total,
+            "merges": self.merges,
+            "cross_host_bytes_total": self.cross_host_bytes_total,
             "intra_host_bytes_total": self.intra_host_bytes_total,
         }
 
@@ -186,8 +187,7 @@ class KStepMerger:
                     ts = local_tensors(value)
                     owners: list[torch.Tensor | None] = [None] * len(ts)
                     if not rep and len(ts) == len(shards):
-                        owners = [s if t.dim() >= 1 and s.dim() >= 1 and t.shape[0] == s.shape[0] else None
-                                  for t, s in zip(ts, shards)]
+                        owners = [s if t.dim() >= 1 and s.dim() >= 1 and t.shape[0] == s.shape[0] else None for t, s in zip(ts, shards)]
                     for t, owner in zip(ts, owners):
                         if t.is_floating_point() == floating and t.dtype != torch.bool:
                             out.append((t, rep, owner))
@@ -260,8 +260,9 @@ class KStepMerger:
         hierarchical = self.route == "hierarchical"
         items = self._classified_rows()
         counters = self._counter_tensors() if self.merge_moments else []
-        rows_of = self._touched_rows([owner for t, rep, owner in items if not rep and owner is not None]
-                                     + [owner for _, owner in counters if owner is not None])
+        rows_of = self._touched_rows(
+            [owner for t, rep, owner in items if not rep and owner is not None] + [owner for _, owner in counters if owner is not None]
+        )
         by_kind: dict[tuple[bool, torch.dtype, torch.device], list[torch.Tensor]] = defaultdict(list)
         by_rows: dict[tuple[torch.dtype, torch.device], list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
         for t, rep, owner in items:
@@ -317,9 +318,15 @@ class KStepMerger:
         if self.touched is not None:
             self.touched.reset()
         t3 = time.perf_counter()
-        for key, seconds in (("catch_up", t_caught - t0), ("union", t1 - t_caught), ("whole_tensors", t2 - t1),
-                             ("pack_rows", pack),
-                             ("all_reduce_rows", reduce), ("unpack_rows", unpack), ("counters", t3 - t2 - pack - reduce - unpack)):
+        for key, seconds in (
+            ("catch_up", t_caught - t0),
+            ("union", t1 - t_caught),
+            ("whole_tensors", t2 - t1),
+            ("pack_rows", pack),
+            ("all_reduce_rows", reduce),
+            ("unpack_rows", unpack),
+            ("counters", t3 - t2 - pack - reduce - unpack),
+        ):
             self.seconds[key] = self.seconds.get(key, 0.0) + seconds
         self.payload_bytes_per_merge = payload
         self.cross_host_bytes_total += int(2 * (self.hosts - 1) / self.hosts * payload) + self.union_bytes_per_merge
@@ -380,7 +387,8 @@ class KStepMerger:
         self._checked_replicated = True
         sums = torch.tensor(
             [[float(t.double().sum()), float(t.double().abs().sum())] for t in ts] or [[0.0, 0.0]],
-            dtype=torch.float64, device=collective_device(self.pg),
+            dtype=torch.float64,
+            device=collective_device(self.pg),
         )
         hi, lo = sums.clone(), sums.neg()
         dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=self.host_pg)
@@ -402,8 +410,7 @@ class KStepMerger:
         across hosts (at Criteo's raw sizes, 4 GB through the link)."""
         if self.hosts == 1:
             return 0.0
-        tensors = [t for value in self.dmp.state_dict().values() for t in local_tensors(value)
-                   if t.is_floating_point() and t.numel()]
+        tensors = [t for value in self.dmp.state_dict().values() for t in local_tensors(value) if t.is_floating_point() and t.numel()]
         mine = [_fingerprint(t) for t in tensors]
         every: list[Any] = [None] * self.hosts
         dist.all_gather_object(every, mine, group=self.pg)
@@ -529,9 +536,17 @@ class KStepMergeHook:
             assert self.groups is not None
             # bound after the first step: the rows that step moved were not seen, so the first
             # merge takes whole shards (``tracking_from_start=False``), the later ones touched rows
-            self.merger = KStepMerger(model, optimizer, self.groups.replica_pg, self.every_k, self.merge_moments,
-                                      host_pg=self.groups.host_pg, route=self.route, rows=self.rows,
-                                      tracking_from_start=False)
+            self.merger = KStepMerger(
+                model,
+                optimizer,
+                self.groups.replica_pg,
+                self.every_k,
+                self.merge_moments,
+                host_pg=self.groups.host_pg,
+                route=self.route,
+                rows=self.rows,
+                tracking_from_start=False,
+            )
         elif self.merger.dmp is not model or self.merger.optimizer is not optimizer:
             raise ValueError("KStepMergeHook.step: called with another model or optimizer than at the first step")
         return self.merger

@@ -7,7 +7,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 import torch
@@ -94,8 +94,7 @@ class MetricsWriter:
     """Appends JSON lines and TensorBoard scalars. On resume, entries past the checkpoint's step
     are dropped, so the log of a resumed run reads like an uninterrupted one."""
 
-    def __init__(self, run_dir: Path, enabled: bool, resume_step: int | None = None,
-                 tensorboard: bool = True) -> None:
+    def __init__(self, run_dir: Path, enabled: bool, resume_step: int | None = None, tensorboard: bool = True) -> None:
         self.enabled = enabled
         self.path = run_dir / "metrics.jsonl"
         self.tb = None
@@ -103,9 +102,9 @@ class MetricsWriter:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
         if resume_step is not None and self.path.exists():
-            keep = [l for l in self.path.read_text().splitlines() if l.strip() and json.loads(l).get("step", 0) <= resume_step]
+            keep = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
             tmp = self.path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(l + "\n" for l in keep))
+            tmp.write_text("".join(ln + "\n" for ln in keep))
             os.replace(tmp, self.path)
         elif resume_step is None and self.path.exists():
             self.path.unlink()

@@ -44,7 +44,8 @@ class Progress:
         pct = 100.0 * step / self.total
         return (
             f"step {step}/{self.total} ({pct:.0f}%) epoch {epoch:.2f} loss {loss:.4f} "
-            f"{stats['samples_per_s']:,.0f} samples/s elapsed {_hms(stats['elapsed_s'])} ETA {_hms(stats['eta_s']) if stats['eta_s'] == stats['eta_s'] else '?'}"
+            f"{stats['samples_per_s']:,.0f} samples/s elapsed {_hms(stats['elapsed_s'])} "
+            f"ETA {_hms(stats['eta_s']) if stats['eta_s'] == stats['eta_s'] else '?'}"
             + (f" clipped {100 * stats['clipped_row_fraction']:.2f}% of rows" if "clipped_row_fraction" in stats else "")
         )
 

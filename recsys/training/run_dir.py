@@ -77,8 +77,9 @@ class RunLock:
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
-            raise RunDirError(f"cannot write in run_dir {self.run_dir} ({self.path}: {e.strerror or e}); "
-                              "choose a writable run_dir") from None
+            raise RunDirError(
+                f"cannot write in run_dir {self.run_dir} ({self.path}: {e.strerror or e}); choose a writable run_dir"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -86,13 +87,11 @@ class RunLock:
             if e.errno not in (errno.EAGAIN, errno.EACCES):
                 raise
             pid = self.holder()
-            if allow_ancestor and pid is not None and os.environ.get(LAUNCHER_ENV) == str(pid) \
-                    and pid in _ancestors(os.getpid()):
+            if allow_ancestor and pid is not None and os.environ.get(LAUNCHER_ENV) == str(pid) and pid in _ancestors(os.getpid()):
                 return self  # our launcher holds it for us
             who = f"pid {pid}" if pid is not None else "another process"
             raise RunDirError(
-                f"run_dir {self.run_dir} is in use by another run ({who}); wait for it to finish, stop it, "
-                "or choose another run_dir"
+                f"run_dir {self.run_dir} is in use by another run ({who}); wait for it to finish, stop it, or choose another run_dir"
             ) from None
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
@@ -182,8 +181,7 @@ def state_shape(cfg, sparse_names: list[str], cardinalities: list[int], shard_wo
 
     m, t, d = cfg.model, cfg.train, cfg.data
     order = {"data.order": order_label(d.shuffle_seed, d.shuffle_block_rows, d.shuffle_buffer_rows)} if d.shuffle else {}
-    scope = ({"optim.embedding_l2_scope": effective_l2_scope(cfg.optim)}
-             if cfg.optim.embedding in ("cowclip_adam", "adam") else {})
+    scope = {"optim.embedding_l2_scope": effective_l2_scope(cfg.optim)} if cfg.optim.embedding in ("cowclip_adam", "adam") else {}
     return {
         "model.name": m.name,
         "model.embedding_dim": m.embedding_dim,
@@ -277,8 +275,10 @@ def total_steps(cfg, source, data_start_step: int = 0) -> int:
     t = cfg.train
     total = t.max_steps or data_start_step + t.epochs * steps_per_epoch(source, TRAIN, t.batch_size)
     if total < 1:  # config checks refuse these first; a step -5 would never be found by resume
-        raise RunDirError(f"nothing to train: train.max_steps={t.max_steps}, train.epochs={t.epochs} "
-                          f"and train.batch_size={t.batch_size} give {total} steps")
+        raise RunDirError(
+            f"nothing to train: train.max_steps={t.max_steps}, train.epochs={t.epochs} "
+            f"and train.batch_size={t.batch_size} give {total} steps"
+        )
     return total
 
 

@@ -102,6 +102,7 @@ def _recorder(feature_table_map: list[int], maps: list[Tensor]):
             lo, hi = offsets[f], offsets[f + 1]
             if hi > lo:
                 maps[t][values[lo:hi].long()] = True
+
     return hook
 
 

@@ -57,18 +57,24 @@ def does_not_fit_message(module: nn.Module, topology: Topology, err: Exception) 
     top = sorted(sizes.items(), key=lambda kv: (-kv[1], kv[0]))[:3]
     largest = ", ".join(
         f"{n} {format_bytes(b)} ({tables[n]['num_embeddings']:,} x {tables[n]['embedding_dim']}, "
-        f"{(tables[n].get('optimizer_state') or {}).get('kind', 'rowwise_adagrad')})" for n, b in top)
+        f"{(tables[n].get('optimizer_state') or {}).get('kind', 'rowwise_adagrad')})"
+        for n, b in top
+    )
     per_rank = (hbm + ddr) / world * (1 - TORCHREC_RESERVE)
     said = planner_said(err)
     if reserve_exceeds_hbm(err):
-        verdict = (f"each rank's {format_bytes(hbm / world)} HBM is less than what torchrec reserves before placing any table "
-                   f"({TORCHREC_RESERVE:.0%} of it, the dense modules and the input buffers)")
+        verdict = (
+            f"each rank's {format_bytes(hbm / world)} HBM is less than what torchrec reserves before placing any table "
+            f"({TORCHREC_RESERVE:.0%} of it, the dense modules and the input buffers)"
+        )
         fix = "more HBM per rank (--hbm-gb), or leave --hbm-gb out for the device's own"
     elif need > usable:
         verdict = f"short by {format_bytes(need - usable)}"
         ranks = math.ceil(need / per_rank) if per_rank > 0 else 0
-        fix = (f"{f'about {ranks} ranks like these, or ' if ranks else ''}more memory per rank (--hbm-gb / --ddr-gb), "
-               f"or fewer rows / a smaller embedding_dim for the largest tables")
+        fix = (
+            f"{f'about {ranks} ranks like these, or ' if ranks else ''}more memory per rank (--hbm-gb / --ddr-gb), "
+            f"or fewer rows / a smaller embedding_dim for the largest tables"
+        )
     elif top[0][1] > per_rank:
         verdict = f"enough in all, but the largest table needs {format_bytes(top[0][1])} and one rank holds {format_bytes(per_rank)}"
         fix = "allow row_wise / column_wise sharding (and fused_uvm_caching on GPUs) for the largest tables"

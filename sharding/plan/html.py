@@ -76,35 +76,54 @@ def memory_chart(ranks: list[dict], topology=None) -> str:
         if max(caps) <= 4 * top:
             top = max(top, max(caps))
         else:
-            cap_note = (f"HBM capacity {_mb(max(caps))} per GPU is off this scale: the fullest rank uses "
-                        f"{max(r['hbm_bytes'] / c for r, c in zip(ranks, caps) if c) :.2%} of it")
+            cap_note = (
+                f"HBM capacity {_mb(max(caps))} per GPU is off this scale: the fullest rank uses "
+                f"{max(r['hbm_bytes'] / c for r, c in zip(ranks, caps) if c):.2%} of it"
+            )
     left, right, h, tp = 70, 20, 220, 20
     pw = WIDTH - left - right
     bw = pw / max(W, 1)
     y = lambda v: tp + h - v / top * h  # noqa: E731
-    out = [f'<svg class="chart" id="memory-chart" width="{WIDTH}" height="{h + tp + 60}" viewBox="0 0 {WIDTH} {h + tp + 60}" '
-           f'role="img" aria-label="memory per rank">']
+    out = [
+        f'<svg class="chart" id="memory-chart" width="{WIDTH}" height="{h + tp + 60}" viewBox="0 0 {WIDTH} {h + tp + 60}" '
+        f'role="img" aria-label="memory per rank">'
+    ]
     for i in range(5):  # grid + axis labels
         v = top * i / 4
-        out.append(f'<line x1="{left}" x2="{WIDTH - right}" y1="{y(v):.1f}" y2="{y(v):.1f}" stroke="#e5e5e5"/>'
-                   f'<text x="{left - 6}" y="{y(v) + 4:.1f}" font-size="11" text-anchor="end">{_e(_mb(v))}</text>')
+        out.append(
+            f'<line x1="{left}" x2="{WIDTH - right}" y1="{y(v):.1f}" y2="{y(v):.1f}" stroke="#e5e5e5"/>'
+            f'<text x="{left - 6}" y="{y(v) + 4:.1f}" font-size="11" text-anchor="end">{_e(_mb(v))}</text>'
+        )
     for i, r in enumerate(ranks):
         x = left + i * bw + bw * 0.15
         w = bw * 0.7
         hb, hh = r["hbm_bytes"], r["host_bytes"]
-        out.append(f'<rect class="bar hbm" x="{x:.1f}" y="{y(hb):.1f}" width="{w:.1f}" height="{h - (y(hb) - tp):.1f}" fill="{HBM_COLOR}">'
-                   f'<title>rank {r["rank"]}: HBM {_e(_mb(hb))}</title></rect>')
-        out.append(f'<rect class="bar host" x="{x:.1f}" y="{y(hb + hh):.1f}" width="{w:.1f}" height="{y(hb) - y(hb + hh):.1f}" fill="{HOST_COLOR}">'
-                   f'<title>rank {r["rank"]}: host {_e(_mb(hh))}</title></rect>')
+        out.append(
+            f'<rect class="bar hbm" x="{x:.1f}" y="{y(hb):.1f}" width="{w:.1f}" height="{h - (y(hb) - tp):.1f}" fill="{HBM_COLOR}">'
+            f"<title>rank {r['rank']}: HBM {_e(_mb(hb))}</title></rect>"
+        )
+        out.append(
+            f'<rect class="bar host" x="{x:.1f}" y="{y(hb + hh):.1f}" width="{w:.1f}" '
+            f'height="{y(hb) - y(hb + hh):.1f}" fill="{HOST_COLOR}">'
+            f"<title>rank {r['rank']}: host {_e(_mb(hh))}</title></rect>"
+        )
         if caps and not cap_note:
-            out.append(f'<line x1="{x - 2:.1f}" x2="{x + w + 2:.1f}" y1="{y(caps[i]):.1f}" y2="{y(caps[i]):.1f}" stroke="{CAP_COLOR}" stroke-width="2"/>')
+            out.append(
+                f'<line x1="{x - 2:.1f}" x2="{x + w + 2:.1f}" y1="{y(caps[i]):.1f}" y2="{y(caps[i]):.1f}" '
+                f'stroke="{CAP_COLOR}" stroke-width="2"/>'
+            )
         if W <= 64 or i % max(1, W // 32) == 0:
             out.append(f'<text x="{x + w / 2:.1f}" y="{tp + h + 14}" font-size="10" text-anchor="middle">{i}</text>')
     ly = tp + h + 36
     out.append(f'<text x="{left}" y="{ly + 10}" font-size="11">rank</text>')
     lx = left + 60
-    for color, label in ((HBM_COLOR, "HBM"), (HOST_COLOR, "host memory")) + (((CAP_COLOR, "HBM capacity"),) if caps and not cap_note else ()):
-        out.append(f'<rect x="{lx}" y="{ly}" width="12" height="12" fill="{color}"/><text x="{lx + 16}" y="{ly + 10}" font-size="11">{_e(label)}</text>')
+    for color, label in ((HBM_COLOR, "HBM"), (HOST_COLOR, "host memory")) + (
+        ((CAP_COLOR, "HBM capacity"),) if caps and not cap_note else ()
+    ):
+        out.append(
+            f'<rect x="{lx}" y="{ly}" width="12" height="12" fill="{color}"/>'
+            f'<text x="{lx + 16}" y="{ly + 10}" font-size="11">{_e(label)}</text>'
+        )
         lx += 130
     out.append("</svg>")
     if cap_note:
@@ -133,14 +152,18 @@ def heatmap(tr: Traffic, topology=None) -> str:
     left, tp = 60, 30
     legend_x = left + size + 40
     height = size + tp + 50
-    out = [f'<svg class="chart" id="traffic-heatmap" width="{WIDTH}" height="{height}" viewBox="0 0 {WIDTH} {height}" '
-           f'role="img" aria-label="rank by rank traffic">']
+    out = [
+        f'<svg class="chart" id="traffic-heatmap" width="{WIDTH}" height="{height}" viewBox="0 0 {WIDTH} {height}" '
+        f'role="img" aria-label="rank by rank traffic">'
+    ]
     for a in range(W):
         for b in range(W):
             v = float(m[a, b])
-            out.append(f'<rect class="hm-cell" x="{left + b * cell:.2f}" y="{tp + a * cell:.2f}" width="{cell:.2f}" height="{cell:.2f}" '
-                       f'fill="{_ramp(v / vmax if vmax else 0)}" stroke="#fff" stroke-width="{0.5 if W <= 64 else 0}">'
-                       f'<title>rank {a} -&gt; rank {b}: {_e(_bytes(v))} per step</title></rect>')
+            out.append(
+                f'<rect class="hm-cell" x="{left + b * cell:.2f}" y="{tp + a * cell:.2f}" width="{cell:.2f}" height="{cell:.2f}" '
+                f'fill="{_ramp(v / vmax if vmax else 0)}" stroke="#fff" stroke-width="{0.5 if W <= 64 else 0}">'
+                f"<title>rank {a} -&gt; rank {b}: {_e(_bytes(v))} per step</title></rect>"
+            )
     step = max(1, W // 16)
     for i in range(0, W, step):
         out.append(f'<text x="{left - 4}" y="{tp + (i + 0.5) * cell + 4:.1f}" font-size="10" text-anchor="end">{i}</text>')
@@ -149,17 +172,25 @@ def heatmap(tr: Traffic, topology=None) -> str:
         L = topology.local_world_size
         for h in range(1, len(topology.hosts)):
             p = h * L * cell
-            out.append(f'<line x1="{left + p:.1f}" x2="{left + p:.1f}" y1="{tp}" y2="{tp + size}" stroke="#222" stroke-width="1.5"/>'
-                       f'<line x1="{left}" x2="{left + size}" y1="{tp + p:.1f}" y2="{tp + p:.1f}" stroke="#222" stroke-width="1.5"/>')
+            out.append(
+                f'<line x1="{left + p:.1f}" x2="{left + p:.1f}" y1="{tp}" y2="{tp + size}" stroke="#222" stroke-width="1.5"/>'
+                f'<line x1="{left}" x2="{left + size}" y1="{tp + p:.1f}" y2="{tp + p:.1f}" stroke="#222" stroke-width="1.5"/>'
+            )
     out.append(f'<text x="{left + size / 2}" y="{tp + size + 20}" font-size="11" text-anchor="middle">receiving rank</text>')
-    out.append(f'<text x="16" y="{tp + size / 2}" font-size="11" text-anchor="middle" transform="rotate(-90 16 {tp + size / 2})">sending rank</text>')
+    out.append(
+        f'<text x="16" y="{tp + size / 2}" font-size="11" text-anchor="middle" '
+        f'transform="rotate(-90 16 {tp + size / 2})">sending rank</text>'
+    )
     # legend: a vertical colour ramp with ticks
     steps = 50
     lh = min(size, 300)
     out.append(f'<text x="{legend_x}" y="{tp - 8}" font-size="11">bytes per step</text>')
     for i in range(steps):
         t = 1 - i / steps
-        out.append(f'<rect class="legend" x="{legend_x}" y="{tp + i * lh / steps:.2f}" width="18" height="{lh / steps + 0.5:.2f}" fill="{_ramp(t)}"/>')
+        out.append(
+            f'<rect class="legend" x="{legend_x}" y="{tp + i * lh / steps:.2f}" width="18" '
+            f'height="{lh / steps + 0.5:.2f}" fill="{_ramp(t)}"/>'
+        )
     for i in range(5):
         t = 1 - i / 4
         out.append(f'<text x="{legend_x + 24}" y="{tp + i * lh / 4 + 4:.1f}" font-size="11">{_e(_bytes(vmax * t))}</text>')
@@ -183,8 +214,9 @@ def topology_diagram(topology, tables_by_rank: dict[int, list[str]], critical: i
     out_parts, heights = [], []
     for hi, host in enumerate(hosts):
         if host.pcie_switches:
-            groups = [(f"{s.name} (NUMA {s.numa}" + (f", NICs {', '.join(s.nics)})" if s.nics else ")"), list(s.gpus))
-                      for s in host.pcie_switches]
+            groups = [
+                (f"{s.name} (NUMA {s.numa}" + (f", NICs {', '.join(s.nics)})" if s.nics else ")"), list(s.gpus)) for s in host.pcie_switches
+            ]
             seen = {g for _, gs in groups for g in gs}
             rest = [g.index for g in host.gpus if g.index not in seen]
             if rest:
@@ -207,10 +239,12 @@ def topology_diagram(topology, tables_by_rank: dict[int, list[str]], critical: i
         hh = gy + row_h + 8
         heights.append(hh)
         out_parts.append((hi, host, items, hh, gpu_w))
-    rows = [max(heights[i:i + cols]) for i in range(0, len(hosts), cols)]
+    rows = [max(heights[i : i + cols]) for i in range(0, len(hosts), cols)]
     total_h = sum(rows) + 16 * len(rows) + 30
-    svg = [f'<svg class="chart" id="topology-diagram" width="{WIDTH}" height="{total_h:.0f}" viewBox="0 0 {WIDTH} {total_h:.0f}" '
-           f'role="img" aria-label="topology with tables">']
+    svg = [
+        f'<svg class="chart" id="topology-diagram" width="{WIDTH}" height="{total_h:.0f}" viewBox="0 0 {WIDTH} {total_h:.0f}" '
+        f'role="img" aria-label="topology with tables">'
+    ]
     nv = {"nvswitch": "NVSwitch: all GPUs", "islands": "NVLink islands", "pairs": "NVLink pairs", "none": "no NVLink"}
     for hi, host, items, hh, gpu_w in out_parts:
         r, c = divmod(hi, cols)
@@ -222,34 +256,44 @@ def topology_diagram(topology, tables_by_rank: dict[int, list[str]], critical: i
             nvtxt += " " + " ".join("{" + ",".join(map(str, isl)) + "}" for isl in host.nvlink.islands)
         elif nvk == "pairs":
             nvtxt += " " + " ".join(f"{a}-{b}x{n}" for a, b, n in host.nvlink.pairs)
-        svg.append(f'<g class="host"><rect x="{hx:.1f}" y="{hy:.1f}" width="{host_w:.1f}" height="{hh:.1f}" rx="6" fill="#f7f7f7" stroke="#555"/>'
-                   f'<text x="{hx + 10:.1f}" y="{hy + 18:.1f}" font-size="13" font-weight="600">host {hi}: {_e(host.name)}</text>'
-                   f'<text x="{hx + 10:.1f}" y="{hy + 34:.1f}" font-size="11" fill="#444">{_e(nvtxt)}; '
-                   f'{_e(len(host.nics))} NICs; DDR {_e(f"{host.ddr_bytes / 2**30:,.0f}")} GB</text>')
+        svg.append(
+            f'<g class="host"><rect x="{hx:.1f}" y="{hy:.1f}" width="{host_w:.1f}" height="{hh:.1f}" rx="6" fill="#f7f7f7" stroke="#555"/>'
+            f'<text x="{hx + 10:.1f}" y="{hy + 18:.1f}" font-size="13" font-weight="600">host {hi}: {_e(host.name)}</text>'
+            f'<text x="{hx + 10:.1f}" y="{hy + 34:.1f}" font-size="11" fill="#444">{_e(nvtxt)}; '
+            f"{_e(len(host.nics))} NICs; DDR {_e(f'{host.ddr_bytes / 2**30:,.0f}')} GB</text>"
+        )
         for label, gx, gy, w, gpus in items:
-            svg.append(f'<rect x="{hx + gx:.1f}" y="{hy + gy:.1f}" width="{w:.1f}" height="{gpu_h + 22:.1f}" rx="4" fill="#fff" stroke="#9aa" stroke-dasharray="4 2"/>'
-                       f'<text x="{hx + gx + 6:.1f}" y="{hy + gy + 13:.1f}" font-size="10" fill="#566">{_e(label)}</text>')
+            svg.append(
+                f'<rect x="{hx + gx:.1f}" y="{hy + gy:.1f}" width="{w:.1f}" height="{gpu_h + 22:.1f}" rx="4" '
+                f'fill="#fff" stroke="#9aa" stroke-dasharray="4 2"/>'
+                f'<text x="{hx + gx + 6:.1f}" y="{hy + gy + 13:.1f}" font-size="10" fill="#566">{_e(label)}</text>'
+            )
             for k, li in enumerate(gpus):
                 rank = topology.rank(hi, li)
                 x = hx + gx + 6 + k * (gpu_w + 10)
                 y = hy + gy + 18
                 g = host.gpus[li]
                 crit = rank == critical
-                svg.append(f'<g class="gpu"><rect x="{x:.1f}" y="{y:.1f}" width="{gpu_w:.1f}" height="{gpu_h:.1f}" rx="3" '
-                           f'fill="{"#fde8e6" if crit else "#eaf1fb"}" stroke="{"#b3261e" if crit else "#3b6fb6"}" stroke-width="{2 if crit else 1}"/>'
-                           f'<text x="{x + 5:.1f}" y="{y + 13:.1f}" font-size="11" font-weight="600">rank {rank} · gpu{li}</text>'
-                           f'<text x="{x + 5:.1f}" y="{y + 25:.1f}" font-size="9" fill="#555">{_e(g.model or topology.compute_device)}</text>')
+                svg.append(
+                    f'<g class="gpu"><rect x="{x:.1f}" y="{y:.1f}" width="{gpu_w:.1f}" height="{gpu_h:.1f}" rx="3" '
+                    f'fill="{"#fde8e6" if crit else "#eaf1fb"}" stroke="{"#b3261e" if crit else "#3b6fb6"}" '
+                    f'stroke-width="{2 if crit else 1}"/>'
+                    f'<text x="{x + 5:.1f}" y="{y + 13:.1f}" font-size="11" font-weight="600">rank {rank} · gpu{li}</text>'
+                    f'<text x="{x + 5:.1f}" y="{y + 25:.1f}" font-size="9" fill="#555">{_e(g.model or topology.compute_device)}</text>'
+                )
                 names = tables_by_rank.get(rank, [])
                 per_line = max(1, int(gpu_w // 38))
-                chunks = [", ".join(names[i:i + per_line]) for i in range(0, len(names), per_line)]
+                chunks = [", ".join(names[i : i + per_line]) for i in range(0, len(names), per_line)]
                 for j, line in enumerate(_abbrev(chunks, gpu_lines)):
                     svg.append(f'<text class="tables" x="{x + 5:.1f}" y="{y + 38 + 12 * j:.1f}" font-size="9.5">{_e(line)}</text>')
                 if not names:
                     svg.append(f'<text x="{x + 5:.1f}" y="{y + 38:.1f}" font-size="9.5" fill="#999">(no tables)</text>')
                 svg.append("</g>")
         svg.append("</g>")
-    svg.append(f'<text x="0" y="{total_h - 8:.0f}" font-size="11" fill="#555">dashed boxes: PCIe switches (NUMA nodes for CPU ranks); '
-               f'red: the critical rank; tables listed per GPU (abbreviated when many)</text>')
+    svg.append(
+        f'<text x="0" y="{total_h - 8:.0f}" font-size="11" fill="#555">dashed boxes: PCIe switches (NUMA nodes for CPU ranks); '
+        f"red: the critical rank; tables listed per GPU (abbreviated when many)</text>"
+    )
     svg.append("</svg>")
     return "\n".join(svg)
 
@@ -275,8 +319,10 @@ def ssd_note(report: dict[str, Any]) -> str:
     HBM / host chart on purpose: TBs of SSD would flatten the GB-sized bars."""
     top = max(report["ranks"], key=lambda r: r.get("ssd_bytes", 0))
     total = sum(r.get("ssd_bytes", 0) for r in report["ranks"])
-    return (f"largest SSD use: rank {top['rank']} with {_mb(top.get('ssd_bytes', 0))} ({_mb(total)} on all ranks; "
-            "key_value tables: FBGEMM's SSD kernels, rows and optimizer state on the host's SSD, not in the chart above)")
+    return (
+        f"largest SSD use: rank {top['rank']} with {_mb(top.get('ssd_bytes', 0))} ({_mb(total)} on all ranks; "
+        "key_value tables: FBGEMM's SSD kernels, rows and optimizer state on the host's SSD, not in the chart above)"
+    )
 
 
 def _ms(seconds: float) -> str:
@@ -305,8 +351,9 @@ def critical_why(cost: PlanCost, ssd: bool) -> str:
 
     split = " + ".join(f"{name} {_ms(v)} ms{share(v)}" for name, v in terms)
     top = max(terms, key=lambda kv: kv[1])[0]
-    return (f"rank {r}: {_ms(total)} ms = {split}; mostly {top} "
-            "(its collectives: each phase's busiest link among the rank's own, plus latency)")
+    return (
+        f"rank {r}: {_ms(total)} ms = {split}; mostly {top} (its collectives: each phase's busiest link among the rank's own, plus latency)"
+    )
 
 
 def phase_table(cost: PlanCost) -> str:
@@ -333,28 +380,38 @@ def render_html(report: dict[str, Any], traffic: Traffic, topology=None, cost: P
             if t["table"] not in tables_by_rank[s["rank"]]:
                 tables_by_rank[s["rank"]].append(t["table"])
     crit_rank = cost.bottleneck_rank if cost is not None else None
-    summary = [f"<b>{_e(len(report['tables']))}</b> tables on <b>{_e(W)}</b> ranks, compute device <b>{_e(report['compute_device'])}</b>; "
-               f"batch {_e(traffic.batch_size_per_rank)} per rank, pooling factor 1."]
+    summary = [
+        f"<b>{_e(len(report['tables']))}</b> tables on <b>{_e(W)}</b> ranks, compute device <b>{_e(report['compute_device'])}</b>; "
+        f"batch {_e(traffic.batch_size_per_rank)} per rank, pooling factor 1."
+    ]
     if meta:
         summary.append("plan: " + _e(", ".join(f"{k}={v}" for k, v in meta.items() if v not in (None, "", [], 0.0))))
     if topology is not None:
-        summary.append(f"topology <b>{_e(topology.name or topology.source)}</b>: {_e(len(topology.hosts))} host(s) x {_e(topology.local_world_size)} GPUs.")
+        summary.append(
+            f"topology <b>{_e(topology.name or topology.source)}</b>: "
+            f"{_e(len(topology.hosts))} host(s) x {_e(topology.local_world_size)} GPUs."
+        )
     if cost is not None:
-        summary.append(f'<span class="step">{_e(step_line(cost))}</span>, batch {_e(traffic.batch_size_per_rank)} per rank '
-                       "(the planner's model, sharding/planner/cost/model.py: the step it minimised)")
+        summary.append(
+            f'<span class="step">{_e(step_line(cost))}</span>, batch {_e(traffic.batch_size_per_rank)} per rank '
+            "(the planner's model, sharding/planner/cost/model.py: the step it minimised)"
+        )
         summary.append(f'<span class="crit">critical rank: {_e(critical_why(cost, ssd_time))}</span>')
     else:
         busiest = int(np.argmax(traffic.sent)) if W else 0
         why = "no topology given (use --topology)" if topology is None else "no modeled step given"
-        summary.append(f"{why}: no modeled times; rank {busiest} sends the most, "
-                       f"{_e(_bytes(float(traffic.sent[busiest]) if W else 0))} per step.")
+        summary.append(
+            f"{why}: no modeled times; rank {busiest} sends the most, {_e(_bytes(float(traffic.sent[busiest]) if W else 0))} per step."
+        )
     parts = [
-        "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
         '<meta name="viewport" content="width=1280">',
         f"<title>sharding plan: {_e(W)} ranks</title><style>{CSS}</style></head><body>",
         f"<h1>Sharding plan report: {_e(len(report['tables']))} tables on {_e(W)} ranks</h1>",
         '<div class="summary">' + "<br>".join(summary) + "</div>",
-        "<h2>Memory per rank</h2>", memory_chart(report["ranks"], topology),
+        "<h2>Memory per rank</h2>",
+        memory_chart(report["ranks"], topology),
     ]
     if ssd:
         parts.append(f'<p class="note" id="ssd-note">{_e(ssd_note(report))}</p>')
@@ -371,10 +428,12 @@ def render_html(report: dict[str, Any], traffic: Traffic, topology=None, cost: P
     parts += ["<h2>Ranks</h2>", _ranks_table(report, traffic, topology, cost, ssd, ssd_time, crit_rank)]
     if cost is not None:
         latency = cost.comm_time - sum(secs for _, secs in cost.phases.values())
-        parts += ["<h2>Busiest directed link per collective phase</h2>",
-                  f'<p class="note">The collectives\' {_e(_ms(cost.comm_time))} ms in the step: the sum of these plus '
-                  f"{_e(_ms(max(latency, 0.0)))} ms latency (the planner's model, sharding/planner/cost/model.py).</p>",
-                  phase_table(cost)]
+        parts += [
+            "<h2>Busiest directed link per collective phase</h2>",
+            f'<p class="note">The collectives\' {_e(_ms(cost.comm_time))} ms in the step: the sum of these plus '
+            f"{_e(_ms(max(latency, 0.0)))} ms latency (the planner's model, sharding/planner/cost/model.py).</p>",
+            phase_table(cost),
+        ]
     if traffic.hosts:
         parts += ["<h2>Hosts</h2>", _hosts_table(traffic)]
     parts.append('<p class="note">Generated by recsys-plan show --format html. Modeled numbers, not measurements.</p>')
@@ -387,15 +446,32 @@ def _tables_table(report: dict[str, Any], ssd: bool) -> str:
     trows = []
     for t in report["tables"]:
         lf = "" if t["cache_load_factor"] is None else f"{t['cache_load_factor']:.2f}"
-        shards = "; ".join(f"r{s['rank']}:{s['rows']}x{s['cols']}" for s in t["shards"][:4]) + (f"; +{len(t['shards']) - 4}" if len(t["shards"]) > 4 else "")
-        trows.append([t["table"], t["module"], t["sharding_type"], t["compute_kernel"], _ranks(t["ranks"]), shards, lf,
-                      _mb(t["hbm_bytes"]), _mb(t["host_bytes"])] + ([_mb(t.get("ssd_bytes", 0))] if ssd else []))
-    heads = ["table", "module", "sharding", "kernel", "ranks", "shards (rank:rows x cols)", "cache lf", "HBM", "host"] + (["SSD"] if ssd else [])
+        shards = "; ".join(f"r{s['rank']}:{s['rows']}x{s['cols']}" for s in t["shards"][:4]) + (
+            f"; +{len(t['shards']) - 4}" if len(t["shards"]) > 4 else ""
+        )
+        trows.append(
+            [
+                t["table"],
+                t["module"],
+                t["sharding_type"],
+                t["compute_kernel"],
+                _ranks(t["ranks"]),
+                shards,
+                lf,
+                _mb(t["hbm_bytes"]),
+                _mb(t["host_bytes"]),
+            ]
+            + ([_mb(t.get("ssd_bytes", 0))] if ssd else [])
+        )
+    heads = ["table", "module", "sharding", "kernel", "ranks", "shards (rank:rows x cols)", "cache lf", "HBM", "host"] + (
+        ["SSD"] if ssd else []
+    )
     return _table(heads, trows, left=6)
 
 
-def _ranks_table(report: dict[str, Any], traffic: Traffic, topology, cost: PlanCost | None, ssd: bool, ssd_time: bool,
-                 crit_rank: int | None) -> str:
+def _ranks_table(
+    report: dict[str, Any], traffic: Traffic, topology, cost: PlanCost | None, ssd: bool, ssd_time: bool, crit_rank: int | None
+) -> str:
     """Per rank: memory, the traffic view's bytes (where traffic goes) and, with a cost, the
     planner's per-rank times."""
     heads = ["rank", "tables", "HBM", "host"] + (["SSD"] if ssd else []) + ["sent / step", "received / step", "lookups / step"]
@@ -426,8 +502,16 @@ def _hosts_table(traffic: Traffic) -> str:
     hrows = []
     for h in traffic.hosts:
         sw = ", ".join(f"{s['switch']}: {_bytes(s['bytes_per_step'])}" for s in h["pcie_switches"]) or "-"
-        hrows.append([h["host"], h["name"], _ranks(h["ranks"]), f"{_mb(h['hbm_bytes'])} / {_mb(h['hbm_capacity'])}",
-                      f"{_mb(h['host_bytes'])} / {_mb(h['host_capacity'])}"]
-                     + ([f"{_mb(h.get('ssd_bytes', 0))} / {_mb(h.get('ssd_capacity', 0))}"] if ssd else []) + [sw])
+        hrows.append(
+            [
+                h["host"],
+                h["name"],
+                _ranks(h["ranks"]),
+                f"{_mb(h['hbm_bytes'])} / {_mb(h['hbm_capacity'])}",
+                f"{_mb(h['host_bytes'])} / {_mb(h['host_capacity'])}",
+            ]
+            + ([f"{_mb(h.get('ssd_bytes', 0))} / {_mb(h.get('ssd_capacity', 0))}"] if ssd else [])
+            + [sw]
+        )
     heads = ["host", "name", "ranks", "HBM used / capacity", "host memory used / capacity"] + (["SSD used / capacity"] if ssd else [])
     return _table(heads + ["PCIe switch load per step"], hrows, left=3)

@@ -24,6 +24,7 @@ validate: sharding/plan/validation.py); ``read_plan_file`` gives the header too.
 Every problem with a file is a `PlanFileError` with one line naming the file and the key.
 Files are written atomically (temp file + rename): a crash never leaves half a plan.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -99,8 +100,10 @@ def _dataclass_to_dict(obj: Any, where: str) -> dict[str, Any] | None:
 
     # CacheParams.stats (measured cache statistics, sharding/planner/cache_sizing.py) are planning input,
     # not part of the placement: stored as null (the plan's meta keeps a summary)
-    return {f.name: None if isinstance(getattr(obj, f.name), CacheStatistics) else _enc(getattr(obj, f.name), f"{where}.{f.name}")
-            for f in dataclasses.fields(obj)}
+    return {
+        f.name: None if isinstance(getattr(obj, f.name), CacheStatistics) else _enc(getattr(obj, f.name), f"{where}.{f.name}")
+        for f in dataclasses.fields(obj)
+    }
 
 
 def _dataclass_from_dict(cls: type, d: dict[str, Any] | None, where: str) -> Any:
@@ -118,8 +121,16 @@ def _dataclass_from_dict(cls: type, d: dict[str, Any] | None, where: str) -> Any
 # -- ParameterSharding <-> dict -----------------------------------------------------------------
 
 _PARAM_KEYS = {
-    "sharding_type", "compute_kernel", "ranks", "shards", "cache_params", "enforce_hbm",
-    "stochastic_rounding", "bounds_check_mode", "output_dtype", "key_value_params",
+    "sharding_type",
+    "compute_kernel",
+    "ranks",
+    "shards",
+    "cache_params",
+    "enforce_hbm",
+    "stochastic_rounding",
+    "bounds_check_mode",
+    "output_dtype",
+    "key_value_params",
 }
 
 
@@ -135,10 +146,9 @@ def param_to_dict(ps: ParameterSharding, where: str) -> dict[str, Any]:
         "sharding_type": ps.sharding_type,
         "compute_kernel": ps.compute_kernel,
         "ranks": list(ps.ranks) if ps.ranks is not None else None,
-        "shards": None if spec is None else [
-            {"offsets": list(s.shard_offsets), "sizes": list(s.shard_sizes), "placement": str(s.placement)}
-            for s in spec.shards
-        ],
+        "shards": None
+        if spec is None
+        else [{"offsets": list(s.shard_offsets), "sizes": list(s.shard_sizes), "placement": str(s.placement)} for s in spec.shards],
         "cache_params": _dataclass_to_dict(ps.cache_params, f"{where}.cache_params"),
         "enforce_hbm": ps.enforce_hbm,
         "stochastic_rounding": ps.stochastic_rounding,
@@ -178,10 +188,15 @@ def param_from_dict(d: Any, where: str) -> ParameterSharding:
         for i, a in enumerate(shards):  # torch refuses to build a spec with overlapping shards: name them
             for j in range(i):
                 b = shards[j]
-                if all(max(a.shard_offsets[k], b.shard_offsets[k]) < min(a.shard_offsets[k] + a.shard_sizes[k], b.shard_offsets[k] + b.shard_sizes[k])
-                       for k in (0, 1)):
-                    raise PlanFileError(f"{where}.shards[{i}]: overlaps shards[{j}] (offsets {a.shard_offsets} and "
-                                        f"{b.shard_offsets}, sizes {a.shard_sizes} and {b.shard_sizes})")
+                if all(
+                    max(a.shard_offsets[k], b.shard_offsets[k])
+                    < min(a.shard_offsets[k] + a.shard_sizes[k], b.shard_offsets[k] + b.shard_sizes[k])
+                    for k in (0, 1)
+                ):
+                    raise PlanFileError(
+                        f"{where}.shards[{i}]: overlaps shards[{j}] (offsets {a.shard_offsets} and "
+                        f"{b.shard_offsets}, sizes {a.shard_sizes} and {b.shard_sizes})"
+                    )
         spec = EnumerableShardingSpec(shards)
     return ParameterSharding(
         sharding_type=d["sharding_type"],
@@ -214,7 +229,11 @@ def model_tables(
     A table whose optimizer has no known state layout records ``optimizer_state: null``. After
     ``DistributedModelParallel`` the tables are read from the sharded modules (`sharded_tables`)."""
     from sharding.optimizer_state import (
-        UnknownOptimizerError, optimizer_kind, sharded_tables, state_of, table_parameters,
+        UnknownOptimizerError,
+        optimizer_kind,
+        sharded_tables,
+        state_of,
+        table_parameters,
     )
 
     overrides = optimizer if isinstance(optimizer, Mapping) else {}
@@ -286,17 +305,25 @@ def _read_tables(tables: dict[str, Any], version: int, source: str) -> dict[str,
         for key in ("num_embeddings", "embedding_dim"):
             if not _is_count(t.get(key), 1):
                 raise PlanFileError(f"{where}.{key}': expected a positive integer, got {t.get(key)!r}")
-        entry = {"num_embeddings": t["num_embeddings"], "embedding_dim": t["embedding_dim"],
-                 "data_type": t.get("data_type", "FP32"), "optimizer_state": t.get("optimizer_state")}
+        entry = {
+            "num_embeddings": t["num_embeddings"],
+            "embedding_dim": t["embedding_dim"],
+            "data_type": t.get("data_type", "FP32"),
+            "optimizer_state": t.get("optimizer_state"),
+        }
         if version >= 2:
             from sharding.optimizer_state import DATA_TYPE_BITS
 
             if entry["data_type"] not in DATA_TYPE_BITS:
-                raise PlanFileError(f"{where}.data_type': unknown data type {entry['data_type']!r} "
-                                    f"(one of {', '.join(DATA_TYPE_BITS)})")
+                raise PlanFileError(f"{where}.data_type': unknown data type {entry['data_type']!r} (one of {', '.join(DATA_TYPE_BITS)})")
             st = entry["optimizer_state"]
-            if st is not None and not (isinstance(st, dict) and set(st) == {"kind", "bytes_per_weight", "bytes_per_row"}
-                    and isinstance(st["kind"], str) and _is_count(st["bytes_per_weight"]) and _is_count(st["bytes_per_row"])):
+            if st is not None and not (
+                isinstance(st, dict)
+                and set(st) == {"kind", "bytes_per_weight", "bytes_per_row"}
+                and isinstance(st["kind"], str)
+                and _is_count(st["bytes_per_weight"])
+                and _is_count(st["bytes_per_row"])
+            ):
                 raise PlanFileError(f"{where}.optimizer_state': expected {{kind, bytes_per_weight, bytes_per_row}}, got {st!r}")
         out[name] = entry
     return out
@@ -308,8 +335,9 @@ def plan_from_dict(d: Any, source: str = "plan") -> tuple[ShardingPlan, dict[str
     if not isinstance(d, dict) or d.get("format") != FORMAT:
         raise PlanFileError(f"{source}: not a sharding plan file (key 'format' is not '{FORMAT}')")
     if d.get("version") not in READS:
-        raise PlanFileError(f"{source}: key 'version': unsupported plan format version {d.get('version')!r} "
-                            f"(this tool reads {', '.join(map(str, READS))})")
+        raise PlanFileError(
+            f"{source}: key 'version': unsupported plan format version {d.get('version')!r} (this tool reads {', '.join(map(str, READS))})"
+        )
     for key, tp in (("world_size", int), ("compute_device", str), ("tables", dict), ("modules", dict)):
         if not isinstance(d.get(key), tp):
             raise PlanFileError(f"{source}: key '{key}': expected {tp.__name__}, got {d.get(key)!r}")
@@ -326,8 +354,13 @@ def plan_from_dict(d: Any, source: str = "plan") -> tuple[ShardingPlan, dict[str
             except PlanFileError as e:  # e names the key path; add the file
                 raise PlanFileError(f"{source}: {e}") from None
         plan.plan[path] = mplan
-    header = {"version": d["version"], "world_size": d["world_size"], "compute_device": d["compute_device"],
-              "tables": _read_tables(d["tables"], d["version"], source), "meta": d.get("meta", {})}
+    header = {
+        "version": d["version"],
+        "world_size": d["world_size"],
+        "compute_device": d["compute_device"],
+        "tables": _read_tables(d["tables"], d["version"], source),
+        "meta": d.get("meta", {}),
+    }
     return plan, header
 
 
@@ -415,8 +448,10 @@ def save_plan(
     device = compute_device or inferred_device
     tables = model_tables(model, optimizer, fused_params) if model is not None else {}
     if model is not None and not tables:
-        raise PlanFileError(f"{path}: save_plan(model=...) found no EmbeddingBagCollection / EmbeddingCollection tables "
-                            f"in {type(model).__name__}, sharded or not; nothing was written")
+        raise PlanFileError(
+            f"{path}: save_plan(model=...) found no EmbeddingBagCollection / EmbeddingCollection tables "
+            f"in {type(model).__name__}, sharded or not; nothing was written"
+        )
     meta = dict(meta or {})
     batch = batch_size or getattr(planner, "_batch_size", None)
     if batch:
@@ -457,9 +492,14 @@ def check_plan_fits(header: dict[str, Any], plan: ShardingPlan, tables: dict[str
         missing = sorted(set(tables) - set(planned))
         extra = sorted(set(planned) - set(tables))
         changed = sorted(t for t in set(tables) & set(planned) if table_shape(tables[t]) != table_shape(planned[t]))
-        what = (f"missing tables {missing[:3]}" if missing else f"unknown tables {extra[:3]}" if extra
-                else f"table {changed[0]} is {list(table_shape(planned[changed[0]]))} (rows, dim) in the plan, "
-                     f"{list(table_shape(tables[changed[0]]))} in the model")
+        what = (
+            f"missing tables {missing[:3]}"
+            if missing
+            else f"unknown tables {extra[:3]}"
+            if extra
+            else f"table {changed[0]} is {list(table_shape(planned[changed[0]]))} (rows, dim) in the plan, "
+            f"{list(table_shape(tables[changed[0]]))} in the model"
+        )
         raise PlanFileError(f"{source}: key 'tables': plan is for another model ({what})")
     seen: dict[str, str] = {}
     for path, mplan in plan.plan.items():

@@ -13,6 +13,7 @@ in host memory plus an HBM cache of load_factor x the shard's weights, `key_valu
 kernels, CUDA only) on the host's SSD plus the same HBM cache. The text report shows an SSD
 column only for plans with key_value tables.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
@@ -62,8 +63,7 @@ class TableInfo:
         return sum(s.ssd_bytes for s in self.shards)
 
 
-def _shard_bytes(rows: int, cols: int, kernel: str, load_factor: float | None, table: dict[str, Any],
-                 device: str) -> tuple[int, int, int]:
+def _shard_bytes(rows: int, cols: int, kernel: str, load_factor: float | None, table: dict[str, Any], device: str) -> tuple[int, int, int]:
     """(HBM, host, SSD) bytes of a rows x cols shard of ``table`` (a plan header's table entry)."""
     weights = weight_bytes(table.get("data_type") or "FP32", rows, cols)
     st = table.get("optimizer_state") or {"bytes_per_weight": 0, "bytes_per_row": 0}  # unknown: weights only
@@ -98,8 +98,10 @@ def table_infos(plan: ShardingPlan, header: dict[str, Any]) -> list[TableInfo]:
                     hbm, host, ssd = _shard_bytes(rows, cols, ps.compute_kernel, lf, t, device)
                     info.shards.append(ShardInfo(s.placement.rank(), rows, cols, hbm, host, ssd))
                 specs = ps.sharding_spec.shards
-                info.shape = (max(x.shard_offsets[0] + x.shard_sizes[0] for x in specs),
-                              max(x.shard_offsets[1] + x.shard_sizes[1] for x in specs))
+                info.shape = (
+                    max(x.shard_offsets[0] + x.shard_sizes[0] for x in specs),
+                    max(x.shard_offsets[1] + x.shard_sizes[1] for x in specs),
+                )
             else:  # data-parallel: a full replica on every rank
                 rows, cols = t.get("num_embeddings", 0), t.get("embedding_dim", 0)
                 info.shape = (rows, cols) if "num_embeddings" in t else None
@@ -149,27 +151,32 @@ def format_text(rep: dict[str, Any]) -> str:
     lines = [f"plan for {rep['world_size']} ranks ({rep['compute_device']})"]
     unknown = rep.get("optimizer_unknown") or []
     if unknown:
-        lines.append(f"optimizer state: not recorded for {len(unknown)} of {len(rep['tables'])} tables (optimizer "
-                     "'unknown'): their memory counts weights only, a lower bound (save the plan with the model, "
-                     "sharding.plan.io.save_plan(..., model=...))")
+        lines.append(
+            f"optimizer state: not recorded for {len(unknown)} of {len(rep['tables'])} tables (optimizer "
+            "'unknown'): their memory counts weights only, a lower bound (save the plan with the model, "
+            "sharding.plan.io.save_plan(..., model=...))"
+        )
     lines.append("")
     tw = max([12] + [len(t["table"]) + 1 for t in rep["tables"]])
     mw = max([18] + [len(t["module"]) + 1 for t in rep["tables"]])
     ssd = has_ssd(rep)
-    lines.append(f"{'table':<{tw}} {'module':<{mw}} {'sharding':<18} {'kernel':<18} {'optimizer':<16} {'ranks':<14} {'cache lf':>8} "
-                 f"{'HBM':>12} {'host':>12}" + (f" {'SSD':>15}" if ssd else ""))
+    lines.append(
+        f"{'table':<{tw}} {'module':<{mw}} {'sharding':<18} {'kernel':<18} {'optimizer':<16} {'ranks':<14} {'cache lf':>8} "
+        f"{'HBM':>12} {'host':>12}" + (f" {'SSD':>15}" if ssd else "")
+    )
     for t in rep["tables"]:
         ranks = ",".join(map(str, t["ranks"])) if len(t["ranks"]) <= 4 else f"{t['ranks'][0]}..{t['ranks'][-1]} ({len(t['ranks'])})"
         lf = "" if t["cache_load_factor"] is None else f"{t['cache_load_factor']:.2f}"
         lines.append(
             f"{t['table']:<{tw}} {t['module']:<{mw}} {t['sharding_type']:<18} {t['compute_kernel']:<18} {t['optimizer']:<16} "
-            f"{ranks:<14} {lf:>8} {_mb(t['hbm_bytes']):>12} {_mb(t['host_bytes']):>12}"
-            + (f" {_mb(t['ssd_bytes']):>15}" if ssd else "")
+            f"{ranks:<14} {lf:>8} {_mb(t['hbm_bytes']):>12} {_mb(t['host_bytes']):>12}" + (f" {_mb(t['ssd_bytes']):>15}" if ssd else "")
         )
     lines += ["", f"{'rank':<6} {'tables':>6} {'HBM':>12} {'host':>12}" + (f" {'SSD':>15}" if ssd else "")]
     for r in rep["ranks"]:
-        lines.append(f"{r['rank']:<6} {r['tables']:>6} {_mb(r['hbm_bytes']):>12} {_mb(r['host_bytes']):>12}"
-                     + (f" {_mb(r.get('ssd_bytes', 0)):>15}" if ssd else ""))
+        lines.append(
+            f"{r['rank']:<6} {r['tables']:>6} {_mb(r['hbm_bytes']):>12} {_mb(r['host_bytes']):>12}"
+            + (f" {_mb(r.get('ssd_bytes', 0)):>15}" if ssd else "")
+        )
     key = "hbm_bytes" if rep["compute_device"] == "cuda" else "host_bytes"
     top = max(rep["ranks"], key=lambda r: r[key])
     lines.append(f"largest: rank {top['rank']} with {_mb(top[key])} of {'HBM' if key == 'hbm_bytes' else 'host memory'}")
@@ -203,8 +210,12 @@ def diff(a_plan: ShardingPlan, a_header: dict, b_plan: ShardingPlan, b_header: d
     ma = rank_memory(list(a.values()), world)
     mb = rank_memory(list(b.values()), world)
     ranks = [
-        {"rank": r, "hbm_bytes_delta": mb[r]["hbm_bytes"] - ma[r]["hbm_bytes"], "host_bytes_delta": mb[r]["host_bytes"] - ma[r]["host_bytes"],
-         "ssd_bytes_delta": mb[r]["ssd_bytes"] - ma[r]["ssd_bytes"]}
+        {
+            "rank": r,
+            "hbm_bytes_delta": mb[r]["hbm_bytes"] - ma[r]["hbm_bytes"],
+            "host_bytes_delta": mb[r]["host_bytes"] - ma[r]["host_bytes"],
+            "ssd_bytes_delta": mb[r]["ssd_bytes"] - ma[r]["ssd_bytes"],
+        }
         for r in range(world)
     ]
     plans = {k: [a_header.get(k), b_header.get(k)] for k in PLAN_FIELDS if a_header.get(k) != b_header.get(k)}
@@ -227,12 +238,17 @@ def format_diff(d: dict[str, Any]) -> str:
     else:
         lines = head + [f"{len(d['changes'])} table(s) changed:"]
         for c in d["changes"]:
-            detail = ", ".join(f"{k}: {v[0]} -> {v[1]}" if isinstance(v, list) and len(v) == 2 else f"{k}: {v}"
-                               for k, v in c.items() if k not in ("table", "module"))
+            detail = ", ".join(
+                f"{k}: {v[0]} -> {v[1]}" if isinstance(v, list) and len(v) == 2 else f"{k}: {v}"
+                for k, v in c.items()
+                if k not in ("table", "module")
+            )
             lines.append(f"  {c['table']} ({c['module']}): {detail}")
     lines.append("memory per rank (b - a):")
     ssd = any(r.get("ssd_bytes_delta") for r in d["ranks"])
     for r in d["ranks"]:
-        lines.append(f"  rank {r['rank']}: HBM {r['hbm_bytes_delta'] / 2**20:+,.1f} MB, host {r['host_bytes_delta'] / 2**20:+,.1f} MB"
-                     + (f", SSD {r['ssd_bytes_delta'] / 2**20:+,.1f} MB" if ssd else ""))
+        lines.append(
+            f"  rank {r['rank']}: HBM {r['hbm_bytes_delta'] / 2**20:+,.1f} MB, host {r['host_bytes_delta'] / 2**20:+,.1f} MB"
+            + (f", SSD {r['ssd_bytes_delta'] / 2**20:+,.1f} MB" if ssd else "")
+        )
     return "\n".join(lines)

@@ -60,11 +60,15 @@ def _param_problems(ps: ParameterSharding, key: str, shape: tuple[int, int] | No
         return [f"key '{key}.compute_kernel': '{kernel}' is not a torchrec compute kernel (one of {', '.join(_kernels())})"]
     allowed = _kernels_for(st, device)
     if kernel in SSD_KERNELS and device != "cuda":
-        return [f"key '{key}.compute_kernel': '{kernel}' keeps the table on SSD with FBGEMM's SSD kernels, which run on "
-                f"CUDA only; this plan is for {device} (use fused there, or plan for a cuda topology with an SSD tier)"]
+        return [
+            f"key '{key}.compute_kernel': '{kernel}' keeps the table on SSD with FBGEMM's SSD kernels, which run on "
+            f"CUDA only; this plan is for {device} (use fused there, or plan for a cuda topology with an SSD tier)"
+        ]
     if kernel not in allowed:
-        return [f"key '{key}.compute_kernel': torchrec does not run a {st} table with kernel '{kernel}' on {device} "
-                f"(allowed: {', '.join(allowed)})"]
+        return [
+            f"key '{key}.compute_kernel': torchrec does not run a {st} table with kernel '{kernel}' on {device} "
+            f"(allowed: {', '.join(allowed)})"
+        ]
     ranks = list(ps.ranks or [])
     if not ranks:
         return [f"key '{key}.ranks': no ranks"]
@@ -107,8 +111,7 @@ def _tiling_problems(shards: list[tuple[list[int], list[int], int]], st: str, sh
             other, full = 1 - axis, (rows, cols)[1 - axis]
             if off[other] != 0 or size[other] != full:
                 what = "all rows" if other == 0 else "the full dim"
-                return [f"{where}: a {st} shard splits dim {axis} only and spans {what} ({full}), "
-                        f"got offsets {off}, sizes {size}"]
+                return [f"{where}: a {st} shard splits dim {axis} only and spans {what} ({full}), got offsets {off}, sizes {size}"]
     if axis is not None:  # 1-D: sorted intervals along the split axis must be contiguous from 0 to the end
         extent, name = (rows, "rows") if axis == 0 else (cols, "columns")
         pos = 0
@@ -156,7 +159,9 @@ def plan_problems(plan: ShardingPlan, header: dict[str, Any], source: str, world
             problems += _param_problems(ps, key, shape, world, device)
     missing = sorted(set(tables) - set(seen))
     if missing:
-        problems.append(f"key 'modules': no placement for tables {missing[:3]}" + (f" and {len(missing) - 3} more" if len(missing) > 3 else ""))
+        problems.append(
+            f"key 'modules': no placement for tables {missing[:3]}" + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        )
     return [f"{source}: {p}" for p in problems]
 
 

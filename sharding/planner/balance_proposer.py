@@ -116,8 +116,9 @@ class BalanceProposer(Proposer):
                 return None
             self.current, self.rating = list(self.tracker.options), self.tracker.rating
             self.queue = self._neighbours(self.current, self.tracker.bottleneck_tables)
-            whole = [self._first(so.name, "table_wise", "fused") or so if so.sharding_type == "data_parallel" else so
-                     for so in self.current]
+            whole = [
+                self._first(so.name, "table_wise", "fused") or so if so.sharding_type == "data_parallel" else so for so in self.current
+            ]
             if any(a is not b for a, b in zip(whole, self.current)):
                 self.restarts = [(whole, False)]
             if self.has_data_parallel:
@@ -125,8 +126,7 @@ class BalanceProposer(Proposer):
                 # table-row-wise across hosts): small tables data-parallel beside them can beat any
                 # plan one move away from the best one (torchrec's default on 16 DGX hosts, DLRM)
                 mine = largest_table_type(self.current)
-                others = sorted((r, k, p) for k, (r, p) in self.tracker.best_by_type.items()
-                                if k not in (mine, "data_parallel"))
+                others = sorted((r, k, p) for k, (r, p) in self.tracker.best_by_type.items() if k not in (mine, "data_parallel"))
                 self.restarts += [(p, True) for _, _, p in others[:MAX_OTHER_STARTS]]
         while True:
             if self.queue and self.queue[0][1]:  # a data-parallel round: every candidate, no patience
@@ -160,8 +160,13 @@ class BalanceProposer(Proposer):
             self.last, self.last_was_dp = cand, dp
             return cand
 
-    def feedback(self, partitionable: bool, plan: Optional[list[ShardingOption]] = None,
-                 perf_rating: Optional[float] = None, storage_constraint: Optional[Topology] = None) -> None:
+    def feedback(
+        self,
+        partitionable: bool,
+        plan: Optional[list[ShardingOption]] = None,
+        perf_rating: Optional[float] = None,
+        storage_constraint: Optional[Topology] = None,
+    ) -> None:
         if self.last is None:
             return
         better = partitionable and plan is not None and perf_rating is not None and perf_rating < self.rating * (1 - 1e-9)
@@ -190,8 +195,14 @@ class BalanceProposer(Proposer):
             cur = plan[index[name]]
             if cur.sharding_type not in _A2A:
                 continue
-            alts = [so for so in self.by_table.get(name, ()) if so.sharding_type in _A2A and so.compute_kernel == cur.compute_kernel
-                    and so.cache_load_factor == cur.cache_load_factor and len(so.shards) > len(cur.shards)]
+            alts = [
+                so
+                for so in self.by_table.get(name, ())
+                if so.sharding_type in _A2A
+                and so.compute_kernel == cur.compute_kernel
+                and so.cache_load_factor == cur.cache_load_factor
+                and len(so.shards) > len(cur.shards)
+            ]
             alts.sort(key=lambda so: (len(so.shards), so.sharding_type))
             for alt in alts:
                 cand = list(plan)
@@ -279,8 +290,15 @@ class BalanceProposer(Proposer):
         shards = sum(len(so.shards) for so in base)
         widths = [int(sh.size[1]) for so in base for sh in so.shards]
         cands = []
-        for k in sorted({len(so.shards) for opts in self.by_table.values() for so in opts
-                         if so.sharding_type == "column_wise" and so.compute_kernel == "fused"} - {1}):
+        for k in sorted(
+            {
+                len(so.shards)
+                for opts in self.by_table.values()
+                for so in opts
+                if so.sharding_type == "column_wise" and so.compute_kernel == "fused"
+            }
+            - {1}
+        ):
             for j in range(1, min(world, len(movable)) + 1):
                 n = shards + j * (k - 1)
                 cut = list(widths)
@@ -302,16 +320,24 @@ class BalanceProposer(Proposer):
 
     def _option(self, so: ShardingOption, sharding_type: str, shards: int) -> ShardingOption | None:
         for alt in self.by_table.get(so.name, ()):
-            if (alt.sharding_type == sharding_type and len(alt.shards) == shards and alt.compute_kernel == so.compute_kernel
-                    and alt.cache_load_factor == so.cache_load_factor):
+            if (
+                alt.sharding_type == sharding_type
+                and len(alt.shards) == shards
+                and alt.compute_kernel == so.compute_kernel
+                and alt.cache_load_factor == so.cache_load_factor
+            ):
                 return alt
         return None
 
     def _twin(self, so: ShardingOption, sharding_type: str) -> ShardingOption:
         """``so``'s option of ``sharding_type`` with one shard (a table-wise table as column-wise)."""
         for alt in self.by_table.get(so.name, ()):
-            if (alt.sharding_type == sharding_type and len(alt.shards) == 1 and alt.compute_kernel == so.compute_kernel
-                    and alt.cache_load_factor == so.cache_load_factor):
+            if (
+                alt.sharding_type == sharding_type
+                and len(alt.shards) == 1
+                and alt.compute_kernel == so.compute_kernel
+                and alt.cache_load_factor == so.cache_load_factor
+            ):
                 return alt
         return so
 

@@ -71,7 +71,8 @@ def build_planner(
     defaults when None). ``cfg.planner == "topology"``: the topology-aware planner
     (sharding/planner/topology_planner.py) on ``cfg.topology`` (default for CPU runs: ``cpu-gloo``).
 
-    ``cache_stats``: table -> torchrec ``CacheStatistics`` (``sharding.cache_sizing``; the trainer's ``recsys.data.id_histogram.load_sample``):
+    ``cache_stats``: table -> torchrec ``CacheStatistics`` (``sharding.cache_sizing``; the trainer's
+    ``recsys.data.id_histogram.load_sample``):
     UVM-caching tables get the smallest load factor reaching ``target_hit_rate`` (default 0.95)
     and their measured miss rate is what the topology-aware cost model charges."""
     target = DEFAULT_TARGET_HIT_RATE if target_hit_rate is None else target_hit_rate
@@ -95,9 +96,7 @@ def build_planner(
         hardware_config=hardware,
         kernel_config=KernelConfig(compute_device=compute_device),
     )
-    constraints = {
-        name: ParameterConstraints(sharding_types=allowed_sharding_types(cfg)) for name in embedding_tables(model)
-    }
+    constraints = {name: ParameterConstraints(sharding_types=allowed_sharding_types(cfg)) for name in embedding_tables(model)}
     if cache_stats:
         apply_cache_stats(constraints, cache_stats, target)
     return StorageExplainingPlanner(topology=topology, batch_size=batch_size_per_rank, constraints=constraints)
@@ -111,8 +110,9 @@ class StorageExplainingPlanner(EmbeddingShardingPlanner):
         super().__init__(topology=topology, **kwargs)
         self.topology = topology
 
-    def collective_plan(self, module: nn.Module, sharders: list[ModuleSharder[nn.Module]] | None = None,
-                        pg: dist.ProcessGroup | None = None) -> ShardingPlan:
+    def collective_plan(
+        self, module: nn.Module, sharders: list[ModuleSharder[nn.Module]] | None = None, pg: dist.ProcessGroup | None = None
+    ) -> ShardingPlan:
         from sharding.optimizer_state import check_cowclip_sharders
 
         check_cowclip_sharders(module, sharders)  # on every rank, before rank 0 plans and the others wait
@@ -144,6 +144,7 @@ def make_plan(
 ) -> ShardingPlan:
     """Plans on rank 0 and broadcasts, so every rank shards identically."""
     world = dist.get_world_size(pg)
-    planner = build_planner(cfg, model, world, local_world_size, device.type, batch_size_per_rank,
-                            cache_stats=cache_stats, target_hit_rate=cfg.target_hit_rate)
+    planner = build_planner(
+        cfg, model, world, local_world_size, device.type, batch_size_per_rank, cache_stats=cache_stats, target_hit_rate=cfg.target_hit_rate
+    )
     return planner.collective_plan(model, sharders, pg or dist.GroupMember.WORLD)

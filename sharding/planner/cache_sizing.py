@@ -73,7 +73,8 @@ class IdFrequencyStats(CacheStatistics):
     the distribution, and the in-sample curve would reach 1.0 as soon as the cache holds every id
     the sample happened to see. Then (Good-Turing) the ids not seen get the missing mass
     ``p0 = N1 / N`` (N1: ids seen once, N: lookups), the ids seen once ``2 N2 / N`` together (N2:
-    ids seen twice), the others their counted shares, all scaled to sum to 1; the unseen ids (ranks ``d+1 .. rows``) follow the power law ``rank^-alpha``
+    ids seen twice), the others their counted shares, all scaled to sum to 1; the unseen ids (ranks
+    ``d+1 .. rows``) follow the power law ``rank^-alpha``
     fitted to the seen counts (least squares of log count on log rank over counts >= 3; uniform
     when the fit has too few points)."""
 
@@ -175,8 +176,10 @@ class IdFrequencyStats(CacheStatistics):
         return self  # immutable; torchrec's enumerator deep-copies cache_params per option
 
     def __repr__(self) -> str:
-        return (f"IdFrequencyStats(rows={self.rows}, lookups={int(self.total)}, distinct={self.distinct}, "
-                f"missing_mass={self.missing_mass:.3f}, alpha={self.alpha:.2f}, hit@0.1={self.hit_rate(0.1):.3f})")
+        return (
+            f"IdFrequencyStats(rows={self.rows}, lookups={int(self.total)}, distinct={self.distinct}, "
+            f"missing_mass={self.missing_mass:.3f}, alpha={self.alpha:.2f}, hit@0.1={self.hit_rate(0.1):.3f})"
+        )
 
 
 # --- loading samples ------------------------------------------------------------------------------
@@ -340,7 +343,9 @@ def saturation_load_factor(stats: CacheStatistics, tol: float = 1e-3) -> float:
 
 
 def apply_cache_stats(
-    constraints: dict, stats: Mapping[str, CacheStatistics], target_hit_rate: float = DEFAULT_TARGET_HIT_RATE,
+    constraints: dict,
+    stats: Mapping[str, CacheStatistics],
+    target_hit_rate: float = DEFAULT_TARGET_HIT_RATE,
     max_load_factor: float | None = None,
 ) -> dict[str, float]:
     """Put each sampled table's stats and chosen load factor into its torchrec
@@ -365,16 +370,24 @@ def apply_cache_stats(
     return chosen
 
 
-def summary(stats: Mapping[str, IdFrequencyStats], load_factors: Mapping[str, float] | None = None,
-            target_hit_rate: float | None = None, max_load_factor: float = 0.8) -> dict:
+def summary(
+    stats: Mapping[str, IdFrequencyStats],
+    load_factors: Mapping[str, float] | None = None,
+    target_hit_rate: float | None = None,
+    max_load_factor: float = 0.8,
+) -> dict:
     """Per table: lookups, distinct ids, hit rate at a few load factors; with ``target_hit_rate``
     the load factor chosen for it (``target_load_factor``, its ``target_hit``); with
     ``load_factors`` (the plan's UVM-caching tables) the final ``load_factor`` and ``hit_rate``."""
     out = {}
     for t in sorted(stats):
         s = stats[t]
-        d = {"lookups": int(s.total), "distinct_ids": s.distinct, "rows": s.rows,
-             "hit_rate_at": {str(x): round(float(s.hit_rate(x)), 4) for x in (0.01, 0.05, 0.1, 0.2, 0.5)}}
+        d = {
+            "lookups": int(s.total),
+            "distinct_ids": s.distinct,
+            "rows": s.rows,
+            "hit_rate_at": {str(x): round(float(s.hit_rate(x)), 4) for x in (0.01, 0.05, 0.1, 0.2, 0.5)},
+        }
         if target_hit_rate is not None:
             lf = choose_load_factor(s, target_hit_rate, max_load_factor)
             d["target_load_factor"] = lf

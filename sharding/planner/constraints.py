@@ -33,8 +33,9 @@ def merge_constraints(
     return out
 
 
-def default_constraints(module: nn.Module, compute_device: str, sharding_types: list[str] | None = None,
-                        key_value_tables: Collection[str] = ()) -> dict[str, ParameterConstraints]:
+def default_constraints(
+    module: nn.Module, compute_device: str, sharding_types: list[str] | None = None, key_value_tables: Collection[str] = ()
+) -> dict[str, ParameterConstraints]:
     """Model-parallel sharding types; fused kernels, plus UVM and UVM caching on GPUs, plus the
     SSD kernel (``key_value``, torchrec guards it: only where asked) for ``key_value_tables``,
     the tables nothing else can hold (``sharding/planner/ssd_tier.py``: ``key_value_tables``)."""
@@ -43,5 +44,7 @@ def default_constraints(module: nn.Module, compute_device: str, sharding_types: 
     if "data_parallel" in types:
         kernels.append("dense")
     ssd = set(key_value_tables) if compute_device == "cuda" else set()
-    return {name: ParameterConstraints(sharding_types=types, compute_kernels=kernels + list(SSD_KERNELS) if name in ssd else kernels)
-            for name in (c.name for c in table_configs(module))}
+    return {
+        name: ParameterConstraints(sharding_types=types, compute_kernels=kernels + list(SSD_KERNELS) if name in ssd else kernels)
+        for name in (c.name for c in table_configs(module))
+    }

@@ -24,8 +24,9 @@ _TYPE_ORDER = ("table_wise", "column_wise", "table_column_wise", "row_wise", "ta
 _KERNEL_ORDER = ("fused", "fused_uvm_caching", "fused_uvm", "dense", "quant", "key_value")
 
 
-def finer_column_splits(enumerator, space: list[ShardingOption], splits: tuple[int, ...], world: int,
-                        local_world: int) -> list[ShardingOption]:
+def finer_column_splits(
+    enumerator, space: list[ShardingOption], splits: tuple[int, ...], world: int, local_world: int
+) -> list[ShardingOption]:
     """Column-wise / table-column-wise variants of each device-resident option cut into ``k`` in
     ``splits`` equal column shards (at least 4 columns each, FBGEMM's alignment, and at most one
     shard per rank; per host for table-column-wise), estimated by the enumerator's estimators.
@@ -53,8 +54,13 @@ def finer_column_splits(enumerator, space: list[ShardingOption], splits: tuple[i
             if k <= len(so.shards) or k > limit or part < 4 or part % 4 or dim % k:
                 continue
             sizes, offsets = calculate_shard_sizes_and_offsets(
-                tensor=so.tensor, world_size=world, local_world_size=local_world, sharding_type=so.sharding_type,
-                col_wise_shard_dim=part, device_memory_sizes=enumerator._device_memory_sizes)
+                tensor=so.tensor,
+                world_size=world,
+                local_world_size=local_world,
+                sharding_type=so.sharding_type,
+                col_wise_shard_dim=part,
+                device_memory_sizes=enumerator._device_memory_sizes,
+            )
             if len(sizes) != k:
                 continue
             new = copy.copy(so)
@@ -82,9 +88,15 @@ def _sorted_enumeration(enumerate_fn, extra=None):
 
         def key(so):
             st, k = so.sharding_type, so.compute_kernel
-            return (first[so.fqn], _TYPE_ORDER.index(st) if st in _TYPE_ORDER else len(_TYPE_ORDER), st,
-                    _KERNEL_ORDER.index(k) if k in _KERNEL_ORDER else len(_KERNEL_ORDER), k,
-                    so.cache_load_factor if so.cache_load_factor is not None else -1.0, len(so.shards))
+            return (
+                first[so.fqn],
+                _TYPE_ORDER.index(st) if st in _TYPE_ORDER else len(_TYPE_ORDER),
+                st,
+                _KERNEL_ORDER.index(k) if k in _KERNEL_ORDER else len(_KERNEL_ORDER),
+                k,
+                so.cache_load_factor if so.cache_load_factor is not None else -1.0,
+                len(so.shards),
+            )
 
         return sorted(space, key=key)
 
@@ -102,8 +114,13 @@ class TopologyEnumerator(EmbeddingEnumerator):
     took (``last_enumerate_s``). key_value options exist only where the constraints ask for them
     (torchrec guards the kernel) and torchrec's ``Topology`` has SSD capacity."""
 
-    def __init__(self, topology: Topology, batch_size: int, column_splits: tuple[int, ...] = DEFAULT_COLUMN_SPLITS,
-                 constraints: dict[str, ParameterConstraints] | None = None) -> None:
+    def __init__(
+        self,
+        topology: Topology,
+        batch_size: int,
+        column_splits: tuple[int, ...] = DEFAULT_COLUMN_SPLITS,
+        constraints: dict[str, ParameterConstraints] | None = None,
+    ) -> None:
         super().__init__(topology=topology, batch_size=batch_size, constraints=constraints)
         self.constraints: dict[str, ParameterConstraints] = dict(constraints or {})
         self.column_splits = tuple(column_splits)

@@ -78,22 +78,20 @@ class TopologyPartitioner(Partitioner):
             for so in plan:
                 for sh in so.shards:
                     used[sh.rank // lw] = used.get(sh.rank // lw, 0) + getattr(sh.storage, tier)
-            cap = {h: sum(getattr(d.storage, tier) for d in sc.devices[h * lw:(h + 1) * lw]) for h in hosts}
+            cap = {h: sum(getattr(d.storage, tier) for d in sc.devices[h * lw : (h + 1) * lw]) for h in hosts}
             if not all(u <= cap[h] for h, u in used.items()):
                 return False
         return True
 
-    def _partition(
-        self, proposal: list[ShardingOption], sc: Topology, hbm_per_device: Optional[int]
-    ) -> list[ShardingOption]:
+    def _partition(self, proposal: list[ShardingOption], sc: Topology, hbm_per_device: Optional[int]) -> list[ShardingOption]:
         m = self.cost_model
         w, lw = sc.world_size, sc.local_world_size
         if w != m.world:
             raise PlannerError(f"topology world size {m.world} != planner world size {w}", PlannerErrorType.OTHER)
         hbm_free = np.array([float(hbm_per_device or d.storage.hbm) for d in sc.devices])
         nh = w // lw
-        host_free = np.array([sum(float(d.storage.ddr) for d in sc.devices[h * lw:(h + 1) * lw]) for h in range(nh)])
-        ssd_free = np.array([sum(float(d.storage.ssd) for d in sc.devices[h * lw:(h + 1) * lw]) for h in range(nh)])
+        host_free = np.array([sum(float(d.storage.ddr) for d in sc.devices[h * lw : (h + 1) * lw]) for h in range(nh)])
+        ssd_free = np.array([sum(float(d.storage.ssd) for d in sc.devices[h * lw : (h + 1) * lw]) for h in range(nh)])
         host_of = np.arange(w) // lw
         # table-row-wise: a group is one NVLink domain (one host unless hosts share one)
         gw = m.topo.ranks_per_nvlink_domain
@@ -111,9 +109,7 @@ class TopologyPartitioner(Partitioner):
             ssd_free[host_of[rank]] -= s.ssd
 
         def fail(so: ShardingOption, what: str) -> PlannerError:
-            return PlannerError(
-                f"{so.name} ({so.sharding_type}, {so.compute_kernel}): {what}", PlannerErrorType.PARTITION
-            )
+            return PlannerError(f"{so.name} ({so.sharding_type}, {so.compute_kernel}): {what}", PlannerErrorType.PARTITION)
 
         # 1. uniform options (RW, DP): shard i on rank i, as torchrec does
         for so in proposal:
@@ -128,7 +124,9 @@ class TopologyPartitioner(Partitioner):
                 st.add_many(m.placed(so))
 
         rest = [so for so in proposal if so.sharding_type not in UNIFORM]
-        rest.sort(key=lambda so: (-sum(sh.perf.total for sh in so.shards), -sum(sh.storage.hbm + sh.storage.ddr for sh in so.shards), so.name))
+        rest.sort(
+            key=lambda so: (-sum(sh.perf.total for sh in so.shards), -sum(sh.storage.hbm + sh.storage.ddr for sh in so.shards), so.name)
+        )
 
         # 2. table-row-wise: one NVLink domain (a host, unless hosts share one), shard i on its rank i
         for so in rest:
@@ -302,7 +300,7 @@ def refine_placement(st: CostState, options: list[ShardingOption], hbm_free: np.
         ok &= ~tcw[idx] | (host_of[dest] == host_of[rank[idx]])
         idx, dest = idx[ok], dest[ok]
         for lo in range(0, len(idx), chunk_trials):
-            i, d = idx[lo:lo + chunk_trials], dest[lo:lo + chunk_trials]
+            i, d = idx[lo : lo + chunk_trials], dest[lo : lo + chunk_trials]
             step, spread = evaluate([(i, rank[i], d)])
             k = int(np.lexsort((spread, step))[0])
             key = (float(step[k]), float(spread[k]))
@@ -317,7 +315,7 @@ def refine_placement(st: CostState, options: list[ShardingOption], hbm_free: np.
                 fit = (hbm[i] <= hbm_free[r2] + hbm[others]) & (hbm[others] <= hbm_free[slow] + hbm[i])
                 js, r2 = others[fit], r2[fit]
                 for lo in range(0, len(js), chunk_trials):
-                    j, rj = js[lo:lo + chunk_trials], r2[lo:lo + chunk_trials]
+                    j, rj = js[lo : lo + chunk_trials], r2[lo : lo + chunk_trials]
                     ii = np.full(len(j), i)
                     sl = np.full(len(j), slow)
                     step, spread = evaluate([(ii, sl, rj), (j, rj, sl)])

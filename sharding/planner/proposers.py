@@ -119,11 +119,15 @@ class BudgetedProposer(Proposer):
             self.proposals += 1
         return proposal
 
-    def feedback(self, partitionable: bool, plan: Optional[list[ShardingOption]] = None,
-                 perf_rating: Optional[float] = None, storage_constraint: Optional[Topology] = None) -> None:
+    def feedback(
+        self,
+        partitionable: bool,
+        plan: Optional[list[ShardingOption]] = None,
+        perf_rating: Optional[float] = None,
+        storage_constraint: Optional[Topology] = None,
+    ) -> None:
         self.evaluated += 1
-        self.inner.feedback(partitionable=partitionable, plan=plan, perf_rating=perf_rating,
-                            storage_constraint=storage_constraint)
+        self.inner.feedback(partitionable=partitionable, plan=plan, perf_rating=perf_rating, storage_constraint=storage_constraint)
 
 
 @dataclass
@@ -146,11 +150,13 @@ class SearchReport:
     @classmethod
     def of(cls, proposers: list[BudgetedProposer], max_proposals: int | None, timeout_seconds: float | None) -> "SearchReport":
         names = [f"{p.name}#{i}" for i, p in enumerate(proposers)]
-        return cls(proposals={n: p.evaluated for n, p in zip(names, proposers)},
-                   budget_cut=[n for n, p in zip(names, proposers) if p.cut],
-                   # torchrec's loop leaves a proposer without asking it again when its clock ran out
-                   timeout_cut=timeout_seconds is not None and any(not p.cut and not p.exhausted for p in proposers),
-                   max_proposals=max_proposals)
+        return cls(
+            proposals={n: p.evaluated for n, p in zip(names, proposers)},
+            budget_cut=[n for n, p in zip(names, proposers) if p.cut],
+            # torchrec's loop leaves a proposer without asking it again when its clock ran out
+            timeout_cut=timeout_seconds is not None and any(not p.cut and not p.exhausted for p in proposers),
+            max_proposals=max_proposals,
+        )
 
     def line(self) -> str:
         """One log line: what cut the search, and how far the plan may be from the best."""
@@ -161,8 +167,10 @@ class SearchReport:
             what.append("torchrec's timeout_seconds stopped the search (the plan depends on the machine's load)")
         gap = ""
         if self.step_s is not None and self.lower_bound_s:
-            gap = (f"; plan {self.step_s * 1e3:.4g} ms, lower bound of any plan {self.lower_bound_s * 1e3:.4g} ms "
-                   f"({self.step_s / self.lower_bound_s:.2f}x)")
+            gap = (
+                f"; plan {self.step_s * 1e3:.4g} ms, lower bound of any plan {self.lower_bound_s * 1e3:.4g} ms "
+                f"({self.step_s / self.lower_bound_s:.2f}x)"
+            )
         return f"planner search cut: {'; '.join(what)} after {sum(self.proposals.values())} proposals{gap}"
 
 
@@ -172,5 +180,9 @@ def default_proposers(patience: int | None | str = "auto") -> list:
     uniform one per table (``PerTableUniformProposer``)."""
     from torchrec.distributed.planner.proposers import GridSearchProposer
 
-    return [GridSearchProposer(), PatientGreedyProposer(patience=patience),
-            PatientGreedyProposer(use_depth=False, patience=patience), PerTableUniformProposer()]
+    return [
+        GridSearchProposer(),
+        PatientGreedyProposer(patience=patience),
+        PatientGreedyProposer(use_depth=False, patience=patience),
+        PerTableUniformProposer(),
+    ]

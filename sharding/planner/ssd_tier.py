@@ -64,8 +64,9 @@ def key_value_tables(table_bytes: Mapping[str, int], topology: Topology, reserve
     return out
 
 
-def key_value_storage(so: ShardingOption, fused_params: Mapping[str, Any] | None = None,
-                      start_load_factor: float = KEY_VALUE_START_LOAD_FACTOR) -> None:
+def key_value_storage(
+    so: ShardingOption, fused_params: Mapping[str, Any] | None = None, start_load_factor: float = KEY_VALUE_START_LOAD_FACTOR
+) -> None:
     """Sets the storage of a key_value option's shards (module docstring) and, when its
     ``cache_params`` name no load factor, the start load factor (a new ``CacheParams``: torchrec
     shares one object among a table's options). An optimizer with no known state layout keeps

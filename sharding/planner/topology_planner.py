@@ -61,7 +61,7 @@ import dataclasses
 import logging
 import math
 import os
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import numpy as np
 from torch import nn
@@ -98,20 +98,45 @@ from sharding.planner.partitioners import TopologyPartitioner, refine_placement
 from sharding.planner.cost.perf_model import CachedPerfModel
 from sharding.planner.cost.plan_cost import modeled_step, step_line
 from sharding.planner.bounds import step_time_lower_bound
-from sharding.planner.proposers import DEFAULT_MAX_PROPOSALS, BudgetedProposer, PatientGreedyProposer, SearchReport, PerTableUniformProposer, default_proposers, greedy_patience_for
+from sharding.planner.proposers import (
+    DEFAULT_MAX_PROPOSALS,
+    BudgetedProposer,
+    PatientGreedyProposer,
+    SearchReport,
+    PerTableUniformProposer,
+    default_proposers,
+    greedy_patience_for,
+)
 from sharding.planner.ssd_tier import key_value_tables
 from sharding.plan.fit_report import TORCHREC_RESERVE, format_bytes, planner_said, reserve_exceeds_hbm
 from sharding.tables import table_configs
 from sharding.topology.cluster import ClusterTopology, load_topology
 from sharding.planner.torchrec_speedups import fast_planner_internals
 
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
 __all__ = [
-    "TopologyAwarePlanner", "ModelDoesNotFitError", "torchrec_topology", "remap_plan_to_host", "fit_message",
-    "cpu_topology_like", "cluster_for",
+    "TopologyAwarePlanner",
+    "ModelDoesNotFitError",
+    "torchrec_topology",
+    "remap_plan_to_host",
+    "fit_message",
+    "cpu_topology_like",
+    "cluster_for",
     # the roles, each in its own module (the torchrec planner package's layout), re-exported here
-    "TopologyPartitioner", "refine_placement", "CachedPerfModel", "TopologyEnumerator", "finer_column_splits",
-    "DEFAULT_COLUMN_SPLITS", "default_proposers", "greedy_patience_for", "PatientGreedyProposer",
-    "PerTableUniformProposer", "default_constraints", "merge_constraints",
+    "TopologyPartitioner",
+    "refine_placement",
+    "CachedPerfModel",
+    "TopologyEnumerator",
+    "finer_column_splits",
+    "DEFAULT_COLUMN_SPLITS",
+    "default_proposers",
+    "greedy_patience_for",
+    "PatientGreedyProposer",
+    "PerTableUniformProposer",
+    "default_constraints",
+    "merge_constraints",
 ]
 
 logger = logging.getLogger(__name__)
@@ -124,9 +149,7 @@ class ModelDoesNotFitError(PlannerError):
         super().__init__(message=message, error_type=PlannerErrorType.INSUFFICIENT_STORAGE)
 
 
-def torchrec_topology(
-    topo: ClusterTopology, hbm_bytes: int | None = None, ddr_bytes: int | None = None
-) -> Topology:
+def torchrec_topology(topo: ClusterTopology, hbm_bytes: int | None = None, ddr_bytes: int | None = None) -> Topology:
     """A torchrec ``Topology`` for the cluster: capacities per rank (host memory and SSD are the
     host's divided by its ranks, the smallest host's), bandwidths (bytes/ms, as torchrec wants)
     from the path model; ``ssd_mem_bw`` is a host's SSD read bandwidth per rank. Without an SSD
@@ -159,8 +182,9 @@ def torchrec_topology(
     topology = TopologyFactory.create_topology(
         # pod_size: torchrec then cuts table-row-wise tables over an NVLink domain's ranks, as our
         # partitioner and cost model place them (cost_model.twrw_groups)
-        trainer_config=TrainerConfig(world_size=w, local_world_size=lw,
-                                     pod_size=topo.network.nvlink_domain_hosts if topo.network.nvlink_domain_hosts > 1 else None),
+        trainer_config=TrainerConfig(
+            world_size=w, local_world_size=lw, pod_size=topo.network.nvlink_domain_hosts if topo.network.nvlink_domain_hosts > 1 else None
+        ),
         hardware_config=hardware,
         kernel_config=KernelConfig(compute_device=topo.compute_device, use_hardware_based_bandwidth=True),
     )
@@ -239,8 +263,10 @@ class TopologyAwarePlanner(EmbeddingShardingPlanner):
         given_topology = topology if isinstance(topology, Topology) else None
         if given_topology is not None:  # torchrec's own: planned on as given; a cluster of it for our cost model
             if hbm_bytes is not None or ddr_bytes is not None or world_size is not None:
-                raise ValueError("TopologyAwarePlanner(torchrec Topology, ...): set HBM, DDR and the world size in the "
-                                 "Topology (TopologyFactory.create_topology), not hbm_bytes / ddr_bytes / world_size")
+                raise ValueError(
+                    "TopologyAwarePlanner(torchrec Topology, ...): set HBM, DDR and the world size in the "
+                    "Topology (TopologyFactory.create_topology), not hbm_bytes / ddr_bytes / world_size"
+                )
             from sharding.topology.from_torchrec import cluster_from_torchrec
 
             self.cluster = _cluster_to_plan(cluster_from_torchrec(topology), self.hosts, None, from_job=False)
@@ -249,8 +275,10 @@ class TopologyAwarePlanner(EmbeddingShardingPlanner):
         else:
             self.cluster = _cluster_to_plan(load_topology(topology), self.hosts, world_size, from_job=True)
         if given_topology is not None and self.hosts > 1:
-            raise ValueError("TopologyAwarePlanner(torchrec Topology, hosts > 1): give one host's Topology and "
-                             "hosts=1, or a ClusterTopology / topology name with hosts")
+            raise ValueError(
+                "TopologyAwarePlanner(torchrec Topology, hosts > 1): give one host's Topology and "
+                "hosts=1, or a ClusterTopology / topology name with hosts"
+            )
         self.user_constraints: dict[str, ParameterConstraints] = dict(constraints or {})
         self.greedy_patience = greedy_patience
         self.cache_stats = dict(cache_stats or {})
@@ -294,22 +322,30 @@ class TopologyAwarePlanner(EmbeddingShardingPlanner):
     def _torchrec_planner_args(self, constraints: dict[str, ParameterConstraints]) -> dict:
         """The constructor arguments of torchrec's planner: our roles, and ``constraints`` with the
         enumerator that holds them."""
-        enumerator = self.user_enumerator or TopologyEnumerator(self.torchrec_topology, self.batch_size_per_rank,
-                                                                self.column_splits, constraints)
-        extra = {k: v for k, v in (("storage_reservation", self.storage_reservation), ("stats", self.stats))
-                 if v is not None}
-        return dict(topology=self.torchrec_topology, batch_size=self.batch_size_per_rank, enumerator=enumerator,
-                    partitioner=self.partitioner, performance_model=self.perf_model, constraints=constraints or None,
-                    debug=self.debug, callbacks=self.callbacks, timeout_seconds=self.timeout_seconds,
-                    proposer=self.proposers, **extra)
+        enumerator = self.user_enumerator or TopologyEnumerator(
+            self.torchrec_topology, self.batch_size_per_rank, self.column_splits, constraints
+        )
+        extra = {k: v for k, v in (("storage_reservation", self.storage_reservation), ("stats", self.stats)) if v is not None}
+        return dict(
+            topology=self.torchrec_topology,
+            batch_size=self.batch_size_per_rank,
+            enumerator=enumerator,
+            partitioner=self.partitioner,
+            performance_model=self.perf_model,
+            constraints=constraints or None,
+            debug=self.debug,
+            callbacks=self.callbacks,
+            timeout_seconds=self.timeout_seconds,
+            proposer=self.proposers,
+            **extra,
+        )
 
     @property
     def best_plan(self) -> list[ShardingOption] | None:
         """The sharding options of the latest plan (torchrec's planner keeps them as its best plan)."""
         return None if self.last_planner is None else self.last_planner._best_plan
 
-    def constraints_for(self, module: nn.Module, sharders: list[ModuleSharder[nn.Module]] | None = None
-                        ) -> dict[str, ParameterConstraints]:
+    def constraints_for(self, module: nn.Module, sharders: list[ModuleSharder[nn.Module]] | None = None) -> dict[str, ParameterConstraints]:
         """The constraints a plan of ``module`` uses: the planner's defaults for every table,
         merged per table with the user's (``merge_constraints``), plus measured cache statistics.
         The SSD tier is offered to the tables that HBM and host memory cannot hold, each counted
@@ -344,15 +380,19 @@ class TopologyAwarePlanner(EmbeddingShardingPlanner):
                 raise PlannerError(
                     f"no plan: timeout_seconds={self.timeout_seconds} stopped the search after "
                     f"{self.last_planner._num_proposals} proposals, before any plan was made (raise it, "
-                    "or leave it None and bound the search by max_proposals)", PlannerErrorType.OTHER) from None
-            raise ModelDoesNotFitError(
-                fit_message(self.cluster, module, self.torchrec_topology, e, sharders)) from None
+                    "or leave it None and bound the search by max_proposals)",
+                    PlannerErrorType.OTHER,
+                ) from None
+            raise ModelDoesNotFitError(fit_message(self.cluster, module, self.torchrec_topology, e, sharders)) from None
         self.search_space = self.last_enumerator.last_search_space if self.last_enumerator is not None else []
         # The number the search minimised, for the plan it returns: the same function and inputs
         # as `recsys-plan show --topology` (sharding/planner/cost/plan_cost.py), so the two always agree.
-        self.last_pooling = {c.name: float(sum(self.constraints[c.name].pooling_factors))
-                             if c.name in self.constraints and self.constraints[c.name].pooling_factors
-                             else POOLING_FACTOR for c in table_configs(module)}
+        self.last_pooling = {
+            c.name: float(sum(self.constraints[c.name].pooling_factors))
+            if c.name in self.constraints and self.constraints[c.name].pooling_factors
+            else POOLING_FACTOR
+            for c in table_configs(module)
+        }
         tables = {c.name: {"num_embeddings": c.num_embeddings, "embedding_dim": c.embedding_dim} for c in table_configs(module)}
         self.last_cost = modeled_step(plan, tables, self.cluster, self.cost_model.batch, self.last_pooling, self.cost_model)
         logger.info("topology-aware plan: %s on %s", step_line(self.last_cost), self.cluster.name or "the topology")
@@ -383,8 +423,8 @@ class TopologyAwarePlanner(EmbeddingShardingPlanner):
         per_host = self.cluster.world_size
         if world != self.hosts * per_host:
             raise ValueError(
-                f"planner plans {self.hosts} hosts x {per_host} ranks ({self.cluster.name or 'topology'}), "
-                f"the job has {world} ranks")
+                f"planner plans {self.hosts} hosts x {per_host} ranks ({self.cluster.name or 'topology'}), the job has {world} ranks"
+            )
         return remap_plan_to_host(plan, dist.get_rank() // per_host, per_host, self.cluster.compute_device)
 
     def _tune_load_factors(self, plan: list[ShardingOption]) -> list[ShardingOption]:
@@ -415,7 +455,7 @@ class TopologyAwarePlanner(EmbeddingShardingPlanner):
         caching.sort(key=order)
         for so in caching:
             cp = so.cache_params
-            lf = (cp.load_factor if cp is not None and cp.load_factor is not None else DEFAULT_LOAD_FACTOR)
+            lf = cp.load_factor if cp is not None and cp.load_factor is not None else DEFAULT_LOAD_FACTOR
             cap = MAX_CACHE_LOAD_FACTOR
             st = stats_of(so)
             if st is not None:
@@ -478,8 +518,9 @@ def _cluster_to_plan(cluster: ClusterTopology, hosts: int, world_size: int | Non
     return cluster
 
 
-def fit_message(cluster: ClusterTopology, module: nn.Module, topo: Topology, err: Exception,
-                sharders: list[ModuleSharder[nn.Module]] | None = None) -> str:
+def fit_message(
+    cluster: ClusterTopology, module: nn.Module, topo: Topology, err: Exception, sharders: list[ModuleSharder[nn.Module]] | None = None
+) -> str:
     """One line: what the model needs (weights plus each table's real optimizer state), what the
     cluster has (its SSD tier too), the largest tables, what would fit."""
     tables = table_bytes(module, sharders)
@@ -496,27 +537,31 @@ def fit_message(cluster: ClusterTopology, module: nn.Module, topo: Topology, err
     if need > 0.85 * (avail_hbm + avail_host) + avail_ssd:
         per = 0.85 * per_rank + ssd / cluster.local_world_size  # what a rank brings, its share of SSD too
         ranks_needed = math.ceil(need / per) if per else 0
-        fix = (f"about {ranks_needed} ranks ({math.ceil(ranks_needed / cluster.local_world_size)} hosts like these), "
-               + ("or more SSD per host, " if ssd else "")
-               + "or smaller embedding_dim / fewer rows for the largest tables")
+        fix = (
+            f"about {ranks_needed} ranks ({math.ceil(ranks_needed / cluster.local_world_size)} hosts like these), "
+            + ("or more SSD per host, " if ssd else "")
+            + "or smaller embedding_dim / fewer rows for the largest tables"
+        )
     elif ssd and key_value_tables(tables, topo):  # key_value was offered to them: the SSD tier is too small
-        fix = (f"more SSD per host or more hosts (a key_value table lives on its hosts' SSD; the largest needs "
-               f"{format_bytes(top[0][1])}), or smaller embedding_dim / fewer rows for the largest tables")
+        fix = (
+            f"more SSD per host or more hosts (a key_value table lives on its hosts' SSD; the largest needs "
+            f"{format_bytes(top[0][1])}), or smaller embedding_dim / fewer rows for the largest tables"
+        )
     else:
-        fix = ("allow fused_uvm_caching / fused_uvm and row_wise sharding for the largest tables, "
-               "or smaller embedding_dim for them")
+        fix = "allow fused_uvm_caching / fused_uvm and row_wise sharding for the largest tables, or smaller embedding_dim for them"
     if reserve_exceeds_hbm(err):
-        fix = (f"more HBM per rank (each rank's {format_bytes(hbm_dev)} is less than what torchrec reserves before placing any "
-               f"table: {TORCHREC_RESERVE:.0%} of it, the dense modules and the input buffers)")
-    ssd_part = (f" and {format_bytes(ssd)} SSD per host ({format_bytes(avail_ssd)} in all)" if ssd else "")
+        fix = (
+            f"more HBM per rank (each rank's {format_bytes(hbm_dev)} is less than what torchrec reserves before placing any "
+            f"table: {TORCHREC_RESERVE:.0%} of it, the dense modules and the input buffers)"
+        )
+    ssd_part = f" and {format_bytes(ssd)} SSD per host ({format_bytes(avail_ssd)} in all)" if ssd else ""
     first = planner_said(err)
     return (
         f"model does not fit {cluster.name or 'topology'} ({w} ranks, {len(cluster.hosts)} "
         f"host{'s' if len(cluster.hosts) != 1 else ''}): "
         f"embeddings need {format_bytes(need)} (weights + optimizer state), available {format_bytes(hbm_dev)} HBM per device "
         f"({format_bytes(avail_hbm)} in all) and {format_bytes(host)} host memory per host ({format_bytes(avail_host)} in all){ssd_part}; "
-        f"largest tables: " + ", ".join(f"{n} {format_bytes(b)}" for n, b in top)
-        + f"; to fit: {fix}; planner said: {first}"
+        f"largest tables: " + ", ".join(f"{n} {format_bytes(b)}" for n, b in top) + f"; to fit: {fix}; planner said: {first}"
     )
 
 
@@ -541,6 +586,7 @@ def cluster_for(topology: str, compute_device: str, world_size: int, local_world
         if compute_device == "cpu" and world_size == local_world_size:
             return cpu_topology_like(cluster, world_size)
         raise ValueError(
-            f"topology {name} has {cluster.world_size} ranks ({cluster.local_world_size} per host), the run has {world_size} ({local_world_size} per host)"
+            f"topology {name} has {cluster.world_size} ranks ({cluster.local_world_size} per host), "
+            f"the run has {world_size} ({local_world_size} per host)"
         )
     return cluster

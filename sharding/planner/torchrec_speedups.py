@@ -136,8 +136,13 @@ def fast_planner_internals() -> Iterator[None]:
     copy_ns = types.SimpleNamespace(**{k: getattr(_copy, k) for k in dir(_copy) if not k.startswith("__")})
     copy_ns.deepcopy = fast_deepcopy
     with _lock:
-        saved = (annotations._get_annotated_method, annotations._get_coefficient_method, enumerators.copy, planners.copy,
-                 estimator.get_embedding_perf_sharding_evaluator)
+        saved = (
+            annotations._get_annotated_method,
+            annotations._get_coefficient_method,
+            enumerators.copy,
+            planners.copy,
+            estimator.get_embedding_perf_sharding_evaluator,
+        )
         perf_cache: dict = {}
         get_evaluator = saved[4]
         annotations._get_annotated_method = _memoized(saved[0])
@@ -148,5 +153,10 @@ def fast_planner_internals() -> Iterator[None]:
         try:
             yield
         finally:
-            (annotations._get_annotated_method, annotations._get_coefficient_method, enumerators.copy, planners.copy,
-             estimator.get_embedding_perf_sharding_evaluator) = saved
+            (
+                annotations._get_annotated_method,
+                annotations._get_coefficient_method,
+                enumerators.copy,
+                planners.copy,
+                estimator.get_embedding_perf_sharding_evaluator,
+            ) = saved

@@ -168,10 +168,14 @@ def nearest_nic(host: Host, local: int) -> Nic | None:
         return None if switch is None else host.switch_chain(switch)[-1].name
 
     tiers = [
-        ([n for n in host.nics if g.pcie_switch is not None and n.pcie_switch == g.pcie_switch],
-         [x.index for x in host.gpus if x.pcie_switch == g.pcie_switch]),
-        ([n for n in host.nics if g.pcie_switch is not None and top(n.pcie_switch) == top(g.pcie_switch)],
-         [x.index for x in host.gpus if top(x.pcie_switch) == top(g.pcie_switch)]),
+        (
+            [n for n in host.nics if g.pcie_switch is not None and n.pcie_switch == g.pcie_switch],
+            [x.index for x in host.gpus if x.pcie_switch == g.pcie_switch],
+        ),
+        (
+            [n for n in host.nics if g.pcie_switch is not None and top(n.pcie_switch) == top(g.pcie_switch)],
+            [x.index for x in host.gpus if top(x.pcie_switch) == top(g.pcie_switch)],
+        ),
         ([n for n in host.nics if n.numa == g.numa], [x.index for x in host.gpus if x.numa == g.numa]),
         (list(host.nics), [x.index for x in host.gpus]),
     ]

@@ -30,6 +30,7 @@ GBIT_S = 1e9 / 8  # NIC line rates: Gb/s -> bytes/s
 COMPUTE_DEVICES = ("cuda", "cpu")
 NVLINK_KINDS = ("none", "nvswitch", "islands", "pairs")
 
+
 def _shipped_dir() -> Path:
     """The shipped topologies (package data ``sharding/topologies/*.yaml``, read through
     importlib.resources so a wheel install works from any directory; configs/topologies in the
@@ -174,7 +175,9 @@ class Host:
         """The GPUs on switch ``name`` or on a switch below it: they share its uplink."""
         if all(s.parent != name for s in self.pcie_switches):
             return self.switch(name).gpus
-        return tuple(g.index for g in self.gpus if g.pcie_switch is not None and any(s.name == name for s in self.switch_chain(g.pcie_switch)))
+        return tuple(
+            g.index for g in self.gpus if g.pcie_switch is not None and any(s.name == name for s in self.switch_chain(g.pcie_switch))
+        )
 
     def numa(self, index: int) -> NumaNode:
         for n in self.numa_nodes:
@@ -285,8 +288,9 @@ class ClusterTopology:
             f"{len(h.nics)} NIC(s) per host",
         ]
         if h.ssd is not None:
-            parts.append(f"{h.ssd.capacity / GB:g} GB SSD per host (read {h.ssd.read_bw / GB_S:g} GB/s, "
-                         f"write {h.ssd.write_bw / GB_S:g} GB/s)")
+            parts.append(
+                f"{h.ssd.capacity / GB:g} GB SSD per host (read {h.ssd.read_bw / GB_S:g} GB/s, write {h.ssd.write_bw / GB_S:g} GB/s)"
+            )
         return ", ".join(parts)
 
 
@@ -370,8 +374,7 @@ def load_topology(path: str | Path) -> ClusterTopology:
         names = [s.stem for s in shipped_topologies()]
         close = difflib.get_close_matches(Path(path).stem, names, n=1)
         hint = f"; did you mean '{close[0]}'?" if close else ""
-        raise TopologyError(f"{path}: no such topology file, nor a shipped topology name "
-                            f"(shipped: {', '.join(names)}){hint}")
+        raise TopologyError(f"{path}: no such topology file, nor a shipped topology name (shipped: {', '.join(names)}){hint}")
     return _load(p, stack=())
 
 
@@ -386,8 +389,9 @@ def _read_yaml(p: Path, source: str) -> Any:
     except OSError as e:
         raise TopologyError(f"{source}: cannot read: {e.strerror or e}") from None
     except UnicodeDecodeError as e:
-        raise TopologyError(f"{source}: not a UTF-8 text file (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
-                            "is it a topology YAML?") from None
+        raise TopologyError(
+            f"{source}: not a UTF-8 text file (byte 0x{e.object[e.start]:02x} at offset {e.start}); is it a topology YAML?"
+        ) from None
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -432,14 +436,14 @@ def _load(p: Path, stack: tuple[Path, ...]) -> ClusterTopology:
         net = _mapping(ctx, "network", top["network"], [], ["bw_per_nic_gbit_s", "latency_us", "nvlink_domain_hosts"])
         domain = _int(ctx, "network.nvlink_domain_hosts", net.get("nvlink_domain_hosts", 1), minimum=1)
         if len(hosts) % domain:
-            raise ctx.fail("network.nvlink_domain_hosts",
-                           f"{domain} does not divide the {len(hosts)} hosts into whole NVLink domains")
+            raise ctx.fail("network.nvlink_domain_hosts", f"{domain} does not divide the {len(hosts)} hosts into whole NVLink domains")
         if domain > 1:
             for h in hosts:
                 if h.nvlink.kind != "nvswitch":
-                    raise ctx.fail("network.nvlink_domain_hosts",
-                                   f"an NVLink domain across hosts needs NVSwitch hosts, but host '{h.name}' has "
-                                   f"nvlink kind '{h.nvlink.kind}'")
+                    raise ctx.fail(
+                        "network.nvlink_domain_hosts",
+                        f"an NVLink domain across hosts needs NVSwitch hosts, but host '{h.name}' has nvlink kind '{h.nvlink.kind}'",
+                    )
         network = Network(
             bw_per_nic=_number(ctx, "network.bw_per_nic_gbit_s", net["bw_per_nic_gbit_s"]) * GBIT_S
             if "bw_per_nic_gbit_s" in net
@@ -453,9 +457,7 @@ def _load(p: Path, stack: tuple[Path, ...]) -> ClusterTopology:
 _HOST_KEYS = ["gpus", "numa_nodes", "nvlink", "pcie", "inter_socket_gb_s", "nics", "ssd"]
 
 
-def _parse_host_entry(
-    ctx: _Ctx, key: str, value: Any, device: str, path: Path, stack: tuple[Path, ...]
-) -> list[Host]:
+def _parse_host_entry(ctx: _Ctx, key: str, value: Any, device: str, path: Path, stack: tuple[Path, ...]) -> list[Host]:
     if isinstance(value, dict) and "from" in value:
         d = _mapping(ctx, key, value, ["from"], ["name", "repeat", "ssd"])
         ref = path.parent / _str(ctx, f"{key}.from", d["from"])
@@ -624,8 +626,7 @@ def _count_or_list(ctx: _Ctx, key: str, value: Any, fields: list[str], required:
     if not items:
         raise ctx.fail(key, "expected at least one entry")
     return [
-        (f"{key}[{i}]", _mapping(ctx, f"{key}[{i}]", v, required, [f for f in fields if f not in required]))
-        for i, v in enumerate(items)
+        (f"{key}[{i}]", _mapping(ctx, f"{key}[{i}]", v, required, [f for f in fields if f not in required])) for i, v in enumerate(items)
     ]
 
 
@@ -777,19 +778,20 @@ def topology_to_dict(topo: ClusterTopology) -> dict[str, Any]:
                 ]
             }
         hd["numa_nodes"] = [
-            {"index": m.index, "ddr_gb": _num(m.ddr_bytes / GB), "ddr_bw_gb_s": _num(m.ddr_bw / GB_S)}
-            for m in h.numa_nodes
+            {"index": m.index, "ddr_gb": _num(m.ddr_bytes / GB), "ddr_bw_gb_s": _num(m.ddr_bw / GB_S)} for m in h.numa_nodes
         ]
         if math.isfinite(h.inter_socket_bw):
             hd["inter_socket_gb_s"] = _num(h.inter_socket_bw / GB_S)
         if h.nics:
             hd["nics"] = [
-                {"name": x.name, "speed_gbit_s": _num(x.bw / GBIT_S), **({} if x.pcie_switch else {"numa": x.numa})}
-                for x in h.nics
+                {"name": x.name, "speed_gbit_s": _num(x.bw / GBIT_S), **({} if x.pcie_switch else {"numa": x.numa})} for x in h.nics
             ]
         if h.ssd is not None:
-            hd["ssd"] = {"capacity_gb": _num(h.ssd.capacity / GB), "read_gb_s": _num(h.ssd.read_bw / GB_S),
-                         "write_gb_s": _num(h.ssd.write_bw / GB_S)}
+            hd["ssd"] = {
+                "capacity_gb": _num(h.ssd.capacity / GB),
+                "read_gb_s": _num(h.ssd.read_bw / GB_S),
+                "write_gb_s": _num(h.ssd.write_bw / GB_S),
+            }
         hosts.append(hd)
     out: dict[str, Any] = {"name": topo.name, "compute_device": topo.compute_device, "hosts": hosts}
     net: dict[str, Any] = {}

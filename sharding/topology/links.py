@@ -125,7 +125,11 @@ def _to_nic(b: _Builder, topo: ClusterTopology, hn: str, host: Host, local: int,
     if topo.compute_device == "cpu":
         mem = [_ddr(b, hn, host, g.numa)]
         if up:
-            path = mem + ([b.link(f"{hn}/socket{g.numa}>{nic.numa}", host.inter_socket_bw)] if nic.numa != g.numa and math.isfinite(host.inter_socket_bw) else [])
+            path = mem + (
+                [b.link(f"{hn}/socket{g.numa}>{nic.numa}", host.inter_socket_bw)]
+                if nic.numa != g.numa and math.isfinite(host.inter_socket_bw)
+                else []
+            )
             if nic.pcie_switch is not None:
                 s = host.switch(nic.pcie_switch)
                 path += [b.link(f"{hn}/{s.name}.uplink>down", s.uplink_bw), b.link(f"{hn}/{s.name}.port.{nic.name}>down", s.port_bw)]
@@ -134,7 +138,11 @@ def _to_nic(b: _Builder, topo: ClusterTopology, hn: str, host: Host, local: int,
             if nic.pcie_switch is not None:
                 s = host.switch(nic.pcie_switch)
                 path += [b.link(f"{hn}/{s.name}.port.{nic.name}>up", s.port_bw), b.link(f"{hn}/{s.name}.uplink>up", s.uplink_bw)]
-            path += ([b.link(f"{hn}/socket{nic.numa}>{g.numa}", host.inter_socket_bw)] if nic.numa != g.numa and math.isfinite(host.inter_socket_bw) else []) + mem
+            path += (
+                [b.link(f"{hn}/socket{nic.numa}>{g.numa}", host.inter_socket_bw)]
+                if nic.numa != g.numa and math.isfinite(host.inter_socket_bw)
+                else []
+            ) + mem
     else:
         gpu_end = (f"gpu{local}", g.pcie_switch, g.numa)
         path = _pcie(b, hn, host, gpu_end, nic_end) if up else _pcie(b, hn, host, nic_end, gpu_end)
@@ -194,8 +202,10 @@ def build_links(topo: ClusterTopology) -> LinkSet:
                     p = _pcie(b, hn, host, (f"gpu{ia}", ga.pcie_switch, ga.numa), (f"gpu{ic}", gc.pcie_switch, gc.numa))
             elif topo.same_nvlink_domain(a, c):  # one NVLink domain across hosts: GPU ports, no NIC
                 hostc = topo.hosts[hc]
-                p = [b.link(f"{hn}/gpu{ia}.nvlink>out", host.nvlink.links_per_gpu * host.nvlink.link_bw),
-                     b.link(f"{hname[hc]}/gpu{ic}.nvlink>in", hostc.nvlink.links_per_gpu * hostc.nvlink.link_bw)]
+                p = [
+                    b.link(f"{hn}/gpu{ia}.nvlink>out", host.nvlink.links_per_gpu * host.nvlink.link_bw),
+                    b.link(f"{hname[hc]}/gpu{ic}.nvlink>in", hostc.nvlink.links_per_gpu * hostc.nvlink.link_bw),
+                ]
             else:
                 p = nic_path(a, True) + nic_path(c, False)
             path[a][c] = np.asarray(list(dict.fromkeys(p)), dtype=np.int64)

@@ -112,8 +112,7 @@ def resolve_gpus(
         unknown = next((m for m, p in zip(models, presets) if p is None), None)
         if unknown is not None:
             raise TopologyError(
-                f"{source}: no preset for GPU model '{unknown}' (known: {', '.join(preset_names())}); "
-                "give --hbm-gb and --hbm-bw-gb-s"
+                f"{source}: no preset for GPU model '{unknown}' (known: {', '.join(preset_names())}); give --hbm-gb and --hbm-bw-gb-s"
             )
     # here either both capacities are given or every GPU has a preset
     hbm = [hbm_gb if hbm_gb is not None else p.hbm_gb for p in presets]
@@ -124,9 +123,7 @@ def resolve_gpus(
     nv_cells = sorted({c for (a, b), c in mx.cells.items() if NV.match(c) and a in mx.gpus and b in mx.gpus})
     no_nvlink = next((p for p in known if p.nvlink_link_gb_s == 0), None)
     if nv_cells and no_nvlink is not None and nvlink_link_gb_s is None:
-        raise TopologyError(
-            f"{source}: the matrix has NVLink ({nv_cells[0]}) but the {no_nvlink.name} has none: wrong GPU model?"
-        )
+        raise TopologyError(f"{source}: the matrix has NVLink ({nv_cells[0]}) but the {no_nvlink.name} has none: wrong GPU model?")
     if nvlink_link_gb_s is None:
         speeds = {p.nvlink_link_gb_s for p in known if p.nvlink_link_gb_s}
         nvlink_link_gb_s = speeds.pop() if len(speeds) == 1 else DEFAULT_NVLINK_LINK_GB_S
@@ -140,8 +137,10 @@ def resolve_gpus(
         origin = "GPU capacities from the command line"
     else:
         kinds = sorted({p.name for p in known}, key=preset_names().index)
-        origin = "GPU capacities from the preset" + ("s " if len(kinds) > 1 else " ") + ", ".join(
-            f"{p} ({_preset(p).hbm_gb:g} GB, {_preset(p).hbm_bw_gb_s:g} GB/s)" for p in kinds
+        origin = (
+            "GPU capacities from the preset"
+            + ("s " if len(kinds) > 1 else " ")
+            + ", ".join(f"{p} ({_preset(p).hbm_gb:g} GB, {_preset(p).hbm_bw_gb_s:g} GB/s)" for p in kinds)
         )
         if hbm_gb is not None or hbm_bw_gb_s is not None:
             origin += ", overridden by the command line"
@@ -247,15 +246,27 @@ def topology_from_matrix(
     """The matrix plus capacities -> a one-host :class:`ClusterTopology` (capacities per
     :func:`resolve_gpus`)."""
     specs = resolve_gpus(
-        mx, gpu_model=gpu_model, hbm_gb=hbm_gb, hbm_bw_gb_s=hbm_bw_gb_s,
-        nvlink_link_gb_s=nvlink_link_gb_s, pcie_gen=pcie_gen, source=source,
+        mx,
+        gpu_model=gpu_model,
+        hbm_gb=hbm_gb,
+        hbm_bw_gb_s=hbm_bw_gb_s,
+        nvlink_link_gb_s=nvlink_link_gb_s,
+        pcie_gen=pcie_gen,
+        source=source,
     )
     return _build(mx, specs, ddr_gb, ddr_bw_gb_s, nic_gbit_s, inter_socket_gb_s, host_name, name or host_name, source)
 
 
 def _build(
-    mx: TopoMatrix, specs: GpuSpecs, ddr_gb: float, ddr_bw_gb_s: float, nic_gbit_s: float,
-    inter_socket_gb_s: float, host_name: str, name: str, source: str,
+    mx: TopoMatrix,
+    specs: GpuSpecs,
+    ddr_gb: float,
+    ddr_bw_gb_s: float,
+    nic_gbit_s: float,
+    inter_socket_gb_s: float,
+    host_name: str,
+    name: str,
+    source: str,
 ) -> ClusterTopology:
     pcie_bw = PCIE_X16_GB_S[specs.pcie_gen] * GB_S
     gidx = {g: int(GPU.match(g).group(1)) for g in mx.gpus}
@@ -382,8 +393,17 @@ def _import(path: str | Path, capacities: dict) -> tuple[ClusterTopology, str]:
     if unknown:
         raise TypeError(f"import_topo() got unexpected keyword arguments: {', '.join(sorted(unknown))}")
     args = {**defaults, **caps}
-    return _build(mx, specs, args["ddr_gb"], args["ddr_bw_gb_s"], args["nic_gbit_s"], args["inter_socket_gb_s"],
-                  args["host_name"], args["name"] or args["host_name"], source), specs.origin
+    return _build(
+        mx,
+        specs,
+        args["ddr_gb"],
+        args["ddr_bw_gb_s"],
+        args["nic_gbit_s"],
+        args["inter_socket_gb_s"],
+        args["host_name"],
+        args["name"] or args["host_name"],
+        source,
+    ), specs.origin
 
 
 def yaml_header(source: str, origin: str, tool: str = "sharding.topology.nvidia_smi") -> str:
@@ -394,18 +414,31 @@ def yaml_header(source: str, origin: str, tool: str = "sharding.topology.nvidia_
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="nvidia-smi topo -m output -> topology YAML")
-    ap.add_argument("topo", nargs="?", help="a file with `nvidia-smi topo -m` output ('-' for stdin); `nvidia-smi -L` lines in it name the GPUs")
-    ap.add_argument("--gpu", "--gpu-model", dest="gpu", default="",
-                    help="GPU model as `nvidia-smi --query-gpu=name --format=csv,noheader` prints it (e.g. 'NVIDIA A100-SXM4-80GB') "
-                         "or short (a100-80gb-sxm, h100-sxm, l40s, rtx4090): capacities from its preset")
+    ap.add_argument(
+        "topo", nargs="?", help="a file with `nvidia-smi topo -m` output ('-' for stdin); `nvidia-smi -L` lines in it name the GPUs"
+    )
+    ap.add_argument(
+        "--gpu",
+        "--gpu-model",
+        dest="gpu",
+        default="",
+        help="GPU model as `nvidia-smi --query-gpu=name --format=csv,noheader` prints it (e.g. 'NVIDIA A100-SXM4-80GB') "
+        "or short (a100-80gb-sxm, h100-sxm, l40s, rtx4090): capacities from its preset",
+    )
     ap.add_argument("--hbm-gb", type=float, default=None, help="GPU memory per GPU, GB (default: the model's preset)")
     ap.add_argument("--hbm-bw-gb-s", type=float, default=None, help="GPU memory bandwidth, GB/s (default: the model's preset)")
     ap.add_argument("--ddr-gb", type=float, default=512, help="host memory per NUMA node, GB")
     ap.add_argument("--ddr-bw-gb-s", type=float, default=150, help="DDR bandwidth per NUMA node, GB/s")
     ap.add_argument("--nic-gbit-s", type=float, default=200, help="NIC line rate, Gb/s")
-    ap.add_argument("--pcie-gen", type=int, default=None, choices=sorted(PCIE_X16_GB_S), help=f"default: the model's, else {DEFAULT_PCIE_GEN}")
-    ap.add_argument("--nvlink-link-gb-s", type=float, default=None,
-                    help=f"one NVLink link, one direction, GB/s (default: the model's, else {DEFAULT_NVLINK_LINK_GB_S:g})")
+    ap.add_argument(
+        "--pcie-gen", type=int, default=None, choices=sorted(PCIE_X16_GB_S), help=f"default: the model's, else {DEFAULT_PCIE_GEN}"
+    )
+    ap.add_argument(
+        "--nvlink-link-gb-s",
+        type=float,
+        default=None,
+        help=f"one NVLink link, one direction, GB/s (default: the model's, else {DEFAULT_NVLINK_LINK_GB_S:g})",
+    )
     ap.add_argument("--inter-socket-gb-s", type=float, default=64)
     ap.add_argument("--host-name", default="host")
     ap.add_argument("--name", default=None)
@@ -421,9 +454,16 @@ def main(argv: list[str] | None = None) -> int:
     if not a.topo:
         ap.error("the topo file is required (or --list-gpus)")
     caps = dict(
-        gpu_model=a.gpu, hbm_gb=a.hbm_gb, hbm_bw_gb_s=a.hbm_bw_gb_s, ddr_gb=a.ddr_gb, ddr_bw_gb_s=a.ddr_bw_gb_s,
-        nic_gbit_s=a.nic_gbit_s, pcie_gen=a.pcie_gen, nvlink_link_gb_s=a.nvlink_link_gb_s,
-        inter_socket_gb_s=a.inter_socket_gb_s, host_name=a.host_name,
+        gpu_model=a.gpu,
+        hbm_gb=a.hbm_gb,
+        hbm_bw_gb_s=a.hbm_bw_gb_s,
+        ddr_gb=a.ddr_gb,
+        ddr_bw_gb_s=a.ddr_bw_gb_s,
+        nic_gbit_s=a.nic_gbit_s,
+        pcie_gen=a.pcie_gen,
+        nvlink_link_gb_s=a.nvlink_link_gb_s,
+        inter_socket_gb_s=a.inter_socket_gb_s,
+        host_name=a.host_name,
     )
     if a.name:
         caps["name"] = a.name

@@ -155,9 +155,7 @@ def parse_topo_matrix(text: str, source: str = "topo.txt") -> TopoMatrix:
         raw, wide = _tokens(line), _tokens(line.expandtabs(8))
         name = raw[0][1]
         if name not in devices:
-            raise TopologyError(
-                f"{source}: line {ln_no}, column {raw[0][0] + 1}: unknown row '{name}' (header names {', '.join(devices)})"
-            )
+            raise TopologyError(f"{source}: line {ln_no}, column {raw[0][0] + 1}: unknown row '{name}' (header names {', '.join(devices)})")
         if name in seen_rows:
             raise TopologyError(f"{source}: line {ln_no}: row '{name}' appears twice")
         seen_rows.add(name)
@@ -192,9 +190,7 @@ def parse_topo_matrix(text: str, source: str = "topo.txt") -> TopoMatrix:
     if missing:
         raise TopologyError(f"{source}: no row for {missing[0]} (the header names {n_dev} devices)")
     models = _gpu_models(listed, named, len(gpus), source)
-    return TopoMatrix(
-        tuple(devices), gpus, nics, cells, values.get("CPU Affinity", {}), values.get("NUMA Affinity", {}), legend, models
-    )
+    return TopoMatrix(tuple(devices), gpus, nics, cells, values.get("CPU Affinity", {}), values.get("NUMA Affinity", {}), legend, models)
 
 
 def _place_values(
@@ -209,9 +205,7 @@ def _place_values(
     a value, else by the column it starts under (an empty cell leaves no trace between spaces)."""
     if len(rest) > len(extra):
         cols = f" ({', '.join(extra)})" if extra else ""
-        raise TopologyError(
-            f"{source}: line {ln_no}: {len(rest)} values after the matrix of '{name}', expected at most {len(extra)}{cols}"
-        )
+        raise TopologyError(f"{source}: line {ln_no}: {len(rest)} values after the matrix of '{name}', expected at most {len(extra)}{cols}")
     if len(rest) == len(extra):
         return {key: tok for ((_, tok), _), key in zip(rest, extra)}
     out: dict[str, str] = {}
@@ -228,9 +222,7 @@ def _place_values(
     return out
 
 
-def _gpu_models(
-    listed: dict[int, tuple[str, int]], named: list[tuple[str, int]], n_gpus: int, source: str
-) -> dict[int, tuple[str, int]]:
+def _gpu_models(listed: dict[int, tuple[str, int]], named: list[tuple[str, int]], n_gpus: int, source: str) -> dict[int, tuple[str, int]]:
     """GPU index -> (model, line) from `nvidia-smi -L` lines, else from bare model-name lines (one
     for all GPUs, or one per GPU in order)."""
     if listed:
@@ -239,7 +231,9 @@ def _gpu_models(
             raise TopologyError(f"{source}: line {listed[bad[0]][1]}: names GPU {bad[0]} but the matrix has {n_gpus} GPUs")
         if len(listed) != n_gpus:
             lost = next(i for i in range(n_gpus) if i not in listed)
-            raise TopologyError(f"{source}: the `nvidia-smi -L` lines name {len(listed)} GPUs, the matrix has {n_gpus} (no line for GPU {lost})")
+            raise TopologyError(
+                f"{source}: the `nvidia-smi -L` lines name {len(listed)} GPUs, the matrix has {n_gpus} (no line for GPU {lost})"
+            )
         return dict(listed)
     if not named:
         return {}
@@ -247,6 +241,4 @@ def _gpu_models(
         return dict(enumerate(named))
     if len({n for n, _ in named}) == 1:
         return {i: named[0] for i in range(n_gpus)}
-    raise TopologyError(
-        f"{source}: line {named[0][1]}: {len(named)} GPU model lines for {n_gpus} GPUs (give one, or one per GPU in order)"
-    )
+    raise TopologyError(f"{source}: line {named[0][1]}: {len(named)} GPU model lines for {n_gpus} GPUs (give one, or one per GPU in order)")

@@ -32,4 +32,3 @@ def spawn_nccl(fn: Callable[..., None], world: int, *args: Any) -> None:
     """Run ``fn(rank, world, *args)`` in ``world`` spawned processes, rank r on cuda:r, inside an
     NCCL process group; an exception in any worker fails the caller."""
     mp.start_processes(_entry, args=(fn, world, free_port(), args), nprocs=world, start_method="spawn")
-

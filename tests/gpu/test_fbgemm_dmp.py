@@ -84,16 +84,16 @@ def _train(rank: int, world: int, out: str) -> None:
     dev = torch.device("cuda", rank)
     ebc = EmbeddingBagCollection(
         tables=[EmbeddingBagConfig(name=n, embedding_dim=DIM, num_embeddings=ROWS, feature_names=[n]) for n in NAMES],
-        device=torch.device("meta"))
+        device=torch.device("meta"),
+    )
     apply_optimizer_in_backward(torch.optim.SGD, list(ebc.parameters()), {"lr": LR})
-    gen = {"table_wise": lambda i, k: table_wise(rank=i % world, compute_kernel=k),
-           "row_wise": lambda i, k: row_wise(compute_kernel=k)}
+    gen = {"table_wise": lambda i, k: table_wise(rank=i % world, compute_kernel=k), "row_wise": lambda i, k: row_wise(compute_kernel=k)}
     per_param = {n: gen[st](i, k) for i, (n, (st, k)) in enumerate(TABLES.items())}
     sharder = EmbeddingBagCollectionSharder()
-    mplan = construct_module_sharding_plan(ebc, per_param, local_size=world, world_size=world, device_type="cuda",
-                                           sharder=sharder)
-    dmp = DistributedModelParallel(ebc, env=ShardingEnv.from_process_group(dist.GroupMember.WORLD),
-                                   plan=ShardingPlan({"": mplan}), sharders=[sharder], device=dev)
+    mplan = construct_module_sharding_plan(ebc, per_param, local_size=world, world_size=world, device_type="cuda", sharder=sharder)
+    dmp = DistributedModelParallel(
+        ebc, env=ShardingEnv.from_process_group(dist.GroupMember.WORLD), plan=ShardingPlan({"": mplan}), sharders=[sharder], device=dev
+    )
     # the initial weights, through the sharded state dict (every rank loads its pieces)
     full = {n: _init(i) for i, n in enumerate(NAMES)}
     for k, v in dmp.state_dict().items():
@@ -132,8 +132,7 @@ def _train(rank: int, world: int, out: str) -> None:
     with torch.no_grad():
         kt = dmp(_local_kjt(lengths, ids, rank, world, dev))
         kt = kt.wait() if hasattr(kt, "wait") else kt
-    torch.save({"rows": rows, "tables": {n: t.cpu() for n, t in kt.to_dict().items()}, "kinds": kinds},
-               Path(out) / f"r{rank}.pt")
+    torch.save({"rows": rows, "tables": {n: t.cpu() for n, t in kt.to_dict().items()}, "kinds": kinds}, Path(out) / f"r{rank}.pt")
 
 
 @pytest.mark.parametrize("world", [1, 2])

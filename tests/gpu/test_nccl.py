@@ -28,8 +28,7 @@ def _collectives(rank: int, world: int, out: str) -> None:
     dist.broadcast(b, src=0)
     g = torch.empty(world * 2, device=dev)
     dist.all_gather_into_tensor(g, torch.tensor([rank, rank * rank], dtype=torch.float32, device=dev))
-    torch.save({"all_reduce": x.cpu(), "all_to_all": recv.cpu(), "broadcast": b.cpu(), "all_gather": g.cpu()},
-               Path(out) / f"r{rank}.pt")
+    torch.save({"all_reduce": x.cpu(), "all_to_all": recv.cpu(), "broadcast": b.cpu(), "all_gather": g.cpu()}, Path(out) / f"r{rank}.pt")
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -40,6 +39,8 @@ def test_nccl_collectives(tmp_path, world):
     for r in range(world):
         got = torch.load(tmp_path / f"r{r}.pt")
         assert torch.equal(got["all_reduce"], sum(torch.arange(6.0) + 10 * k for k in range(world)))
-        assert torch.equal(got["all_to_all"], torch.tensor([v for j in range(world) for v in (100 * j + 10 * r, 100 * j + 10 * r + 1)]).float())
+        assert torch.equal(
+            got["all_to_all"], torch.tensor([v for j in range(world) for v in (100 * j + 10 * r, 100 * j + 10 * r + 1)]).float()
+        )
         assert torch.equal(got["broadcast"], torch.full((3,), 7.0))
         assert torch.equal(got["all_gather"], torch.tensor([v for k in range(world) for v in (k, k * k)]).float())

@@ -16,13 +16,23 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SMOKE = REPO / "configs" / "experiments" / "smoke.yaml"
-COMMON = ["optim.embedding=cowclip_adam", "train.nproc_per_node=1", "train.max_steps=200",
-          "checkpoint.every_steps=100", "train.log_every=50"]
+COMMON = [
+    "optim.embedding=cowclip_adam",
+    "train.nproc_per_node=1",
+    "train.max_steps=200",
+    "checkpoint.every_steps=100",
+    "train.log_every=50",
+]
 
 
 def _train(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
-    r = subprocess.run([sys.executable, "-m", "recsys.cli", "train", "--config", str(SMOKE), f"run_dir={run_dir}",
-                        *COMMON, *extra], capture_output=True, text=True, timeout=1800, cwd=REPO)
+    r = subprocess.run(
+        [sys.executable, "-m", "recsys.cli", "train", "--config", str(SMOKE), f"run_dir={run_dir}", *COMMON, *extra],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        cwd=REPO,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r
 

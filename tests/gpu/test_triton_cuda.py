@@ -19,8 +19,14 @@ def test_triton_kernel_suite_compiled_on_cuda(tmp_path):
     mode (no TRITON_INTERPRET), so its kernel tests run on CUDA tensors: none may be skipped."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=os.pathsep.join([str(REPO), *sys.path]), TRITON_CACHE_DIR=str(tmp_path / "triton"))
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-                          "tests/integration/test_cowclip_triton.py"], cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/integration/test_cowclip_triton.py"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
     tail = out.stdout[-4000:] + out.stderr[-2000:]
     assert out.returncode == 0, tail
     assert "skipped" not in out.stdout.lower(), tail
@@ -67,8 +73,7 @@ def test_cowclip_tbe_on_cuda_matches_the_cpu_op():
     # here (measured on an H100, 6 steps at lr 0.05: 2.9e-6 at most, 184 of 104,320 weights above
     # 1e-6; a wrong count, weight or row moves weights by ~lr).
     # The moments are not normalised: they agree to float32 rounding.
-    torch.testing.assert_close(cuda.weights.cpu(), cpu.weights, rtol=1e-5, atol=6 * 1e-4 * 0.05,
-                               msg=lambda m: f"weights: {m}")
+    torch.testing.assert_close(cuda.weights.cpu(), cpu.weights, rtol=1e-5, atol=6 * 1e-4 * 0.05, msg=lambda m: f"weights: {m}")
     torch.testing.assert_close(cuda.momentum1.cpu(), cpu.momentum1, rtol=1e-5, atol=1e-6, msg=lambda m: f"momentum1: {m}")
     torch.testing.assert_close(cuda.momentum2.cpu(), cpu.momentum2, rtol=1e-5, atol=1e-9, msg=lambda m: f"momentum2: {m}")
     assert int(cpu.row_step.sum()) > 0

@@ -32,8 +32,13 @@ def test_one_rank_calibration_rows_and_model():
     """One CPU rank (no communication): 26 dim-16 tables whole, in 2 and in 4 column shards. The
     model charges whole 64-byte cache lines per looked-up row, so 16- and 32-byte shards cost 2x and
     4x the whole table's lookup time (plus one sharding type's fixed collective latency)."""
-    r = subprocess.run([sys.executable, str(ROOT / "tools/calibrate_cost_model.py"), "--nproc", "1", "--reps", "2",
-                        "--max-rows", "20000"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "tools/calibrate_cost_model.py"), "--nproc", "1", "--reps", "2", "--max-rows", "20000"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
     plans = res["plans"]
@@ -47,7 +52,7 @@ def test_one_rank_calibration_rows_and_model():
     assert all(math.isfinite(p["measured_ms"]) and p["measured_ms"] > 0 for p in rows.values())
     # the printed table has one row per measured plan, with the ratio of its own numbers
     for n, p in rows.items():
-        line = next(l for l in r.stdout.splitlines() if l.startswith(f"{n} "))
+        line = next(ln for ln in r.stdout.splitlines() if ln.startswith(f"{n} "))
         assert float(line.split()[-1]) == pytest.approx(p["measured_ms"] / p["modeled_ms"], rel=0.06, abs=0.06)
     # the summary statistics are those of the rows (computed here independently)
     meas, mod = [p["measured_ms"] for p in rows.values()], [p["modeled_ms"] for p in rows.values()]

@@ -67,20 +67,16 @@ def test_watchdog_kills_a_stuck_torchrun_agent_and_spares_one_that_exits(tmp_pat
         "from recsys.training.comm_failure import end_stuck_launcher;"
         "print(end_stuck_launcher(1.0), flush=True)"
     )
-    agent = (
-        "import subprocess, sys, time; "
-        f"subprocess.run([sys.executable, '-c', {worker!r}], check=True); "
-        "time.sleep(float(sys.argv[2]))"
-    )
+    agent = f"import subprocess, sys, time; subprocess.run([sys.executable, '-c', {worker!r}], check=True); time.sleep(float(sys.argv[2]))"
     env = dict(os.environ, PYTHONPATH=os.getcwd())
-    stuck = subprocess.Popen([sys.executable, "-c", agent, "torch.distributed.run", "60"], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stuck = subprocess.Popen(
+        [sys.executable, "-c", agent, "torch.distributed.run", "60"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     t0 = time.monotonic()
     out, err = stuck.communicate(timeout=30)
     assert stuck.returncode == -9 and time.monotonic() - t0 < 20
     assert out.strip() == "True" and "killing it" in err
-    fine = subprocess.run([sys.executable, "-c", agent, "torch.distributed.run", "0"], env=env,
-                          capture_output=True, text=True, timeout=30)
+    fine = subprocess.run([sys.executable, "-c", agent, "torch.distributed.run", "0"], env=env, capture_output=True, text=True, timeout=30)
     assert fine.returncode == 0 and fine.stdout.strip() == "True"
     # not under torchrun: no watchdog
     assert end_stuck_launcher(0.1) is False

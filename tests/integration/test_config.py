@@ -46,20 +46,30 @@ def test_demo_config_loads_with_overrides():
         ("optim:\n  embedding_l2: 1e-5\n", "key 'optim.embedding_l2': is only applied by cowclip_adam"),
         ("optim:\n  embedding: cowclip_adam\n  adam_eps_mode: tf\n", "key 'optim.adam_eps_mode': expected one of torch, keras, got 'tf'"),
         ("optim:\n  embedding: adagrad\n  embedding_l2_scope: all\n", "key 'optim.embedding_l2_scope': 'all' is"),
-        ("optim:\n  embedding: adam\n  embedding_l2_scope: dense\n",
-         "key 'optim.embedding_l2_scope': expected one of auto, batch, all, catchup, got 'dense'"),
+        (
+            "optim:\n  embedding: adam\n  embedding_l2_scope: dense\n",
+            "key 'optim.embedding_l2_scope': expected one of auto, batch, all, catchup, got 'dense'",
+        ),
         # the default scope for cowclip_adam is the catch-up, which assumes 2*l2 < r for the L2 as scaled
-        ("optim:\n  embedding: cowclip_adam\n  embedding_l2: 0.01\n  scale_from_batch: 1024\ntrain:\n  batch_size: 65536\n",
-         "key 'optim.embedding_l2': 0.64 (as scaled to the batch) needs 2*l2 < optim.cowclip_r (1) with embedding_l2_scope catchup"),
+        (
+            "optim:\n  embedding: cowclip_adam\n  embedding_l2: 0.01\n  scale_from_batch: 1024\ntrain:\n  batch_size: 65536\n",
+            "key 'optim.embedding_l2': 0.64 (as scaled to the batch) needs 2*l2 < optim.cowclip_r (1) with embedding_l2_scope catchup",
+        ),
         ("optim:\n  scale_rule: cubic\n", "key 'optim.scale_rule': expected one of cowclip, sqrt, linear, got 'cubic'"),
-        ("train:\n  merge_every: 4\nsharding:\n  sharding_types: [table_row_wise]\n",
-         "key 'sharding.sharding_types': table_row_wise is not supported with train.merge_every > 0"),
-        ("optim:\n  embedding: lamb\n", "key 'optim.embedding': expected one of rowwise_adagrad, adagrad, sgd, "
-         "cowclip_adam, adam, fbgemm_cowclip, got 'lamb'"),
+        (
+            "train:\n  merge_every: 4\nsharding:\n  sharding_types: [table_row_wise]\n",
+            "key 'sharding.sharding_types': table_row_wise is not supported with train.merge_every > 0",
+        ),
+        (
+            "optim:\n  embedding: lamb\n",
+            "key 'optim.embedding': expected one of rowwise_adagrad, adagrad, sgd, cowclip_adam, adam, fbgemm_cowclip, got 'lamb'",
+        ),
         ("train:\n  batch_size: [\n", "is not valid YAML"),
         # a key given twice: YAML would keep the last silently
-        ("train:\n  batch_size: 128\n  log_every: 5\n  batch_size: 1024\n",
-         "line 4: key 'batch_size' given twice (first at line 2); keep one"),
+        (
+            "train:\n  batch_size: 128\n  log_every: 5\n  batch_size: 1024\n",
+            "line 4: key 'batch_size' given twice (first at line 2); keep one",
+        ),
         ("train:\n  log_every: 5\ntrain:\n  max_steps: 3\n", "line 3: key 'train' given twice (first at line 1)"),
         ("", "holds no settings (it is empty or only comments); write at least one key, e.g. `name: my-run`"),
         ("# only a comment\n", "holds no settings (it is empty or only comments)"),
@@ -122,20 +132,16 @@ def test_missing_config_file(tmp_path):
 def test_cli_fails_fast_with_one_line(tmp_path):
     """The launcher refuses before torchrun starts: exit 2, one line naming the key."""
     p = _write(tmp_path, "train:\n  batch_size: 1001\n")
-    r = subprocess.run(
-        [sys.executable, "-m", "recsys.cli", "train", "--config", str(p)], capture_output=True, text=True, timeout=120
-    )
+    r = subprocess.run([sys.executable, "-m", "recsys.cli", "train", "--config", str(p)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
-    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "train.batch_size" in lines[0] and str(p) in lines[0]
     assert "torch.distributed" not in r.stderr
 
 
 def test_cli_missing_data_file(tmp_path):
     p = _write(tmp_path, f"data:\n  source: criteo\n  path: {tmp_path}/missing.tsv\n")
-    r = subprocess.run(
-        [sys.executable, "-m", "recsys.cli", "train", "--config", str(p)], capture_output=True, text=True, timeout=120
-    )
+    r = subprocess.run([sys.executable, "-m", "recsys.cli", "train", "--config", str(p)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert "data.path" in r.stderr and "missing.tsv" in r.stderr
 
@@ -183,20 +189,21 @@ def test_run_dir_that_is_a_file(tmp_path):
     assert str(e.value) == f"{DEMO}: key 'run_dir': run directory {f} is an existing file, not a directory"
     with pytest.raises(ConfigError) as e:
         load_config(DEMO, [f"run_dir={f}/sub/run"])
-    assert str(e.value) == (
-        f"{DEMO}: key 'run_dir': run directory {f}/sub/run is inside {f}, an existing file, not a directory"
-    )
+    assert str(e.value) == (f"{DEMO}: key 'run_dir': run directory {f}/sub/run is inside {f}, an existing file, not a directory")
     # a directory, or a path that can be created, is fine
     assert load_config(DEMO, [f"run_dir={tmp_path}/new/run"]).run_dir == f"{tmp_path}/new/run"
 
 
-@pytest.mark.parametrize("embedding, scope, effective", [
-    ("cowclip_adam", None, "catchup"),  # the default: the reference's semantics (docs/large_batch.md)
-    ("adam", None, "batch"),  # plain Adam stays lazy, as FBGEMM's and TorchRec's fused Adam
-    ("rowwise_adagrad", None, "batch"),
-    ("cowclip_adam", "batch", "batch"),  # the lazy semantics stay an option
-    ("adam", "catchup", "catchup"),
-])
+@pytest.mark.parametrize(
+    "embedding, scope, effective",
+    [
+        ("cowclip_adam", None, "catchup"),  # the default: the reference's semantics (docs/large_batch.md)
+        ("adam", None, "batch"),  # plain Adam stays lazy, as FBGEMM's and TorchRec's fused Adam
+        ("rowwise_adagrad", None, "batch"),
+        ("cowclip_adam", "batch", "batch"),  # the lazy semantics stay an option
+        ("adam", "catchup", "catchup"),
+    ],
+)
 def test_auto_l2_scope_resolves_per_kernel_and_an_explicit_scope_wins(tmp_path, embedding, scope, effective):
     from recsys.config import effective_l2_scope
 
@@ -214,6 +221,9 @@ def test_config_built_in_python_is_checked_against_its_literal_types():
 
     cfg = ExperimentConfig()
     cfg.train.merge_route = "ring"
-    with pytest.raises(ConfigError, match=r"^config: key 'train.merge_route': expected one of auto, flat, hierarchical, "
-                                          r"got 'ring'$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^config: key 'train.merge_route': expected one of auto, flat, hierarchical, "
+        r"got 'ring'$",
+    ):
         validate(cfg)

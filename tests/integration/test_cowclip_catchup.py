@@ -12,7 +12,14 @@ import torch
 
 from recsys.optim.cowclip.reference import CowClipAdamState, cowclip_adam_step
 from recsys.optim.cowclip.catchup import (
-    ERR_M_CLR, ERR_M_REL, ERR_V_C2LR2, ERR_V_REL, ERR_W_LR, ERR_W_REL, catch_up, dense_l2_steps,
+    ERR_M_CLR,
+    ERR_M_REL,
+    ERR_V_C2LR2,
+    ERR_V_REL,
+    ERR_W_LR,
+    ERR_W_REL,
+    catch_up,
+    dense_l2_steps,
 )
 from recsys.optim.cowclip.tbe import CowClipAdamTBE, CowClipHyper
 
@@ -48,16 +55,25 @@ def test_exact_iteration_is_the_dense_reference():
         w, m, v = _start_state(1e-3, l2, 40, 100.0, 6, seed=1)
         ref_w, st = w.clone(), CowClipAdamState(m.clone(), v.clone(), torch.full((6,), 40), torch.tensor(40))
         for _ in range(300):
-            cowclip_adam_step(ref_w, st, *_empty_batch(D), lr=1e-3, eps=eps, l2=l2, r=1.0, zeta=1e-5,
-                              update_scope="all", l2_scope="all", eps_mode=eps_mode)
-        ours = dense_l2_steps(w, m, v, torch.full((6,), 40), 340, lr=1e-3, betas=(B1, B2), eps=eps,
-                              eps_mode=eps_mode, l2=l2)
+            cowclip_adam_step(
+                ref_w,
+                st,
+                *_empty_batch(D),
+                lr=1e-3,
+                eps=eps,
+                l2=l2,
+                r=1.0,
+                zeta=1e-5,
+                update_scope="all",
+                l2_scope="all",
+                eps_mode=eps_mode,
+            )
+        ours = dense_l2_steps(w, m, v, torch.full((6,), 40), 340, lr=1e-3, betas=(B1, B2), eps=eps, eps_mode=eps_mode, l2=l2)
         for a, b in zip(ours, (ref_w, st.exp_avg, st.exp_avg_sq)):
             torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-15)
 
 
-@pytest.mark.parametrize("lr,l2,eps_mode", list(itertools.product(
-    [1e-4, 1e-3, 1e-2], [0.0, 1e-5, 1.28e-3], ["torch", "keras"])))
+@pytest.mark.parametrize("lr,l2,eps_mode", list(itertools.product([1e-4, 1e-3, 1e-2], [0.0, 1e-5, 1.28e-3], ["torch", "keras"])))
 def test_catch_up_within_the_stated_bound_over_long_gaps(lr, l2, eps_mode):
     """Gaps of 1 to 3000 steps, gap starts at global steps 1, 50 and 2000, moments at the L2
     equilibrium or holding data gradients 100x the L2 gradient: every coordinate of w, m and v
@@ -113,12 +129,10 @@ def test_catch_up_growth_one_is_the_exact_iteration_and_current_rows_are_untouch
 
 # ---- the TBE ----------------------------------------------------------------------------------
 
-def _tbe(scope: str, growth: float = 2.0, lr: float = 0.01, l2: float = 0.05, eps_mode: str = "torch",
-         catchup_op: str = "auto"):
-    hp = CowClipHyper(learning_rate=lr, l2=l2, cowclip_r=1.0, cowclip_zeta=0.05, update_scope=scope,
-                      eps_mode=eps_mode)
-    tbe = CowClipAdamTBE([(30, 8), (200, 4)], [0, 1], hp, full_dims=[8, 4], mode="inline", catchup_growth=growth,
-                         catchup_op=catchup_op)
+
+def _tbe(scope: str, growth: float = 2.0, lr: float = 0.01, l2: float = 0.05, eps_mode: str = "torch", catchup_op: str = "auto"):
+    hp = CowClipHyper(learning_rate=lr, l2=l2, cowclip_r=1.0, cowclip_zeta=0.05, update_scope=scope, eps_mode=eps_mode)
+    tbe = CowClipAdamTBE([(30, 8), (200, 4)], [0, 1], hp, full_dims=[8, 4], mode="inline", catchup_growth=growth, catchup_op=catchup_op)
     tbe.weights.copy_(torch.randn(tbe.weights.numel(), generator=torch.Generator().manual_seed(3)) * 0.05)
     return tbe
 
@@ -190,9 +204,16 @@ def test_tbe_catchup_default_blocks_stay_close_to_the_dense_pass(lr, l2):
     assert worst_lookup <= 2 * lr, worst_lookup / lr
 
 
-@pytest.mark.parametrize("lr,l2,eps_mode,growth", [(1e-3, 1.28e-3, "torch", 2.0), (1e-4, 1e-5, "keras", 2.0),
-                                                   (1e-2, 0.0, "torch", 2.0), (1e-3, 1e-4, "keras", 1.0),
-                                                   (1e-3, 1e-4, "torch", 3.0)])
+@pytest.mark.parametrize(
+    "lr,l2,eps_mode,growth",
+    [
+        (1e-3, 1.28e-3, "torch", 2.0),
+        (1e-4, 1e-5, "keras", 2.0),
+        (1e-2, 0.0, "torch", 2.0),
+        (1e-3, 1e-4, "keras", 1.0),
+        (1e-3, 1e-4, "torch", 3.0),
+    ],
+)
 def test_fused_catch_up_equals_the_torch_catch_up(lr, l2, eps_mode, growth):
     """The C++ op (rows found, read and advanced once per lookup) against the torch version of the
     same block scheme: 300 steps of training with long gaps, every lookup and, after
@@ -246,8 +267,7 @@ def test_fused_catch_up_advances_each_row_once_and_leaves_current_rows_alone():
         fused_catch_up_tables(*bufs, meta, torch.tensor([11]), torch.tensor([0, 1]), step + 1, **kw)
 
 
-@pytest.mark.parametrize("lr,l2,eps_mode", [(1e-2, 0.0, "torch"), (1e-3, 1.28e-3, "keras"), (1e-4, 1e-5, "keras"),
-                                            (1e-3, 1e-4, "torch")])
+@pytest.mark.parametrize("lr,l2,eps_mode", [(1e-2, 0.0, "torch"), (1e-3, 1.28e-3, "keras"), (1e-4, 1e-5, "keras"), (1e-3, 1e-4, "torch")])
 def test_fused_catch_up_equals_the_torch_catch_up_per_call_for_each_hyper(lr, l2, eps_mode):
     """The op's schedules (per-piece constants kept across calls, bias corrections from b^t_start)
     against ``catch_up`` on gaps 1 .. 3000, rows holding data momenta and rows at the L2
@@ -262,8 +282,7 @@ def test_fused_catch_up_equals_the_torch_catch_up_per_call_for_each_hyper(lr, l2
     parts = []
     for data, seed in ((100.0, 1), (0.0, 2)):
         w, m, v = _start_state(lr, l2, 100, data, len(GAPS), seed)
-        parts.append([torch.cat([x, torch.randn(len(GAPS), dim - D, generator=g, dtype=torch.float64) * x.std()], 1)
-                      for x in (w, m, v)])
+        parts.append([torch.cat([x, torch.randn(len(GAPS), dim - D, generator=g, dtype=torch.float64) * x.std()], 1) for x in (w, m, v)])
     w, m, v = (torch.cat([parts[0][i], parts[1][i]]).float() for i in range(3))
     v = v.abs()
     n = w.shape[0]
@@ -370,8 +389,19 @@ def test_catchup_rejections():
     with pytest.raises(ValueError, match="update_scope must be batch\\|all\\|catchup, got 'dense'"):
         CowClipHyper.from_fused_params({"optimizer": "recsys.cowclip_adam", "update_scope": "dense"})
     with pytest.raises(ValueError, match="growth must be >= 1"):
-        catch_up(torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1), 3, lr=1.0,
-                 betas=(B1, B2), eps=1e-8, eps_mode="torch", l2=0.0, growth=0.5)
+        catch_up(
+            torch.zeros(1, 2),
+            torch.zeros(1, 2),
+            torch.zeros(1, 2),
+            torch.zeros(1),
+            3,
+            lr=1.0,
+            betas=(B1, B2),
+            eps=1e-8,
+            eps_mode="torch",
+            l2=0.0,
+            growth=0.5,
+        )
 
 
 def test_config_accepts_catchup_for_the_adam_kernels_only(tmp_path):
@@ -410,14 +440,23 @@ def test_a_column_wise_plan_trains_with_catchup(tmp_path):
 
     repo = Path(__file__).resolve().parents[2]
     smoke = repo / "configs" / "experiments" / "smoke.yaml"
-    run = lambda *o: subprocess.run([sys.executable, "-m", "recsys.cli", "train", "--config", str(smoke), *o],  # noqa: E731
-                                    capture_output=True, text=True, cwd=repo, timeout=600)
-    r = run(f"run_dir={tmp_path / 'cw'}", "train.max_steps=2", "train.nproc_per_node=1",
-            "sharding.sharding_types=[column_wise]")
+
+    def run(*o: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "recsys.cli", "train", "--config", str(smoke), *o]
+        return subprocess.run(cmd, capture_output=True, text=True, cwd=repo, timeout=600)
+
+    r = run(f"run_dir={tmp_path / 'cw'}", "train.max_steps=2", "train.nproc_per_node=1", "sharding.sharding_types=[column_wise]")
     assert r.returncode == 0, r.stderr[-2000:]
     plan = tmp_path / "cw" / "plan.json"
-    r = run(f"run_dir={tmp_path / 'cu'}", "train.max_steps=12", "train.nproc_per_node=1", f"plan={plan}",
-            "optim.embedding=cowclip_adam", "optim.embedding_l2=1e-4", "optim.embedding_l2_scope=catchup")
+    r = run(
+        f"run_dir={tmp_path / 'cu'}",
+        "train.max_steps=12",
+        "train.nproc_per_node=1",
+        f"plan={plan}",
+        "optim.embedding=cowclip_adam",
+        "optim.embedding_l2=1e-4",
+        "optim.embedding_l2_scope=catchup",
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     import json
 
@@ -436,8 +475,13 @@ def test_a_column_wise_plan_trains_with_catchup(tmp_path):
 
 # ---- real TorchRec sharding (gloo) ------------------------------------------------------------
 
-SH_TABLES = {"c_tw": (50, ("table_wise", 0)), "c_rw": (61, ("row_wise", None)), "c_twrw": (47, ("table_row_wise", 0)),
-             "c_cw": (53, ("column_wise", None)), "c_dp": (29, ("data_parallel", None))}
+SH_TABLES = {
+    "c_tw": (50, ("table_wise", 0)),
+    "c_rw": (61, ("row_wise", None)),
+    "c_twrw": (47, ("table_row_wise", 0)),
+    "c_cw": (53, ("column_wise", None)),
+    "c_dp": (29, ("data_parallel", None)),
+}
 SH_LR, SH_L2, SH_B, SH_STEPS, SH_CKPT = 0.01, 1e-3, 8, 14, 6
 
 
@@ -448,8 +492,7 @@ def _sh_batches():
     out = []
     for _ in range(SH_STEPS):
         lengths = torch.randint(1, 3, (len(names) * SH_B,), generator=g)
-        vals = torch.cat([(torch.rand(int(n), generator=g) ** 2 * SH_TABLES[names[i // SH_B]][0]).long()
-                          for i, n in enumerate(lengths)])
+        vals = torch.cat([(torch.rand(int(n), generator=g) ** 2 * SH_TABLES[names[i // SH_B]][0]).long() for i, n in enumerate(lengths)])
         out.append((lengths, vals, torch.randn(SH_B, D * len(names), generator=g)))
     return out
 
@@ -464,28 +507,42 @@ def _sh_build(world: int):
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.sharding_plan import (
-        column_wise, construct_module_sharding_plan, data_parallel, row_wise, table_row_wise, table_wise,
+        column_wise,
+        construct_module_sharding_plan,
+        data_parallel,
+        row_wise,
+        table_row_wise,
+        table_wise,
     )
     from torchrec.distributed.types import ShardingEnv, ShardingPlan
 
     from recsys.optim.cowclip.sharder import CowClipEmbeddingBagCollectionSharder, tag_cowclip_adam
 
     names = list(SH_TABLES)
-    ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name=n, embedding_dim=D, num_embeddings=SH_TABLES[n][0],
-                                                            feature_names=[n]) for n in names],
-                                 device=torch.device("meta"))
-    tag_cowclip_adam([ebc.embedding_bags[n].weight for n in names], lr=SH_LR, l2=SH_L2, cowclip_r=1.0,
-                     cowclip_zeta=0.05, update_scope="catchup")
+    ebc = EmbeddingBagCollection(
+        tables=[EmbeddingBagConfig(name=n, embedding_dim=D, num_embeddings=SH_TABLES[n][0], feature_names=[n]) for n in names],
+        device=torch.device("meta"),
+    )
+    tag_cowclip_adam(
+        [ebc.embedding_bags[n].weight for n in names], lr=SH_LR, l2=SH_L2, cowclip_r=1.0, cowclip_zeta=0.05, update_scope="catchup"
+    )
     sharder = CowClipEmbeddingBagCollectionSharder()
-    gen = {"table_wise": lambda a: table_wise(rank=a), "row_wise": lambda a: row_wise(),
-           "table_row_wise": lambda a: table_row_wise(host_index=a),
-           "column_wise": lambda a: column_wise(ranks=list(range(world)) if world > 1 else [0, 0]),
-           "data_parallel": lambda a: data_parallel()}
+    gen = {
+        "table_wise": lambda a: table_wise(rank=a),
+        "row_wise": lambda a: row_wise(),
+        "table_row_wise": lambda a: table_row_wise(host_index=a),
+        "column_wise": lambda a: column_wise(ranks=list(range(world)) if world > 1 else [0, 0]),
+        "data_parallel": lambda a: data_parallel(),
+    }
     per_param = {n: gen[SH_TABLES[n][1][0]](SH_TABLES[n][1][1]) for n in names}
-    plan = construct_module_sharding_plan(ebc, per_param, local_size=world, world_size=world, device_type="cpu",
-                                          sharder=sharder)
-    dmp = DistributedModelParallel(ebc, env=ShardingEnv.from_process_group(dist.GroupMember.WORLD),
-                                   plan=ShardingPlan({"": plan}), sharders=[sharder], device=torch.device("cpu"))
+    plan = construct_module_sharding_plan(ebc, per_param, local_size=world, world_size=world, device_type="cpu", sharder=sharder)
+    dmp = DistributedModelParallel(
+        ebc,
+        env=ShardingEnv.from_process_group(dist.GroupMember.WORLD),
+        plan=ShardingPlan({"": plan}),
+        sharders=[sharder],
+        device=torch.device("cpu"),
+    )
     for k, v in dmp.state_dict().items():
         for (r0, c0), t in _sh_local(v):
             t.copy_(_sh_init(k.split(".")[-2])[r0 : r0 + t.shape[0], c0 : c0 + t.shape[1]])
@@ -544,8 +601,13 @@ def _sh_worker(rank: int, world: int, port: int, out: str, explicit: bool = True
                 else:  # a stock loop, the optimizer's state_dict built first: it holds views, and the
                     # model's state_dict (its pre-hook flushes the lookups) brings them to step i
                     osd = dmp.fused_optimizer.state_dict()
-                    rs = [x for v in osd["state"].values() for n, t in v.items() if n.endswith("row_step")
-                          for x in ([s.tensor for s in t.local_shards()] if hasattr(t, "local_shards") else [t])]
+                    rs = [
+                        x
+                        for v in osd["state"].values()
+                        for n, t in v.items()
+                        if n.endswith("row_step")
+                        for x in ([s.tensor for s in t.local_shards()] if hasattr(t, "local_shards") else [t])
+                    ]
                     assert rs and not all(bool((t == i).all()) for t in rs), "no row was behind: nothing tested"
                     msd = dmp.state_dict()
                     assert all(bool((t == i).all()) for t in rs), "the model's state_dict left rows behind"
@@ -599,9 +661,19 @@ def _sh_dense_reference() -> dict[str, torch.Tensor]:
         for lengths, vals, target in data:
             offs = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(lengths, 0)])
             lo, hi = int(offs[j * SH_B]), int(offs[(j + 1) * SH_B])
-            cowclip_adam_step(w, st, vals[lo:hi], offs[j * SH_B : (j + 1) * SH_B + 1] - lo,
-                              target[:, D * j : D * (j + 1)] / SH_B, lr=SH_LR, l2=SH_L2, r=1.0, zeta=0.05,
-                              update_scope="all", l2_scope="all")
+            cowclip_adam_step(
+                w,
+                st,
+                vals[lo:hi],
+                offs[j * SH_B : (j + 1) * SH_B + 1] - lo,
+                target[:, D * j : D * (j + 1)] / SH_B,
+                lr=SH_LR,
+                l2=SH_L2,
+                r=1.0,
+                zeta=0.05,
+                update_scope="all",
+                l2_scope="all",
+            )
         out[n] = w
     return out
 
@@ -626,8 +698,7 @@ def test_sharded_catchup_two_ranks_equals_one_rank_the_dense_reference_and_resum
 
     for world in (1, 2):
         (tmp_path / str(world)).mkdir()
-        mp.start_processes(_sh_worker, args=(world, port(), str(tmp_path / str(world)), world == 1), nprocs=world,
-                           start_method="spawn")
+        mp.start_processes(_sh_worker, args=(world, port(), str(tmp_path / str(world)), world == 1), nprocs=world, start_method="spawn")
     one, two = _sh_assemble(tmp_path / "1", 1, "final"), _sh_assemble(tmp_path / "2", 2, "final")
     resumed = _sh_assemble(tmp_path / "2", 2, "resumed")
     reloaded = _sh_assemble(tmp_path / "2", 2, "reloaded")

@@ -62,8 +62,7 @@ def _init(tables, seed: int = 1):
 
 
 def _proj(tables):
-    return [torch.randn(d, generator=torch.Generator().manual_seed(7 + i), dtype=torch.float64)
-            for i, (_n, d) in enumerate(tables)]
+    return [torch.randn(d, generator=torch.Generator().manual_seed(7 + i), dtype=torch.float64) for i, (_n, d) in enumerate(tables)]
 
 
 def _pooled_grads(pooled, labels, proj, denom: int):
@@ -73,8 +72,7 @@ def _pooled_grads(pooled, labels, proj, denom: int):
     return [dz[:, None] * q[None, :] for q in proj]
 
 
-def tf_dense_reference(init, batches, tables, *, lr: float, l2: float, zeta: float, r: float = 1.0,
-                       history: bool = False):
+def tf_dense_reference(init, batches, tables, *, lr: float, l2: float, zeta: float, r: float = 1.0, history: bool = False):
     """The dense reference: returns the final tables and, with ``history``, (w, m, v) of every
     table after every step (index 0: the start; else None)."""
     proj = _proj(tables)
@@ -188,8 +186,7 @@ def test_each_gap_ends_where_the_reference_is_and_the_clip_reads_the_right_norm(
                     w0 = torch.stack([hist[s][0][i][k] for k, s in rows]).float()
                     m0 = torch.stack([hist[s][1][i][k] for k, s in rows]).float()
                     v0 = torch.stack([hist[s][2][i][k] for k, s in rows]).float()
-                    w1, _m1, _v1 = catch_up(w0, m0, v0, starts, end, lr=lr, betas=(B1, B2), eps=EPS,
-                                            eps_mode="torch", l2=l2)
+                    w1, _m1, _v1 = catch_up(w0, m0, v0, starts, end, lr=lr, betas=(B1, B2), eps=EPS, eps_mode="torch", l2=l2)
                     want = hist[end][0][i][ks]
                     err = float((w1.double() - want).abs().max()) / lr
                     assert err <= GAP_W_LR, (l2, zeta, i, end, err)
@@ -203,8 +200,13 @@ def test_each_gap_ends_where_the_reference_is_and_the_clip_reads_the_right_norm(
 
 # ---- under real TorchRec sharding ----------------------------------------------------------
 
-SH_TABLES = {"t_tw": (60, 16, "table_wise"), "t_rw": (60, 16, "row_wise"), "t_twrw": (30, 8, "table_row_wise"),
-             "t_cw": (60, 16, "column_wise"), "t_dp": (30, 8, "data_parallel")}
+SH_TABLES = {
+    "t_tw": (60, 16, "table_wise"),
+    "t_rw": (60, 16, "row_wise"),
+    "t_twrw": (30, 8, "table_row_wise"),
+    "t_cw": (60, 16, "column_wise"),
+    "t_dp": (30, 8, "data_parallel"),
+}
 SH_SPECS = [(n, d) for n, d, _ in SH_TABLES.values()]
 SH_CELLS = [(1e-2, 1e-5, 1e-5), (1e-3, 1e-3, 1e-5)]  # lr, l2, zeta
 SH_STEPS = 200
@@ -218,7 +220,12 @@ def _sh_worker(rank: int, world: int, port: int, out: str) -> None:
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.sharding_plan import (
-        column_wise, construct_module_sharding_plan, data_parallel, row_wise, table_row_wise, table_wise,
+        column_wise,
+        construct_module_sharding_plan,
+        data_parallel,
+        row_wise,
+        table_row_wise,
+        table_wise,
     )
     from torchrec.distributed.types import ShardingEnv, ShardingPlan
 
@@ -229,25 +236,41 @@ def _sh_worker(rank: int, world: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         names, b = list(SH_TABLES), B // world
-        gen = {"table_wise": lambda: table_wise(rank=0), "row_wise": lambda: row_wise(),
-               "table_row_wise": lambda: table_row_wise(host_index=0),
-               "column_wise": lambda: column_wise(ranks=list(range(world)) if world > 1 else [0, 0]),
-               "data_parallel": lambda: data_parallel()}
+        gen = {
+            "table_wise": lambda: table_wise(rank=0),
+            "row_wise": lambda: row_wise(),
+            "table_row_wise": lambda: table_row_wise(host_index=0),
+            "column_wise": lambda: column_wise(ranks=list(range(world)) if world > 1 else [0, 0]),
+            "data_parallel": lambda: data_parallel(),
+        }
         proj = _proj(SH_SPECS)
         results = {}
         for lr, l2, zeta in SH_CELLS:
             ebc = EmbeddingBagCollection(
-                tables=[EmbeddingBagConfig(name=n, embedding_dim=d, num_embeddings=r, feature_names=[n])
-                        for n, (r, d, _) in SH_TABLES.items()], device=torch.device("meta"))
-            tag_cowclip_adam([ebc.embedding_bags[n].weight for n in names], lr=lr, l2=l2, cowclip_r=1.0,
-                             cowclip_zeta=zeta, update_scope="catchup")
+                tables=[
+                    EmbeddingBagConfig(name=n, embedding_dim=d, num_embeddings=r, feature_names=[n]) for n, (r, d, _) in SH_TABLES.items()
+                ],
+                device=torch.device("meta"),
+            )
+            tag_cowclip_adam(
+                [ebc.embedding_bags[n].weight for n in names], lr=lr, l2=l2, cowclip_r=1.0, cowclip_zeta=zeta, update_scope="catchup"
+            )
             sharder = CowClipEmbeddingBagCollectionSharder()
-            plan = construct_module_sharding_plan(ebc, {n: gen[t]() for n, (_r, _d, t) in SH_TABLES.items()},
-                                                  local_size=world, world_size=world, device_type="cpu",
-                                                  sharder=sharder)
-            dmp = DistributedModelParallel(ebc, env=ShardingEnv.from_process_group(dist.GroupMember.WORLD),
-                                           plan=ShardingPlan({"": plan}), sharders=[sharder],
-                                           device=torch.device("cpu"))
+            plan = construct_module_sharding_plan(
+                ebc,
+                {n: gen[t]() for n, (_r, _d, t) in SH_TABLES.items()},
+                local_size=world,
+                world_size=world,
+                device_type="cpu",
+                sharder=sharder,
+            )
+            dmp = DistributedModelParallel(
+                ebc,
+                env=ShardingEnv.from_process_group(dist.GroupMember.WORLD),
+                plan=ShardingPlan({"": plan}),
+                sharders=[sharder],
+                device=torch.device("cpu"),
+            )
             init = _init(SH_SPECS)
             for key, v in dmp.state_dict().items():
                 full = init[names.index(key.split(".")[-2])].float()
@@ -255,15 +278,15 @@ def _sh_worker(rank: int, world: int, port: int, out: str) -> None:
                     t.copy_(full[r0 : r0 + t.shape[0], c0 : c0 + t.shape[1]])
             for ids, labels in _batches(SH_STEPS, SH_SPECS, B):
                 mine = slice(rank * b, (rank + 1) * b)
-                kjt = KeyedJaggedTensor(keys=names, values=torch.cat([x[mine] for x in ids]),
-                                        lengths=torch.ones(len(names) * b, dtype=torch.long))
+                kjt = KeyedJaggedTensor(
+                    keys=names, values=torch.cat([x[mine] for x in ids]), lengths=torch.ones(len(names) * b, dtype=torch.long)
+                )
                 kt = dmp(kjt)
                 pooled = (kt.wait() if hasattr(kt, "wait") else kt).to_dict()
                 z = sum(pooled[n] @ proj[j].float() for j, n in enumerate(names))
                 torch.nn.functional.binary_cross_entropy_with_logits(z, labels[mine].float()).backward()
             catch_up_all_tables(dmp)
-            results[(lr, l2, zeta)] = {k.split(".")[-2]: [(off, t.clone()) for off, t in _sh_local(v)]
-                                       for k, v in dmp.state_dict().items()}
+            results[(lr, l2, zeta)] = {k.split(".")[-2]: [(off, t.clone()) for off, t in _sh_local(v)] for k, v in dmp.state_dict().items()}
         torch.save(results, Path(out) / f"r{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -286,8 +309,7 @@ def test_every_sharding_type_on_one_and_two_ranks_stays_within_one_lr_of_the_den
     got = {}
     for world in (1, 2):
         (tmp_path / str(world)).mkdir()
-        mp.start_processes(_sh_worker, args=(world, port(), str(tmp_path / str(world))), nprocs=world,
-                           start_method="spawn")
+        mp.start_processes(_sh_worker, args=(world, port(), str(tmp_path / str(world))), nprocs=world, start_method="spawn")
         full = {}
         for r in range(world):
             for cell, tables in torch.load(tmp_path / str(world) / f"r{r}.pt").items():
@@ -299,8 +321,7 @@ def test_every_sharding_type_on_one_and_two_ranks_stays_within_one_lr_of_the_den
         got[world] = full
     errs = []
     for lr, l2, zeta in SH_CELLS:
-        ref, _ = tf_dense_reference(_init(SH_SPECS), _batches(SH_STEPS, SH_SPECS, B), SH_SPECS, lr=lr, l2=l2,
-                                       zeta=zeta)
+        ref, _ = tf_dense_reference(_init(SH_SPECS), _batches(SH_STEPS, SH_SPECS, B), SH_SPECS, lr=lr, l2=l2, zeta=zeta)
         for j, n in enumerate(SH_TABLES):
             one, two = got[1][((lr, l2, zeta), n)], got[2][((lr, l2, zeta), n)]
             assert not torch.isnan(two).any(), n

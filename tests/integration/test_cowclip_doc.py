@@ -85,8 +85,14 @@ def test_block_runs_as_written_and_trains_the_tables_it_tags(tmp_path, line, blo
     script = pre + (PLAN if re.search(r"\bplan\b", block) else "") + "\n# ---- the block\n" + block + "\n" + CHECK
     path = tmp_path / "block.py"
     path.write_text(script)
-    r = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=300, cwd=REPO,
-                       env={**__import__("os").environ, "PORT": str(free_port()), "PYTHONPATH": str(REPO)})
+    r = subprocess.run(
+        [sys.executable, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env={**__import__("os").environ, "PORT": str(free_port()), "PYTHONPATH": str(REPO)},
+    )
     assert r.returncode == 0, f"docs/cowclip.md line {line}: the block fails:\n{r.stderr[-3000:]}"
     moved = re.search(r"^MOVED (.*)$", r.stdout, re.M)
     assert moved, r.stdout[-2000:]

@@ -77,16 +77,16 @@ def _rank_batch(batch, rank: int):
         vs.append(vals[int(offs[f * B + rank * b]) : int(offs[f * B + (rank + 1) * b])])
         ls.append(L[f, rank * b : (rank + 1) * b])
     kjt = KeyedJaggedTensor(keys=NAMES, values=torch.cat(vs), lengths=torch.cat(ls))
-    return Batch(dense_features=dense[rank * b : (rank + 1) * b], sparse_features=kjt,
-                 labels=labels[rank * b : (rank + 1) * b])
+    return Batch(dense_features=dense[rank * b : (rank + 1) * b], sparse_features=kjt, labels=labels[rank * b : (rank + 1) * b])
 
 
 def _dlrm(ebc):
     from torchrec.models.dlrm import DLRM, DLRMTrain
 
     torch.manual_seed(3)  # same dense weights in every process (DDP broadcasts rank 0's anyway)
-    return DLRMTrain(DLRM(embedding_bag_collection=ebc, dense_in_features=DENSE_IN,
-                          dense_arch_layer_sizes=[16, DIM], over_arch_layer_sizes=[16, 1]))
+    return DLRMTrain(
+        DLRM(embedding_bag_collection=ebc, dense_in_features=DENSE_IN, dense_arch_layer_sizes=[16, DIM], over_arch_layer_sizes=[16, 1])
+    )
 
 
 def _configs():
@@ -118,7 +118,12 @@ def _train(rank: int, out: Path) -> None:
     from torchrec import EmbeddingBagCollection
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.sharding_plan import (
-        column_wise, construct_module_sharding_plan, data_parallel, row_wise, table_row_wise, table_wise,
+        column_wise,
+        construct_module_sharding_plan,
+        data_parallel,
+        row_wise,
+        table_row_wise,
+        table_wise,
     )
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
     from torchrec.distributed.types import ShardingPlan
@@ -129,15 +134,20 @@ def _train(rank: int, out: Path) -> None:
 
     ebc = EmbeddingBagCollection(tables=_configs(), device=torch.device("meta"))
     model = _dlrm(ebc)
-    tag_cowclip_adam(model.model.sparse_arch.parameters(), lr=EMB_LR, l2=L2, cowclip_r=R, cowclip_zeta=ZETA,
-                     update_scope="batch")  # the lazy formula below
+    tag_cowclip_adam(
+        model.model.sparse_arch.parameters(), lr=EMB_LR, l2=L2, cowclip_r=R, cowclip_zeta=ZETA, update_scope="batch"
+    )  # the lazy formula below
     sharder = CowClipEmbeddingBagCollectionSharder()
-    gen = {"table_wise": lambda a: table_wise(rank=a), "row_wise": lambda a: row_wise(),
-           "column_wise": lambda a: column_wise(ranks=a), "table_row_wise": lambda a: table_row_wise(host_index=a),
-           "table_column_wise": _table_column_wise, "data_parallel": lambda a: data_parallel()}
+    gen = {
+        "table_wise": lambda a: table_wise(rank=a),
+        "row_wise": lambda a: row_wise(),
+        "column_wise": lambda a: column_wise(ranks=a),
+        "table_row_wise": lambda a: table_row_wise(host_index=a),
+        "table_column_wise": _table_column_wise,
+        "data_parallel": lambda a: data_parallel(),
+    }
     per_param = {n: gen[kind](arg) for n, (_, (kind, arg)) in TABLES.items()}
-    mplan = construct_module_sharding_plan(ebc, per_param, local_size=WORLD, world_size=WORLD, device_type="cpu",
-                                           sharder=sharder)
+    mplan = construct_module_sharding_plan(ebc, per_param, local_size=WORLD, world_size=WORLD, device_type="cpu", sharder=sharder)
     plan = ShardingPlan({"model.sparse_arch.embedding_bag_collection": mplan})
     dmp = DistributedModelParallel(model, plan=plan, sharders=[sharder], device=torch.device("cpu"))
     got_types = {n: p.sharding_type for n, p in mplan.items()}
@@ -178,8 +188,7 @@ def _train(rank: int, out: Path) -> None:
             pieces[n] = [(tuple(s.metadata.shard_offsets), s.tensor.clone()) for s in v.local_shards()]
         else:
             pieces[n] = [((0, 0), v.clone())]
-    torch.save({"pieces": pieces, "steps": steps, "types": got_types, "updated": updated, "clipped": clipped},
-               out / f"r{rank}.pt")
+    torch.save({"pieces": pieces, "steps": steps, "types": got_types, "updated": updated, "clipped": clipped}, out / f"r{rank}.pt")
 
 
 def _reference() -> tuple[dict[str, torch.Tensor], int]:
@@ -206,7 +215,8 @@ def _reference() -> tuple[dict[str, torch.Tensor], int]:
         values = kt.values().detach().requires_grad_(True)
         # rerun the model with the pooled output as a leaf: d loss / d pooled, and the dense grads
         handle = ebc.register_forward_hook(
-            lambda m, i, o: type(o)(keys=o.keys(), length_per_key=o.length_per_key(), values=values))
+            lambda m, i, o, leaf=values: type(o)(keys=o.keys(), length_per_key=o.length_per_key(), values=leaf)
+        )
         opt.zero_grad()
         loss, _ = model(Batch(dense_features=d, sparse_features=kjt, labels=labels))
         loss.backward()
@@ -216,9 +226,18 @@ def _reference() -> tuple[dict[str, torch.Tensor], int]:
         offs = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(lengths, 0)])
         for f, n in enumerate(NAMES):
             lo, hi = int(offs[f * B]), int(offs[(f + 1) * B])
-            stats = cowclip_adam_step(w[n], st[n], vals[lo:hi], offs[f * B : (f + 1) * B + 1] - lo,
-                                      go[:, f * DIM : (f + 1) * DIM].contiguous(), None,
-                                      lr=EMB_LR, l2=L2, r=R, zeta=ZETA)
+            stats = cowclip_adam_step(
+                w[n],
+                st[n],
+                vals[lo:hi],
+                offs[f * B : (f + 1) * B + 1] - lo,
+                go[:, f * DIM : (f + 1) * DIM].contiguous(),
+                None,
+                lr=EMB_LR,
+                l2=L2,
+                r=R,
+                zeta=ZETA,
+            )
             clipped += int(stats.clipped_rows)
     return w, clipped
 
@@ -255,8 +274,10 @@ def test_forward_after_a_missed_update_raises():
     indices, offsets = torch.tensor([1, 2, 2, 5]), torch.tensor([0, 2, 4])
     tbe(indices, offsets).sum().backward()
     assert len(tbe.staged) == 1 and torch.equal(tbe.weights, before)
-    msg = ("CowClip-Adam tables ['t_cw']: the previous backward staged rows whose column-wise/data-parallel "
-           "update never ran (no exchange after backward); refusing to read stale weights")
+    msg = (
+        "CowClip-Adam tables ['t_cw']: the previous backward staged rows whose column-wise/data-parallel "
+        "update never ran (no exchange after backward); refusing to read stale weights"
+    )
     with pytest.raises(RuntimeError) as e:
         tbe(indices, offsets)
     assert str(e.value) == msg

@@ -35,8 +35,7 @@ def ext():
 # ----------------------------------------------------------------------------- random cases
 
 
-def make_batch(gen, num_rows, dim, num_bags, max_len=4, id_range=None, weighted=True,
-               zero_bags=0.0, grad_scale=0.05, hot=None):
+def make_batch(gen, num_rows, dim, num_bags, max_len=4, id_range=None, weighted=True, zero_bags=0.0, grad_scale=0.05, hot=None):
     """Multi-hot bags: repeats within a bag and across bags, empty bags, optional zero gradients.
     ``hot``: a set of ids drawn half of the time (so they repeat across samples)."""
     id_range = id_range or num_rows
@@ -86,8 +85,7 @@ def run_both(weight, batches, **hp):
     for idx, off, go, psw in batches:
         before = (w_f.clone(), s_f.exp_avg.clone(), s_f.exp_avg_sq.clone(), s_f.row_step.clone())
         st_f = ck.fused_cowclip_adam_step(w_f, s_f, idx, off, go, psw, **hp)
-        st_r = cowclip_adam_step(w_r, s_r, idx, off, go, psw, update_scope="batch", l2_scope="batch",
-                                 bias_correction="row", **hp)
+        st_r = cowclip_adam_step(w_r, s_r, idx, off, go, psw, update_scope="batch", l2_scope="batch", bias_correction="row", **hp)
         torch.testing.assert_close(w_f, w_r, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(s_f.exp_avg, s_r.exp_avg, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(s_f.exp_avg_sq, s_r.exp_avg_sq, rtol=1e-5, atol=1e-9)
@@ -115,10 +113,19 @@ def test_matches_reference_random(ext, seed, weighted, clip, l2):
     n, d = 200, 16
     w = make_weight(gen, n, d)
     hot = torch.tensor([0, 5, 7, 10])  # repeated across samples; 0, 5, 10 are tiny rows
-    batches = [make_batch(gen, n, d, num_bags=int(torch.randint(3, 40, (1,), generator=gen)),
-                          id_range=int(torch.randint(20, n + 1, (1,), generator=gen)),
-                          weighted=weighted, zero_bags=0.2, hot=hot)
-               for _ in range(5)]  # 5 steps; ids drawn from shrinking/growing ranges -> rows skip steps
+    batches = [
+        make_batch(
+            gen,
+            n,
+            d,
+            num_bags=int(torch.randint(3, 40, (1,), generator=gen)),
+            id_range=int(torch.randint(20, n + 1, (1,), generator=gen)),
+            weighted=weighted,
+            zero_bags=0.2,
+            hot=hot,
+        )
+        for _ in range(5)
+    ]  # 5 steps; ids drawn from shrinking/growing ranges -> rows skip steps
     _, s = run_both(w, batches, clip=clip, l2=l2, **HP)
     rs = s.row_step
     assert int(rs.max()) > int(rs[rs > 0].min()), "some rows should have skipped steps"
@@ -129,8 +136,7 @@ def test_matches_reference_dims_and_keras_eps(ext, dim):
     gen = torch.Generator().manual_seed(dim)
     w = make_weight(gen, 64, dim)
     batches = [make_batch(gen, 64, dim, 25, max_len=6, id_range=30) for _ in range(3)]
-    run_both(w, batches, clip=True, l2=1e-3, eps_mode="keras", lr=1e-3, betas=(0.8, 0.99), eps=1e-7,
-             r=0.5, zeta=1e-4)
+    run_both(w, batches, clip=True, l2=1e-3, eps_mode="keras", lr=1e-3, betas=(0.8, 0.99), eps=1e-7, r=0.5, zeta=1e-4)
     run_both(w, batches, clip=True, l2=0.0, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, r=2.0, zeta=1e-5)
 
 
@@ -165,8 +171,7 @@ def test_empty_batch_and_int32_ids(ext):
     w = _randn(10, 4)
     s = CowClipAdamState.zeros_like(w)
     w0 = w.clone()
-    st = ck.fused_cowclip_adam_step(w, s, torch.zeros(0, dtype=torch.long), torch.zeros(4, dtype=torch.long),
-                                    _randn(3, 4), lr=1e-2)
+    st = ck.fused_cowclip_adam_step(w, s, torch.zeros(0, dtype=torch.long), torch.zeros(4, dtype=torch.long), _randn(3, 4), lr=1e-2)
     assert st.unique_rows == 0 and torch.equal(w, w0) and int(s.step) == 1 and int(s.row_step.sum()) == 0
     gen = torch.Generator().manual_seed(1)
     idx, off, go, psw = make_batch(gen, 10, 4, 6)
@@ -230,8 +235,10 @@ def test_clean_build_two_processes(tmp_path):
         print("ok")
     """)
     env = dict(os.environ, RECSYS_EXT_DIR=str(tmp_path / "ext"), RECSYS_CPP_JIT="1")
-    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
     outs = [p.communicate(timeout=180) for p in procs]
     for p, (o, e) in zip(procs, outs):
         assert p.returncode == 0, e[-2000:]
@@ -264,8 +271,7 @@ def _tables_case(gen, specs, num_bags, weighted, max_len=4, int32=False, empty_f
     for f, t in enumerate(feature_table):
         n = specs[t][0]
         hot = torch.tensor([0, 1, n - 1]) if n > 2 else None
-        i, o, _, p = make_batch(gen, n, specs[t][1], num_bags, max_len=max_len, id_range=min(n, 30 + 7 * f),
-                                weighted=True, hot=hot)
+        i, o, _, p = make_batch(gen, n, specs[t][1], num_bags, max_len=max_len, id_range=min(n, 30 + 7 * f), weighted=True, hot=hot)
         if f == empty_feature:
             i, o, p = i[:0], torch.zeros_like(o), p[:0]
         idx_l.append(i)
@@ -276,14 +282,30 @@ def _tables_case(gen, specs, num_bags, weighted, max_len=4, int32=False, empty_f
     psw = torch.cat(psw_l) if weighted else None
     grad = torch.randn(num_bags, d_off[-1], generator=gen) * 0.05
     grad[torch.rand(num_bags, generator=gen) < 0.2] = 0
-    meta = torch.tensor([[woffs[t], specs[t][0], specs[t][1], d_off[f], rstarts[t], int(specs[t][2])]
-                         for f, t in enumerate(feature_table)], dtype=torch.long)
+    meta = torch.tensor(
+        [[woffs[t], specs[t][0], specs[t][1], d_off[f], rstarts[t], int(specs[t][2])] for f, t in enumerate(feature_table)],
+        dtype=torch.long,
+    )
     zeta = torch.tensor([1e-5 * (1 + f) for f in range(T)], dtype=torch.float64)
     if int32:
         indices, offsets = indices.int(), offsets.int()
-    return dict(weights=weights, m1=m1, m2=m2, row_step=row_step, meta=meta, zeta=zeta, indices=indices,
-                offsets=offsets, grad=grad, psw=psw, feature_table=feature_table, woffs=woffs, rstarts=rstarts,
-                specs=specs, d_off=d_off)
+    return dict(
+        weights=weights,
+        m1=m1,
+        m2=m2,
+        row_step=row_step,
+        meta=meta,
+        zeta=zeta,
+        indices=indices,
+        offsets=offsets,
+        grad=grad,
+        psw=psw,
+        feature_table=feature_table,
+        woffs=woffs,
+        rstarts=rstarts,
+        specs=specs,
+        d_off=d_off,
+    )
 
 
 def _tables_reference(c, **hp):
@@ -297,22 +319,30 @@ def _tables_reference(c, **hp):
         n, d, clip = c["specs"][t]
         lo, hi = int(offs[f * B]), int(offs[(f + 1) * B])
         sl = slice(c["woffs"][t], c["woffs"][t + 1])
-        st = CowClipAdamState(m1[sl].view(n, d), m2[sl].view(n, d), rs[c["rstarts"][t]:c["rstarts"][t + 1]],
-                              torch.zeros((), dtype=torch.long))
+        st = CowClipAdamState(
+            m1[sl].view(n, d), m2[sl].view(n, d), rs[c["rstarts"][t] : c["rstarts"][t + 1]], torch.zeros((), dtype=torch.long)
+        )
         out = cowclip_adam_step(
-            w[sl].view(n, d), st, c["indices"][lo:hi].long(), offs[f * B:(f + 1) * B + 1] - lo,
-            c["grad"][:, c["d_off"][f]:c["d_off"][f + 1]].contiguous(),
+            w[sl].view(n, d),
+            st,
+            c["indices"][lo:hi].long(),
+            offs[f * B : (f + 1) * B + 1] - lo,
+            c["grad"][:, c["d_off"][f] : c["d_off"][f + 1]].contiguous(),
             c["psw"][lo:hi] if c["psw"] is not None else None,
-            zeta=float(c["zeta"][f]), clip=clip, update_scope="batch", l2_scope="batch", bias_correction="row",
-            **hp)
+            zeta=float(c["zeta"][f]),
+            clip=clip,
+            update_scope="batch",
+            l2_scope="batch",
+            bias_correction="row",
+            **hp,
+        )
         stats[f, 0], stats[f, 1] = out.unique_rows, int(out.clipped_rows)
     return (w, m1, m2, rs), stats
 
 
 def _tables_fused(c, **hp):
     w, m1, m2, rs = c["weights"].clone(), c["m1"].clone(), c["m2"].clone(), c["row_step"].clone()
-    stats = ck.fused_cowclip_adam_tables(w, m1, m2, rs, c["meta"], c["zeta"], c["indices"], c["offsets"],
-                                         c["grad"], c["psw"], **hp)
+    stats = ck.fused_cowclip_adam_tables(w, m1, m2, rs, c["meta"], c["zeta"], c["indices"], c["offsets"], c["grad"], c["psw"], **hp)
     return (w, m1, m2, rs), stats
 
 
@@ -325,9 +355,10 @@ def _assert_tables_close(c, got, want, stats_got, stats_want):
     assert torch.equal(stats_got[:, 0], stats_want[:, 0])
     assert (stats_got[:, 1] - stats_want[:, 1]).abs().max() <= 1
     # rows of no table in the batch: bit-identical (flat buffers)
-    moved = (rs != c["row_step"])
-    rows_of = torch.repeat_interleave(moved, torch.tensor(
-        [c["specs"][t][1] for t in range(len(c["specs"])) for _ in range(c["specs"][t][0])]))
+    moved = rs != c["row_step"]
+    rows_of = torch.repeat_interleave(
+        moved, torch.tensor([c["specs"][t][1] for t in range(len(c["specs"])) for _ in range(c["specs"][t][0])])
+    )
     for new, old in ((w, c["weights"]), (m1, c["m1"]), (m2, c["m2"])):
         assert torch.equal(new[~rows_of], old[~rows_of])
 
@@ -410,11 +441,10 @@ def test_tbe_inline_backward_uses_tables_op(ext):
             tbe.weights.copy_(torch.randn(tbe.weights.numel(), generator=torch.Generator().manual_seed(1)) * 0.05)
         tbes.append(tbe)
     B = 9
-    for step in range(3):
+    for _ in range(3):
         lengths = torch.randint(0, 4, (3 * B,), generator=gen)
         rows_f = [specs[t][0] for t in [2, 0, 1]]
-        vals = torch.cat([torch.randint(0, min(6, rows_f[i // B]), (int(n),), generator=gen)
-                          for i, n in enumerate(lengths)])
+        vals = torch.cat([torch.randint(0, min(6, rows_f[i // B]), (int(n),), generator=gen) for i, n in enumerate(lengths)])
         offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(lengths, 0)])
         psw = torch.rand(vals.numel(), generator=gen) + 0.5
         target = torch.randn(B, 28, generator=gen)
@@ -471,8 +501,7 @@ def test_tbe_mean_pooling_is_sum_pooling_with_weights_one_over_the_bag(ext, scop
         for f, t in enumerate([1, 0]):
             lo, hi = int(offsets[f * B]), int(offsets[(f + 1) * B])
             offs = offsets[f * B : (f + 1) * B] - lo
-            want = F.embedding_bag(ids[lo:hi], w_all[t].detach(), offs, mode="sum",
-                                   per_sample_weights=None if psw is None else psw[lo:hi])
+            want = F.embedding_bag(ids[lo:hi], w_all[t].detach(), offs, mode="sum", per_sample_weights=None if psw is None else psw[lo:hi])
             n = lengths[f * B : (f + 1) * B].clamp(min=1).unsqueeze(1).float()
             d = specs[t][1]
             torch.testing.assert_close(out[:, cols : cols + d], want / n, rtol=1e-6, atol=1e-7)

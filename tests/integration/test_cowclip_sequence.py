@@ -7,7 +7,6 @@ the one-line refusals (index dedup, a tagged EC without this sharder)."""
 from __future__ import annotations
 
 import os
-import zlib
 from pathlib import Path
 
 import pytest
@@ -43,8 +42,7 @@ def _batches(steps: int):
     out = []
     for _ in range(steps):
         lengths = torch.randint(0, 4, (len(ALL) * B,), generator=g)
-        vals = torch.cat([torch.randint(0, min(8, ROWS[ALL[i // B]]), (int(n),), generator=g)
-                          for i, n in enumerate(lengths)])
+        vals = torch.cat([torch.randint(0, min(8, ROWS[ALL[i // B]]), (int(n),), generator=g) for i, n in enumerate(lengths)])
         per_id = torch.randn(vals.numel(), DIM, generator=g)
         per_sample = torch.randn(B, DIM * len(BAG), generator=g)
         out.append((lengths, vals, per_id, per_sample))
@@ -80,7 +78,11 @@ def _build(world: int, specs: dict):
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.sharding_plan import (
-        column_wise, construct_module_sharding_plan, data_parallel, row_wise, table_wise,
+        column_wise,
+        construct_module_sharding_plan,
+        data_parallel,
+        row_wise,
+        table_wise,
     )
     from torchrec.distributed.types import ShardingEnv, ShardingPlan
 
@@ -88,22 +90,33 @@ def _build(world: int, specs: dict):
     from recsys.optim.cowclip.sharder import CowClipEmbeddingBagCollectionSharder, tag_cowclip_adam
 
     meta = torch.device("meta")
-    ec = EmbeddingCollection(tables=[EmbeddingConfig(name=n, embedding_dim=DIM, num_embeddings=ROWS[n],
-                                                     feature_names=[n]) for n in SEQ], device=meta)
-    ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name=n, embedding_dim=DIM, num_embeddings=ROWS[n],
-                                                            feature_names=[n]) for n in BAG], device=meta)
-    tag_cowclip_adam(list(ec.parameters()) + list(ebc.parameters()), lr=LR, l2=L2, cowclip_r=R, cowclip_zeta=ZETA,
-                     update_scope="batch")
+    ec = EmbeddingCollection(
+        tables=[EmbeddingConfig(name=n, embedding_dim=DIM, num_embeddings=ROWS[n], feature_names=[n]) for n in SEQ], device=meta
+    )
+    ebc = EmbeddingBagCollection(
+        tables=[EmbeddingBagConfig(name=n, embedding_dim=DIM, num_embeddings=ROWS[n], feature_names=[n]) for n in BAG], device=meta
+    )
+    tag_cowclip_adam(list(ec.parameters()) + list(ebc.parameters()), lr=LR, l2=L2, cowclip_r=R, cowclip_zeta=ZETA, update_scope="batch")
     sharders = [CowClipEmbeddingCollectionSharder(), CowClipEmbeddingBagCollectionSharder()]
-    gen = {"table_wise": lambda a: table_wise(rank=a), "row_wise": lambda a: row_wise(),
-           "column_wise": lambda a: column_wise(ranks=a), "data_parallel": lambda a: data_parallel()}
+    gen = {
+        "table_wise": lambda a: table_wise(rank=a),
+        "row_wise": lambda a: row_wise(),
+        "column_wise": lambda a: column_wise(ranks=a),
+        "data_parallel": lambda a: data_parallel(),
+    }
     plan = {}
     for path, module, names, sharder in (("ec", ec, SEQ, sharders[0]), ("ebc", ebc, BAG, sharders[1])):
         per_param = {n: gen[specs[n][0]](specs[n][1]) for n in names}
-        plan[path] = construct_module_sharding_plan(module, per_param, local_size=world, world_size=world,
-                                                    device_type="cpu", sharder=sharder)
-    return DistributedModelParallel(_Model(ec, ebc), env=ShardingEnv.from_process_group(dist.GroupMember.WORLD),
-                                    plan=ShardingPlan(plan), sharders=sharders, device=torch.device("cpu"))
+        plan[path] = construct_module_sharding_plan(
+            module, per_param, local_size=world, world_size=world, device_type="cpu", sharder=sharder
+        )
+    return DistributedModelParallel(
+        _Model(ec, ebc),
+        env=ShardingEnv.from_process_group(dist.GroupMember.WORLD),
+        plan=ShardingPlan(plan),
+        sharders=sharders,
+        device=torch.device("cpu"),
+    )
 
 
 def _specs(world: int, only: str | None) -> dict:
@@ -173,8 +186,7 @@ def _run(rank, world, out: Path, steps, only, ckpt_at):
 
 def _spawn(world: int, tmp: Path, steps: int, only: str | None = None, ckpt_at: int = 0) -> None:
     tmp.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(_worker, args=(world, _free_port(), str(tmp), steps, only, ckpt_at), nprocs=world,
-                       start_method="spawn")
+    mp.start_processes(_worker, args=(world, _free_port(), str(tmp), steps, only, ckpt_at), nprocs=world, start_method="spawn")
 
 
 def _check(got: dict, want: dict, what: str) -> None:
@@ -216,8 +228,7 @@ def test_the_formula_tells_unpooled_from_pooled():
     go = torch.randn(4, DIM, generator=g)
     unpooled, pooled = w0.clone(), w0.clone()
     cowclip_adam_step(unpooled, CowClipAdamState.zeros_like(w0), ids, torch.arange(5), go, lr=LR, zeta=ZETA)
-    cowclip_adam_step(pooled, CowClipAdamState.zeros_like(w0), ids, torch.tensor([0, 2, 4]), go[[0, 2]], lr=LR,
-                      zeta=ZETA)
+    cowclip_adam_step(pooled, CowClipAdamState.zeros_like(w0), ids, torch.tensor([0, 2, 4]), go[[0, 2]], lr=LR, zeta=ZETA)
     assert not torch.allclose(unpooled, pooled)
 
 
@@ -235,8 +246,9 @@ def test_tagged_ec_without_the_sharder_names_it():
     from recsys.optim.cowclip.sharder import CowClipEmbeddingBagCollectionSharder, tag_cowclip_adam
     from sharding.optimizer_state import check_cowclip_sharders
 
-    ec = EmbeddingCollection(tables=[EmbeddingConfig(name="s", embedding_dim=8, num_embeddings=10,
-                                                     feature_names=["s"])], device=torch.device("meta"))
+    ec = EmbeddingCollection(
+        tables=[EmbeddingConfig(name="s", embedding_dim=8, num_embeddings=10, feature_names=["s"])], device=torch.device("meta")
+    )
     tag_cowclip_adam(ec.parameters())
     for sharders in ([CowClipEmbeddingBagCollectionSharder()], [EmbeddingCollectionSharder()]):
         with pytest.raises(ValueError, match=r"table s of EmbeddingCollection .* add CowClipEmbeddingCollectionSharder"):
@@ -274,8 +286,9 @@ def test_unpooled_kernel_matches_formula_for_every_update_scope(scope):
         (out * target).sum().backward()
         for t in range(2):
             lo, hi = int(off[t * b]), int(off[(t + 1) * b])
-            cowclip_adam_step(ref[t], st[t], idx[lo:hi], torch.arange(hi - lo + 1), target[lo:hi].contiguous(),
-                              lr=lr, l2=l2, r=1.0, zeta=ZETA, **dense)
+            cowclip_adam_step(
+                ref[t], st[t], idx[lo:hi], torch.arange(hi - lo + 1), target[lo:hi].contiguous(), lr=lr, l2=l2, r=1.0, zeta=ZETA, **dense
+            )
     tbe.catch_up_all()
     for w, r_ in zip(tbe.split_embedding_weights(), ref):
         torch.testing.assert_close(w, r_, rtol=0, atol=0.2 * lr if scope == "catchup" else 1e-6)
@@ -288,7 +301,10 @@ def test_private_torchrec_attributes_still_exist():
 
     from torchrec.distributed.embedding import ShardedEmbeddingCollection
     from torchrec.distributed.sharding import (
-        cw_sequence_sharding, dp_sequence_sharding, rw_sequence_sharding, tw_sequence_sharding,
+        cw_sequence_sharding,
+        dp_sequence_sharding,
+        rw_sequence_sharding,
+        tw_sequence_sharding,
     )
 
     for mod, attrs in [
@@ -298,7 +314,7 @@ def test_private_torchrec_attributes_still_exist():
         (dp_sequence_sharding, ["_grouped_embedding_configs", "_env.process_group"]),
     ]:
         src = inspect.getsource(mod)
-        body = src[src.index("def create_lookup"):][:1200]
+        body = src[src.index("def create_lookup") :][:1200]
         assert "GroupedEmbeddingsLookup(" in body, mod.__name__
         for a in attrs:
             assert f"self.{a}" in body, (mod.__name__, a)

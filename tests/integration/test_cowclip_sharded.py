@@ -52,10 +52,12 @@ def _batches(names: list[str], rows: dict[str, int], dims: dict[str, int], steps
     out = []
     for _ in range(steps):
         lengths = torch.randint(0, 4, (len(names) * B,), generator=g)
-        vals = torch.cat([
-            torch.randint(0, min(8, rows[names[i // B]]), (int(n),), generator=g)  # few ids: repeats
-            for i, n in enumerate(lengths)
-        ])
+        vals = torch.cat(
+            [
+                torch.randint(0, min(8, rows[names[i // B]]), (int(n),), generator=g)  # few ids: repeats
+                for i, n in enumerate(lengths)
+            ]
+        )
         psw = torch.rand(vals.numel(), generator=g) + 0.5
         target = torch.randn(B, sum(dims[n] for n in names), generator=g)
         out.append((lengths, vals, psw, target))
@@ -76,8 +78,7 @@ def _split_kjt(names, lengths, vals, psw, rank, world):
         vs.append(vals[lo:hi])
         ws.append(psw[lo:hi] if psw is not None else None)
         ls.append(L[f, rank * b : (rank + 1) * b])
-    return KeyedJaggedTensor(keys=names, values=torch.cat(vs), lengths=torch.cat(ls),
-                             weights=torch.cat(ws) if psw is not None else None)
+    return KeyedJaggedTensor(keys=names, values=torch.cat(vs), lengths=torch.cat(ls), weights=torch.cat(ws) if psw is not None else None)
 
 
 def _reference(names, rows, dims, clip, steps_data, pooling: str = "sum"):
@@ -94,8 +95,19 @@ def _reference(names, rows, dims, clip, steps_data, pooling: str = "sum"):
             lo, hi = int(offs[f * B]), int(offs[(f + 1) * B])
             go = target[:, d0 : d0 + dims[n]] / B  # d(mean over the batch of <pooled, target>)
             d0 += dims[n]
-            cowclip_adam_step(w[n], st[n], vals[lo:hi], offs[f * B : (f + 1) * B + 1] - lo, go.contiguous(),
-                              psw[lo:hi], lr=LR, l2=L2, r=R, zeta=ZETA, clip=clip[n])
+            cowclip_adam_step(
+                w[n],
+                st[n],
+                vals[lo:hi],
+                offs[f * B : (f + 1) * B + 1] - lo,
+                go.contiguous(),
+                psw[lo:hi],
+                lr=LR,
+                l2=L2,
+                r=R,
+                zeta=ZETA,
+                clip=clip[n],
+            )
     return w, st
 
 
@@ -110,8 +122,7 @@ def _plan_specs(world: int, only: str | None):
     return specs
 
 
-def _worker(rank: int, world: int, port: int, out: str, steps: int, only: str | None, ckpt_at: int,
-            pooling: str = "sum") -> None:
+def _worker(rank: int, world: int, port: int, out: str, steps: int, only: str | None, ckpt_at: int, pooling: str = "sum") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -125,26 +136,49 @@ def _build(world, specs, names, rows, dims, pooling: str = "sum"):
     from torchrec.modules.embedding_configs import PoolingType
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.sharding_plan import (
-        column_wise, construct_module_sharding_plan, data_parallel, row_wise, table_row_wise, table_wise,
+        column_wise,
+        construct_module_sharding_plan,
+        data_parallel,
+        row_wise,
+        table_row_wise,
+        table_wise,
     )
     from torchrec.distributed.types import ShardingEnv, ShardingPlan
 
     from recsys.optim.cowclip.sharder import CowClipEmbeddingBagCollectionSharder, tag_cowclip_adam
 
-    tables = [EmbeddingBagConfig(name=n, embedding_dim=dims[n], num_embeddings=rows[n], feature_names=[n],
-                                 pooling=PoolingType.MEAN if pooling == "mean" else PoolingType.SUM) for n in names]
+    tables = [
+        EmbeddingBagConfig(
+            name=n,
+            embedding_dim=dims[n],
+            num_embeddings=rows[n],
+            feature_names=[n],
+            pooling=PoolingType.MEAN if pooling == "mean" else PoolingType.SUM,
+        )
+        for n in names
+    ]
     ebc = EmbeddingBagCollection(tables=tables, is_weighted=pooling != "mean", device=torch.device("meta"))
     for n in names:
-        tag_cowclip_adam([ebc.embedding_bags[n].weight], lr=LR, l2=L2, cowclip_r=R, cowclip_zeta=ZETA, cowclip=n != WIDE,
-                         update_scope="batch")  # the lazy formula (the catch-up: test_cowclip_catchup.py)
+        tag_cowclip_adam(
+            [ebc.embedding_bags[n].weight], lr=LR, l2=L2, cowclip_r=R, cowclip_zeta=ZETA, cowclip=n != WIDE, update_scope="batch"
+        )  # the lazy formula (the catch-up: test_cowclip_catchup.py)
     sharder = CowClipEmbeddingBagCollectionSharder()
-    gen = {"table_wise": lambda a: table_wise(rank=a), "row_wise": lambda a: row_wise(),
-           "column_wise": lambda a: column_wise(ranks=a), "table_row_wise": lambda a: table_row_wise(host_index=a),
-           "data_parallel": lambda a: data_parallel()}
+    gen = {
+        "table_wise": lambda a: table_wise(rank=a),
+        "row_wise": lambda a: row_wise(),
+        "column_wise": lambda a: column_wise(ranks=a),
+        "table_row_wise": lambda a: table_row_wise(host_index=a),
+        "data_parallel": lambda a: data_parallel(),
+    }
     per_param = {n: gen[specs[n][0]](specs[n][1]) for n in names}
     mplan = construct_module_sharding_plan(ebc, per_param, local_size=world, world_size=world, device_type="cpu", sharder=sharder)
-    dmp = DistributedModelParallel(ebc, env=ShardingEnv.from_process_group(dist.GroupMember.WORLD),
-                                   plan=ShardingPlan({"": mplan}), sharders=[sharder], device=torch.device("cpu"))
+    dmp = DistributedModelParallel(
+        ebc,
+        env=ShardingEnv.from_process_group(dist.GroupMember.WORLD),
+        plan=ShardingPlan({"": mplan}),
+        sharders=[sharder],
+        device=torch.device("cpu"),
+    )
     return dmp
 
 
@@ -227,8 +261,7 @@ def _assemble(out: Path, world: int, prefix: str, rows, dims) -> dict[str, torch
 
 def _spawn(world: int, tmp: Path, steps: int, only: str | None = None, ckpt_at: int = 0, pooling: str = "sum") -> None:
     tmp.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(_worker, args=(world, _free_port(), str(tmp), steps, only, ckpt_at, pooling), nprocs=world,
-                       start_method="spawn")
+    mp.start_processes(_worker, args=(world, _free_port(), str(tmp), steps, only, ckpt_at, pooling), nprocs=world, start_method="spawn")
 
 
 def _expected(steps, pooling: str = "sum"):
@@ -255,7 +288,7 @@ def test_private_torchrec_attributes_still_exist():
         (dp_sharding, ["_grouped_embedding_configs", "_env.process_group"]),
     ]:
         src = inspect.getsource(mod)
-        body = src[src.index("def create_lookup"):][:1200]
+        body = src[src.index("def create_lookup") :][:1200]
         for a in attrs:
             assert f"self.{a}" in body, (mod.__name__, a)
     assert hasattr(ShardedEmbeddingBagCollection, "_create_lookups")
@@ -336,7 +369,8 @@ def test_planner_counts_adam_state_for_cowclip_tables():
         )
         tag(ebc.parameters())
         opts = EmbeddingEnumerator(Topology(world_size=1, compute_device="cuda"), batch_size=512).enumerate(
-            ebc, [CowClipEmbeddingBagCollectionSharder()])
+            ebc, [CowClipEmbeddingBagCollectionSharder()]
+        )
         tw = [o for o in opts if o.sharding_type == "table_wise" and o.compute_kernel == "fused"][0]
         return tw.total_storage.hbm
 
@@ -351,12 +385,16 @@ def _fbgemm_tbe(**kw):
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-        ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen,
+        ComputeDevice,
+        SplitTableBatchedEmbeddingBagsCodegen,
     )
 
     tbe = SplitTableBatchedEmbeddingBagsCodegen(
-        [(10, 8, EmbeddingLocation.HOST, ComputeDevice.CPU)], optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-        learning_rate=0.1, eps=1e-8, **kw,
+        [(10, 8, EmbeddingLocation.HOST, ComputeDevice.CPU)],
+        optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+        learning_rate=0.1,
+        eps=1e-8,
+        **kw,
     )
     tbe.split_embedding_weights()[0].copy_(torch.randn(10, 8, generator=torch.Generator().manual_seed(0)) * 0.01)
     return tbe
@@ -371,9 +409,12 @@ def test_fbgemm_native_cowclip_is_clip_by_lifetime_count_then_rowwise_adagrad():
     CounterWeightDecayMode, CowClipDefinition, WeightDecayMode = fbgemm_cowclip_types()
 
     def cow(lb):
-        return dict(weight_decay_mode=WeightDecayMode.COWCLIP, cowclip_regularization=CowClipDefinition(
-            counter_weight_decay_mode=CounterWeightDecayMode.NONE, counter_halflife=-1,
-            weight_norm_coefficient=1.0, lower_bound=lb))
+        return dict(
+            weight_decay_mode=WeightDecayMode.COWCLIP,
+            cowclip_regularization=CowClipDefinition(
+                counter_weight_decay_mode=CounterWeightDecayMode.NONE, counter_halflife=-1, weight_norm_coefficient=1.0, lower_bound=lb
+            ),
+        )
 
     idx, off = torch.tensor([1, 2, 2, 3]), torch.tensor([0, 2, 4])
     go = torch.randn(2, 8, generator=torch.Generator().manual_seed(1))
@@ -415,8 +456,19 @@ def test_all_rows_scope_equals_the_dense_reference():
         tbe.backward_update_all_rows(go, idx, off, None)
         for t in range(2):
             lo, hi = int(off[t * 6]), int(off[(t + 1) * 6])
-            cowclip_adam_step(ref[t], st[t], idx[lo:hi], off[t * 6 : (t + 1) * 6 + 1] - lo, go[:, 8 * t : 8 * t + 8],
-                              lr=0.01, l2=0.05, r=1.0, zeta=0.05, update_scope="all", l2_scope="all")
+            cowclip_adam_step(
+                ref[t],
+                st[t],
+                idx[lo:hi],
+                off[t * 6 : (t + 1) * 6 + 1] - lo,
+                go[:, 8 * t : 8 * t + 8],
+                lr=0.01,
+                l2=0.05,
+                r=1.0,
+                zeta=0.05,
+                update_scope="all",
+                l2_scope="all",
+            )
     for w, r_ in zip(tbe.split_embedding_weights(), ref):
         torch.testing.assert_close(w, r_, rtol=1e-5, atol=1e-6)  # float32 rounding of two formulations
     assert tbe.row_step.eq(4).all()

@@ -28,8 +28,16 @@ def _records(run_dir: Path, kind: str) -> list[dict]:
 
 def test_cowclip_adam_trains_with_scaling_rule_and_checkpoints_its_state(tmp_path):
     run = tmp_path / "cow"
-    s = _train(run, "optim.embedding=cowclip_adam", "optim.embedding_lr=0.002", "optim.embedding_l2=1e-5",
-               "optim.scale_from_batch=256", "train.max_steps=200", "train.log_every=20", "checkpoint.every_steps=100")
+    s = _train(
+        run,
+        "optim.embedding=cowclip_adam",
+        "optim.embedding_lr=0.002",
+        "optim.embedding_l2=1e-5",
+        "optim.scale_from_batch=256",
+        "train.max_steps=200",
+        "train.log_every=20",
+        "checkpoint.every_steps=100",
+    )
     assert s["auc"] > 0.75 and s["oracle_auc"] - s["auc"] < 0.05, s
     train = _records(run, "train")
     assert all(0.0 <= x["clipped_row_fraction"] <= 1.0 for x in train)
@@ -65,8 +73,21 @@ def test_cowclip_adam_in_hierarchical_training_merges_its_tables(tmp_path):
     weights and moments (our storage, not FBGEMM's) and max-reduces its per-row step, so every
     host ends with the same model."""
     out = tmp_path / "k"
-    cmd = [sys.executable, "tools/exp_kstep.py", "--quick", "--ks", "4", "--moments", "on", "--out", str(out),
-           "--set", "optim.embedding=cowclip_adam", "--set", "optim.embedding_lr=0.002"]
+    cmd = [
+        sys.executable,
+        "tools/exp_kstep.py",
+        "--quick",
+        "--ks",
+        "4",
+        "--moments",
+        "on",
+        "--out",
+        str(out),
+        "--set",
+        "optim.embedding=cowclip_adam",
+        "--set",
+        "optim.embedding_lr=0.002",
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     (summary,) = list(out.rglob("summary.json"))

@@ -45,8 +45,8 @@ if not HAVE_TRITON:
 else:
     needs_triton = pytest.mark.skipif(
         not ctr.triton_available(DEV),
-        reason="triton was imported without TRITON_INTERPRET=1 before this file and there is no CUDA "
-               "device: run with TRITON_INTERPRET=1")
+        reason="triton was imported without TRITON_INTERPRET=1 before this file and there is no CUDA device: run with TRITON_INTERPRET=1",
+    )
 
 
 # ----------------------------------------------------------------------------- cases
@@ -95,25 +95,34 @@ class Group:
         self.d_off = [0]
         for d in self.dims:
             self.d_off.append(self.d_off[-1] + d)
-        self.meta = torch.tensor([[self.woffs[t], specs[t][0], specs[t][1], self.d_off[f], self.rstarts[t],
-                                   int(specs[t][2])] for f, t in enumerate(self.feature_table)], dtype=torch.long)
+        self.meta = torch.tensor(
+            [
+                [self.woffs[t], specs[t][0], specs[t][1], self.d_off[f], self.rstarts[t], int(specs[t][2])]
+                for f, t in enumerate(self.feature_table)
+            ],
+            dtype=torch.long,
+        )
         self.zeta = torch.tensor([zeta_base * (1 + f) for f in range(T)], dtype=torch.float64)
 
     def state(self):
         return [x.clone().to(DEV) for x in (self.weights, self.m1, self.m2, self.row_step)]
 
-    def batch(self, gen, num_bags, *, max_len=4, weighted=True, grad_scale=0.05, empty_feature=None,
-              hot_every_bag=False):
+    def batch(self, gen, num_bags, *, max_len=4, weighted=True, grad_scale=0.05, empty_feature=None, hot_every_bag=False):
         """Feature-major KJT lookup (indices, offsets [F*B+1]) and grad_output [B, total_D]."""
         ids_l, len_l = [], []
         for f, t in enumerate(self.feature_table):
             n = self.specs[t][0]
-            lengths, ids = _bags(gen, n, num_bags, max_len, min(n, 25 + 5 * f),
-                                 hot=torch.tensor([0, 1, n - 1]) if n > 2 else None)
+            lengths, ids = _bags(gen, n, num_bags, max_len, min(n, 25 + 5 * f), hot=torch.tensor([0, 1, n - 1]) if n > 2 else None)
             if hot_every_bag:  # row 0 in every bag, twice in some: cnt = num_bags > CHUNK
-                lengths, ids = lengths + 1, torch.cat(
-                    [torch.cat([torch.zeros(1, dtype=torch.long), ids[s:s + ln]])
-                     for s, ln in zip((torch.cumsum(lengths, 0) - lengths).tolist(), lengths.tolist())])
+                lengths, ids = (
+                    lengths + 1,
+                    torch.cat(
+                        [
+                            torch.cat([torch.zeros(1, dtype=torch.long), ids[s : s + ln]])
+                            for s, ln in zip((torch.cumsum(lengths, 0) - lengths).tolist(), lengths.tolist())
+                        ]
+                    ),
+                )
             if f == empty_feature:
                 lengths, ids = torch.zeros_like(lengths), ids[:0]
             ids_l.append(ids)
@@ -136,13 +145,26 @@ class Group:
             n, d, clip = self.specs[t]
             lo, hi = int(offs[f * B]), int(offs[(f + 1) * B])
             sl = slice(self.woffs[t], self.woffs[t + 1])
-            st = CowClipAdamState(m1[sl].view(n, d), m2[sl].view(n, d), rs[self.rstarts[t]:self.rstarts[t + 1]],
-                                  torch.zeros((), dtype=torch.long, device=w.device))
+            st = CowClipAdamState(
+                m1[sl].view(n, d),
+                m2[sl].view(n, d),
+                rs[self.rstarts[t] : self.rstarts[t + 1]],
+                torch.zeros((), dtype=torch.long, device=w.device),
+            )
             out = cowclip_adam_step(
-                w[sl].view(n, d), st, indices[lo:hi].long(), offs[f * B:(f + 1) * B + 1] - lo,
-                grad[:, self.d_off[f]:self.d_off[f + 1]].contiguous(), psw[lo:hi] if psw is not None else None,
-                zeta=float(self.zeta[f]), clip=clip, update_scope="batch", l2_scope="batch",
-                bias_correction="row", **hp)
+                w[sl].view(n, d),
+                st,
+                indices[lo:hi].long(),
+                offs[f * B : (f + 1) * B + 1] - lo,
+                grad[:, self.d_off[f] : self.d_off[f + 1]].contiguous(),
+                psw[lo:hi] if psw is not None else None,
+                zeta=float(self.zeta[f]),
+                clip=clip,
+                update_scope="batch",
+                l2_scope="batch",
+                bias_correction="row",
+                **hp,
+            )
             stats[f, 0], stats[f, 1] = out.unique_rows, int(out.clipped_rows)
         return stats
 
@@ -153,8 +175,7 @@ class Group:
 
 def _run_triton(g: Group, bufs, indices, offsets, grad, psw, **hp):
     on = lambda x: None if x is None else x.to(DEV)  # noqa: E731
-    return ctr.triton_cowclip_adam_tables(*bufs, g.meta, g.zeta, on(indices), on(offsets), on(grad), on(psw),
-                                          **hp).cpu()
+    return ctr.triton_cowclip_adam_tables(*bufs, g.meta, g.zeta, on(indices), on(offsets), on(grad), on(psw), **hp).cpu()
 
 
 def _assert_close(g: Group, got, want, before, stats_got, stats_want, exact_clipped=False):
@@ -182,15 +203,15 @@ SPECS = [(50, 16, True), (3, 4, True), (60, 7, False), (40, 33, True), (20, 1, F
 
 
 @needs_triton
-@pytest.mark.parametrize("eps_mode,l2,weighted", [("torch", 0.0, True), ("torch", 1e-2, False),
-                                                  ("keras", 0.0, False), ("keras", 1e-2, True)])
+@pytest.mark.parametrize(
+    "eps_mode,l2,weighted", [("torch", 0.0, True), ("torch", 1e-2, False), ("keras", 0.0, False), ("keras", 1e-2, True)]
+)
 def test_tables_match_reference_over_steps(eps_mode, l2, weighted):
     """Several tables (dims 1..33, two unclipped, zeta' floor rows) in one launch, 3 steps with the
     moments and row steps carried over; repeated ids inside and across bags; both eps modes."""
     gen = torch.Generator().manual_seed(int(eps_mode == "keras") * 2 + int(l2 > 0))
     g = Group(gen, SPECS)
-    hp = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8 if eps_mode == "torch" else 1e-7, r=1.0, l2=l2,
-              eps_mode=eps_mode)
+    hp = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8 if eps_mode == "torch" else 1e-7, r=1.0, l2=l2, eps_mode=eps_mode)
     bufs = g.state()
     ref = [x.clone() for x in (g.weights, g.m1, g.m2, g.row_step)]
     clipped_seen = 0
@@ -254,16 +275,16 @@ def test_zeta_floor_and_distinct_counts_over_chunks():
     m1 = bufs[1].cpu()
     for f, t in enumerate(g.feature_table):
         n, d, _ = specs[t]
-        ids = idx[off[f * B]:off[(f + 1) * B]]
-        offs = off[f * B:(f + 1) * B + 1] - off[f * B]
+        ids = idx[off[f * B] : off[(f + 1) * B]]
+        offs = off[f * B : (f + 1) * B + 1] - off[f * B]
         cnt: dict[int, int] = {}
         for b in range(B):
-            for k in set(ids[offs[b]:offs[b + 1]].tolist()):
+            for k in set(ids[offs[b] : offs[b + 1]].tolist()):
                 cnt[k] = cnt.get(k, 0) + 1
         assert cnt[0] == B
         assert int((ids == 0).sum()) > ctr.CHUNK * 2
         zeta_p = r * math.sqrt(d) * float(g.zeta[f])
-        m = m1[g.woffs[t]:g.woffs[t + 1]].view(n, d)
+        m = m1[g.woffs[t] : g.woffs[t + 1]].view(n, d)
         for k, c in cnt.items():
             assert torch.linalg.vector_norm(m[k]).item() / (1 - b1) == pytest.approx(r * c * zeta_p, rel=1e-5)
 
@@ -282,8 +303,9 @@ def test_one_table_wrapper_matches_reference():
         lengths, ids = _bags(gen, n, 9, 4, n)
         off = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(lengths, 0)])
         go = torch.randn(9, d, generator=gen)
-        got = ctr.triton_cowclip_adam_step(w, st, ids.to(DEV), off.to(DEV), go.to(DEV), lr=hp["lr"], l2=hp["l2"],
-                                           zeta=hp["zeta"], r=hp["r"], eps_mode="keras", eps=1e-7)
+        got = ctr.triton_cowclip_adam_step(
+            w, st, ids.to(DEV), off.to(DEV), go.to(DEV), lr=hp["lr"], l2=hp["l2"], zeta=hp["zeta"], r=hp["r"], eps_mode="keras", eps=1e-7
+        )
         want = cowclip_adam_step(w_r, st_r, ids, off, go, update_scope="batch", **hp)
         torch.testing.assert_close(w.cpu(), w_r, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(st.exp_avg.cpu(), st_r.exp_avg, rtol=1e-5, atol=1e-6)
@@ -300,8 +322,8 @@ def test_int32_ids_empty_feature_strided_grad_and_rerun_bit_identical():
     g = Group(gen, SPECS[:3])
     idx, off, grad, psw = g.batch(gen, num_bags=8, empty_feature=1)
     wide = torch.randn(grad.shape[0], grad.shape[1] + 5, generator=gen)
-    wide[:, 2:2 + grad.shape[1]] = grad
-    strided = wide[:, 2:2 + grad.shape[1]]
+    wide[:, 2 : 2 + grad.shape[1]] = grad
+    strided = wide[:, 2 : 2 + grad.shape[1]]
     assert strided.stride(0) != grad.shape[1]
     hp = dict(lr=1e-2, l2=1e-2)
     ref = [x.clone() for x in (g.weights, g.m1, g.m2, g.row_step)]
@@ -339,13 +361,16 @@ def test_bad_inputs_raise_one_line_and_write_nothing():
     meta[0, 1] = 10_000
     overlap = g.meta.clone()
     overlap[1, 0] = overlap[0, 0]
-    for case, msg in cases + [(dict(meta=meta), "feature 0: table outside the weights buffer"),
-                              (dict(meta=overlap), "features must read distinct, non-overlapping tables")]:
+    for case, msg in cases + [
+        (dict(meta=meta), "feature 0: table outside the weights buffer"),
+        (dict(meta=overlap), "features must read distinct, non-overlapping tables"),
+    ]:
         bufs = g.state()
         args = dict(indices=idx, offsets=off, grad=grad, meta=g.meta) | case
         with pytest.raises(RuntimeError) as e:
-            ctr.triton_cowclip_adam_tables(*bufs, args["meta"], g.zeta, args["indices"].to(DEV),
-                                           args["offsets"].to(DEV), args["grad"].to(DEV), None, **hp)
+            ctr.triton_cowclip_adam_tables(
+                *bufs, args["meta"], g.zeta, args["indices"].to(DEV), args["offsets"].to(DEV), args["grad"].to(DEV), None, **hp
+            )
         assert str(e.value) == msg
         for new, old in zip(bufs, (g.weights, g.m1, g.m2, g.row_step)):
             assert torch.equal(new.cpu(), old)
@@ -365,8 +390,10 @@ CATCHUP_GAPS = [1, 2, 3, 5, 17, 100, 333, 1000, 3000]
 
 
 @needs_triton
-@pytest.mark.parametrize("lr,l2,eps_mode,growth", [(1e-3, 1e-4, "torch", 2.0), (1e-4, 1.28e-3, "keras", 2.0),
-                                                   (1e-2, 0.0, "torch", 2.0), (1e-3, 1e-4, "keras", 3.0)])
+@pytest.mark.parametrize(
+    "lr,l2,eps_mode,growth",
+    [(1e-3, 1e-4, "torch", 2.0), (1e-4, 1.28e-3, "keras", 2.0), (1e-2, 0.0, "torch", 2.0), (1e-3, 1e-4, "keras", 3.0)],
+)
 def test_catch_up_kernel_matches_the_torch_catch_up(lr, l2, eps_mode, growth):
     """``triton_catch_up_rows`` against ``catch_up`` (recsys/optim/cowclip/catchup.py) on gaps 1 ..
     3000 with data momenta, rows of dims 16 and 8 in one launch at scattered offsets and permuted
@@ -388,15 +415,16 @@ def test_catch_up_kernel_matches_the_torch_catch_up(lr, l2, eps_mode, growth):
         rs_all = torch.full((n + 2,), -7, dtype=torch.long)
         rs_all[slots] = torch.tensor([step - gap for gap, _ in rows])
         bufs = [x.clone().to(DEV) for x in flat] + [rs_all.clone().to(DEV)]
-        triton_catch_up_rows(*bufs, torch.tensor(offs).to(DEV), slots.to(DEV),
-                             torch.tensor([d for _, d in rows]).to(DEV), step, growth=growth, **kw)
+        triton_catch_up_rows(
+            *bufs, torch.tensor(offs).to(DEV), slots.to(DEV), torch.tensor([d for _, d in rows]).to(DEV), step, growth=growth, **kw
+        )
         got = [b.cpu() for b in bufs]
         assert got[3][slots].eq(step).all() and got[3][:2].eq(-7).all()
         for i, ((gap, dim), o) in enumerate(zip(rows, offs)):
-            start = [x[o:o + dim].view(1, dim) for x in flat]
+            start = [x[o : o + dim].view(1, dim) for x in flat]
             want = catch_up(*start, torch.tensor([step - gap]), step, growth=growth, **kw)
             for name, a, b, st in zip("wmv", got[:3], want, start):
-                a = a[o:o + dim].view(1, dim)
+                a = a[o : o + dim].view(1, dim)
                 if gap == 0:
                     assert torch.equal(a, st), f"row {i}: a current row was written"
                     continue
@@ -407,7 +435,7 @@ def test_catch_up_kernel_matches_the_torch_catch_up(lr, l2, eps_mode, growth):
                 assert worst <= 1.0, f"step {step} gap {gap} dim {dim} {name}: error {worst:.2f}x the allowed"
         outside = torch.ones(pos, dtype=torch.bool)
         for (_, dim), o in zip(rows, offs):
-            outside[o:o + dim] = False
+            outside[o : o + dim] = False
         for a, b in zip(got[:3], flat):
             assert torch.equal(a[outside], b[outside])
 
@@ -436,10 +464,9 @@ def test_catch_up_lookup_kernel_matches_the_torch_catch_up(index_dtype, eps_mode
     flat = [torch.randn(pos, generator=gen) * s for s in (1e-2, 1e-4)] + [torch.rand(pos, generator=gen) * 1e-8]
     rs = torch.full((rpos,), -7, dtype=torch.long)
     for t, (n, _) in enumerate(specs):
-        rs[rs_start[t]:rs_start[t] + n] = step - torch.randint(0, 3000, (n,), generator=gen)
+        rs[rs_start[t] : rs_start[t] + n] = step - torch.randint(0, 3000, (n,), generator=gen)
     lengths = torch.randint(0, 4, (len(fmap) * B,), generator=gen)
-    ids = torch.cat([torch.randint(0, specs[fmap[i // B]][0], (int(lengths[i]),), generator=gen)
-                     for i in range(len(fmap) * B)])
+    ids = torch.cat([torch.randint(0, specs[fmap[i // B]][0], (int(lengths[i]),), generator=gen) for i in range(len(fmap) * B)])
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
     ids[int(offsets[B])] = specs[0][0] + 3  # feature 1 reads table 0: an id outside it
     feature = (torch.searchsorted(offsets[::B], torch.arange(ids.numel()), right=True) - 1).tolist()
@@ -447,8 +474,9 @@ def test_catch_up_lookup_kernel_matches_the_torch_catch_up(index_dtype, eps_mode
     cur_t, cur_k = next(iter(sorted(read)))
     rs[rs_start[cur_t] + cur_k] = step  # a row the lookup reads that is already current
     bufs = [x.clone().to(DEV) for x in flat] + [rs.clone().to(DEV)]
-    n_advanced = triton_catch_up_lookup(*bufs, meta.to(DEV), ids.to(index_dtype).to(DEV),
-                                        offsets.to(index_dtype).to(DEV), step, max_dim=16, **kw)
+    n_advanced = triton_catch_up_lookup(
+        *bufs, meta.to(DEV), ids.to(index_dtype).to(DEV), offsets.to(index_dtype).to(DEV), step, max_dim=16, **kw
+    )
     got = [b.cpu() for b in bufs]
     want_rs, written = rs.clone(), torch.zeros(pos, dtype=torch.bool)
     advanced = 0
@@ -459,11 +487,11 @@ def test_catch_up_lookup_kernel_matches_the_torch_catch_up(index_dtype, eps_mode
             continue
         advanced += 1
         want_rs[slot] = step
-        written[o:o + d] = True
-        start = [x[o:o + d].view(1, d) for x in flat]
-        want = catch_up(*start, rs[slot:slot + 1], step, **kw)
+        written[o : o + d] = True
+        start = [x[o : o + d].view(1, d) for x in flat]
+        want = catch_up(*start, rs[slot : slot + 1], step, **kw)
         for name, a, b, st in zip("wmv", got[:3], want, start):
-            a = a[o:o + d].view(1, d)
+            a = a[o : o + d].view(1, d)
             allowed = 1e-5 * b.abs() + 1e-6 * st.abs().max() + 1e-30  # as the per-row kernel's test
             worst = float(((a - b).abs() / allowed).max())
             assert worst <= 1.0, f"table {t} row {k} (gap {step - int(rs[slot])}) {name}: error {worst:.2f}x the allowed"
@@ -483,8 +511,7 @@ def test_catch_up_kernel_in_the_tbe_equals_the_torch_catch_up():
 
     def tbe(op):
         hp = CowClipHyper(learning_rate=0.01, l2=0.05, cowclip_r=1.0, cowclip_zeta=0.05, update_scope="catchup")
-        t = CowClipAdamTBE([(30, 8), (200, 4)], [0, 1], hp, full_dims=[8, 4], mode="inline", catchup_op=op,
-                           device=DEV)
+        t = CowClipAdamTBE([(30, 8), (200, 4)], [0, 1], hp, full_dims=[8, 4], mode="inline", catchup_op=op, device=DEV)
         with torch.no_grad():
             t.weights.copy_(torch.randn(t.weights.numel(), generator=torch.Generator().manual_seed(3)) * 0.05)
         return t
@@ -493,8 +520,7 @@ def test_catch_up_kernel_in_the_tbe_equals_the_torch_catch_up():
     gen = torch.Generator().manual_seed(4)
     for step in range(40):
         bags = 4
-        ids = torch.cat([torch.randint(0, 30 if step % 7 else 3, (bags,), generator=gen),
-                         torch.randint(0, 200, (bags,), generator=gen)])
+        ids = torch.cat([torch.randint(0, 30 if step % 7 else 3, (bags,), generator=gen), torch.randint(0, 200, (bags,), generator=gen)])
         off = torch.arange(2 * bags + 1)
         grad = torch.randn(bags, 12, generator=gen)
         outs = []
@@ -569,8 +595,7 @@ def test_kernel_compiles_for_gpus_without_one(tmp_path):
     cubin for sm_80 and sm_90 (ptxas ships with triton; no GPU or driver needed), in a process that
     imports triton in compiled mode. Its PTX has no atomics (reruns are bit-identical)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=os.pathsep.join([str(REPO), *sys.path]), TRITON_CACHE_DIR=str(tmp_path),
-               TRITON_DEFAULT_FP_FUSION="1")
+    env.update(PYTHONPATH=os.pathsep.join([str(REPO), *sys.path]), TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
     out = subprocess.run([sys.executable, "-c", AOT], cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("ok") == 12
@@ -587,8 +612,14 @@ def test_cpu_install_without_triton_keeps_working():
         "assert c.cowclip_table_update_for('cuda') is k.fused_cowclip_adam_step\n"
         "print('ok')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
-                         env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
 
@@ -603,7 +634,13 @@ def test_importing_the_module_does_not_import_triton():
         "assert 'triton' not in sys.modules, 'imported'\n"
         "print('ok')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
-                         env={"PYTHONPATH": os.pathsep.join([str(REPO), *sys.path]), "PATH": "/usr/bin:/bin"})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PYTHONPATH": os.pathsep.join([str(REPO), *sys.path]), "PATH": "/usr/bin:/bin"},
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"

@@ -21,7 +21,10 @@ from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.modules.embedding_configs import DataType, PoolingType
 
 from recsys.optim.cowclip.sharder import (
-    CowClipEmbeddingBagCollectionSharder, split_by_location, state_location, tag_cowclip_adam,
+    CowClipEmbeddingBagCollectionSharder,
+    split_by_location,
+    state_location,
+    tag_cowclip_adam,
 )
 from recsys.optim.cowclip.tbe import CowClipAdamTBE, CowClipHyper, unified_zeros
 
@@ -78,14 +81,14 @@ def test_unknown_location_is_a_one_line_error():
 def _table(name: str, kernel: EmbeddingComputeKernel):
     from torchrec.distributed.embedding_types import ShardedEmbeddingTable
 
-    return ShardedEmbeddingTable(num_embeddings=10, embedding_dim=4, name=name, feature_names=[f"f_{name}"],
-                                 compute_kernel=kernel)
+    return ShardedEmbeddingTable(num_embeddings=10, embedding_dim=4, name=name, feature_names=[f"f_{name}"], compute_kernel=kernel)
 
 
 def _group(tables, optimizer: str = "recsys.cowclip_adam", **fused) -> GroupedEmbeddingConfig:
     """A group as torchrec's grouping makes it: fused and fused_uvm tables filed under ``fused``."""
-    return GroupedEmbeddingConfig(DataType.FP32, PoolingType.SUM, False, False, EmbeddingComputeKernel.FUSED, tables,
-                                  fused_params={"optimizer": optimizer, **fused})
+    return GroupedEmbeddingConfig(
+        DataType.FP32, PoolingType.SUM, False, False, EmbeddingComputeKernel.FUSED, tables, fused_params={"optimizer": optimizer, **fused}
+    )
 
 
 def test_the_plan_kernel_of_each_table_decides_where_its_state_lives():
@@ -98,9 +101,13 @@ def test_the_plan_kernel_of_each_table_decides_where_its_state_lives():
         state_location(_group([_table("t_big", K.FUSED_UVM_CACHING)]))
     assert str(e.value) == (
         "CowClip-Adam table t_big: compute kernel fused_uvm_caching is not supported (FBGEMM's cache of hot "
-        "rows cannot stay coherent with the CowClip update); use fused_uvm or fused")
-    with pytest.raises(ValueError, match=r"^CowClip-Adam table t_big needs compute kernel fused or fused_uvm "
-                                         r"\(dense for data_parallel\), the plan says key_value$"):
+        "rows cannot stay coherent with the CowClip update); use fused_uvm or fused"
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"^CowClip-Adam table t_big needs compute kernel fused or fused_uvm "
+        r"\(dense for data_parallel\), the plan says key_value$",
+    ):
         state_location(_group([_table("t_big", K.KEY_VALUE)]))
 
 
@@ -127,8 +134,7 @@ WEIGHT_BYTES = ROWS * DIM * 4
 
 def _cowclip_ebc(n: int = 1, rows: int = ROWS) -> EmbeddingBagCollection:
     ebc = EmbeddingBagCollection(
-        tables=[EmbeddingBagConfig(name=f"t_{i}", embedding_dim=DIM, num_embeddings=rows, feature_names=[f"f_{i}"])
-                for i in range(n)],
+        tables=[EmbeddingBagConfig(name=f"t_{i}", embedding_dim=DIM, num_embeddings=rows, feature_names=[f"f_{i}"]) for i in range(n)],
         device=torch.device("meta"),
     )
     tag_cowclip_adam(ebc.parameters(), lr=1e-3)
@@ -142,12 +148,10 @@ def test_sharder_offers_what_the_kernel_supports_per_device():
         assert s.compute_kernels(st, "cpu") == ["fused"]
     assert s.compute_kernels("data_parallel", "cuda") == ["dense"]
     # what torchrec's enumerator makes of it, on a CUDA topology planned on this CPU machine
-    opts = EmbeddingEnumerator(Topology(world_size=2, compute_device="cuda"), batch_size=512).enumerate(
-        _cowclip_ebc(), [s])
+    opts = EmbeddingEnumerator(Topology(world_size=2, compute_device="cuda"), batch_size=512).enumerate(_cowclip_ebc(), [s])
     kinds = {(o.sharding_type == "data_parallel", o.compute_kernel) for o in opts}
     assert kinds == {(False, "fused"), (False, "fused_uvm"), (True, "dense")}
-    cpu = EmbeddingEnumerator(Topology(world_size=2, compute_device="cpu"), batch_size=512).enumerate(
-        _cowclip_ebc(), [s])
+    cpu = EmbeddingEnumerator(Topology(world_size=2, compute_device="cpu"), batch_size=512).enumerate(_cowclip_ebc(), [s])
     assert {(o.sharding_type == "data_parallel", o.compute_kernel) for o in cpu} == {(False, "fused"), (True, "dense")}
 
 
@@ -155,7 +159,8 @@ def test_storage_estimate_of_a_cowclip_uvm_table_is_host_memory():
     """fused_uvm: weights + both Adam moments (3x the weight bytes) in host memory (DDR), only the
     lookup's input/output buffers in HBM; fused: the same 3x in HBM, nothing in DDR."""
     opts = EmbeddingEnumerator(Topology(world_size=1, compute_device="cuda"), batch_size=512).enumerate(
-        _cowclip_ebc(), [CowClipEmbeddingBagCollectionSharder()])
+        _cowclip_ebc(), [CowClipEmbeddingBagCollectionSharder()]
+    )
     tw = {o.compute_kernel: o for o in opts if o.sharding_type == "table_wise"}
     uvm, fused = tw["fused_uvm"].total_storage, tw["fused"].total_storage
     assert uvm.ddr == 3 * WEIGHT_BYTES
@@ -175,8 +180,7 @@ def test_tight_hbm_plan_on_a_cuda_topology_puts_cowclip_tables_in_host_memory():
     logging.disable(logging.WARNING)
     try:
         topo = load_topology("dgx-a100")
-        hosts = tuple(dataclasses.replace(h, gpus=tuple(dataclasses.replace(g, hbm_bytes=64 << 20) for g in h.gpus))
-                      for h in topo.hosts)
+        hosts = tuple(dataclasses.replace(h, gpus=tuple(dataclasses.replace(g, hbm_bytes=64 << 20) for g in h.gpus)) for h in topo.hosts)
         topo = dataclasses.replace(topo, hosts=hosts, name="dgx-a100-64mib")
         rows = 1_000_000
         planner = TopologyAwarePlanner(topo, 512, column_splits=())
@@ -208,6 +212,5 @@ def test_dmp_with_uvm_planned_cowclip_tables_trains_and_resumes_on_cpu(tmp_path,
     from tests.support import cowclip_uvm_dmp
     from tests.integration.test_cowclip_sharded import _free_port
 
-    mp.start_processes(cowclip_uvm_dmp.gloo_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world,
-                       start_method="spawn")
+    mp.start_processes(cowclip_uvm_dmp.gloo_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, start_method="spawn")
     cowclip_uvm_dmp.check(tmp_path, world, uvm=False)

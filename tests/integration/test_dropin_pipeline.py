@@ -41,8 +41,21 @@ def doc_lines() -> list[str]:
 # train(), after train_model is built) and in its loop: the block may read these and nothing else
 # it does not define itself (pasted into the script, it must not stop with a NameError).
 TRAIN_DLRM_NAMES = {
-    "os", "torch", "dist", "DistributedModelParallel", "num_embeddings", "embedding_dim", "learning_rate", "rank",
-    "device", "backend", "eb_configs", "dlrm_model", "train_model", "non_fused_optimizer", "train_pipeline",
+    "os",
+    "torch",
+    "dist",
+    "DistributedModelParallel",
+    "num_embeddings",
+    "embedding_dim",
+    "learning_rate",
+    "rank",
+    "device",
+    "backend",
+    "eb_configs",
+    "dlrm_model",
+    "train_model",
+    "non_fused_optimizer",
+    "train_pipeline",
     "train_iterator",
 }
 
@@ -73,8 +86,15 @@ def test_doc_lines_are_the_tested_lines():
     missing = [ln for ln in lines if ln not in worker]
     assert not missing, f"lines of {DOC.name} the test does not run: {missing}"
     joined = "\n".join(lines)
-    for name in ("TopologyAwarePlanner(", "CowClipEmbeddingBagCollectionSharder()", "tag_cowclip_adam(",
-                 "KStepMergeHook(", "merger.step(", "save_plan(", "collective_plan("):
+    for name in (
+        "TopologyAwarePlanner(",
+        "CowClipEmbeddingBagCollectionSharder()",
+        "tag_cowclip_adam(",
+        "KStepMergeHook(",
+        "merger.step(",
+        "save_plan(",
+        "collective_plan(",
+    ):
         assert name in joined, name
 
 
@@ -94,8 +114,7 @@ def _results(out: Path, n: int) -> list[dict]:
 
 
 def test_dropin_two_ranks_follow_the_plan_and_train(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(WORKER), "single", str(tmp_path)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER), "single", str(tmp_path)]
     p = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     res = _results(tmp_path, 2)
@@ -116,15 +135,19 @@ def test_dropin_two_ranks_follow_the_plan_and_train(tmp_path):
         from sharding import load_plan
 
         loaded = load_plan(tmp_path / "plan.json")
-        shards = {t: sorted((list(s.shard_offsets), list(s.shard_sizes), s.placement.rank()) for s in ps.sharding_spec.shards)
-                  for m in loaded.plan.values() for t, ps in m.items()}
+        shards = {
+            t: sorted((list(s.shard_offsets), list(s.shard_sizes), s.placement.rank()) for s in ps.sharding_spec.shards)
+            for m in loaded.plan.values()
+            for t, ps in m.items()
+        }
         assert json.loads(json.dumps(shards)) == res[0]["plan"]
         # written after DMP, as the doc does, it equals the file written before DMP: tables, shapes,
         # CowClip-Adam state and the planner's batch read from the sharded modules
         after, before = (json.loads((tmp_path / n).read_text()) for n in ("plan.json", "plan_before_dmp.json"))
         assert after == before
-        assert {n: (t["num_embeddings"], t["embedding_dim"], t["optimizer_state"]["kind"]) for n, t in after["tables"].items()} \
-            == {f"t_cat_{i}": (200, 8, "cowclip_adam") for i in range(4)}
+        assert {n: (t["num_embeddings"], t["embedding_dim"], t["optimizer_state"]["kind"]) for n, t in after["tables"].items()} == {
+            f"t_cat_{i}": (200, 8, "cowclip_adam") for i in range(4)
+        }
         assert after["meta"]["batch_size_per_rank"] == 16 and after["meta"]["topology"].startswith("cpu-gloo")
 
 
@@ -135,11 +158,29 @@ def test_dropin_two_hosts_merge_to_the_mean(tmp_path, per_host):
     store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True, wait_for_workers=False)
     procs = []
     for node in range(2):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", str(per_host),
-               "--node_rank", str(node), "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}",
-               "--rdzv_id", tmp_path.name, "--rdzv_conf", "is_host=false", str(WORKER), "merge", str(tmp_path)]
-        procs.append(subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--nproc_per_node",
+            str(per_host),
+            "--node_rank",
+            str(node),
+            "--rdzv_backend",
+            "c10d",
+            "--rdzv_endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv_id",
+            tmp_path.name,
+            "--rdzv_conf",
+            "is_host=false",
+            str(WORKER),
+            "merge",
+            str(tmp_path),
+        ]
+        procs.append(subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = [p.communicate(timeout=900)[0] for p in procs]
     del store
     for p, o in zip(procs, outs):
@@ -203,8 +244,13 @@ def _hook_worker(rank: int, port: int, out: str) -> None:
     w = model.weight.detach().clone()
     other = w.clone()
     dist.broadcast(other, src=0)
-    results["total_steps"] = {"hosts": hook.hosts, "env_world": hook.env.world_size, "merges": hook.merges,
-                              "equal": torch.equal(other, w), "finish_again": hook.finish()}
+    results["total_steps"] = {
+        "hosts": hook.hosts,
+        "env_world": hook.env.world_size,
+        "merges": hook.merges,
+        "equal": torch.equal(other, w),
+        "finish_again": hook.finish(),
+    }
     try:
         hook.step(torch.nn.Linear(3, 2), opt)
     except ValueError as e:
@@ -217,9 +263,12 @@ def _hook_worker(rank: int, port: int, out: str) -> None:
     dist.broadcast(other, src=0)
     gathered = [torch.empty_like(before_exit) for _ in range(2)]
     dist.all_gather(gathered, before_exit)
-    results["with"] = {"merges": hook.merges, "equal": torch.equal(other, w),
-                       "mean_err": float((w - (gathered[0] + gathered[1]) / 2).abs().max()),
-                       "apart_before": float((gathered[0] - gathered[1]).abs().max())}
+    results["with"] = {
+        "merges": hook.merges,
+        "equal": torch.equal(other, w),
+        "mean_err": float((w - (gathered[0] + gathered[1]) / 2).abs().max()),
+        "apart_before": float((gathered[0] - gathered[1]).abs().max()),
+    }
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()

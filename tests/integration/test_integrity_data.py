@@ -57,13 +57,20 @@ def write(path: Path, lines: list[str]) -> Path:
 def overrides(tmp_path: Path, data_path: Path | str, *extra: str) -> list[str]:
     """smoke.yaml on raw Criteo rows: one process, small batches, a few steps."""
     return [
-        "data.source=criteo", f"data.path={data_path}", f"run_dir={tmp_path / 'run'}",
-        "train.nproc_per_node=1", "train.batch_size=64", "train.eval_batch_size=64", "train.max_steps=3", *extra,
+        "data.source=criteo",
+        f"data.path={data_path}",
+        f"run_dir={tmp_path / 'run'}",
+        "train.nproc_per_node=1",
+        "train.batch_size=64",
+        "train.eval_batch_size=64",
+        "train.max_steps=3",
+        *extra,
     ]
 
 
-def recsys_train(tmp_path: Path, args: list[str], config: Path = SMOKE, as_nobody: bool = False,
-                 timeout: int = 300) -> subprocess.CompletedProcess:
+def recsys_train(
+    tmp_path: Path, args: list[str], config: Path = SMOKE, as_nobody: bool = False, timeout: int = 300
+) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "recsys.cli", "train", "--config", str(config), *args]
     if as_nobody:
         cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *cmd]
@@ -111,17 +118,20 @@ def test_replaced_file_is_rebuilt_and_trained_on(tmp_path, kaggle_lines):
     assert "(4 steps/epoch)" in r.stderr  # 270 training rows / 64
     # the first run's checkpoint knows it trained on the 1000-row file: no resume on these 300 rows
     r = recsys_train(tmp_path, overrides(tmp_path, day, f"data.cache_dir={cache}", "resume=true", "train.max_steps=6"))
-    assert_one_line_error(r, (
-        f"cannot resume from {tmp_path / 'run'}/checkpoints/step_000000003: it trained on other data (day.tsv: 1000 "
-        f"rows, {old_size} bytes -> 300 rows, {day.stat().st_size} bytes); restore that data, or pass "
-        "resume_on_new_data=true to go on training on this data (its epochs counted from step 3)"))
+    assert_one_line_error(
+        r,
+        (
+            f"cannot resume from {tmp_path / 'run'}/checkpoints/step_000000003: it trained on other data (day.tsv: 1000 "
+            f"rows, {old_size} bytes -> 300 rows, {day.stat().st_size} bytes); restore that data, or pass "
+            "resume_on_new_data=true to go on training on this data (its epochs counted from step 3)"
+        ),
+    )
     rebuilt = json.loads((tmp_path / "run2" / "summary.json").read_text())
     assert rebuilt["eval_rows"] == 30
     assert ShardedDataset.open(cache).num_rows == 300
 
     # the same run on a brand-new cache of the 300-row file: the same model, metric for metric
-    r = recsys_train(tmp_path, overrides(tmp_path, day, f"data.cache_dir={tmp_path / 'fresh'}",
-                                         f"run_dir={tmp_path / 'run3'}"))
+    r = recsys_train(tmp_path, overrides(tmp_path, day, f"data.cache_dir={tmp_path / 'fresh'}", f"run_dir={tmp_path / 'run3'}"))
     assert r.returncode == 0, r.stderr[-3000:]
     fresh = json.loads((tmp_path / "run3" / "summary.json").read_text())
     assert (fresh["auc"], fresh["logloss"], fresh["eval_rows"]) == (rebuilt["auc"], rebuilt["logloss"], 30)
@@ -137,8 +147,7 @@ def test_auc_of_a_one_class_eval_split_is_undefined_not_zero(tmp_path, kaggle_li
     r = recsys_train(tmp_path, overrides(tmp_path, day))
     assert r.returncode == 0, r.stderr[-3000:]
     evals = [line for line in r.stderr.splitlines() if "eval step 3:" in line]
-    assert len(evals) == 1 and re.search(r"eval step 3: auc undefined \(every eval label is 0\) logloss \d\.\d{4}$",
-                                         evals[0]), evals
+    assert len(evals) == 1 and re.search(r"eval step 3: auc undefined \(every eval label is 0\) logloss \d\.\d{4}$", evals[0]), evals
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["auc"] is None and summary["auc_undefined"] == "every eval label is 0"
     assert "auc_gap_to_oracle" not in summary and summary["logloss"] > 0
@@ -150,7 +159,7 @@ def test_same_basename_elsewhere_with_bad_labels_aborts(tmp_path, kaggle_lines):
     """Another day.tsv (10% bad labels) never reuses the first one's cache: it aborts, and the
     first cache stays complete and still matches its own file."""
     good = write(tmp_path / "a" / "day.tsv", kaggle_lines)
-    bad_lines = [("x" + l[1:]) if i % 10 == 0 else l for i, l in enumerate(kaggle_lines)]
+    bad_lines = [("x" + ln[1:]) if i % 10 == 0 else ln for i, ln in enumerate(kaggle_lines)]
     bad = write(tmp_path / "b" / "day.tsv", bad_lines)
     first = load_config(SMOKE, overrides(tmp_path, good))
     monkey_cwd = os.getcwd()
@@ -170,9 +179,11 @@ def test_same_basename_elsewhere_with_bad_labels_aborts(tmp_path, kaggle_lines):
     assert_nothing_half_written(tmp_path / "data_cache", [good_cache.name])
     # one explicit cache_dir for both: the key differs, the rebuild aborts, the old cache stays
     r = recsys_train(tmp_path, overrides(tmp_path, bad, f"data.cache_dir={(tmp_path / good_cache).resolve()}"))
-    assert_one_line_error(r, expected, before=[
-        f"{tmp_path / good_cache}: rebuilding the shard cache: new input file {bad}; input file {good} no longer given"
-    ])
+    assert_one_line_error(
+        r,
+        expected,
+        before=[f"{tmp_path / good_cache}: rebuilding the shard cache: new input file {bad}; input file {good} no longer given"],
+    )
     assert_nothing_half_written(tmp_path / "data_cache", [good_cache.name])
     assert ShardedDataset.open(tmp_path / good_cache).manifest["cache_key"]["files"][0]["path"] == str(good)
     assert not (tmp_path / "run").exists()
@@ -189,9 +200,7 @@ def test_same_size_and_mtime_with_other_content_rebuilds(tmp_path, kaggle_lines,
     assert day.stat().st_size == st.st_size and day.stat().st_mtime_ns == st.st_mtime_ns
     caplog.set_level(logging.WARNING, logger="recsys.data.raw_formats")
     m2 = rf.preprocess_criteo(day, out)
-    assert [r.getMessage() for r in caplog.records] == [
-        f"{out}: rebuilding the shard cache: {day} changed (content changed)"
-    ]
+    assert [r.getMessage() for r in caplog.records] == [f"{out}: rebuilding the shard cache: {day} changed (content changed)"]
     first_label = float(kaggle_lines[1].split("\t")[0])
     assert ShardedDataset.open(out).read(0, 1)[2][0] == first_label
     assert m2["cache_key"] != m["cache_key"] and m2["num_rows"] == 200
@@ -205,7 +214,7 @@ def _edit_middle_keep_size_and_mtime(path: Path, block: int = 1 << 20) -> None:
     assert len(data) > 3 * block
     lo = data.index(b"\n", block + 1) + 1  # the start of a line in the middle
     hi = data.index(b"\n", lo) + 1
-    while data[hi:hi + 1] == data[lo:lo + 1]:  # a line whose label differs
+    while data[hi : hi + 1] == data[lo : lo + 1]:  # a line whose label differs
         hi = data.index(b"\n", hi) + 1
     data[lo], data[hi] = data[hi], data[lo]
     path.write_bytes(bytes(data))
@@ -228,12 +237,12 @@ def test_an_edit_in_the_middle_with_size_and_mtime_kept_is_found_by_the_full_has
     assert reused["sources"][0]["sha256"] == m["sources"][0]["sha256"]  # stale, as announced:
     assert caplog.records[-1].getMessage() == (
         f"{out}: shard cache is up to date ({m['num_rows']} rows; data.verify=quick: inputs matched by size, "
-        "modification time and first and last MiB, not every byte); skipping preprocessing")
+        "modification time and first and last MiB, not every byte); skipping preprocessing"
+    )
     caplog.clear()
     rebuilt = rf.preprocess_criteo(big, out)
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [
-        f"{out}: rebuilding the shard cache: {big} changed (same size and modification time, other content: "
-        "its SHA-256 differs)"
+        f"{out}: rebuilding the shard cache: {big} changed (same size and modification time, other content: its SHA-256 differs)"
     ]
     labels_after = ShardedDataset.open(out).read(0, rebuilt["num_rows"])[2]
     assert (labels_after != labels_before).sum() == 2  # the two swapped labels, now as in the file
@@ -273,9 +282,7 @@ def test_new_or_removed_file_in_a_directory_input_rebuilds(tmp_path, kaggle_line
     write(d / "day_2.tsv", kaggle_lines[800:])
     caplog.clear()
     assert prepare_data(cfg)["num_rows"] == 1000
-    assert caplog.records[0].getMessage() == (
-        f"{tmp_path / 'cache'}: rebuilding the shard cache: new input file {d / 'day_2.tsv'}"
-    )
+    assert caplog.records[0].getMessage() == (f"{tmp_path / 'cache'}: rebuilding the shard cache: new input file {d / 'day_2.tsv'}")
     (d / "day_0.tsv").unlink()
     caplog.clear()
     assert prepare_data(cfg)["num_rows"] == 500
@@ -284,8 +291,12 @@ def test_new_or_removed_file_in_a_directory_input_rebuilds(tmp_path, kaggle_line
     )
     # a changed option is a change too
     caplog.clear()
-    assert prepare_data(load_config(SMOKE, overrides(tmp_path, d, f"data.cache_dir={tmp_path / 'cache'}",
-                                                     "data.max_bad_fraction=0.05")))["num_rows"] == 500
+    assert (
+        prepare_data(load_config(SMOKE, overrides(tmp_path, d, f"data.cache_dir={tmp_path / 'cache'}", "data.max_bad_fraction=0.05")))[
+            "num_rows"
+        ]
+        == 500
+    )
     assert caplog.records[0].getMessage() == (
         f"{tmp_path / 'cache'}: rebuilding the shard cache: parse options changed: max_bad_fraction 0.01 -> 0.05"
     )
@@ -303,8 +314,7 @@ def test_cache_without_a_key_is_not_reused(tmp_path, kaggle_lines, caplog):
     caplog.set_level(logging.WARNING, logger="recsys.data.raw_formats")
     assert "cache_key" in rf.preprocess_criteo(day, out)
     assert [r.getMessage() for r in caplog.records] == [
-        f"{out}: rebuilding the shard cache: it was built without a content key (an older version); "
-        "its inputs cannot be verified"
+        f"{out}: rebuilding the shard cache: it was built without a content key (an older version); its inputs cannot be verified"
     ]
 
 
@@ -333,8 +343,7 @@ def test_empty_file_stops_before_launch_and_caches_nothing(tmp_path):
     assert_nothing_half_written(tmp_path / "data_cache")
     assert not (tmp_path / "run").exists()
     # and the rerun says the same (no 0-row cache to trip over)
-    assert_one_line_error(recsys_train(tmp_path, overrides(tmp_path, empty)),
-                          f"{empty}: no valid rows (0 rows read); nothing was written")
+    assert_one_line_error(recsys_train(tmp_path, overrides(tmp_path, empty)), f"{empty}: no valid rows (0 rows read); nothing was written")
 
 
 def test_only_bad_rows_is_no_rows(tmp_path, kaggle_lines):
@@ -471,9 +480,11 @@ def test_full_disk_during_preprocessing(tmp_path, kaggle_lines, tiny_disk):
     assert "Traceback" not in r.stderr and r.returncode == 2
     (line,) = r.stderr.splitlines()
     # numpy reports a short write as "N requested and M written" (M depends on what fitted)
-    pattern = (rf"error: {re.escape(str(cache))}: writing the shard cache failed at shard_00000\.\w+\.npy: "
-               r"\d+ requested and \d+ written: is the disk full\? \(\d+ bytes free on that filesystem\); "
-               r"nothing was written")
+    pattern = (
+        rf"error: {re.escape(str(cache))}: writing the shard cache failed at shard_00000\.\w+\.npy: "
+        r"\d+ requested and \d+ written: is the disk full\? \(\d+ bytes free on that filesystem\); "
+        r"nothing was written"
+    )
     assert re.fullmatch(pattern, line), line
     assert list(tiny_disk.iterdir()) == []  # no temp dir, no partial cache
     # a direct call raises the same error, which is also an OSError
@@ -508,8 +519,9 @@ def test_cli_refuses_impossible_numbers(tmp_path, override, message):
 
 def test_cli_checks_the_topology_against_the_run_before_launch(tmp_path):
     """A CUDA topology for a CPU run: one line naming the key, no worker started, nothing written."""
-    r = recsys_train(tmp_path, [f"run_dir={tmp_path / 'run'}", "sharding.planner=topology", "sharding.topology=dgx-a100",
-                                "train.device=cpu"])
+    r = recsys_train(
+        tmp_path, [f"run_dir={tmp_path / 'run'}", "sharding.planner=topology", "sharding.topology=dgx-a100", "train.device=cpu"]
+    )
     assert_one_line_error(r, "key 'sharding.topology': topology dgx-a100 is for cuda, the run is on cpu")
     assert not (tmp_path / "run").exists()
 
@@ -542,8 +554,10 @@ def test_rows_missing_many_columns_are_counted_and_said(tmp_path, kaggle_lines, 
     caplog.clear()
     rf.preprocess_criteo(write(tmp_path / "kaggle.tsv", kaggle_lines), tmp_path / "cache2")
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
-    assert "padded 498 short rows whose trailing empty fields were missing (1025 fields in all, up to 3 in a row" in \
-        caplog.records[0].getMessage()
+    assert (
+        "padded 498 short rows whose trailing empty fields were missing (1025 fields in all, up to 3 in a row"
+        in caplog.records[0].getMessage()
+    )
 
 
 def test_two_preprocessings_of_one_cache_wait_for_each_other(tmp_path, kaggle_lines):
@@ -553,11 +567,21 @@ def test_two_preprocessings_of_one_cache_wait_for_each_other(tmp_path, kaggle_li
     day = write(tmp_path / "day.tsv", kaggle_lines)
     built = rf.preprocess_criteo(day, tmp_path / "elsewhere")  # the same key: the same input and options
     cache = tmp_path / "cache"
-    cmd = [sys.executable, "-m", "recsys.cli", "preprocess", "--config", str(SMOKE), "data.source=criteo",
-           f"data.path={day}", f"data.cache_dir={cache}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "recsys.cli",
+        "preprocess",
+        "--config",
+        str(SMOKE),
+        "data.source=criteo",
+        f"data.path={day}",
+        f"data.cache_dir={cache}",
+    ]
     with rf.cache_lock(cache):
-        second = subprocess.Popen(cmd, cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(REPO)),
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        second = subprocess.Popen(
+            cmd, cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         waiting = second.stderr.readline()  # printed just before it blocks on the lock
         shutil.copytree(tmp_path / "elsewhere", cache)
     out, err = second.communicate(timeout=120)
@@ -579,8 +603,8 @@ def test_data_identity_compares_whole_file_hashes_where_both_sides_have_them():
     with_hash = dict(base, files=[entry(sha256="x")])
     assert describe_data_change(dict(base, files=[entry()]), with_hash) is None
     assert describe_data_change(dict(base, files=[entry(sha256="y")]), with_hash) == "d.tsv: other content, same size"
-    assert describe_data_change(dict(base, files=[entry()]), dict(base, files=[entry(head_tail="c d")])) == \
-        "d.tsv: other content, same size"
-    assert describe_data_change(with_hash, dict(base, files=[entry(sha256="x", rows=4)])) == \
-        "d.tsv: 5 rows, 10 bytes -> 4 rows, 10 bytes"
+    assert (
+        describe_data_change(dict(base, files=[entry()]), dict(base, files=[entry(head_tail="c d")])) == "d.tsv: other content, same size"
+    )
+    assert describe_data_change(with_hash, dict(base, files=[entry(sha256="x", rows=4)])) == "d.tsv: 5 rows, 10 bytes -> 4 rows, 10 bytes"
     assert describe_data_change(with_hash, dict(with_hash, eval_fraction=0.2)) == "data.eval_fraction 0.1 -> 0.2"

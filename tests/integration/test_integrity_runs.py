@@ -60,6 +60,7 @@ def _summary(run_dir: Path) -> dict:
 
 # -- unit tests: no processes ------------------------------------------------------------------
 
+
 def test_lock_names_the_holder_and_admits_its_children(tmp_path):
     with RunLock(tmp_path / "run"):
         assert (tmp_path / "run" / ".lock").read_text().strip() == str(os.getpid())
@@ -88,8 +89,10 @@ def test_fresh_run_refuses_old_checkpoints_and_overwrite_moves_them_aside(tmp_pa
     assert check_fresh(run, resume=True, overwrite=False) is None  # a resume continues them
     with pytest.raises(RunDirError) as e:
         check_fresh(run, resume=False, overwrite=False)
-    assert str(e.value) == (f"run_dir {run} holds checkpoints of an earlier run (newest step 40); pass resume=true to "
-                            "continue it, overwrite=true to move it aside, or choose another run_dir")
+    assert str(e.value) == (
+        f"run_dir {run} holds checkpoints of an earlier run (newest step 40); pass resume=true to "
+        "continue it, overwrite=true to move it aside, or choose another run_dir"
+    )
     with RunLock(run):
         aside = check_fresh(run, resume=False, overwrite=True)
         assert aside.name.startswith("run.old-") and aside.parent == tmp_path
@@ -139,8 +142,10 @@ def test_fresh_run_into_a_finished_run_dir_stops(run30):
     before = (run30 / "metrics.jsonl").read_text()
     r = _recsys([f"run_dir={run30}", "train.max_steps=30"])
     assert r.returncode == 2
-    assert _last_line(r) == (f"error: run_dir {run30} holds checkpoints of an earlier run (newest step 30); pass "
-                             "resume=true to continue it, overwrite=true to move it aside, or choose another run_dir")
+    assert _last_line(r) == (
+        f"error: run_dir {run30} holds checkpoints of an earlier run (newest step 30); pass "
+        "resume=true to continue it, overwrite=true to move it aside, or choose another run_dir"
+    )
     assert (run30 / "metrics.jsonl").read_text() == before
 
 
@@ -151,35 +156,59 @@ def test_resuming_a_finished_run_says_so_and_writes_nothing(run30):
     before = snapshot()
     r = _recsys([f"run_dir={run30}", "train.max_steps=30", "resume=true"])
     assert r.returncode == 0, r.stderr[-3000:]
-    assert _last_line(r) == (f"the run in {run30} already finished at step 30 (step_000000030, summary.json); nothing "
-                             "to do (raise train.max_steps or train.epochs to train on)")
+    assert _last_line(r) == (
+        f"the run in {run30} already finished at step 30 (step_000000030, summary.json); nothing "
+        "to do (raise train.max_steps or train.epochs to train on)"
+    )
     assert snapshot() == before  # no duplicate eval line, no new checkpoint
 
 
-@pytest.mark.parametrize("override, change", [
-    ("train.batch_size=256", "train.batch_size 512 -> 256"),
-    ("model.name=dcn", "model.name deepfm -> dcn"),
-    ("model.embedding_dim=16", "model.embedding_dim 8 -> 16"),
-    ("optim.embedding=adagrad", "optim.embedding rowwise_adagrad -> adagrad"),
-    ("data.shuffle=false", "data.order shuffle seed=0 block=256 buffer=65536 -> null"),
-    ("data.shuffle_seed=1", "data.order shuffle seed=0 block=256 buffer=65536 -> shuffle seed=1 block=256 buffer=65536"),
-])
+@pytest.mark.parametrize(
+    "override, change",
+    [
+        ("train.batch_size=256", "train.batch_size 512 -> 256"),
+        ("model.name=dcn", "model.name deepfm -> dcn"),
+        ("model.embedding_dim=16", "model.embedding_dim 8 -> 16"),
+        ("optim.embedding=adagrad", "optim.embedding rowwise_adagrad -> adagrad"),
+        ("data.shuffle=false", "data.order shuffle seed=0 block=256 buffer=65536 -> null"),
+        ("data.shuffle_seed=1", "data.order shuffle seed=0 block=256 buffer=65536 -> shuffle seed=1 block=256 buffer=65536"),
+    ],
+)
 def test_resume_with_changed_state_shape_names_the_keys(run30, override, change):
     r = _recsys([f"run_dir={run30}", "train.max_steps=40", "resume=true", override])
     assert r.returncode == 2
-    assert _last_line(r) == (f"error: cannot resume from {run30}/checkpoints/step_000000030: the config changed "
-                             f"({change}); restore these values, or start a new run (another run_dir, or overwrite=true)")
+    assert _last_line(r) == (
+        f"error: cannot resume from {run30}/checkpoints/step_000000030: the config changed "
+        f"({change}); restore these values, or start a new run (another run_dir, or overwrite=true)"
+    )
 
 
 def test_worker_entry_point_checks_the_lock_too(run30):
     """`torchrun -m recsys.train` users have no launcher: rank 0 takes the lock itself."""
     with RunLock(run30):
-        r = subprocess.run([sys.executable, "-m", "recsys.train", "--config", str(SMOKE), f"run_dir={run30}",
-                            "train.nproc_per_node=1", "resume=true", "train.max_steps=40"],
-                           capture_output=True, text=True, timeout=600, cwd=REPO, env=ENV)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "recsys.train",
+                "--config",
+                str(SMOKE),
+                f"run_dir={run30}",
+                "train.nproc_per_node=1",
+                "resume=true",
+                "train.max_steps=40",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=REPO,
+            env=ENV,
+        )
     assert r.returncode == 2
-    assert _last_line(r) == f"error: run_dir {run30} is in use by another run (pid {os.getpid()}); wait for it to " \
-                            "finish, stop it, or choose another run_dir"
+    assert (
+        _last_line(r) == f"error: run_dir {run30} is in use by another run (pid {os.getpid()}); wait for it to "
+        "finish, stop it, or choose another run_dir"
+    )
 
 
 def test_corrupt_newest_checkpoint_falls_back_and_matches_an_uninterrupted_run(run30, tmp_path):
@@ -192,7 +221,7 @@ def test_corrupt_newest_checkpoint_falls_back_and_matches_an_uninterrupted_run(r
     with open(victim, "r+b") as f:
         f.truncate(victim.stat().st_size // 2)
     r = _ok([f"run_dir={broken}", "train.max_steps=30", "checkpoint.every_steps=10", "checkpoint.keep=3", "resume=true"])
-    warn = [l for l in r.stderr.splitlines() if "incomplete" in l]
+    warn = [ln for ln in r.stderr.splitlines() if "incomplete" in ln]
     assert len(warn) == 1 and f"checkpoint step_000000030 is incomplete ({victim} is truncated" in warn[0], r.stderr
     s, ref = _summary(broken), _summary(run30)
     assert s["resumed_from"].endswith("step_000000020")
@@ -200,8 +229,10 @@ def test_corrupt_newest_checkpoint_falls_back_and_matches_an_uninterrupted_run(r
         assert s[key] == pytest.approx(ref[key], abs=1e-6), key
     # a missing .metadata is found the same way
     (broken / "checkpoints" / "step_000000020" / ".metadata").unlink()
-    assert incomplete_reason(broken / "checkpoints" / "step_000000020") == \
-        f"{broken}/checkpoints/step_000000020/.metadata is missing or unreadable"
+    assert (
+        incomplete_reason(broken / "checkpoints" / "step_000000020")
+        == f"{broken}/checkpoints/step_000000020/.metadata is missing or unreadable"
+    )
 
 
 def _alive(pid: int) -> bool:
@@ -214,8 +245,14 @@ def _alive(pid: int) -> bool:
 
 def _launch_until_a_checkpoint(run_dir: Path) -> subprocess.Popen:
     """A long `recsys train` run, returned once it has a complete checkpoint."""
-    launcher = subprocess.Popen(RECSYS + [f"run_dir={run_dir}", "train.max_steps=100000", "checkpoint.every_steps=10"],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=ENV)
+    launcher = subprocess.Popen(
+        RECSYS + [f"run_dir={run_dir}", "train.max_steps=100000", "checkpoint.every_steps=10"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env=ENV,
+    )
     # Any complete checkpoint, not step_10 itself: at ~100 steps/s keep-2 pruning removes
     # step_10 a fraction of a second after it is written, between two polls.
     deadline = time.monotonic() + 300
@@ -224,8 +261,7 @@ def _launch_until_a_checkpoint(run_dir: Path) -> subprocess.Popen:
             for p in _descendants(launcher.pid):  # communicate() would wait for 100000 steps
                 if _alive(p):
                     os.kill(p, signal.SIGKILL)
-            pytest.fail(f"no checkpoint within 300 s (launcher rc {launcher.poll()}):\n"
-                        + launcher.communicate(timeout=60)[1][-3000:])
+            pytest.fail(f"no checkpoint within 300 s (launcher rc {launcher.poll()}):\n" + launcher.communicate(timeout=60)[1][-3000:])
         time.sleep(0.2)
     return launcher
 
@@ -252,8 +288,10 @@ def test_torchrun_killed_alone_is_said_by_the_launcher(tmp_path):
     assert launcher.returncode == 128 + signal.SIGKILL
     assert "Traceback" not in err
     tail = err.strip().splitlines()[-1]
-    assert tail.startswith(f"error: torchrun (pid {torchrun[0]}) was killed by SIGKILL; its workers were stopped with "
-                           f"it; the last complete checkpoint is {run_dir}/checkpoints/step_"), err[-2000:]
+    assert tail.startswith(
+        f"error: torchrun (pid {torchrun[0]}) was killed by SIGKILL; its workers were stopped with "
+        f"it; the last complete checkpoint is {run_dir}/checkpoints/step_"
+    ), err[-2000:]
     assert tail.endswith(" (resume=true continues from it)")
 
 
@@ -269,8 +307,10 @@ def test_killing_the_launcher_stops_every_worker(tmp_path, sig):
         assert len(tree) >= 4  # launcher, torchrun, 2 workers
         second = _recsys([f"run_dir={run_dir}", "train.max_steps=20", "resume=true"])
         assert second.returncode == 2
-        assert _last_line(second) == (f"error: run_dir {run_dir} is in use by another run (pid {launcher.pid}); "
-                                      "wait for it to finish, stop it, or choose another run_dir")
+        assert _last_line(second) == (
+            f"error: run_dir {run_dir} is in use by another run (pid {launcher.pid}); "
+            "wait for it to finish, stop it, or choose another run_dir"
+        )
         os.kill(launcher.pid, sig)
         _, err = launcher.communicate(timeout=120)
         deadline = time.monotonic() + 60  # a liveness bound, not a speed check
@@ -285,9 +325,10 @@ def test_killing_the_launcher_stops_every_worker(tmp_path, sig):
     if sig != signal.SIGKILL:
         assert "Traceback" not in err
         tail = err.strip().splitlines()[-1]
-        assert tail.startswith(f"stopped by {sig.name}: every worker has exited; the last complete checkpoint is "
-                               f"{run_dir}/checkpoints/step_"), err[-2000:]
-        assert not [l for l in err.splitlines() if not l.startswith("[rank0]") and l != tail], err[-3000:]
+        assert tail.startswith(
+            f"stopped by {sig.name}: every worker has exited; the last complete checkpoint is {run_dir}/checkpoints/step_"
+        ), err[-2000:]
+        assert not [ln for ln in err.splitlines() if not ln.startswith("[rank0]") and ln != tail], err[-3000:]
     if sig == signal.SIGINT:  # resumable from the last complete checkpoint
         latest = Checkpointer(run_dir / "checkpoints", -1, 1).latest_complete()
         _ok([f"run_dir={run_dir}", f"train.max_steps={int(latest.name[5:]) + 10}", "resume=true"])
@@ -298,8 +339,7 @@ def test_killing_the_launcher_stops_every_worker(tmp_path, sig):
 def _tmpfs(where: Path, size: str, options: str = ""):
     """A tmpfs of ``size`` mounted at ``where`` (made here) for the block; skips without root."""
     where.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}{options}", "tmpfs", str(where)],
-                      capture_output=True).returncode:
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}{options}", "tmpfs", str(where)], capture_output=True).returncode:
         pytest.skip("cannot mount a tmpfs here (needs root)")
     try:
         yield where
@@ -313,8 +353,9 @@ def test_full_disk_during_a_checkpoint(tmp_path):
         run_dir = mnt / "run"
         r = _recsys([f"run_dir={run_dir}", "train.max_steps=20", "checkpoint.every_steps=10"])
         assert r.returncode == 2
-        assert _last_line(r) == (f"error: checkpoint {run_dir}/checkpoints/step_000000010 not written: No space left "
-                                 "on device; no earlier checkpoint")
+        assert _last_line(r) == (
+            f"error: checkpoint {run_dir}/checkpoints/step_000000010 not written: No space left on device; no earlier checkpoint"
+        )
         assert not list(run_dir.rglob("*tmp*"))
         assert (run_dir / "plan.json").is_file() and not list((run_dir / "checkpoints").iterdir())
 
@@ -352,10 +393,11 @@ def test_checkpoint_with_corrupt_bytes_falls_back_by_its_hashes(run30, tmp_path)
     data[100:8292] = bytes(8192)  # 8 KB overwritten, same size
     victim.write_bytes(bytes(data))
     r = _ok([f"run_dir={broken}", "train.max_steps=30", "checkpoint.every_steps=10", "checkpoint.keep=3", "resume=true"])
-    warn = [l for l in r.stderr.splitlines() if "incomplete" in l]
+    warn = [ln for ln in r.stderr.splitlines() if "incomplete" in ln]
     assert len(warn) == 1 and warn[0].endswith(
         f"warning: checkpoint step_000000030 is incomplete ({victim} is corrupt (its SHA-256 differs from the one "
-        "recorded when it was written)); falling back to an earlier one"), r.stderr[-3000:]
+        "recorded when it was written)); falling back to an earlier one"
+    ), r.stderr[-3000:]
     s, ref = _summary(broken), _summary(run30)
     assert s["resumed_from"].endswith("step_000000020")
     for key in ("auc", "logloss"):
@@ -370,8 +412,7 @@ def test_corrupt_bytes_in_a_checkpoint_without_hashes_is_one_line(run30, tmp_pat
     (broken / "summary.json").unlink()
     newest = broken / "checkpoints" / "step_000000030"
     marker = json.loads((newest / MARKER).read_text())
-    assert set(marker["sha256"]) == {p.relative_to(newest).as_posix() for p in newest.rglob("*")
-                                     if p.is_file() and p.name != MARKER}
+    assert set(marker["sha256"]) == {p.relative_to(newest).as_posix() for p in newest.rglob("*") if p.is_file() and p.name != MARKER}
     del marker["sha256"]
     (newest / MARKER).write_text(json.dumps(marker))
     victim = sorted(newest.glob("*.distcp"), key=lambda p: p.stat().st_size)[-1]
@@ -382,9 +423,10 @@ def test_corrupt_bytes_in_a_checkpoint_without_hashes_is_one_line(run30, tmp_pat
     r = _recsys([f"run_dir={broken}", "train.max_steps=40", "resume=true"])
     assert r.returncode == 2
     line = _last_line(r)
-    assert line.startswith(f"error: cannot load checkpoint {newest}: ") and \
-        line.endswith("; move it aside to resume from an earlier one"), r.stderr[-3000:]
-    assert [l for l in r.stderr.splitlines() if not l.startswith("[rank0]")] == [line]
+    assert line.startswith(f"error: cannot load checkpoint {newest}: ") and line.endswith(
+        "; move it aside to resume from an earlier one"
+    ), r.stderr[-3000:]
+    assert [ln for ln in r.stderr.splitlines() if not ln.startswith("[rank0]")] == [line]
     assert (broken / "metrics.jsonl").read_text() == before
 
 
@@ -424,8 +466,9 @@ def test_world_size_change_reshards_model_and_optimizer_exactly(run30, tmp_path)
         assert s[key] == pytest.approx(ref[key], abs=1e-6), (key, s[key], ref[key])
 
 
-@pytest.mark.parametrize("extra", [[], ["sharding.sharding_types=[row_wise]", "optim.embedding_l2_scope=batch"]],
-                         ids=["catchup", "row_wise-lazy"])
+@pytest.mark.parametrize(
+    "extra", [[], ["sharding.sharding_types=[row_wise]", "optim.embedding_l2_scope=batch"]], ids=["catchup", "row_wise-lazy"]
+)
 def test_cowclip_adam_reshards_2_1_2_exactly(tmp_path, extra):
     """CowClip-Adam's state (moments per element, each row's step) through 2 -> 1 -> 2 ranks: the
     2-rank checkpoint of step 20 is loaded and saved again by 1 rank, then 2 ranks train steps
@@ -449,8 +492,14 @@ def test_kstep_run_reshards_1_2_1_ranks_per_host_exactly(tmp_path):
     optimizer state in host1/) with CowClip-Adam: its checkpoint of step 20, written by 1 rank per
     host, is loaded and saved again by 2 ranks per host, then 1 rank per host trains steps 21..30;
     the end equals the uninterrupted run to the last digit."""
-    opts = ["optim.embedding=cowclip_adam", "optim.embedding_lr=0.002", "train.hosts=2", "train.merge_every=5",
-            "checkpoint.every_steps=10", "checkpoint.keep=3"]
+    opts = [
+        "optim.embedding=cowclip_adam",
+        "optim.embedding_lr=0.002",
+        "train.hosts=2",
+        "train.merge_every=5",
+        "checkpoint.every_steps=10",
+        "checkpoint.keep=3",
+    ]
     ref, run = tmp_path / "ref", tmp_path / "run"
     _ok([f"run_dir={ref}", "train.max_steps=30", *opts])
     assert (ref / "checkpoints" / "step_000000020" / "host1").is_dir()  # the case with per-host optimizer files
@@ -468,21 +517,30 @@ def test_kstep_run_reshards_1_2_1_ranks_per_host_exactly(tmp_path):
     assert (s["auc"], s["logloss"]) == (want["auc"], want["logloss"])
 
 
-@pytest.mark.parametrize("saved_optim, merge_every, reshards", [
-    ("rowwise_adagrad", 0, True),  # FBGEMM's fused state: DCP reshards it
-    ("cowclip_adam", 0, True),  # our moments and per-row step: laid out like the shards, DCP reshards them
-    ("adam", 0, True),
-    ("rowwise_adagrad", 4, True),  # hierarchical: host 0's files and each host<h>/ are DCP checkpoints too
-    ("fbgemm_cowclip", 0, False),  # FBGEMM's COWCLIP counters live outside the state dict: refused
-])
+@pytest.mark.parametrize(
+    "saved_optim, merge_every, reshards",
+    [
+        ("rowwise_adagrad", 0, True),  # FBGEMM's fused state: DCP reshards it
+        ("cowclip_adam", 0, True),  # our moments and per-row step: laid out like the shards, DCP reshards them
+        ("adam", 0, True),
+        ("rowwise_adagrad", 4, True),  # hierarchical: host 0's files and each host<h>/ are DCP checkpoints too
+        ("fbgemm_cowclip", 0, False),  # FBGEMM's COWCLIP counters live outside the state dict: refused
+    ],
+)
 def test_another_world_size_reshards_or_is_refused_in_one_line(tmp_path, saved_optim, merge_every, reshards):
     """Which states may resume on another world size (checkpoint.reshardable); the others stop
     with the one line naming train.world_size, before anything loads."""
-    shape = lambda world: {"optim.embedding": saved_optim, "train.merge_every": merge_every,  # noqa: E731
-                           "train.world_size": world, "train.batch_size": 512}
+
+    def shape(world: int) -> dict:
+        return {"optim.embedding": saved_optim, "train.merge_every": merge_every, "train.world_size": world, "train.batch_size": 512}
+
     err, d = _resume_check(tmp_path, shape(2), 2, shape(1))
-    assert err == (None if reshards else f"cannot resume from {d}: the config changed (train.world_size 2 -> 1); "
-                   "restore these values, or start a new run (another run_dir, or overwrite=true)")
+    assert err == (
+        None
+        if reshards
+        else f"cannot resume from {d}: the config changed (train.world_size 2 -> 1); "
+        "restore these values, or start a new run (another run_dir, or overwrite=true)"
+    )
 
 
 def _resume_check(tmp_path: Path, saved: dict, saved_world: int, current: dict) -> tuple[str | None, Path]:
@@ -500,20 +558,27 @@ def _resume_check(tmp_path: Path, saved: dict, saved_world: int, current: dict) 
     return None, d
 
 
-@pytest.mark.parametrize("saved_scope, current_scope, change", [
-    (None, "batch", None),  # a checkpoint from before the scope was recorded: it was lazy
-    (None, "catchup", "optim.embedding_l2_scope batch -> catchup"),  # the new default cannot continue it
-    ("catchup", "batch", "optim.embedding_l2_scope catchup -> batch"),
-    ("catchup", "catchup", None),
-])
+@pytest.mark.parametrize(
+    "saved_scope, current_scope, change",
+    [
+        (None, "batch", None),  # a checkpoint from before the scope was recorded: it was lazy
+        (None, "catchup", "optim.embedding_l2_scope batch -> catchup"),  # the new default cannot continue it
+        ("catchup", "batch", "optim.embedding_l2_scope catchup -> batch"),
+        ("catchup", "catchup", None),
+    ],
+)
 def test_a_resume_under_another_embedding_update_scope_is_refused(tmp_path, saved_scope, current_scope, change):
     """row_step is a row's own update count when lazy and the global step it is current at with
     catch-up: one state cannot continue as the other, and a checkpoint without the key was lazy."""
     base = {"optim.embedding": "cowclip_adam", "train.merge_every": 0, "train.world_size": 1, "train.batch_size": 512}
     saved = {**base, **({"optim.embedding_l2_scope": saved_scope} if saved_scope else {})}
     err, d = _resume_check(tmp_path, saved, 1, {**base, "optim.embedding_l2_scope": current_scope})
-    assert err == (None if change is None else f"cannot resume from {d}: the config changed ({change}); restore "
-                   "these values, or start a new run (another run_dir, or overwrite=true)")
+    assert err == (
+        None
+        if change is None
+        else f"cannot resume from {d}: the config changed ({change}); restore "
+        "these values, or start a new run (another run_dir, or overwrite=true)"
+    )
 
 
 def test_the_state_shape_records_the_resolved_scope_of_our_adam_kernels():
@@ -529,6 +594,7 @@ def test_the_state_shape_records_the_resolved_scope_of_our_adam_kernels():
 
 # -- what a run trains on, and when it must stop ----------------------------------------------------
 
+
 def test_finite_guard_names_the_first_bad_step_or_tensor():
     from torch import nn
 
@@ -540,14 +606,20 @@ def test_finite_guard_names_the_first_bad_step_or_tensor():
     guard.check(4, model)  # all finite: nothing happens
     with torch.no_grad():
         model.bias[1] = float("inf")
-    with pytest.raises(NonFiniteError, match=r"^training stopped: bias holds non-finite values at step 6 \(rank 0\); "
-                                             r"nothing non-finite was saved, the last checkpoint is /x/step_000000004 "):
+    with pytest.raises(
+        NonFiniteError,
+        match=r"^training stopped: bias holds non-finite values at step 6 \(rank 0\); "
+        r"nothing non-finite was saved, the last checkpoint is /x/step_000000004 ",
+    ):
         guard.check(6, model, lambda: "/x/step_000000004")
     guard.see_loss(7, float("nan"))
     guard.see_loss(8, float("inf"))  # the first one is named
-    with pytest.raises(NonFiniteError, match=r"^training stopped: the loss is nan at step 7 \(rank 0\); nothing "
-                                             r"non-finite was saved, no checkpoint was written \(lower "
-                                             r"optim.embedding_lr or optim.dense_lr and run again\)$"):
+    with pytest.raises(
+        NonFiniteError,
+        match=r"^training stopped: the loss is nan at step 7 \(rank 0\); nothing "
+        r"non-finite was saved, no checkpoint was written \(lower "
+        r"optim.embedding_lr or optim.dense_lr and run again\)$",
+    ):
         guard.check(9)
 
 
@@ -576,9 +648,11 @@ def test_a_resume_past_max_steps_refuses_and_writes_nothing(run30, tmp_path):
     before = _snapshot(run)
     r = _recsys([f"run_dir={run}", "train.max_steps=20", "resume=true"])
     assert r.returncode == 2
-    assert _last_line(r) == (f"error: cannot resume from {run}/checkpoints/step_000000030: the run is already at step "
-                             "30, past train.max_steps=20; nothing written (raise it above 30 to train on, or start a "
-                             "new run: another run_dir, or overwrite=true)")
+    assert _last_line(r) == (
+        f"error: cannot resume from {run}/checkpoints/step_000000030: the run is already at step "
+        "30, past train.max_steps=20; nothing written (raise it above 30 to train on, or start a "
+        "new run: another run_dir, or overwrite=true)"
+    )
     assert _snapshot(run) == before
 
 
@@ -588,25 +662,50 @@ def test_a_resume_on_other_data_refuses_unless_asked_and_then_counts_new_epochs(
     before = _snapshot(run)
     r = _recsys([f"run_dir={run}", "train.max_steps=40", "resume=true", "data.seed=1", "data.train_rows=150000"])
     assert r.returncode == 2
-    assert _last_line(r) == (f"error: cannot resume from {run}/checkpoints/step_000000030: it trained on other data "
-                             "(data.seed 0 -> 1, data.train_rows 200000 -> 150000); restore that data, or pass "
-                             "resume_on_new_data=true to go on training on this data (its epochs counted from step 30)")
+    assert _last_line(r) == (
+        f"error: cannot resume from {run}/checkpoints/step_000000030: it trained on other data "
+        "(data.seed 0 -> 1, data.train_rows 200000 -> 150000); restore that data, or pass "
+        "resume_on_new_data=true to go on training on this data (its epochs counted from step 30)"
+    )
     assert _snapshot(run) == before
-    r = _ok([f"run_dir={run}", "train.max_steps=40", "resume=true", "data.seed=1", "data.train_rows=150000",
-             "resume_on_new_data=true", "train.log_every=5", "checkpoint.every_steps=5"])
-    assert ("resume_on_new_data=true: step 30's model goes on training on other data (data.seed 0 -> 1, "
-            "data.train_rows 200000 -> 150000); epoch 0 of this data starts at step 30") in r.stderr
+    r = _ok(
+        [
+            f"run_dir={run}",
+            "train.max_steps=40",
+            "resume=true",
+            "data.seed=1",
+            "data.train_rows=150000",
+            "resume_on_new_data=true",
+            "train.log_every=5",
+            "checkpoint.every_steps=5",
+        ]
+    )
+    assert (
+        "resume_on_new_data=true: step 30's model goes on training on other data (data.seed 0 -> 1, "
+        "data.train_rows 200000 -> 150000); epoch 0 of this data starts at step 30"
+    ) in r.stderr
     marker = json.loads((run / "checkpoints" / "step_000000040" / MARKER).read_text())
     assert marker["data"]["seed"] == 1 and marker["data_start_step"] == 30
     per_epoch = 150000 // 512
-    evals = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [(e["step"], e["epoch"]) for e in evals if e["kind"] == "train" and e["step"] > 30] == \
-        [(35, 5 / per_epoch), (40, 10 / per_epoch)]
+    evals = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["epoch"]) for e in evals if e["kind"] == "train" and e["step"] > 30] == [
+        (35, 5 / per_epoch),
+        (40, 10 / per_epoch),
+    ]
     # resuming the fine-tuning run (from its step 35) continues its epoch count on its own data
     shutil.rmtree(run / "checkpoints" / "step_000000040")
     (run / "summary.json").unlink()
-    _ok([f"run_dir={run}", "train.max_steps=40", "resume=true", "data.seed=1", "data.train_rows=150000",
-         "train.log_every=5", "checkpoint.every_steps=5"])
+    _ok(
+        [
+            f"run_dir={run}",
+            "train.max_steps=40",
+            "resume=true",
+            "data.seed=1",
+            "data.train_rows=150000",
+            "train.log_every=5",
+            "checkpoint.every_steps=5",
+        ]
+    )
     assert json.loads((run / "checkpoints" / "step_000000040" / MARKER).read_text())["data_start_step"] == 30
     assert _summary(run)["resumed_from"].endswith("step_000000035")
 
@@ -614,18 +713,32 @@ def test_a_resume_on_other_data_refuses_unless_asked_and_then_counts_new_epochs(
 def test_a_diverging_run_stops_and_keeps_its_finite_checkpoints(run30, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(run30, run)
-    r = _recsys([f"run_dir={run}", "train.max_steps=60", "resume=true", "checkpoint.every_steps=10",
-                 "checkpoint.keep=3", "optim.dense_lr=1e30", "optim.embedding_lr=1e30"])
+    r = _recsys(
+        [
+            f"run_dir={run}",
+            "train.max_steps=60",
+            "resume=true",
+            "checkpoint.every_steps=10",
+            "checkpoint.keep=3",
+            "optim.dense_lr=1e30",
+            "optim.embedding_lr=1e30",
+        ]
+    )
     assert r.returncode == 2
     line = _last_line(r)
     assert re.fullmatch(
         r"error: training stopped: the loss is (nan|inf) at step 3[1-9] \(rank [01]\); nothing non-finite was saved, "
         rf"the last checkpoint is {re.escape(str(run))}/checkpoints/step_000000030 \(lower optim.embedding_lr or "
-        r"optim.dense_lr, then resume=true continues from it\)", line), line
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == \
-        ["step_000000010", "step_000000020", "step_000000030"]
-    assert all(v is None or math.isfinite(v) for l in (run / "metrics.jsonl").read_text().splitlines()
-               for v in json.loads(l).values() if isinstance(v, float))
+        r"optim.dense_lr, then resume=true continues from it\)",
+        line,
+    ), line
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000000010", "step_000000020", "step_000000030"]
+    assert all(
+        v is None or math.isfinite(v)
+        for ln in (run / "metrics.jsonl").read_text().splitlines()
+        for v in json.loads(ln).values()
+        if isinstance(v, float)
+    )
     _ok([f"run_dir={run}", "train.max_steps=40", "resume=true", "checkpoint.every_steps=10", "checkpoint.keep=3"])
     s = _summary(run)
     assert s["resumed_from"].endswith("step_000000030") and math.isfinite(s["auc"])
@@ -644,10 +757,12 @@ def test_run_dir_on_a_read_only_file_system_is_one_line(tmp_path, sub):
         run = ro / sub if sub else ro
         r = _recsys([f"run_dir={run}", "train.max_steps=2"])
         assert r.returncode == 2
-        expected = (f"error: cannot create run_dir {run}: Read-only file system; choose a writable run_dir" if sub else
-                    f"error: cannot write in run_dir {run} ({run}/.lock: Read-only file system); choose a writable run_dir")
+        expected = (
+            f"error: cannot create run_dir {run}: Read-only file system; choose a writable run_dir"
+            if sub
+            else f"error: cannot write in run_dir {run} ({run}/.lock: Read-only file system); choose a writable run_dir"
+        )
         assert _last_line(r) == expected
-
 
 
 def test_resume_when_no_checkpoint_is_complete_stops_and_keeps_them(run30, tmp_path):
@@ -662,15 +777,18 @@ def test_resume_when_no_checkpoint_is_complete_stops_and_keeps_them(run30, tmp_p
     assert _last_line(r) == (
         f"error: resume=true, but none of the 3 checkpoints in {run}/checkpoints is complete (newest: "
         f"{run}/checkpoints/step_000000030/.metadata is missing or unreadable); to start from scratch, pass "
-        "overwrite=true instead of resume=true (the old run is moved aside)")
+        "overwrite=true instead of resume=true (the old run is moved aside)"
+    )
     assert _snapshot(run) == before
 
 
 def test_checkpoint_interval_rounded_to_merge_steps_is_said(tmp_path):
     run = tmp_path / "run"
     r = _ok([f"run_dir={run}", "train.merge_every=50", "train.max_steps=10", "checkpoint.every_steps=5"])
-    assert ("checkpoint.every_steps=5 rounded up to 50: checkpoints are taken at merge steps only "
-            "(train.merge_every=50); none before the final one at step 10") in r.stderr
+    assert (
+        "checkpoint.every_steps=5 rounded up to 50: checkpoints are taken at merge steps only "
+        "(train.merge_every=50); none before the final one at step 10"
+    ) in r.stderr
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000000010"]
 
 
@@ -690,8 +808,14 @@ def test_export_gives_the_plain_model_the_sharded_run_evaluated(run30, tmp_path,
         _ok([f"run_dir={run}", "train.max_steps=30", f"optim.embedding={optim}", "optim.embedding_lr=0.002"])
     want = _summary(run)
     out = tmp_path / "model.pt"
-    r = subprocess.run([sys.executable, "-m", "recsys.cli", "export", "--run-dir", str(run), "--out", str(out)],
-                       capture_output=True, text=True, cwd=REPO, env=ENV, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "recsys.cli", "export", "--run-dir", str(run), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=ENV,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip().startswith(f"wrote {out}: deepfm at step 30 (26 sparse features, ")
     model = load_exported(out)
@@ -699,10 +823,17 @@ def test_export_gives_the_plain_model_the_sharded_run_evaluated(run30, tmp_path,
     got = _evaluate_all(model, load_config(run / "config.yaml"))
     assert got["rows"] == want["eval_rows"]
     assert got["auc"] == pytest.approx(want["auc"], abs=1e-6) and got["logloss"] == pytest.approx(want["logloss"], abs=1e-6)
-    bad = subprocess.run([sys.executable, "-m", "recsys.cli", "export", "--run-dir", str(run), "--step", "7",
-                          "--out", str(tmp_path / "x.pt")], capture_output=True, text=True, cwd=REPO, env=ENV, timeout=300)
+    bad = subprocess.run(
+        [sys.executable, "-m", "recsys.cli", "export", "--run-dir", str(run), "--step", "7", "--out", str(tmp_path / "x.pt")],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=ENV,
+        timeout=300,
+    )
     assert bad.returncode == 2 and _last_line(bad) == (
-        f"error: cannot export step 7 of {run}: {run}/checkpoints/step_000000007 does not exist")
+        f"error: cannot export step 7 of {run}: {run}/checkpoints/step_000000007 does not exist"
+    )
     assert not (tmp_path / "x.pt").exists()
 
 

@@ -17,11 +17,31 @@ REPO = Path(__file__).resolve().parents[2]
 def test_exp_kstep_quick(tmp_path):
     out, results = tmp_path / "exp", tmp_path / "net.json"
     r = subprocess.run(
-        [sys.executable, "tools/exp_kstep.py", "--quick", "--ks", "1,16", "--moments", "off", "--rows", "all",
-         "--out", str(out),
-         "--sync", "--eval-every", "16", "--results", str(results), "--network-plot", str(tmp_path / "net.png"),
-         "--dmpcollection"],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "tools/exp_kstep.py",
+            "--quick",
+            "--ks",
+            "1,16",
+            "--moments",
+            "off",
+            "--rows",
+            "all",
+            "--out",
+            str(out),
+            "--sync",
+            "--eval-every",
+            "16",
+            "--results",
+            str(results),
+            "--network-plot",
+            str(tmp_path / "net.png"),
+            "--dmpcollection",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     head = json.loads(r.stdout.strip().splitlines()[-1])
@@ -38,7 +58,8 @@ def test_exp_kstep_quick(tmp_path):
     assert all(x["replica_divergence"] == 0.0 for x in (k1, k16))
     # the synchronous model: the plan's all-to-all and DDP's dense all-reduce, per step, all steps
     assert sync["cross_host_bytes_total"] == pytest.approx(
-        (sync["cross_host_bytes_per_step_embeddings"] + sync["cross_host_bytes_per_step_dense"]) * sync["steps"])
+        (sync["cross_host_bytes_per_step_embeddings"] + sync["cross_host_bytes_per_step_dense"]) * sync["steps"]
+    )
     assert sync["cross_host_bytes_per_step_embeddings"] > 0 and sync["cross_host_bytes_per_step_dense"] > 0
     # an eval every 16 of 64 steps, on a time axis without evals that grows with the steps
     for x in rows:
@@ -62,9 +83,19 @@ def test_exp_kstep_quick(tmp_path):
 
 
 def _row(net: str, k: int, epoch_s: float, auc: float, curve: list[tuple[float, float]], arm: str = "kstep") -> dict:
-    return {"net": net, "arm": arm, "k": k, "moments": False, "merge_route": None if arm == "sync" else "hierarchical",
-            "epoch_s": epoch_s, "auc": auc, "steps": 512, "samples": 512 * 4096, "cross_host_bytes_per_sample": 1.0,
-            "eval_curve": [{"step": 64 * (i + 1), "train_s": t, "auc": a} for i, (t, a) in enumerate(curve)]}
+    return {
+        "net": net,
+        "arm": arm,
+        "k": k,
+        "moments": False,
+        "merge_route": None if arm == "sync" else "hierarchical",
+        "epoch_s": epoch_s,
+        "auc": auc,
+        "steps": 512,
+        "samples": 512 * 4096,
+        "cross_host_bytes_per_sample": 1.0,
+        "eval_curve": [{"step": 64 * (i + 1), "train_s": t, "auc": a} for i, (t, a) in enumerate(curve)],
+    }
 
 
 def test_network_summary_crossovers_and_results_merge(tmp_path):
@@ -87,13 +118,13 @@ def test_network_summary_crossovers_and_results_merge(tmp_path):
     rows[3]["epoch_s"] = 70.0  # now k=16 is within 10% of the fastest: merges stop paying at 16
     assert E.network_summary(rows)[net]["k_stops_paying"] == 16
     # touched-row arms: their own keys and crossovers, next to the whole-shard ones
-    touched = dict(rows[2], merge_rows="touched", epoch_s=40.0, rows_merged_last=10, rows_tracked=1000,
-                   cross_host_bytes_total=1.0, samples_per_s=1.0)
+    touched = dict(
+        rows[2], merge_rows="touched", epoch_s=40.0, rows_merged_last=10, rows_tracked=1000, cross_host_bytes_total=1.0, samples_per_s=1.0
+    )
     s = E.network_summary([*rows, touched])[net]
     assert s["k"]["16-touched"]["speedup_vs_sync"] == pytest.approx(60 / 40) and s["k_beats_sync_touched"] == 16
     assert s["k"]["16-touched"]["rows_merged_share"] == 0.01 and s["k"]["16"]["epoch_s"] == 75.0
-    assert s["k_beats_sync"] is None and "| k=16, touched rows |" in E.network_table(
-        {"rows": [touched], "summary": {net: s}})
+    assert s["k_beats_sync"] is None and "| k=16, touched rows |" in E.network_table({"rows": [touched], "summary": {net: s}})
     # merging invocations: same (link, arm, k, moments, route) replaces, others add
     path = tmp_path / "r.json"
     E.merge_results(path, rows[:2], {"n": 1}, None)

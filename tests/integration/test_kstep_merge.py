@@ -88,8 +88,11 @@ def _worker(rank: int, port: int, out: str, steps: int) -> None:
             dist.broadcast(other, src=0)
             assert torch.equal(other, t)
         results[name] = {
-            "diff": diff, "merges": merger.merges, "bytes": merger.cross_host_bytes_total,
-            "payload": merger.payload_bytes_per_merge, "divergence": merger.max_divergence(),
+            "diff": diff,
+            "merges": merger.merges,
+            "bytes": merger.cross_host_bytes_total,
+            "payload": merger.payload_bytes_per_merge,
+            "divergence": merger.max_divergence(),
         }
     if rank == 0:
         Path(out).write_text(json.dumps(results))
@@ -121,11 +124,30 @@ def _launch(run_dir: Path, nnodes: int, overrides: list[str], timeout: int = 400
     procs = []
     for node in range(nnodes):
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
-            "--nproc_per_node", str(4 // nnodes), "--node_rank", str(node), "--rdzv_backend", "c10d",
-            "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", run_dir.name, "--rdzv_conf", "is_host=false",
-            "-m", "recsys.train", "--config", str(SMOKE), f"run_dir={run_dir}",
-            "train.threads_per_rank=1", *overrides,
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            str(nnodes),
+            "--nproc_per_node",
+            str(4 // nnodes),
+            "--node_rank",
+            str(node),
+            "--rdzv_backend",
+            "c10d",
+            "--rdzv_endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv_id",
+            run_dir.name,
+            "--rdzv_conf",
+            "is_host=false",
+            "-m",
+            "recsys.train",
+            "--config",
+            str(SMOKE),
+            f"run_dir={run_dir}",
+            "train.threads_per_rank=1",
+            *overrides,
         ]
         procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = [p.communicate(timeout=timeout)[0] for p in procs]
@@ -148,14 +170,16 @@ def test_two_hosts_kstep_bytes(tmp_path):
     # 2 hosts: every rank sends its whole payload once per merge (2*(H-1)/H = 1); payloads differ
     # by rank (shard sizes), the summary has rank 0's
     assert k1["cross_host_bytes_total"] == pytest.approx(32 * 4 * k1["merge_payload_bytes_per_rank"], rel=0.1)
-    train = [json.loads(l) for l in (tmp_path / "k4" / "metrics.jsonl").read_text().splitlines()]
+    train = [json.loads(ln) for ln in (tmp_path / "k4" / "metrics.jsonl").read_text().splitlines()]
     train = [x for x in train if x["kind"] == "train"]
     assert train and all(x["cross_host_bytes_per_step"] > 0 for x in train)
 
 
-@pytest.mark.parametrize("optim", [["optim.embedding=rowwise_adagrad"],
-                                   ["optim.embedding=cowclip_adam", "optim.embedding_lr=0.002",
-                                    "optim.embedding_l2=0.0001"]], ids=["rowwise_adagrad", "cowclip_catchup"])
+@pytest.mark.parametrize(
+    "optim",
+    [["optim.embedding=rowwise_adagrad"], ["optim.embedding=cowclip_adam", "optim.embedding_lr=0.002", "optim.embedding_l2=0.0001"]],
+    ids=["rowwise_adagrad", "cowclip_catchup"],
+)
 def test_touched_row_merges_equal_whole_shard_merges_with_fewer_bytes(tmp_path, optim):
     """Merging only the rows some host looked up since the last merge ends at the very model
     whole-shard merges give (2 hosts: averaging two equal values is exact), for FBGEMM's fused
@@ -225,7 +249,9 @@ def _route_worker(rank: int, port: int, out: str, steps: int) -> None:
         "routes": [mf.route, mh.route, mo.route],
         "payload": [mf.payload_bytes_per_merge, mh.payload_bytes_per_merge],
         "bytes": [mf.cross_host_bytes_total, mh.cross_host_bytes_total],
-        "merges": mh.merges, "divergence": mh.max_divergence(), "state": mh.state_dict(),
+        "merges": mh.merges,
+        "divergence": mh.max_divergence(),
+        "state": mh.state_dict(),
     }
     results = [None] * 4
     dist.all_gather_object(results, result)
@@ -266,8 +292,7 @@ def _union_worker(rank: int, port: int, out: str) -> None:
         dist.all_gather_object(parts, local)  # the independent OR
         want = (parts[0] | parts[1]).nonzero().flatten()
         got = torch.cat([u.rows[0], u.rows[1] + cut])
-        results[name] = {"or": bool(torch.equal(got, want)), "mode": u.mode, "bytes": u.exchange_bytes,
-                         "count": int(got.numel())}
+        results[name] = {"or": bool(torch.equal(got, want)), "mode": u.mode, "bytes": u.exchange_bytes, "count": int(got.numel())}
     # max_divergence: equal replicas by fingerprint, a differing one by its exact difference
     from recsys.training.merge import KStepMerger
 

@@ -24,8 +24,9 @@ def _batch(n: int, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
     ids = torch.stack([torch.randint(0, c, (n,), generator=g) for c in CARDS], dim=1)
     ids[torch.rand(ids.shape, generator=g) < 0.1] = -1  # some missing fields
-    return SimpleNamespace(dense_features=torch.randn(n, 4, generator=g), sparse_features=_kjt(ids),
-                           labels=(torch.rand(n, generator=g) < 0.3).float())
+    return SimpleNamespace(
+        dense_features=torch.randn(n, 4, generator=g), sparse_features=_kjt(ids), labels=(torch.rand(n, generator=g) < 0.3).float()
+    )
 
 
 def _grads(module: nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
@@ -38,8 +39,7 @@ def _grads(module: nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor, dict[s
 @pytest.mark.parametrize("name", ["deepfm", "wide_deep", "dcn", "dcnv2"])
 def test_chunked_step_has_the_whole_batch_gradients(name):
     torch.manual_seed(0)
-    model = build_model(ModelConfig(name=name, embedding_dim=8, dnn=[16, 8], cross_layers=2), NAMES, CARDS, 4, CPU,
-                        emb_device=CPU)
+    model = build_model(ModelConfig(name=name, embedding_dim=8, dnn=[16, 8], cross_layers=2), NAMES, CARDS, 4, CPU, emb_device=CPU)
     assert isinstance(model, SplitCTRModel)
     batch = _batch(23)
     whole = TrainModule(model, 0)
@@ -92,17 +92,26 @@ def test_bad_rows_are_refused():
         TrainModule(model, -1)
     b = _batch(4)
     with pytest.raises(ValueError, match="micro-batch rows must be > 0, got 0"):
-        chunked_loss(model.over, model.over_parameters(), b.dense_features, model.sparse(b.dense_features, b.sparse_features),
-                     b.labels, 0)
+        chunked_loss(model.over, model.over_parameters(), b.dense_features, model.sparse(b.dense_features, b.sparse_features), b.labels, 0)
 
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _train(run_dir: Path, rows: int) -> tuple[list[float], dict, str]:
-    cmd = [sys.executable, "-m", "recsys.cli", "train", "--config", str(REPO / "configs/experiments/smoke.yaml"),
-           f"run_dir={run_dir}", "train.batch_size=4096", "train.max_steps=12", "train.log_every=4",
-           f"train.micro_batch_rows={rows}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "recsys.cli",
+        "train",
+        "--config",
+        str(REPO / "configs/experiments/smoke.yaml"),
+        f"run_dir={run_dir}",
+        "train.batch_size=4096",
+        "train.max_steps=12",
+        "train.log_every=4",
+        f"train.micro_batch_rows={rows}",
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -103,9 +103,13 @@ def parse_all(data: bytes, fast: bool, block_bytes: int | None = None, layout: L
     dense = np.concatenate([p.dense for p in parsed])
     sparse = np.concatenate([p.sparse for p in parsed])
     labels = np.concatenate([p.labels for p in parsed])
-    rep = {"total": sum(p.report.total_rows for p in parsed), "good": sum(p.report.good_rows for p in parsed),
-           "blank": sum(p.report.blank_lines for p in parsed), "padded": sum(p.report.padded_rows for p in parsed),
-           "bad": [x for p in parsed for x in p.report.bad]}
+    rep = {
+        "total": sum(p.report.total_rows for p in parsed),
+        "good": sum(p.report.good_rows for p in parsed),
+        "blank": sum(p.report.blank_lines for p in parsed),
+        "padded": sum(p.report.padded_rows for p in parsed),
+        "bad": [x for p in parsed for x in p.report.bad],
+    }
     return dense, sparse, labels, rep
 
 
@@ -126,15 +130,15 @@ def test_fast_path_equals_reference_on_tricky_rows(seed, ending):
     ref = parse_all(data, fast=False)
     assert ref[3]["bad"] and ref[3]["padded"] and ref[3]["blank"]  # the input is tricky
     reasons = {r for _, r in ref[3]["bad"]}
-    assert reasons == {"wrong column count", "bad label", "non-numeric integer", "non-integral number",
-                       "non-hex id", "NUL byte"}
+    assert reasons == {"wrong column count", "bad label", "non-numeric integer", "non-integral number", "non-hex id", "NUL byte"}
     for block_bytes in (None, 1 << 14, 200):
         assert_identical(parse_all(data, fast=True, block_bytes=block_bytes), ref)
 
 
 def test_fast_path_values_against_first_principles():
     line = "1\t-0\t007\t-12\t999999999999999\t\t1\t2\t3\t4\t5\t6\t7\t8\t" + "\t".join(
-        ["68fd1e64", "80E26C9B", "0", "a", "", "ffffffff", "7e0cccc"] + ["1"] * 19)
+        ["68fd1e64", "80E26C9B", "0", "a", "", "ffffffff", "7e0cccc"] + ["1"] * 19
+    )
     dense, sparse, labels, rep = parse_all(line.encode(), fast=True)
     assert rep == {"total": 1, "good": 1, "blank": 0, "padded": 0, "bad": []}
     raw = [-0.0, 7, -12, 999999999999999, 0, 1, 2, 3, 4, 5, 6, 7, 8]
@@ -172,8 +176,7 @@ def test_shards_identical_for_any_workers_and_blocks_plain_and_gz(tmp_path):
     results = []
     for src, workers, block_bytes in [(plain, 1, 1 << 20), (plain, 2, 5000), (gz, 3, 777), (gz, 1, 1 << 16)]:
         out = tmp_path / f"out-{src.suffix}-{workers}-{block_bytes}"
-        m = preprocess_criteo(src, out, rows_per_shard=1000, workers=workers, block_bytes=block_bytes,
-                              max_bad_fraction=0.5)
+        m = preprocess_criteo(src, out, rows_per_shard=1000, workers=workers, block_bytes=block_bytes, max_bad_fraction=0.5)
         files = shard_bytes(out)
         manifest = json.loads(files.pop("manifest.json"))
         src_report = manifest["sources"][0]
@@ -258,8 +261,11 @@ def test_full_disk_with_files_in_processes_names_the_cache(tmp_path):
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs to fill (needs root): {r.stderr.strip() or r.returncode}")
     try:
-        with pytest.raises(CacheWriteError, match=rf"^{mnt / 'cache'}: writing the shard cache failed at shard_00000\."
-                                                  r"\w+\.npy: .*\(0 bytes free on that filesystem\); nothing was written$"):
+        with pytest.raises(
+            CacheWriteError,
+            match=rf"^{mnt / 'cache'}: writing the shard cache failed at shard_00000\."
+            r"\w+\.npy: .*\(0 bytes free on that filesystem\); nothing was written$",
+        ):
             preprocess_criteo(days, mnt / "cache", workers=2)
         assert list(mnt.iterdir()) == []
     finally:
@@ -283,8 +289,7 @@ def test_progress_line_rows_per_second_and_eta(tmp_path, caplog):
     now[0] = 110.0  # 10 s into the run
     p.update(300_000, 3000, 0.5)  # half of a.tsv: 1500 of 4000 bytes
     (line,) = [r.getMessage() for r in caplog.records]
-    rows, rate, share, eta = re.fullmatch(
-        r"preprocessing: (\d+) rows, (\d+)K rows/s, (\d+)% of the input, ETA (\d+) s", line).groups()
+    rows, rate, share, eta = re.fullmatch(r"preprocessing: (\d+) rows, (\d+)K rows/s, (\d+)% of the input, ETA (\d+) s", line).groups()
     assert (int(rows), int(share)) == (500_000, 38)
     assert int(rate) == 50  # 500K rows in 10 s
     assert int(eta) == 17  # 10 s for 37.5%: 16.7 s to go

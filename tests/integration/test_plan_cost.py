@@ -21,8 +21,20 @@ from sharding import save_plan
 from sharding.planner.topology_planner import TopologyAwarePlanner
 
 REPO = Path(__file__).resolve().parents[2]
-SPECS = [(1_000_000, 64), (500_000, 64), (200_000, 32), (50_000, 32), (10_000, 16), (5_000, 16), (1_000, 16),
-         (300, 16), (2_000_000, 32), (80_000, 64), (120, 16), (7_000, 32)]
+SPECS = [
+    (1_000_000, 64),
+    (500_000, 64),
+    (200_000, 32),
+    (50_000, 32),
+    (10_000, 16),
+    (5_000, 16),
+    (1_000, 16),
+    (300, 16),
+    (2_000_000, 32),
+    (80_000, 64),
+    (120, 16),
+    (7_000, 32),
+]
 
 
 class _Lines(logging.Handler):
@@ -36,8 +48,9 @@ class _Lines(logging.Handler):
 
 @pytest.mark.parametrize("topology", ["pcie-8gpu-2socket", "dgx-a100-2host"])
 def test_show_prints_the_step_the_planner_logged(tmp_path, topology):
-    tables = [EmbeddingBagConfig(name=f"t_{i}", embedding_dim=d, num_embeddings=n, feature_names=[f"f_{i}"])
-              for i, (n, d) in enumerate(SPECS)]
+    tables = [
+        EmbeddingBagConfig(name=f"t_{i}", embedding_dim=d, num_embeddings=n, feature_names=[f"f_{i}"]) for i, (n, d) in enumerate(SPECS)
+    ]
     model = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
     planner = TopologyAwarePlanner(topology, 512)
     handler, logger = _Lines(), logging.getLogger("sharding.planner.topology_planner")
@@ -51,7 +64,7 @@ def test_show_prints_the_step_the_planner_logged(tmp_path, topology):
         logger.removeHandler(handler)
         logger.setLevel(old_level)
         logging.disable(old_disable)
-    (line,) = [l for l in handler.lines if l.startswith("topology-aware plan: ")]
+    (line,) = [ln for ln in handler.lines if ln.startswith("topology-aware plan: ")]
     step = re.search(r"modeled step ([0-9.]+) ms \(slowest rank \d+: [0-9.]+ ms; collectives [0-9.]+ ms\)", line)
     assert step, line
     # what the search rated its best proposal; the returned plan is that, or torchrec's placement
@@ -59,18 +72,31 @@ def test_show_prints_the_step_the_planner_logged(tmp_path, topology):
     assert planner.last_cost.step_time * 1e3 <= planner.perf_model.tracker.rating * (1 + 1e-9)
 
     path = tmp_path / "plan.json"
-    save_plan(plan, path, model, world_size=planner.cluster.world_size, compute_device="cuda",
-              meta={"batch_size_per_rank": 512, "pooling": planner.last_pooling})
+    save_plan(
+        plan,
+        path,
+        model,
+        world_size=planner.cluster.world_size,
+        compute_device="cuda",
+        meta={"batch_size_per_rank": 512, "pooling": planner.last_pooling},
+    )
     show = [sys.executable, "-m", "recsys.plan_cli", "show", str(path), "--topology", topology]
     text = subprocess.run(show, capture_output=True, text=True, cwd=REPO, timeout=300)
     assert text.returncode == 0, text.stderr
     assert step.group(0) in text.stdout  # the same line, to the printed digits
-    shown = json.loads(subprocess.run(show + ["--format", "json"], capture_output=True, text=True, cwd=REPO,
-                                      timeout=300).stdout)["modeled_step"]
+    shown = json.loads(subprocess.run(show + ["--format", "json"], capture_output=True, text=True, cwd=REPO, timeout=300).stdout)[
+        "modeled_step"
+    ]
     assert shown["step_time_ms"] == pytest.approx(planner.last_cost.step_time * 1e3, rel=1e-12)
     assert shown["rank_time_ms"] == [round(float(x) * 1e3, 4) for x in planner.last_cost.rank_time]
     # diff of the plan with itself: the same step on both sides, no delta
-    d = json.loads(subprocess.run([sys.executable, "-m", "recsys.plan_cli", "diff", str(path), str(path), "--topology",
-                                   topology, "--format", "json"], capture_output=True, text=True, cwd=REPO,
-                                  timeout=300).stdout)
+    d = json.loads(
+        subprocess.run(
+            [sys.executable, "-m", "recsys.plan_cli", "diff", str(path), str(path), "--topology", topology, "--format", "json"],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=300,
+        ).stdout
+    )
     assert d["modeled_step_s"] == pytest.approx([planner.last_cost.step_time] * 2, rel=1e-12)

@@ -29,8 +29,21 @@ def report16(tmp_path_factory):
     assert (REPO / "configs" / "topologies" / f"{TOPO}.yaml").is_file()
     d = tmp_path_factory.mktemp("html")
     plan, out = d / "plan.json", d / "report.html"
-    r = tool("make", "--config", DEMO, "--world-size", "16", "--local-world-size", "8", "--hbm-gb", "80",
-             "--set", "data.cardinalities=criteo_kaggle_raw", "--out", str(plan))
+    r = tool(
+        "make",
+        "--config",
+        DEMO,
+        "--world-size",
+        "16",
+        "--local-world-size",
+        "8",
+        "--hbm-gb",
+        "80",
+        "--set",
+        "data.cardinalities=criteo_kaggle_raw",
+        "--out",
+        str(plan),
+    )
     assert r.returncode == 0, r.stderr
     r = tool("show", str(plan), "--topology", TOPO, "--format", "html", "--out", str(out))
     assert r.returncode == 0, r.stderr
@@ -52,7 +65,7 @@ def test_html_is_self_contained_and_complete(report16):
     assert "critical rank: rank " in text
     # times are the planner's model (tests/integration/test_plan_html_cost.py checks them to the digit)
     assert re.search(r"modeled step [0-9.]+ ms \(slowest rank \d+: ", text) and "Busiest directed link per collective phase" in text
-    assert "<th class=\"\">total ms</th>" in text and "<th class=\"\">compute ms</th>" not in text
+    assert '<th class="">total ms</th>' in text and '<th class="">compute ms</th>' not in text
     # every rank's GPU box, the wide-model tables too
     for r in range(16):
         assert f"rank {r} · gpu{r % 8}" in text
@@ -74,8 +87,11 @@ def test_show_topology_text_json_and_errors(report16, tmp_path):
     assert rep["modeled_step"]["step_time_ms"] > 0 and len(rep["modeled_step"]["rank_time_ms"]) == 16
     assert "traffic" not in json.loads(tool("show", str(plan), "--format", "json").stdout)  # unchanged without --topology
     out = tmp_path / "r.html"
-    for args, msg in ((["--format", "html"], "needs --out"), (["--topology", "dgx-a100", "--out", str(out)], "8 ranks"),
-                      (["--topology", "no-such-topology", "--format", "html", "--out", str(out)], "")):
+    for args, msg in (
+        (["--format", "html"], "needs --out"),
+        (["--topology", "dgx-a100", "--out", str(out)], "8 ranks"),
+        (["--topology", "no-such-topology", "--format", "html", "--out", str(out)], ""),
+    ):
         r = tool("show", str(plan), *args)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and msg in r.stderr, (args, r.stderr)
         assert not out.exists()
@@ -83,15 +99,28 @@ def test_show_topology_text_json_and_errors(report16, tmp_path):
 
 def _two_rank_plan(batch: int | None = 512) -> dict:
     def tw(rows: int, cols: int, rank: int) -> dict:
-        return {"sharding_type": "table_wise", "compute_kernel": "fused", "ranks": [rank],
-                "shards": [{"offsets": [0, 0], "sizes": [rows, cols], "placement": f"rank:{rank}/cpu"}],
-                "cache_params": None, "enforce_hbm": None, "stochastic_rounding": None, "bounds_check_mode": None,
-                "output_dtype": None, "key_value_params": None}
+        return {
+            "sharding_type": "table_wise",
+            "compute_kernel": "fused",
+            "ranks": [rank],
+            "shards": [{"offsets": [0, 0], "sizes": [rows, cols], "placement": f"rank:{rank}/cpu"}],
+            "cache_params": None,
+            "enforce_hbm": None,
+            "stochastic_rounding": None,
+            "bounds_check_mode": None,
+            "output_dtype": None,
+            "key_value_params": None,
+        }
 
-    return {"format": plan_io.FORMAT, "version": plan_io.VERSION, "world_size": 2, "compute_device": "cpu",
-            "tables": {"a": {"num_embeddings": 1000, "embedding_dim": 16}, "b": {"num_embeddings": 100, "embedding_dim": 4}},
-            "modules": {"m": {"type": "EmbeddingModuleShardingPlan", "params": {"a": tw(1000, 16, 0), "b": tw(100, 4, 1)}}},
-            "meta": {} if batch is None else {"batch_size_per_rank": batch}}
+    return {
+        "format": plan_io.FORMAT,
+        "version": plan_io.VERSION,
+        "world_size": 2,
+        "compute_device": "cpu",
+        "tables": {"a": {"num_embeddings": 1000, "embedding_dim": 16}, "b": {"num_embeddings": 100, "embedding_dim": 4}},
+        "modules": {"m": {"type": "EmbeddingModuleShardingPlan", "params": {"a": tw(1000, 16, 0), "b": tw(100, 4, 1)}}},
+        "meta": {} if batch is None else {"batch_size_per_rank": batch},
+    }
 
 
 def test_traffic_two_table_wise_tables_by_hand():
@@ -115,9 +144,14 @@ def test_traffic_two_table_wise_tables_by_hand():
 def test_traffic_row_wise_and_data_parallel_by_hand():
     d = _two_rank_plan()
     p = d["modules"]["m"]["params"]
-    p["a"].update(sharding_type="row_wise", ranks=[0, 1], shards=[
-        {"offsets": [0, 0], "sizes": [750, 16], "placement": "rank:0/cpu"},
-        {"offsets": [750, 0], "sizes": [250, 16], "placement": "rank:1/cpu"}])
+    p["a"].update(
+        sharding_type="row_wise",
+        ranks=[0, 1],
+        shards=[
+            {"offsets": [0, 0], "sizes": [750, 16], "placement": "rank:0/cpu"},
+            {"offsets": [750, 0], "sizes": [250, 16], "placement": "rank:1/cpu"},
+        ],
+    )
     p["b"].update(sharding_type="data_parallel", compute_kernel="dense", ranks=[0, 1], shards=None)
     plan, header = plan_io.plan_from_dict(d)
     tr = plan_traffic.traffic(plan_report.table_infos(plan, header), 2, 512)

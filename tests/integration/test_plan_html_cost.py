@@ -36,13 +36,31 @@ STEP_RE = r"modeled step [0-9.]+ ms \(slowest rank \d+: [0-9.]+ ms; collectives 
 
 
 def _tw(rows: int, cols: int, rank: int, kernel: str = "fused", load_factor: float | None = None) -> dict:
-    cache = None if load_factor is None else {
-        "algorithm": None, "load_factor": load_factor, "reserved_memory": None, "precision": None,
-        "prefetch_pipeline": None, "stats": None, "multipass_prefetch_config": None}
-    return {"sharding_type": "table_wise", "compute_kernel": kernel, "ranks": [rank],
-            "shards": [{"offsets": [0, 0], "sizes": [rows, cols], "placement": f"rank:{rank}/cuda:{rank}"}],
-            "cache_params": cache, "enforce_hbm": None, "stochastic_rounding": None, "bounds_check_mode": None,
-            "output_dtype": None, "key_value_params": None}
+    cache = (
+        None
+        if load_factor is None
+        else {
+            "algorithm": None,
+            "load_factor": load_factor,
+            "reserved_memory": None,
+            "precision": None,
+            "prefetch_pipeline": None,
+            "stats": None,
+            "multipass_prefetch_config": None,
+        }
+    )
+    return {
+        "sharding_type": "table_wise",
+        "compute_kernel": kernel,
+        "ranks": [rank],
+        "shards": [{"offsets": [0, 0], "sizes": [rows, cols], "placement": f"rank:{rank}/cuda:{rank}"}],
+        "cache_params": cache,
+        "enforce_hbm": None,
+        "stochastic_rounding": None,
+        "bounds_check_mode": None,
+        "output_dtype": None,
+        "key_value_params": None,
+    }
 
 
 def plan_dict(ssd: bool = True) -> dict:
@@ -53,11 +71,17 @@ def plan_dict(ssd: bool = True) -> dict:
     params = {n: _tw(r, c, k) for n, (r, c, k) in specs.items()}
     if ssd:
         params["t_kv"] = _tw(KV_ROWS, KV_DIM, KV_RANK, "key_value", KV_LF)
-    return {"format": plan_io.FORMAT, "version": plan_io.VERSION, "world_size": W, "compute_device": "cuda",
-            "tables": {n: {"num_embeddings": r, "embedding_dim": c, "data_type": "FP32", "optimizer_state": ADAGRAD}
-                       for n, (r, c, _) in specs.items()},
-            "modules": {"": {"type": "EmbeddingModuleShardingPlan", "params": params}},
-            "meta": {"batch_size_per_rank": B}}
+    return {
+        "format": plan_io.FORMAT,
+        "version": plan_io.VERSION,
+        "world_size": W,
+        "compute_device": "cuda",
+        "tables": {
+            n: {"num_embeddings": r, "embedding_dim": c, "data_type": "FP32", "optimizer_state": ADAGRAD} for n, (r, c, _) in specs.items()
+        },
+        "modules": {"": {"type": "EmbeddingModuleShardingPlan", "params": params}},
+        "meta": {"batch_size_per_rank": B},
+    }
 
 
 def rendered(d: dict, topology: str):
@@ -189,7 +213,7 @@ def test_ssd_plan_has_ssd_columns_and_note(ssd_page):
     assert f"+ ssd io {cost.ssd_io[KV_RANK] * 1e3:.4f} ms" in text  # in the critical rank's why
     # the memory section's note, not stacked into the HBM / host chart (TBs would flatten it)
     assert f"largest SSD use: rank {KV_RANK} with {gb(SSD_BYTES)}" in text
-    chart = text[text.index('id="memory-chart"'):text.index("</svg>", text.index('id="memory-chart"'))]
+    chart = text[text.index('id="memory-chart"') : text.index("</svg>", text.index('id="memory-chart"'))]
     assert gb(SSD_BYTES) not in chart and f"rank {KV_RANK}: host {gb(0)}" in chart
     hosts = pages["Hosts"]
     assert column(hosts, "SSD used / capacity") == [f"{gb(SSD_BYTES)} / {gb(28610 * 2**30)}"]
@@ -229,8 +253,13 @@ def test_show_html_prints_the_text_reports_step(tmp_path):
     out = tmp_path / "report.html"
 
     def show(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "recsys.plan_cli", "show", str(path), "--topology", "dgx-a100-ssd", *args],
-                              capture_output=True, text=True, cwd=REPO, timeout=300)
+        return subprocess.run(
+            [sys.executable, "-m", "recsys.plan_cli", "show", str(path), "--topology", "dgx-a100-ssd", *args],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=300,
+        )
 
     text = show()
     assert text.returncode == 0, text.stderr

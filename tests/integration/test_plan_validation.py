@@ -32,9 +32,17 @@ def _mixed_plan(world: int = 2) -> tuple[torch.nn.Module, ShardingPlan]:
     with torch.device("meta"):
         model = plan_models.mixed_dlrm()
     ebc = model.sparse_arch.embedding_bag_collection
-    mp = construct_module_sharding_plan(ebc, per_param_sharding={
-        "t_cowclip": column_wise(ranks=[0, 1]), "t_adagrad": row_wise(), "t_sgd": table_wise(rank=1),
-    }, world_size=world, device_type="cpu", local_size=world)
+    mp = construct_module_sharding_plan(
+        ebc,
+        per_param_sharding={
+            "t_cowclip": column_wise(ranks=[0, 1]),
+            "t_adagrad": row_wise(),
+            "t_sgd": table_wise(rank=1),
+        },
+        world_size=world,
+        device_type="cpu",
+        local_size=world,
+    )
     return model, ShardingPlan({EBC: mp})
 
 
@@ -55,38 +63,63 @@ def _shard(offsets, sizes, rank):
 
 # each: (mutation of the mixed plan's JSON, the one line expected after "<file>: ")
 CASES = {
-    "diagonal_wise": (lambda d: _param(d, "t_sgd").update(sharding_type="diagonal_wise"),
-                      f"key 'modules.{EBC}.t_sgd.sharding_type': 'diagonal_wise' is not a torchrec sharding type (one of "
-                      "data_parallel, table_wise, column_wise, row_wise, table_row_wise, table_column_wise, grid_shard)"),
-    "bogus_kernel": (lambda d: _param(d, "t_sgd").update(compute_kernel="bogus_kernel"),
-                     f"key 'modules.{EBC}.t_sgd.compute_kernel': 'bogus_kernel' is not a torchrec compute kernel (one of dense, "),
-    "7x4 of 100 rows": (lambda d: _param(d, "t_sgd").update(shards=[_shard([0, 0], [7, 4], 1)]),
-                        f"key 'modules.{EBC}.t_sgd.shards[0]': a table_wise shard is the whole table [100, 8] (rows, dim), "
-                        "got offsets [0, 0], sizes [7, 4]"),
-    "kernel for another type": (lambda d: _param(d, "t_sgd").update(compute_kernel="dense"),
-                                f"key 'modules.{EBC}.t_sgd.compute_kernel': torchrec does not run a table_wise table with "
-                                "kernel 'dense' on cpu (allowed: fused)"),
-    "uvm on cpu": (lambda d: _param(d, "t_adagrad").update(compute_kernel="fused_uvm_caching"),
-                   f"key 'modules.{EBC}.t_adagrad.compute_kernel': torchrec does not run a row_wise table with kernel "
-                   "'fused_uvm_caching' on cpu (allowed: fused)"),
-    "rank outside the world": (lambda d: _param(d, "t_sgd").update(ranks=[2], shards=[_shard([0, 0], [100, 8], 2)]),
-                               f"key 'modules.{EBC}.t_sgd.ranks': rank 2 is outside the world of 2 ranks (0..1)"),
-    "ranks differ from placements": (lambda d: _param(d, "t_sgd").update(ranks=[0]),
-                                     f"key 'modules.{EBC}.t_sgd.ranks': [0] differ from the shards' placements [1]"),
-    "row-wise gap": (lambda d: _param(d, "t_adagrad").update(shards=[_shard([0, 0], [250, 8], 0), _shard([300, 0], [300, 8], 1)]),
-                     f"key 'modules.{EBC}.t_adagrad.shards': rows 250..299 of 600 are in no shard"),
-    "row-wise short": (lambda d: _param(d, "t_adagrad").update(shards=[_shard([0, 0], [300, 8], 0), _shard([300, 0], [200, 8], 1)]),
-                       f"key 'modules.{EBC}.t_adagrad.shards': shards cover rows 0..499 of 600; rows 500..599 are in no shard"),
-    "past the end": (lambda d: _param(d, "t_adagrad").update(shards=[_shard([0, 0], [300, 8], 0), _shard([300, 0], [400, 8], 1)]),
-                     f"key 'modules.{EBC}.t_adagrad.shards[1]': offsets [300, 0] + sizes [400, 8] run past the table's [600, 8] (rows, dim)"),
-    "column-wise split along rows": (lambda d: _param(d, "t_cowclip").update(shards=[_shard([0, 0], [500, 8], 0), _shard([500, 0], [500, 8], 1)]),
-                                     f"key 'modules.{EBC}.t_cowclip.shards[0]': a column_wise shard splits dim 1 only and spans "
-                                     "all rows (1000), got offsets [0, 0], sizes [500, 8]"),
-    "row-wise split along columns": (lambda d: _param(d, "t_adagrad").update(shards=[_shard([0, 0], [600, 4], 0), _shard([0, 4], [600, 4], 1)]),
-                                     f"key 'modules.{EBC}.t_adagrad.shards[0]': a row_wise shard splits dim 0 only and spans "
-                                     "the full dim (8), got offsets [0, 0], sizes [600, 4]"),
-    "data-parallel with shards": (lambda d: _param(d, "t_sgd").update(sharding_type="data_parallel", compute_kernel="dense", ranks=[0, 1]),
-                                  f"key 'modules.{EBC}.t_sgd.shards': a data_parallel table has no shards (a full copy on every rank)"),
+    "diagonal_wise": (
+        lambda d: _param(d, "t_sgd").update(sharding_type="diagonal_wise"),
+        f"key 'modules.{EBC}.t_sgd.sharding_type': 'diagonal_wise' is not a torchrec sharding type (one of "
+        "data_parallel, table_wise, column_wise, row_wise, table_row_wise, table_column_wise, grid_shard)",
+    ),
+    "bogus_kernel": (
+        lambda d: _param(d, "t_sgd").update(compute_kernel="bogus_kernel"),
+        f"key 'modules.{EBC}.t_sgd.compute_kernel': 'bogus_kernel' is not a torchrec compute kernel (one of dense, ",
+    ),
+    "7x4 of 100 rows": (
+        lambda d: _param(d, "t_sgd").update(shards=[_shard([0, 0], [7, 4], 1)]),
+        f"key 'modules.{EBC}.t_sgd.shards[0]': a table_wise shard is the whole table [100, 8] (rows, dim), "
+        "got offsets [0, 0], sizes [7, 4]",
+    ),
+    "kernel for another type": (
+        lambda d: _param(d, "t_sgd").update(compute_kernel="dense"),
+        f"key 'modules.{EBC}.t_sgd.compute_kernel': torchrec does not run a table_wise table with kernel 'dense' on cpu (allowed: fused)",
+    ),
+    "uvm on cpu": (
+        lambda d: _param(d, "t_adagrad").update(compute_kernel="fused_uvm_caching"),
+        f"key 'modules.{EBC}.t_adagrad.compute_kernel': torchrec does not run a row_wise table with kernel "
+        "'fused_uvm_caching' on cpu (allowed: fused)",
+    ),
+    "rank outside the world": (
+        lambda d: _param(d, "t_sgd").update(ranks=[2], shards=[_shard([0, 0], [100, 8], 2)]),
+        f"key 'modules.{EBC}.t_sgd.ranks': rank 2 is outside the world of 2 ranks (0..1)",
+    ),
+    "ranks differ from placements": (
+        lambda d: _param(d, "t_sgd").update(ranks=[0]),
+        f"key 'modules.{EBC}.t_sgd.ranks': [0] differ from the shards' placements [1]",
+    ),
+    "row-wise gap": (
+        lambda d: _param(d, "t_adagrad").update(shards=[_shard([0, 0], [250, 8], 0), _shard([300, 0], [300, 8], 1)]),
+        f"key 'modules.{EBC}.t_adagrad.shards': rows 250..299 of 600 are in no shard",
+    ),
+    "row-wise short": (
+        lambda d: _param(d, "t_adagrad").update(shards=[_shard([0, 0], [300, 8], 0), _shard([300, 0], [200, 8], 1)]),
+        f"key 'modules.{EBC}.t_adagrad.shards': shards cover rows 0..499 of 600; rows 500..599 are in no shard",
+    ),
+    "past the end": (
+        lambda d: _param(d, "t_adagrad").update(shards=[_shard([0, 0], [300, 8], 0), _shard([300, 0], [400, 8], 1)]),
+        f"key 'modules.{EBC}.t_adagrad.shards[1]': offsets [300, 0] + sizes [400, 8] run past the table's [600, 8] (rows, dim)",
+    ),
+    "column-wise split along rows": (
+        lambda d: _param(d, "t_cowclip").update(shards=[_shard([0, 0], [500, 8], 0), _shard([500, 0], [500, 8], 1)]),
+        f"key 'modules.{EBC}.t_cowclip.shards[0]': a column_wise shard splits dim 1 only and spans "
+        "all rows (1000), got offsets [0, 0], sizes [500, 8]",
+    ),
+    "row-wise split along columns": (
+        lambda d: _param(d, "t_adagrad").update(shards=[_shard([0, 0], [600, 4], 0), _shard([0, 4], [600, 4], 1)]),
+        f"key 'modules.{EBC}.t_adagrad.shards[0]': a row_wise shard splits dim 0 only and spans "
+        "the full dim (8), got offsets [0, 0], sizes [600, 4]",
+    ),
+    "data-parallel with shards": (
+        lambda d: _param(d, "t_sgd").update(sharding_type="data_parallel", compute_kernel="dense", ranks=[0, 1]),
+        f"key 'modules.{EBC}.t_sgd.shards': a data_parallel table has no shards (a full copy on every rank)",
+    ),
     "table not planned": (lambda d: d["modules"][EBC]["params"].pop("t_sgd"), "key 'modules': no placement for tables ['t_sgd']"),
     "table unknown": (lambda d: d["tables"].pop("t_sgd"), f"key 'modules.{EBC}.t_sgd': table 't_sgd' is not in the plan's 'tables'"),
 }
@@ -118,8 +151,9 @@ def test_overlapping_shards_are_refused_when_read(mixed, tmp_path):
     bad.write_text(json.dumps(d))
     with pytest.raises(PlanFileError) as e:
         plan_io.read_plan_file(bad)
-    assert str(e.value) == (f"{bad}: modules.{EBC}.t_adagrad.shards[1]: overlaps shards[0] "
-                            "(offsets [300, 0] and [0, 0], sizes [300, 8] and [350, 8])")
+    assert str(e.value) == (
+        f"{bad}: modules.{EBC}.t_adagrad.shards[1]: overlaps shards[0] (offsets [300, 0] and [0, 0], sizes [300, 8] and [350, 8])"
+    )
 
 
 def test_valid_plans_pass(mixed):
@@ -132,7 +166,10 @@ def test_valid_plans_pass(mixed):
     no_model["tables"] = {}
     assert plan_problems(plan, no_model, "p") == []
     # the job's world is smaller than the plan's: the rank is named
-    with pytest.raises(PlanFileError, match=r"^p: key 'modules\.sparse_arch\.embedding_bag_collection\.t_cowclip\.ranks': rank 1 is outside the world of 1 ranks"):
+    with pytest.raises(
+        PlanFileError,
+        match=r"^p: key 'modules\.sparse_arch\.embedding_bag_collection\.t_cowclip\.ranks': rank 1 is outside the world of 1 ranks",
+    ):
         validate_plan(plan, header, "p", world_size=1)
 
 
@@ -149,7 +186,11 @@ def test_memory_per_table_and_rank_counts_each_optimizers_state(mixed):
     assert per_table == {"t_cowclip": 2 * cowclip_shard, "t_adagrad": 2 * adagrad_shard, "t_sgd": sgd}
     assert [r["host_bytes"] for r in rep["ranks"]] == [cowclip_shard + adagrad_shard, cowclip_shard + adagrad_shard + sgd]
     assert [r["hbm_bytes"] for r in rep["ranks"]] == [0, 0]  # CPU ranks
-    assert {t["table"]: t["optimizer"] for t in rep["tables"]} == {"t_cowclip": "cowclip_adam", "t_adagrad": "rowwise_adagrad", "t_sgd": "sgd"}
+    assert {t["table"]: t["optimizer"] for t in rep["tables"]} == {
+        "t_cowclip": "cowclip_adam",
+        "t_adagrad": "rowwise_adagrad",
+        "t_sgd": "sgd",
+    }
     assert not rep["optimizer_unknown"]
     # the same placement on GPUs: everything in HBM
     _, header = plan_io.read_plan_file(path)
@@ -191,7 +232,8 @@ def test_stock_dlrm_plan_validates_and_shows_with_or_without_model(tmp_path):
     with torch.device("meta"):
         model = plan_models.dlrm()
     plan = EmbeddingShardingPlanner(topology=Topology(world_size=2, compute_device="cpu"), batch_size=64).plan(
-        model, [EmbeddingBagCollectionSharder()])
+        model, [EmbeddingBagCollectionSharder()]
+    )
     path = plan_io.save_plan(plan, tmp_path / "dlrm.json", model)
     for extra in ([], ["--model", "tests.support.plan_models:dlrm"]):
         r = _run("validate", str(path), *extra)
@@ -211,10 +253,13 @@ def test_stock_dlrm_plan_validates_and_shows_with_or_without_model(tmp_path):
     other.write_text(json.dumps(d))
     r = _run("validate", str(other), "--model", "tests.support.plan_models:dlrm")
     assert r.returncode == 1 and r.stdout.strip() == (
-        f"invalid: {other}: key 'tables': plan is for another model (table t_sgd is [99, 8] (rows, dim) in the plan, [100, 8] in the model)")
-    for spec, msg in (("tests.support.plan_models:nope", "module 'tests.support.plan_models' has no function 'nope'"),
-                      ("tests.no_such_module:f", "cannot import 'tests.no_such_module'"),
-                      ("tests.support.plan_models:not_a_model", "not_a_model() returned int, not an nn.Module")):
+        f"invalid: {other}: key 'tables': plan is for another model (table t_sgd is [99, 8] (rows, dim) in the plan, [100, 8] in the model)"
+    )
+    for spec, msg in (
+        ("tests.support.plan_models:nope", "module 'tests.support.plan_models' has no function 'nope'"),
+        ("tests.no_such_module:f", "cannot import 'tests.no_such_module'"),
+        ("tests.support.plan_models:not_a_model", "not_a_model() returned int, not an nn.Module"),
+    ):
         r = _run("validate", str(path), "--model", spec)
         assert r.returncode == 2 and r.stderr.startswith(f"error: --model {spec}: {msg}"), r.stderr
         assert len(r.stderr.strip().splitlines()) == 1
@@ -232,8 +277,10 @@ def smoke_plan(tmp_path_factory):
 BROKEN_PLANS = {  # broken plans, on the smoke model's t_C1 (100 rows, dim 8)
     "diagonal_wise": (lambda p: p.update(sharding_type="diagonal_wise"), "'diagonal_wise' is not a torchrec sharding type"),
     "bogus_kernel": (lambda p: p.update(compute_kernel="bogus_kernel"), "'bogus_kernel' is not a torchrec compute kernel"),
-    "sizes [7,4]": (lambda p: p.update(sharding_type="table_wise", compute_kernel="fused", ranks=[0], shards=[_shard([0, 0], [7, 4], 0)]),
-                    "a table_wise shard is the whole table [100, 8] (rows, dim), got offsets [0, 0], sizes [7, 4]"),
+    "sizes [7,4]": (
+        lambda p: p.update(sharding_type="table_wise", compute_kernel="fused", ranks=[0], shards=[_shard([0, 0], [7, 4], 0)]),
+        "a table_wise shard is the whole table [100, 8] (rows, dim), got offsets [0, 0], sizes [7, 4]",
+    ),
 }
 
 
@@ -279,11 +326,13 @@ def test_torchrec_planner_out_of_memory_names_need_shortfall_and_largest_tables(
     cowclip, adagrad, sgd = 1000 * 8 * 12 + 1000 * 8, 600 * (8 * 4 + 4), 100 * 8 * 4
     need, usable = cowclip + adagrad + sgd, 2 * 40 * 1024 * 0.85
     assert "\n" not in msg
-    assert msg.startswith(f"model does not fit 2 ranks (cpu): embeddings need {need / 1024:.2f} KiB (weights + optimizer state), "
-                          f"the ranks hold 0.00 KiB HBM + 40.00 KiB host memory each, {usable / 1024:.2f} KiB in all after torchrec's 15% reserve: "
-                          f"short by {(need - usable) / 1024:.2f} KiB; largest tables: t_cowclip {cowclip / 1024:.2f} KiB (1,000 x 8, cowclip_adam), "
-                          f"t_adagrad {adagrad / 1024:.2f} KiB (600 x 8, rowwise_adagrad), t_sgd {sgd / 1024:.2f} KiB (100 x 8, sgd); "
-                          "to fit: about 4 ranks like these"), msg  # ceil(need / (40 KiB x 0.85))
+    assert msg.startswith(
+        f"model does not fit 2 ranks (cpu): embeddings need {need / 1024:.2f} KiB (weights + optimizer state), "
+        f"the ranks hold 0.00 KiB HBM + 40.00 KiB host memory each, {usable / 1024:.2f} KiB in all after torchrec's 15% reserve: "
+        f"short by {(need - usable) / 1024:.2f} KiB; largest tables: t_cowclip {cowclip / 1024:.2f} KiB (1,000 x 8, cowclip_adam), "
+        f"t_adagrad {adagrad / 1024:.2f} KiB (600 x 8, rowwise_adagrad), t_sgd {sgd / 1024:.2f} KiB (100 x 8, sgd); "
+        "to fit: about 4 ranks like these"
+    ), msg  # ceil(need / (40 KiB x 0.85))
     assert "planner said: " in msg
 
 
@@ -293,7 +342,6 @@ def test_hbm_below_torchrecs_reserve_is_said_as_such_with_the_given_capacity(pla
     no table fits whatever its size; the line says that, with the HBM the user gave (not the
     topology's own 80 GiB), in binary units that show a small need, and torchrec's words whole."""
     from recsys.optim.cowclip.sharder import CowClipEmbeddingBagCollectionSharder
-    from torchrec.distributed.planner.types import PlannerError
 
     from recsys.config import ShardingConfig
     from sharding.planner.build import build_planner
@@ -314,12 +362,26 @@ def test_hbm_below_torchrecs_reserve_is_said_as_such_with_the_given_capacity(pla
 def test_make_for_a_model_factory_records_its_optimizers(tmp_path):
     """`recsys-plan make --model pkg.mod:factory`: a user's model, no experiment config."""
     out = tmp_path / "m.json"
-    r = _run("make", "--model", "tests.support.plan_models:mixed_dlrm", "--world-size", "2", "--compute-device", "cpu",
-             "--batch-size", "256", "--out", str(out))
+    r = _run(
+        "make",
+        "--model",
+        "tests.support.plan_models:mixed_dlrm",
+        "--world-size",
+        "2",
+        "--compute-device",
+        "cpu",
+        "--batch-size",
+        "256",
+        "--out",
+        str(out),
+    )
     assert r.returncode == 0, r.stderr
     d = json.loads(out.read_text())
     assert {n: t["optimizer_state"]["kind"] for n, t in d["tables"].items()} == {
-        "t_cowclip": "cowclip_adam", "t_adagrad": "rowwise_adagrad", "t_sgd": "sgd"}
+        "t_cowclip": "cowclip_adam",
+        "t_adagrad": "rowwise_adagrad",
+        "t_sgd": "sgd",
+    }
     assert set(d["modules"]) == {EBC} and d["world_size"] == 2
     r = _run("validate", str(out), "--model", "tests.support.plan_models:mixed_dlrm")
     assert r.returncode == 0 and r.stdout.startswith("valid: 3 tables"), r.stdout + r.stderr

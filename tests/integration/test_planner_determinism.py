@@ -21,22 +21,35 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from sharding.planner.bounds import step_time_lower_bound
 from sharding.planner.proposers import BudgetedProposer, SearchReport
 from sharding.planner.topology_planner import ModelDoesNotFitError, TopologyAwarePlanner
-from sharding.topology.cluster import load_topology
 
 ROOT = Path(__file__).resolve().parents[2]
-SPECS = [(1_000_000, 64), (500_000, 64), (200_000, 32), (50_000, 32), (10_000, 16), (5_000, 16), (1_000, 16), (300, 16),
-         (2_000_000, 32), (80_000, 64), (120, 16), (7_000, 32)]
+SPECS = [
+    (1_000_000, 64),
+    (500_000, 64),
+    (200_000, 32),
+    (50_000, 32),
+    (10_000, 16),
+    (5_000, 16),
+    (1_000, 16),
+    (300, 16),
+    (2_000_000, 32),
+    (80_000, 64),
+    (120, 16),
+    (7_000, 32),
+]
 
 
 def ebc(specs=SPECS):
-    tables = [EmbeddingBagConfig(name=f"t_{i}", embedding_dim=d, num_embeddings=n, feature_names=[f"f_{i}"])
-              for i, (n, d) in enumerate(specs)]
+    tables = [
+        EmbeddingBagConfig(name=f"t_{i}", embedding_dim=d, num_embeddings=n, feature_names=[f"f_{i}"]) for i, (n, d) in enumerate(specs)
+    ]
     return EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
 
 
 def _placements(plan):
-    return {name: (ps.sharding_type, ps.compute_kernel, ps.ranks, str(ps.sharding_spec))
-            for mp in plan.plan.values() for name, ps in mp.items()}
+    return {
+        name: (ps.sharding_type, ps.compute_kernel, ps.ranks, str(ps.sharding_spec)) for mp in plan.plan.values() for name, ps in mp.items()
+    }
 
 
 def test_no_wall_clock_limit_by_default_and_every_proposer_runs_to_its_own_end():
@@ -90,14 +103,19 @@ def test_a_timeout_the_caller_sets_is_reported_as_load_dependent(caplog):
     report = planner.last_search
     assert report.timeout_cut and report.budget_cut == []
     assert report.proposals == {"_SlowGreedy#0": 1, "GreedyProposer#1": 0}
-    assert any("timeout_seconds stopped the search (the plan depends on the machine's load) after 1 proposals" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        "timeout_seconds stopped the search (the plan depends on the machine's load) after 1 proposals" in r.getMessage()
+        for r in caplog.records
+    )
 
 
 def test_a_timeout_before_any_plan_is_not_called_a_model_that_does_not_fit():
     planner = TopologyAwarePlanner("dgx-a100-2host", 512, timeout_seconds=1e-9)
-    with pytest.raises(PlannerError, match=r"^no plan: timeout_seconds=1e-09 stopped the search after 0 proposals, "
-                                           r"before any plan was made") as e:
+    with pytest.raises(
+        PlannerError,
+        match=r"^no plan: timeout_seconds=1e-09 stopped the search after 0 proposals, "
+        r"before any plan was made",
+    ) as e:
         planner.plan(ebc(), [EmbeddingBagCollectionSharder()])
     assert not isinstance(e.value, ModelDoesNotFitError)
 
@@ -115,8 +133,16 @@ def test_search_report_line_without_a_bound():
 def test_recsys_plan_make_is_byte_identical_idle_and_under_a_cpu_load_of_four(tmp_path):
     """The same `recsys-plan make` on an idle machine and beside 4 busy processes (2x the cores of
     the CI machine) writes the same bytes."""
-    cmd = [sys.executable, "-m", "recsys.plan_cli", "make", "--config", str(ROOT / "configs/experiments/demo.yaml"),
-           "--topology", "dgx-a100-2host"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "recsys.plan_cli",
+        "make",
+        "--config",
+        str(ROOT / "configs/experiments/demo.yaml"),
+        "--topology",
+        "dgx-a100-2host",
+    ]
     env = {**os.environ, "PYTHONHASHSEED": "random"}
     idle = tmp_path / "idle.json"
     subprocess.run(cmd + ["--out", str(idle)], check=True, cwd=ROOT, env=env, capture_output=True, timeout=600)

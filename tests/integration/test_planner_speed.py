@@ -22,7 +22,9 @@ logging.disable(logging.WARNING)
 
 
 def ebc(specs):
-    tables = [EmbeddingBagConfig(name=f"t_{i}", embedding_dim=d, num_embeddings=n, feature_names=[f"f_{i}"]) for i, (n, d) in enumerate(specs)]
+    tables = [
+        EmbeddingBagConfig(name=f"t_{i}", embedding_dim=d, num_embeddings=n, feature_names=[f"f_{i}"]) for i, (n, d) in enumerate(specs)
+    ]
     return EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
 
 
@@ -30,8 +32,16 @@ SPECS = [(2_000_000, 64), (300_000, 32), (50_000, 128), (7_000, 16), (123_457, 6
 
 
 def _space(ss):
-    return [(so.name, so.sharding_type, so.compute_kernel, so.cache_load_factor,
-             [(tuple(s.size), tuple(s.offset), s.storage, s.perf, s.rank) for s in so.shards]) for so in ss]
+    return [
+        (
+            so.name,
+            so.sharding_type,
+            so.compute_kernel,
+            so.cache_load_factor,
+            [(tuple(s.size), tuple(s.offset), s.storage, s.perf, s.rank) for s in so.shards],
+        )
+        for so in ss
+    ]
 
 
 def test_fast_internals_give_torchrecs_estimates_and_copies():
@@ -157,4 +167,5 @@ def test_one_rank_plans_without_links():
     plan = planner.plan(EmbeddingBagCollection(tables=tables, device=torch.device("meta")), [EmbeddingBagCollectionSharder()])
     assert sorted(n for m in plan.plan.values() for n in m) == ["t0", "t1", "t2", "t3"]
     assert planner.cost_model.score(planner.best_plan).comm_time == pytest.approx(
-        sum(planner.cost_model.type_latency(t) for t in {so.sharding_type for so in planner.best_plan}))
+        sum(planner.cost_model.type_latency(t) for t in {so.sharding_type for so in planner.best_plan})
+    )

@@ -49,8 +49,7 @@ def raw_dir(tmp_path) -> Path:
 
 
 def _cfg(raw: Path, cache: Path, *more: str):
-    return load_config(SMOKE, ["data.source=criteo", f"data.path={raw}", f"data.cache_dir={cache}",
-                               "train.batch_size=128", *more])
+    return load_config(SMOKE, ["data.source=criteo", f"data.path={raw}", f"data.cache_dir={cache}", "train.batch_size=128", *more])
 
 
 def _rows(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -133,29 +132,40 @@ def test_fan_out_over_an_older_single_process_cache_removes_its_shards(raw_dir, 
 
 def test_cli_task_from_the_slurm_array_environment_and_one_line_errors(raw_dir, tmp_path):
     fan = tmp_path / "fan"
-    args = [sys.executable, "-m", "recsys.cli", "preprocess", "--config", str(SMOKE), "data.source=criteo",
-            f"data.path={raw_dir}", f"data.cache_dir={fan}", "train.batch_size=128"]
+    args = [
+        sys.executable,
+        "-m",
+        "recsys.cli",
+        "preprocess",
+        "--config",
+        str(SMOKE),
+        "data.source=criteo",
+        f"data.path={raw_dir}",
+        f"data.cache_dir={fan}",
+        "train.batch_size=128",
+    ]
     outs = []
     for task in ("1", "0"):
         env = dict(ENV, SLURM_ARRAY_TASK_ID=task, SLURM_ARRAY_TASK_COUNT="2")
         r = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
         assert r.returncode == 0, r.stderr[-2000:]
         outs.append(r.stdout.strip())
-    assert outs == [f"task 1 of 2: part written; the last task to finish joins {fan}",
-                    f"task 0 of 2: {fan} holds 2409 rows in 2 shards"]
+    assert outs == [f"task 1 of 2: part written; the last task to finish joins {fan}", f"task 0 of 2: {fan} holds 2409 rows in 2 shards"]
     r = subprocess.run(args[:6] + ["--tasks", "2", "--task", "2"], capture_output=True, text=True, env=ENV, timeout=300)
-    assert (r.returncode, r.stderr.strip()) == \
-        (2, "error: --task 2 of --tasks 2 (--procs 1): need 0 <= task < tasks and procs >= 1")
+    assert (r.returncode, r.stderr.strip()) == (2, "error: --task 2 of --tasks 2 (--procs 1): need 0 <= task < tasks and procs >= 1")
     # one task in 3 processes (3 parts), into another cache: the same rows
     three = [a.replace(str(fan), str(tmp_path / "three")) for a in args] + ["--tasks", "1", "--procs", "3"]
     r = subprocess.run(three, capture_output=True, text=True, env=ENV, timeout=300)
-    assert r.returncode == 0 and r.stdout.strip() == \
-        f"task 0 of 1 (parts 0-2 of 3): {tmp_path / 'three'} holds 2409 rows in 3 shards", r.stderr[-2000:]
+    assert r.returncode == 0 and r.stdout.strip() == f"task 0 of 1 (parts 0-2 of 3): {tmp_path / 'three'} holds 2409 rows in 3 shards", (
+        r.stderr[-2000:]
+    )
     for a, b in zip(_rows(fan), _rows(tmp_path / "three")):
         np.testing.assert_array_equal(a, b)
     r = subprocess.run(args[:6], capture_output=True, text=True, env=ENV, timeout=300)
-    assert (r.returncode, r.stderr.strip()) == \
-        (2, f"error: {SMOKE}: key 'data.source': generated data (synthetic) has nothing to preprocess")
+    assert (r.returncode, r.stderr.strip()) == (
+        2,
+        f"error: {SMOKE}: key 'data.source': generated data (synthetic) has nothing to preprocess",
+    )
 
 
 def test_torchx_component_on_local_cwd_gives_the_single_process_dataset(raw_dir, tmp_path):
@@ -163,11 +173,32 @@ def test_torchx_component_on_local_cwd_gives_the_single_process_dataset(raw_dir,
     two processes each, four parts, one join."""
     fan = tmp_path / "fan"
     torchx = Path(sys.executable).parent / "torchx"
-    r = subprocess.run([str(torchx), "run", "-s", "local_cwd", "--wait", "--log",
-                        f"{REPO}/torchx_components/launch.py:preprocess", "--config", str(SMOKE), "--tasks", "2",
-                        "--procs_per_task", "2",
-                        "data.source=criteo", f"data.path={raw_dir}", f"data.cache_dir={fan}", "train.batch_size=128"],
-                       capture_output=True, text=True, env=ENV, timeout=600, cwd=tmp_path)
+    r = subprocess.run(
+        [
+            str(torchx),
+            "run",
+            "-s",
+            "local_cwd",
+            "--wait",
+            "--log",
+            f"{REPO}/torchx_components/launch.py:preprocess",
+            "--config",
+            str(SMOKE),
+            "--tasks",
+            "2",
+            "--procs_per_task",
+            "2",
+            "data.source=criteo",
+            f"data.path={raw_dir}",
+            f"data.cache_dir={fan}",
+            "train.batch_size=128",
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
     manifest = json.loads((fan / "manifest.json").read_text())
     assert manifest["created_by"] == "recsys.data.fanout.join_parts (4 parts)"

@@ -13,8 +13,15 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 SHARDING = ["TopologyAwarePlanner", "ClusterTopology", "load_topology", "save_plan", "load_plan"]
-RECSYS = ["tag_cowclip_adam", "CowClipEmbeddingBagCollectionSharder", "CowClipEmbeddingCollectionSharder",
-          "KStepMergeHook", "KStepMerger", "export_model", "load_exported"]
+RECSYS = [
+    "tag_cowclip_adam",
+    "CowClipEmbeddingBagCollectionSharder",
+    "CowClipEmbeddingCollectionSharder",
+    "KStepMergeHook",
+    "KStepMerger",
+    "export_model",
+    "load_exported",
+]
 
 
 def _own_doc(obj) -> str:
@@ -58,7 +65,13 @@ def test_package_roots_import_lazily_and_sharding_never_imports_recsys():
         "from sharding import TopologyAwarePlanner, ClusterTopology, load_topology, save_plan, load_plan\n"
         "print(sorted(m for m in sys.modules if m == 'recsys' or m.startswith('recsys.')))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
-                         env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "['recsys']"  # only the (empty) root, from the first line

@@ -151,7 +151,11 @@ def test_criteo_csv_sample_and_consistency_with_tsv(tmp_path):
     assert tsv["sparse_names"] == m["sparse_names"] == CRITEO_SPARSE_NAMES
     d2, s2, l2 = read_all(tmp_path / "tsv")
     assert (d2.shape[1], s2.shape[1], d2.dtype, s2.dtype, l2.dtype) == (
-        dense.shape[1], sparse.shape[1], dense.dtype, sparse.dtype, labels.dtype
+        dense.shape[1],
+        sparse.shape[1],
+        dense.dtype,
+        sparse.dtype,
+        labels.dtype,
     )
 
 
@@ -229,7 +233,11 @@ def test_malformed_tsv_rows_skipped_with_line_numbers(tmp_path, caplog):
     }
     assert [b["line"] for b in rep["first_bad_lines"]] == [17, 45, 99, 120, 300]
     assert [b["reason"] for b in rep["first_bad_lines"]] == [
-        "wrong column count", "non-hex id", "non-numeric integer", "non-integral number", "bad label"
+        "wrong column count",
+        "non-hex id",
+        "non-numeric integer",
+        "non-integral number",
+        "bad label",
     ]
     assert rep["blank_lines"] == 2  # trailing empty lines are not rows
     assert "criteo_bad.tsv: skipped 7 of 1000 rows" in caplog.text
@@ -323,10 +331,7 @@ def test_read_across_shard_boundaries(tmp_path):
     out = tmp_path / "csv"
     m = preprocess_criteo(sample(CSV), out, rows_per_shard=64)
     assert [s["num_rows"] for s in m["shards"]] == [64, 64, 64, 8]
-    on_disk = [
-        np.concatenate([np.load(out / f"{s['name']}.{part}.npy") for s in m["shards"]])
-        for part in ("dense", "sparse", "labels")
-    ]
+    on_disk = [np.concatenate([np.load(out / f"{s['name']}.{part}.npy") for s in m["shards"]]) for part in ("dense", "sparse", "labels")]
     ds = ShardedDataset.open(out)
     assert ds.num_rows == len(ds) == 200 and ds.num_shards == 4
     for start, stop in [(0, 200), (60, 130), (63, 65), (64, 128), (199, 200), (5, 5)]:
@@ -375,8 +380,9 @@ def test_directory_without_manifest_or_corrupt_manifest_is_invalid(tmp_path):
         ShardedDataset.open(tmp_path / "absent")
 
     # a non-empty directory without a manifest is never silently reused or deleted ...
-    with pytest.raises(FileExistsError, match="no_manifest exists but is not a complete shard directory .*; "
-                       "remove it or choose another cache directory$"):
+    with pytest.raises(
+        FileExistsError, match="no_manifest exists but is not a complete shard directory .*; remove it or choose another cache directory$"
+    ):
         preprocess_criteo(sample(CSV), no_manifest)
     # ... unless asked to
     assert preprocess_criteo(sample(CSV), no_manifest, overwrite=True)["num_rows"] == 200
@@ -396,9 +402,7 @@ os._exit(1)  # killed mid-write: no commit, no cleanup
 
 def test_crash_mid_write_leaves_nothing_that_opens(tmp_path):
     dest = tmp_path / "ds"
-    proc = subprocess.run(
-        [sys.executable, "-c", CRASH_SCRIPT, str(REPO), str(dest)], capture_output=True, text=True, timeout=60
-    )
+    proc = subprocess.run([sys.executable, "-c", CRASH_SCRIPT, str(REPO), str(dest)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1, proc.stderr
     stale = Path(proc.stdout.strip())
     assert stale.is_dir() and stale.parent == tmp_path and any(stale.glob("shard_*.npy"))
@@ -444,12 +448,15 @@ def test_existing_complete_dir_is_reused_only_with_the_same_key(tmp_path, monkey
     # another option, another file, another kind: rebuilt, with one warning line saying why
     caplog.set_level(logging.WARNING, logger="recsys.data.raw_formats")
     for call, why in [
-        (lambda: preprocess_criteo(sample(CSV), out, rows_per_shard=64),
-         "parse options changed: rows_per_shard 100 -> 64"),
-        (lambda: preprocess_criteo(sample(TSV), out),
-         f"new input file {sample(TSV).resolve()}; input file {sample(CSV).resolve()} no longer given"),
-        (lambda: preprocess_avazu(sample(AVAZU), out),
-         f"new input file {sample(AVAZU).resolve()}; input file {sample(TSV).resolve()} no longer given"),
+        (lambda: preprocess_criteo(sample(CSV), out, rows_per_shard=64), "parse options changed: rows_per_shard 100 -> 64"),
+        (
+            lambda: preprocess_criteo(sample(TSV), out),
+            f"new input file {sample(TSV).resolve()}; input file {sample(CSV).resolve()} no longer given",
+        ),
+        (
+            lambda: preprocess_avazu(sample(AVAZU), out),
+            f"new input file {sample(AVAZU).resolve()}; input file {sample(TSV).resolve()} no longer given",
+        ),
     ]:
         caplog.clear()
         m = call()

@@ -17,8 +17,34 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 DEMO = str(REPO / "configs" / "experiments" / "demo.yaml")
 RAW = ("--set", "data.cardinalities=criteo_kaggle_raw")
-RAW_SIZES = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27,
-             14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572]
+RAW_SIZES = [
+    1460,
+    583,
+    10131227,
+    2202608,
+    305,
+    24,
+    12517,
+    633,
+    3,
+    93145,
+    5683,
+    8351593,
+    3194,
+    27,
+    14992,
+    5461306,
+    10,
+    5652,
+    2173,
+    4,
+    7046547,
+    18,
+    15,
+    286181,
+    105,
+    142572,
+]
 
 
 def tool(*args: str) -> subprocess.CompletedProcess:
@@ -84,8 +110,11 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(plans, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(roomy.read_text()[:200])  # truncated
     out = tmp_path / "report.txt"
-    for args in (["show", str(bad), "--out", str(out)], ["show", str(tmp_path / "none.json")],
-                 ["diff", str(roomy), str(bad), "--out", str(out)]):
+    for args in (
+        ["show", str(bad), "--out", str(out)],
+        ["show", str(tmp_path / "none.json")],
+        ["diff", str(roomy), str(bad), "--out", str(out)],
+    ):
         r = tool(*args)
         assert r.returncode == 2, args
         assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("error: ")
@@ -105,21 +134,29 @@ def _one_line(r: subprocess.CompletedProcess) -> str:
 
 def test_make_names_the_option_the_user_gave_and_refuses_impossible_sizes(tmp_path):
     out = tmp_path / "p.json"
-    assert _one_line(tool("make", "--config", DEMO, "--world-size", "2", "--hbm-gb", "-1", "--out", str(out))) == \
-        "error: --hbm-gb -1: expected a size in GiB > 0 (leave it out for the default)"
-    assert _one_line(tool("validate", str(out), "--ddr-gb", "-3")) == \
-        "error: --ddr-gb -3: expected a size in GiB > 0 (leave it out for the default)"
+    assert (
+        _one_line(tool("make", "--config", DEMO, "--world-size", "2", "--hbm-gb", "-1", "--out", str(out)))
+        == "error: --hbm-gb -1: expected a size in GiB > 0 (leave it out for the default)"
+    )
+    assert (
+        _one_line(tool("validate", str(out), "--ddr-gb", "-3"))
+        == "error: --ddr-gb -3: expected a size in GiB > 0 (leave it out for the default)"
+    )
     # no --local-world-size given: the topology's hosts are what the world size must fill
-    assert _one_line(tool("make", "--config", DEMO, "--topology", "workstation-4gpu-nvlink-pairs", "--world-size", "2",
-                          "--out", str(out))) == (
+    assert _one_line(
+        tool("make", "--config", DEMO, "--topology", "workstation-4gpu-nvlink-pairs", "--world-size", "2", "--out", str(out))
+    ) == (
         "error: --world-size 2 does not fill whole hosts of topology workstation-4gpu-nvlink-pairs (4 ranks per host): "
-        "give a multiple of 4, or a topology with 2 GPUs per host")
+        "give a multiple of 4, or a topology with 2 GPUs per host"
+    )
     assert not out.exists()
 
 
 def test_make_out_that_cannot_be_written_is_one_line_and_keeps_the_old_file(tmp_path):
-    assert _one_line(tool("make", "--config", DEMO, "--world-size", "2", "--out", str(tmp_path))) == \
-        f"error: --out {tmp_path} is a directory; give a file name, e.g. {tmp_path / 'plan.json'}"
+    assert (
+        _one_line(tool("make", "--config", DEMO, "--world-size", "2", "--out", str(tmp_path)))
+        == f"error: --out {tmp_path} is a directory; give a file name, e.g. {tmp_path / 'plan.json'}"
+    )
     top = Path(tempfile.mkdtemp())  # outside pytest's root-only tmp tree, so nobody can reach it
     top.chmod(0o755)
     ro = top / "ro"
@@ -129,14 +166,12 @@ def test_make_out_that_cannot_be_written_is_one_line_and_keeps_the_old_file(tmp_
     as_nobody = os.geteuid() == 0  # root writes into a read-only directory: run the tool as nobody
     if as_nobody and shutil.which("setpriv") is None:
         pytest.skip("running as root without setpriv: a read-only directory stays writable")
-    cmd = [sys.executable, "-m", "recsys.plan_cli", "make", "--config", DEMO, "--world-size", "2",
-           "--out", str(ro / "plan.json")]
+    cmd = [sys.executable, "-m", "recsys.plan_cli", "make", "--config", DEMO, "--world-size", "2", "--out", str(ro / "plan.json")]
     if as_nobody:
         cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *cmd]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)
-        assert _one_line(r) == (f"error: cannot write --out {ro / 'plan.json'}: Permission denied; the previous file "
-                                "is unchanged")
+        assert _one_line(r) == (f"error: cannot write --out {ro / 'plan.json'}: Permission denied; the previous file is unchanged")
         assert (ro / "plan.json").read_text() == "old" and sorted(p.name for p in ro.iterdir()) == ["plan.json"]
     finally:
         ro.chmod(0o755)
@@ -192,8 +227,11 @@ BIG_FEATURES = ["C3", "C4", "C12", "C16", "C21"]  # the raw Kaggle tables of 2M-
 
 def _kernels_and_lfs(path: Path) -> dict[str, tuple[str, float | None]]:
     d = json.loads(path.read_text())
-    return {t: (ps["compute_kernel"], (ps["cache_params"] or {}).get("load_factor"))
-            for m in d["modules"].values() for t, ps in m["params"].items()}
+    return {
+        t: (ps["compute_kernel"], (ps["cache_params"] or {}).get("load_factor"))
+        for m in d["modules"].values()
+        for t, ps in m["params"].items()
+    }
 
 
 def test_make_with_data_sample_sizes_uvm_caches(tmp_path):
@@ -201,14 +239,33 @@ def test_make_with_data_sample_sizes_uvm_caches(tmp_path):
     caches get the smallest load factor reaching 95% hits (0.01); with a uniform one (hit rate ==
     load factor) the load factor stays at the cap (0.8); `--model` works as `--config`."""
     skew, uni = tmp_path / "skew.json", tmp_path / "uni.json"
-    skew.write_text(json.dumps({"format": "recsys-id-histogram", "version": 1, "tables": {
-        f: {"counts": [int(1e6 / r) + 2 for r in range(1, 20001)]} for f in BIG_FEATURES}}))
+    skew.write_text(
+        json.dumps(
+            {
+                "format": "recsys-id-histogram",
+                "version": 1,
+                "tables": {f: {"counts": [int(1e6 / r) + 2 for r in range(1, 20001)]} for f in BIG_FEATURES},
+            }
+        )
+    )
     uni.write_text(json.dumps({f: {"counts": [1] * 50000} for f in BIG_FEATURES}))
     got = {}
     for name, sample in (("skew", skew), ("uni", uni)):
         out = tmp_path / f"{name}.json"
-        r = tool("make", "--model", DEMO, "--topology", "pcie-8gpu-2socket", "--hbm-gb", "0.25", "--out", str(out),
-                 "--data-sample", str(sample), *RAW)
+        r = tool(
+            "make",
+            "--model",
+            DEMO,
+            "--topology",
+            "pcie-8gpu-2socket",
+            "--hbm-gb",
+            "0.25",
+            "--out",
+            str(out),
+            "--data-sample",
+            str(sample),
+            *RAW,
+        )
         assert r.returncode == 0, r.stderr
         got[name] = _kernels_and_lfs(out)
         meta = json.loads(out.read_text())["meta"]
@@ -230,8 +287,11 @@ def test_bad_data_sample_is_one_line_exit_2_and_writes_nothing(tmp_path):
     out = tmp_path / "p.json"
     bad = tmp_path / "hist.json"
     bad.write_text(json.dumps({"tables": {"t_C3": {"counts": [3, 2, -1]}}}))
-    for sample, expect in ((bad, f"{bad}: key 'tables.t_C3.counts[2]'"), (tmp_path / "none.json", "no such file"),
-                           ("synthetic:0", "positive row count")):
+    for sample, expect in (
+        (bad, f"{bad}: key 'tables.t_C3.counts[2]'"),
+        (tmp_path / "none.json", "no such file"),
+        ("synthetic:0", "positive row count"),
+    ):
         r = tool("make", "--config", DEMO, "--topology", "dgx-a100", "--out", str(out), "--data-sample", str(sample))
         assert r.returncode == 2, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("error: ") and expect in r.stderr, r.stderr
@@ -243,8 +303,9 @@ def test_cowclip_plan_memory_counts_two_moments_and_a_step_per_row(tmp_path):
     holds 4 B weights + two 4 B moments per weight + an 8 B step per row, counted from the file
     alone (no config), on CPU ranks all in host memory."""
     out = tmp_path / "cowclip.json"
-    r = tool("make", "--config", DEMO, "--world-size", "2", "--compute-device", "cpu", "--out", str(out),
-             "--set", "optim.embedding=cowclip_adam")
+    r = tool(
+        "make", "--config", DEMO, "--world-size", "2", "--compute-device", "cpu", "--out", str(out), "--set", "optim.embedding=cowclip_adam"
+    )
     assert r.returncode == 0, r.stderr
     d = json.loads(out.read_text())
     assert {t["optimizer_state"]["kind"] for t in d["tables"].values()} == {"cowclip_adam"}
@@ -252,7 +313,9 @@ def test_cowclip_plan_memory_counts_two_moments_and_a_step_per_row(tmp_path):
     for m in d["modules"].values():
         for name, ps in m["params"].items():
             t = d["tables"][name]
-            shards = ps["shards"] or [{"sizes": [t["num_embeddings"], t["embedding_dim"]], "placement": f"rank:{r}/cpu"} for r in ps["ranks"]]
+            shards = ps["shards"] or [
+                {"sizes": [t["num_embeddings"], t["embedding_dim"]], "placement": f"rank:{r}/cpu"} for r in ps["ranks"]
+            ]
             for sh in shards:
                 rows, cols = sh["sizes"]
                 expected[int(sh["placement"].split("/")[0][5:])] += rows * cols * (4 + 8) + rows * 8
@@ -266,15 +329,23 @@ def test_diff_of_plans_for_different_setups_says_so_and_shows_shapes(plans, tmp_
     shapes differ, and the diff says so before any placement change."""
     roomy, _ = plans
     small = tmp_path / "small.json"
-    r = tool("make", "--config", str(REPO / "configs" / "experiments" / "smoke.yaml"), "--world-size", "8",
-             "--compute-device", "cpu", "--out", str(small))
+    r = tool(
+        "make",
+        "--config",
+        str(REPO / "configs" / "experiments" / "smoke.yaml"),
+        "--world-size",
+        "8",
+        "--compute-device",
+        "cpu",
+        "--out",
+        str(small),
+    )
     assert r.returncode == 0, r.stderr
     r = tool("diff", str(small), str(roomy))
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert lines[0] == "the plans are for different setups: compute_device cpu -> cuda, batch_size_per_rank 64 -> 512"
-    c12 = next(l for l in lines if l.startswith("  t_C12 "))
+    c12 = next(ln for ln in lines if ln.startswith("  t_C12 "))
     assert "shape: 2,000 x 8 -> 8,351,593 x 16" in c12, c12
     d = json.loads(tool("diff", str(small), str(roomy), "--format", "json").stdout)
     assert d["plans"] == {"compute_device": ["cpu", "cuda"], "batch_size_per_rank": [64, 512]}
-

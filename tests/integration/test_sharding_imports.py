@@ -11,9 +11,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 # every module, by its dotted name under sharding (packages' __init__ included: "planner.cost")
 MODULES = sorted(
-    ".".join(p.relative_to(ROOT / "sharding").with_suffix("").parts[:-1] if p.stem == "__init__"
-             else p.relative_to(ROOT / "sharding").with_suffix("").parts)
-    for p in (ROOT / "sharding").rglob("*.py") if p.relative_to(ROOT / "sharding").parts != ("__init__.py",))
+    ".".join(
+        p.relative_to(ROOT / "sharding").with_suffix("").parts[:-1]
+        if p.stem == "__init__"
+        else p.relative_to(ROOT / "sharding").with_suffix("").parts
+    )
+    for p in (ROOT / "sharding").rglob("*.py")
+    if p.relative_to(ROOT / "sharding").parts != ("__init__.py",)
+)
 
 
 def _path(m: str) -> Path:
@@ -29,8 +34,14 @@ def test_importing_every_sharding_module_loads_no_recsys_module():
         "bad = sorted(m for m in sys.modules if m == 'recsys' or m.startswith('recsys.'))\n"
         "print('LOADED', len([m for m in sys.modules if m.startswith('sharding.')]), bad)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     line = out.stdout.strip().splitlines()[-1]
     assert line == f"LOADED {len(MODULES)} []", line
@@ -57,9 +68,14 @@ def test_no_recsys_import_and_no_cycle_in_the_source():
         src = _path(m)
         tree = ast.parse(src.read_text())
         for node in ast.walk(tree):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-            assert not any(n == "recsys" or n.startswith("recsys.") for n in names), f"{src.relative_to(ROOT)} line {node.lineno} imports recsys"
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else ([node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            )
+            assert not any(n == "recsys" or n.startswith("recsys.") for n in names), (
+                f"{src.relative_to(ROOT)} line {node.lineno} imports recsys"
+            )
         graph[m] = _sharding_imports(src) - {m}
     # depth-first search for a back edge
     state: dict[str, int] = {}
@@ -68,7 +84,7 @@ def test_no_recsys_import_and_no_cycle_in_the_source():
         state[m] = 1
         for d in sorted(graph.get(m, ())):
             if state.get(d) == 1:
-                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(d):] + [d]) if d in stack else d)
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(d) :] + [d]) if d in stack else d)
             if d in graph and not state.get(d):
                 visit(d, stack + [d])
         state[m] = 2

@@ -26,12 +26,26 @@ logging.disable(logging.WARNING)
 
 
 def ebc(specs):
-    tables = [EmbeddingBagConfig(name=f"t_{i}", embedding_dim=d, num_embeddings=n, feature_names=[f"f_{i}"]) for i, (n, d) in enumerate(specs)]
+    tables = [
+        EmbeddingBagConfig(name=f"t_{i}", embedding_dim=d, num_embeddings=n, feature_names=[f"f_{i}"]) for i, (n, d) in enumerate(specs)
+    ]
     return EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
 
 
-SPECS = [(1_000_000, 64), (500_000, 64), (200_000, 32), (50_000, 32), (10_000, 16), (5_000, 16), (1_000, 16), (300, 16),
-         (2_000_000, 32), (80_000, 64), (120, 16), (7_000, 32)]
+SPECS = [
+    (1_000_000, 64),
+    (500_000, 64),
+    (200_000, 32),
+    (50_000, 32),
+    (10_000, 16),
+    (5_000, 16),
+    (1_000, 16),
+    (300, 16),
+    (2_000_000, 32),
+    (80_000, 64),
+    (120, 16),
+    (7_000, 32),
+]
 
 
 def plan_for(topo, specs=SPECS, batch=512, **kw):
@@ -144,8 +158,17 @@ def test_cpu_gloo_plan():
 
 def test_training_with_topology_planner(tmp_path):
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "recsys.cli", "train", "--config", str(ROOT / "configs/experiments/smoke.yaml"),
-           "sharding.planner=topology", "train.max_steps=20", f"run_dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "recsys.cli",
+        "train",
+        "--config",
+        str(ROOT / "configs/experiments/smoke.yaml"),
+        "sharding.planner=topology",
+        "train.max_steps=20",
+        f"run_dir={run_dir}",
+    ]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert (run_dir / "summary.json").exists()
@@ -164,8 +187,17 @@ def test_cost_model_charges_ids_and_collective_latency():
     topo = load_topology("dgx-a100")
     batch, cols, pooling = 512, 64, 3.0
     cm = TopologyCostModel(topo, batch)
-    shard = PlacedShard(table="t", sharding_type="table_wise", kernel="fused", rank=1, rows=1000, cols=cols,
-                        table_rows=1000, table_cols=cols, pooling=pooling)
+    shard = PlacedShard(
+        table="t",
+        sharding_type="table_wise",
+        kernel="fused",
+        rank=1,
+        rows=1000,
+        cols=cols,
+        table_rows=1000,
+        table_cols=cols,
+        pooling=pooling,
+    )
     cost = cm.score_shards([shard])
     nvlink = 12 * 25e9  # 12 links x 25 GB/s per direction (the topology file)
     pooled, ids = batch * cols * 4, batch * (pooling * 8 + 4)
@@ -183,10 +215,13 @@ def test_cost_model_charges_ids_and_collective_latency():
     assert mixed.comm_time - two.comm_time == pytest.approx(5 * COLLECTIVE_LATENCY_S + 7 * (ids + 2 * pooled) / nvlink, rel=1e-6)
 
 
-@pytest.mark.parametrize("name,world,bus_bw", [
-    ("dgx-a100", 8, 12 * 25e9),  # one host: every GPU's NVLink egress, 300 GB/s
-    ("dgx-a100-2host", 16, 8 * 25e9),  # two hosts: 8 rails (NIC + switch port), 25 GB/s each
-])
+@pytest.mark.parametrize(
+    "name,world,bus_bw",
+    [
+        ("dgx-a100", 8, 12 * 25e9),  # one host: every GPU's NVLink egress, 300 GB/s
+        ("dgx-a100-2host", 16, 8 * 25e9),  # two hosts: 8 rails (NIC + switch port), 25 GB/s each
+    ],
+)
 def test_ring_all_reduce_priced_by_nccls_bus_bandwidth(name, world, bus_bw):
     """A data-parallel table's gradient all-reduce, as nccl-tests (doc/PERFORMANCE.md) relates
     time and bus bandwidth for a ring: t = S x 2(n-1)/n / busBW. Across hosts NCCL runs one channel
@@ -198,8 +233,20 @@ def test_ring_all_reduce_priced_by_nccls_bus_bandwidth(name, world, bus_bw):
     cm = TopologyCostModel(topo, 512)
     rows, cols = 1_000_000, 64
     group = tuple(range(world))
-    shards = [PlacedShard(table="t", sharding_type="data_parallel", kernel="dense", rank=r, rows=rows, cols=cols,
-                          table_rows=rows, table_cols=cols, group=group) for r in range(world)]
+    shards = [
+        PlacedShard(
+            table="t",
+            sharding_type="data_parallel",
+            kernel="dense",
+            rank=r,
+            rows=rows,
+            cols=cols,
+            table_rows=rows,
+            table_cols=cols,
+            group=group,
+        )
+        for r in range(world)
+    ]
     cost = cm.score_shards(shards)
     latency = COLLECTIVE_LATENCY_S + (CROSS_HOST_LATENCY_S + topo.network.latency if len(topo.hosts) > 1 else 0.0)
     want = rows * cols * 4 * 2 * (world - 1) / world / bus_bw
@@ -215,8 +262,12 @@ def test_row_wise_and_table_row_wise_price_alike_on_one_host():
     all-to-alls run on one-rank groups, so it costs what row-wise costs (torchrec's default plan
     picks either for the same table from run to run), not two collectives' latency more."""
     cm = TopologyCostModel(load_topology("dgx-a100"), 4096)
-    cost = {st: cm.score_shards([PlacedShard("t", st, "fused", r, 1_000_000, 16, 8_000_000, 16, group=tuple(range(8)))
-                                 for r in range(8)]).step_time for st in ("row_wise", "table_row_wise")}
+    cost = {
+        st: cm.score_shards(
+            [PlacedShard("t", st, "fused", r, 1_000_000, 16, 8_000_000, 16, group=tuple(range(8))) for r in range(8)]
+        ).step_time
+        for st in ("row_wise", "table_row_wise")
+    }
     assert cost["table_row_wise"] == pytest.approx(cost["row_wise"], rel=0.01)
     two = TopologyCostModel(load_topology("dgx-a100-2host"), 4096)
     assert two.type_latency("table_row_wise") > two.type_latency("row_wise")  # across hosts it has more
@@ -247,8 +298,9 @@ def test_full_duplex_two_ranks_exchanging_equal_volumes(tmp_path):
     f.write_text(DUO)
     batch, cols, pooling = 1024, 128, 1.0
     cm = TopologyCostModel(load_topology(str(f)), batch)
-    t = PlacedShard(table="t", sharding_type="table_wise", kernel="fused", rank=0, rows=100, cols=cols,
-                    table_rows=100, table_cols=cols, pooling=pooling)
+    t = PlacedShard(
+        table="t", sharding_type="table_wise", kernel="fused", rank=0, rows=100, cols=cols, table_rows=100, table_cols=cols, pooling=pooling
+    )
     one = cm.score_shards([t])
     both = cm.score_shards([t, dataclasses.replace(t, table="u", rank=1)])
     bw = 300e9
@@ -269,14 +321,26 @@ def test_directed_paths_across_hosts_and_sockets():
 
     L = build_links(load_topology("dgx-a100-2host"))
     names = [L.names[i] for i in L.path[0][9]]
-    assert names == ["dgx-a100-0#0/sw0.port.gpu0>up", "dgx-a100-0#0/sw0.port.mlx5_0>down", "dgx-a100-0#0/mlx5_0>out",
-                     "network/dgx-a100-0#0/mlx5_0>out", "network/dgx-a100-1#1/mlx5_1>in", "dgx-a100-1#1/mlx5_1>in",
-                     "dgx-a100-1#1/sw0.port.mlx5_1>up", "dgx-a100-1#1/sw0.port.gpu1>down"]
+    assert names == [
+        "dgx-a100-0#0/sw0.port.gpu0>up",
+        "dgx-a100-0#0/sw0.port.mlx5_0>down",
+        "dgx-a100-0#0/mlx5_0>out",
+        "network/dgx-a100-0#0/mlx5_0>out",
+        "network/dgx-a100-1#1/mlx5_1>in",
+        "dgx-a100-1#1/mlx5_1>in",
+        "dgx-a100-1#1/sw0.port.mlx5_1>up",
+        "dgx-a100-1#1/sw0.port.gpu1>down",
+    ]
     back = [L.names[i] for i in L.path[9][0]]
     assert not set(back) & set(names)  # the reverse direction shares no resource
     P = build_links(load_topology("pcie-8gpu-2socket"))
-    assert [P.names[i].split("/")[1] for i in P.path[0][7]] == ["sw0.port.gpu0>up", "sw0.uplink>up", "socket0>1",
-                                                                "sw3.uplink>down", "sw3.port.gpu7>down"]
+    assert [P.names[i].split("/")[1] for i in P.path[0][7]] == [
+        "sw0.port.gpu0>up",
+        "sw0.uplink>up",
+        "socket0>1",
+        "sw3.uplink>down",
+        "sw3.port.gpu7>down",
+    ]
 
 
 def test_lower_bound_is_below_every_plan_and_tight_when_tables_balance():
@@ -320,8 +384,7 @@ def test_finer_column_splits_are_planned_and_cover_the_table():
     planner, plan = plan_for(topo, specs, batch=4096)
     check_cover_and_fit(topo, planner, plan, specs)
     split = {n: len(ps.sharding_spec.shards) for n, ps in shards_of(plan).items() if len(ps.sharding_spec.shards) > 1}
-    assert split and all(ps.sharding_type in ("column_wise", "table_column_wise")
-                         for n, ps in shards_of(plan).items() if n in split)
+    assert split and all(ps.sharding_type in ("column_wise", "table_column_wise") for n, ps in shards_of(plan).items() if n in split)
     whole = TopologyAwarePlanner(topo, 4096, column_splits=())
     whole.plan(ebc(specs), [EmbeddingBagCollectionSharder()])
     assert planner.cost_model.score(planner.best_plan).step_time < whole.cost_model.score(whole.best_plan).step_time

@@ -27,7 +27,7 @@ def _torchx(args: list[str], timeout: int = 120, cwd: Path = REPO) -> subprocess
 
 
 def _lines(text: str) -> list[str]:
-    return [l for l in text.splitlines() if l.strip()]
+    return [ln for ln in text.splitlines() if ln.strip()]
 
 
 def test_help_documents_every_option():
@@ -78,8 +78,7 @@ def test_bad_input_cli_one_line_before_submission(tmp_path, args, message):
     """`torchx run -s local_cwd` with bad input: exit 1, the last line is the error, no
     traceback, and nothing started (no log dir, no run dir)."""
     run_dir, logs = tmp_path / "run", tmp_path / "logs"
-    r = _torchx(["run", "-s", "local_cwd", "-cfg", f"log_dir={logs}", COMPONENT, *args,
-                 "train.max_steps=5", f"run_dir={run_dir}"])
+    r = _torchx(["run", "-s", "local_cwd", "-cfg", f"log_dir={logs}", COMPONENT, *args, "train.max_steps=5", f"run_dir={run_dir}"])
     assert r.returncode == 1, r.stdout + r.stderr
     assert "Traceback" not in r.stderr, r.stderr
     last = _lines(r.stderr)[-1]
@@ -91,32 +90,48 @@ def test_bad_input_cli_one_line_before_submission(tmp_path, args, message):
 
 
 def _dryrun_slurm(extra: list[str]) -> str:
-    r = _torchx(["run", "-s", "slurm", "--dryrun", "-cfg", "partition=debug,time=30", COMPONENT,
-                 "--config", SMOKE, *extra, "train.max_steps=40", "run_dir=runs/tx_slurm"])
+    r = _torchx(
+        [
+            "run",
+            "-s",
+            "slurm",
+            "--dryrun",
+            "-cfg",
+            "partition=debug,time=30",
+            COMPONENT,
+            "--config",
+            SMOKE,
+            *extra,
+            "train.max_steps=40",
+            "run_dir=runs/tx_slurm",
+        ]
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r.stdout
 
 
 def test_slurm_dryrun_two_nodes():
-    out = _dryrun_slurm(["--nnodes", "2", "--nproc_per_node", "2", "--cpu", "2", "--memMB", "4096",
-                         "--max_retries", "3", "--max_restarts", "1"])
-    script = out[out.index("#!/bin/bash"):]
-    sbatch = [l for l in script.splitlines() if l.startswith("#SBATCH")]
+    out = _dryrun_slurm(
+        ["--nnodes", "2", "--nproc_per_node", "2", "--cpu", "2", "--memMB", "4096", "--max_retries", "3", "--max_restarts", "1"]
+    )
+    script = out[out.index("#!/bin/bash") :]
+    sbatch = [ln for ln in script.splitlines() if ln.startswith("#SBATCH")]
     # torchx submits one heterogeneous group per node: 2 groups of 1 node x 1 task (torchrun)
-    groups = [l for l in sbatch if "--job-name" in l]
+    groups = [ln for ln in sbatch if "--job-name" in ln]
     assert len(groups) == 2 and sbatch.count("#SBATCH hetjob") == 1, sbatch
     for i, g in enumerate(groups):
         opts = g.split()[1:]
         assert f"--job-name=trainer-{i}" in opts
-        for o in ("--requeue", "--partition=debug", "--time=30", "--ntasks-per-node=1",
-                  "--cpus-per-task=2", "--mem=4096"):
+        for o in ("--requeue", "--partition=debug", "--time=30", "--ntasks-per-node=1", "--cpus-per-task=2", "--mem=4096"):
             assert o in opts, (o, g)
     assert "export TORCHX_MAX_RETRIES=3" in script
     assert 'scontrol requeue "$SLURM_JOB_ID"' in script
     assert script.count("srun ") == 1
     # the torchrun command: the venv's python, c10d rendezvous on the first node's host
     venv_bin = re.escape(str(Path(sys.executable).parent))
-    assert re.search(venv_bin + r"/python[0-9.]* -m recsys.training.torchrun_quiet --nnodes 2 --nproc_per_node 2 --rdzv_backend c10d", script), script
+    assert re.search(
+        venv_bin + r"/python[0-9.]* -m recsys.training.torchrun_quiet --nnodes 2 --nproc_per_node 2 --rdzv_backend c10d", script
+    ), script
     assert "--rdzv_endpoint ${SLURM_JOB_NODELIST_HET_GROUP_0:=localhost}:29500" in script
     assert re.search(r"--rdzv_id '\"\$SLURM_JOB_ID\"'", script), script
     assert "--max_restarts 1 -m recsys.train --config configs/experiments/smoke.yaml" in script
@@ -127,7 +142,7 @@ def test_slurm_dryrun_two_nodes():
 
 def test_slurm_dryrun_one_node_takes_nproc_from_config():
     out = _dryrun_slurm(["--cpu", "2", "--memMB", "4096"])
-    script = out[out.index("#!/bin/bash"):]
+    script = out[out.index("#!/bin/bash") :]
     assert script.count("--job-name=") == 1 and "hetjob" not in script
     # smoke.yaml says train.nproc_per_node: 2; one node rendezvouses on a free local port
     assert "--nnodes 1 --nproc_per_node 2 --rdzv_backend c10d --rdzv_endpoint localhost:0" in script
@@ -140,14 +155,33 @@ def test_slurm_dryrun_one_node_takes_nproc_from_config():
 def test_local_cwd_trains_and_writes_metrics(tmp_path):
     run_dir, logs = tmp_path / "run", tmp_path / "logs"
     t0 = time.time()
-    r = _torchx(["run", "-s", "local_cwd", "-cfg", f"log_dir={logs}", COMPONENT, "--config", SMOKE,
-                 "--nproc_per_node", "2", "--cpu", "2", "--memMB", "4096",
-                 "train.max_steps=40", "train.log_every=10", f"run_dir={run_dir}"], timeout=600)
+    r = _torchx(
+        [
+            "run",
+            "-s",
+            "local_cwd",
+            "-cfg",
+            f"log_dir={logs}",
+            COMPONENT,
+            "--config",
+            SMOKE,
+            "--nproc_per_node",
+            "2",
+            "--cpu",
+            "2",
+            "--memMB",
+            "4096",
+            "train.max_steps=40",
+            "train.log_every=10",
+            f"run_dir={run_dir}",
+        ],
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     s = json.loads((run_dir / "summary.json").read_text())
     assert s["world_size"] == 2 and s["steps"] == 40, s
     assert 0.0 <= s["auc"] <= 1.0 and s["resumed_from"] is None
-    records = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in records if x["kind"] == "train"][-1] == 40
     assert (run_dir / "checkpoints" / "step_000000040" / "COMMITTED").is_file()
     assert list(logs.rglob("*")), "torchx wrote no logs under log_dir"
@@ -157,15 +191,45 @@ def test_local_cwd_trains_and_writes_metrics(tmp_path):
 def test_plan_component_writes_a_plan_file(tmp_path):
     """The `plan` component runs `recsys-plan make` as a job; bad input stops before submission."""
     out, logs = tmp_path / "p16.json", tmp_path / "logs"
-    r = _torchx(["run", "-s", "local_cwd", "-cfg", f"log_dir={logs}", "torchx_components/launch.py:plan",
-                 "--config", "configs/experiments/demo.yaml", "--world_size", "16", "--hbm_gb", "80",
-                 "--out", str(out)], timeout=600)
+    r = _torchx(
+        [
+            "run",
+            "-s",
+            "local_cwd",
+            "-cfg",
+            f"log_dir={logs}",
+            "torchx_components/launch.py:plan",
+            "--config",
+            "configs/experiments/demo.yaml",
+            "--world_size",
+            "16",
+            "--hbm_gb",
+            "80",
+            "--out",
+            str(out),
+        ],
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     plan = json.loads(out.read_text())
     assert plan["format"] == "recsys-sharding-plan" and plan["world_size"] == 16 and plan["compute_device"] == "cuda"
     assert len(plan["tables"]) == 52
-    bad = _torchx(["run", "-s", "local_cwd", "torchx_components/launch.py:plan", "--config",
-                   "configs/experiments/demo.yaml", "--world_size", "12", "--local_world_size", "8", "--out", str(out)])
+    bad = _torchx(
+        [
+            "run",
+            "-s",
+            "local_cwd",
+            "torchx_components/launch.py:plan",
+            "--config",
+            "configs/experiments/demo.yaml",
+            "--world_size",
+            "12",
+            "--local_world_size",
+            "8",
+            "--out",
+            str(out),
+        ]
+    )
     assert bad.returncode != 0 and _lines(bad.stderr)[-1].startswith("error: plan: --world_size 12")
 
 
@@ -174,21 +238,42 @@ def test_preprocess_component_bad_input_and_slurm_script(tmp_path):
     in one line; on Slurm each task is one job component with its own task number."""
     comp = "torchx_components/launch.py:preprocess"
     bad = _torchx(["run", "-s", "local_cwd", comp, "--config", SMOKE])
-    assert bad.returncode != 0 and _lines(bad.stderr)[-1] == \
-        f"error: {SMOKE}: key 'data.source': generated data (synthetic) has nothing to preprocess"
+    assert (
+        bad.returncode != 0
+        and _lines(bad.stderr)[-1] == f"error: {SMOKE}: key 'data.source': generated data (synthetic) has nothing to preprocess"
+    )
     bad = _torchx(["run", "-s", "local_cwd", comp, "--config", SMOKE, "--tasks", "0"])
-    assert _lines(bad.stderr)[-1] == ("error: preprocess: --tasks, --procs_per_task and --cpu must be >= 1, "
-                                      "--memMB >= 1024 and --max_retries >= 0")
+    assert _lines(bad.stderr)[-1] == (
+        "error: preprocess: --tasks, --procs_per_task and --cpu must be >= 1, --memMB >= 1024 and --max_retries >= 0"
+    )
     bad = _torchx(["run", "-s", "local_cwd", comp, "--config", SMOKE, "data.source=criteo", f"data.path={tmp_path}/nope.tsv"])
     assert _lines(bad.stderr)[-1] == f"error: key 'data.path': no such file {tmp_path}/nope.tsv"
     raw = tmp_path / "day_0.tsv"
     raw.write_text("0" + "\t" * 39 + "\n")
-    r = _torchx(["run", "-s", "slurm", "--dryrun", "-cfg", "partition=debug", comp, "--config", SMOKE, "--tasks", "3",
-                 "data.source=criteo", f"data.path={raw}"])
+    r = _torchx(
+        [
+            "run",
+            "-s",
+            "slurm",
+            "--dryrun",
+            "-cfg",
+            "partition=debug",
+            comp,
+            "--config",
+            SMOKE,
+            "--tasks",
+            "3",
+            "data.source=criteo",
+            f"data.path={raw}",
+        ]
+    )
     assert r.returncode == 0, r.stderr[-2000:]
-    script = r.stdout[r.stdout.index("#!/bin/bash"):]
-    assert [l.split("--job-name=")[1].split()[0] for l in script.splitlines() if "--job-name=" in l] == \
-        ["preprocess-0", "preprocess-1", "preprocess-2"]
+    script = r.stdout[r.stdout.index("#!/bin/bash") :]
+    assert [ln.split("--job-name=")[1].split()[0] for ln in script.splitlines() if "--job-name=" in ln] == [
+        "preprocess-0",
+        "preprocess-1",
+        "preprocess-2",
+    ]
     for i in range(3):
         assert f"-m recsys.cli preprocess --config {SMOKE} --task {i} --tasks 3 --procs 2 data.source=criteo" in script
 
@@ -196,9 +281,26 @@ def test_preprocess_component_bad_input_and_slurm_script(tmp_path):
 def test_local_cwd_worker_error_is_one_line_without_torchrun_report(tmp_path):
     """A config error the workers find (a missing data file): their one line, and no torchrun
     `ChildFailedError` report or traceback after it."""
-    r = _torchx(["run", "-s", "local_cwd", COMPONENT, "--config", SMOKE, "--nproc_per_node", "2", "--cpu", "2",
-                 "--memMB", "4096", "data.source=criteo", f"data.path={tmp_path}/nope.tsv", f"run_dir={tmp_path / 'run'}"],
-                timeout=300)
+    r = _torchx(
+        [
+            "run",
+            "-s",
+            "local_cwd",
+            COMPONENT,
+            "--config",
+            SMOKE,
+            "--nproc_per_node",
+            "2",
+            "--cpu",
+            "2",
+            "--memMB",
+            "4096",
+            "data.source=criteo",
+            f"data.path={tmp_path}/nope.tsv",
+            f"run_dir={tmp_path / 'run'}",
+        ],
+        timeout=300,
+    )
     out = r.stdout + r.stderr
     assert r.returncode != 0
     assert f"trainer/0 error: key 'data.path': no such file {tmp_path}/nope.tsv" in out, out[-3000:]

@@ -36,7 +36,7 @@ def test_two_process_run_learns(tmp_path):
     # a real AUC: far above chance, and most of the way to the teacher's (oracle) AUC
     assert s["auc"] > 0.75, s
     assert s["oracle_auc"] - s["auc"] < 0.05, s
-    records = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = [x for x in records if x["kind"] == "eval"]
     assert [x["step"] for x in evals] == [150, 300]
     assert evals[1]["auc"] > evals[0]["auc"] - 0.01
@@ -101,7 +101,10 @@ def test_sigkill_and_resume_matches_uninterrupted_run(tmp_path):
     killed = tmp_path / "killed"
     proc = subprocess.Popen(
         RECSYS + [f"run_dir={killed}", *common],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     try:
         _wait_for(killed / "checkpoints" / "step_000000080" / "COMMITTED", proc, timeout=300)
@@ -120,9 +123,9 @@ def test_sigkill_and_resume_matches_uninterrupted_run(tmp_path):
     for key in ("auc", "logloss", "oracle_auc"):
         assert b[key] == pytest.approx(a[key], abs=1e-6), (key, a[key], b[key])
     # the resumed run's log reads like the uninterrupted one: same train steps, no duplicates
-    steps = lambda d: [json.loads(l)["step"] for l in (d / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    steps = lambda d: [json.loads(ln)["step"] for ln in (d / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
     assert steps(killed) == steps(straight)
-    losses = lambda d: [json.loads(l).get("loss") for l in (d / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    losses = lambda d: [json.loads(ln).get("loss") for ln in (d / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
     assert losses(killed) == pytest.approx(losses(straight), abs=1e-6)
 
 
@@ -152,9 +155,15 @@ def test_train_on_raw_criteo_tsv(tmp_path):
     """Raw Criteo TSV -> preprocessed shards -> 2-rank sharded training -> eval on the last 10%."""
     run_dir, cache = tmp_path / "run", tmp_path / "cache"
     args = [
-        f"run_dir={run_dir}", "data.source=criteo", f"data.path={SHARED / 'criteo_kaggle_sample_1k.tsv'}",
-        f"data.cache_dir={cache}", "data.cardinalities=criteo_kaggle_filtered", "train.batch_size=64",
-        "train.eval_batch_size=64", "train.epochs=2", "train.log_every=5",
+        f"run_dir={run_dir}",
+        "data.source=criteo",
+        f"data.path={SHARED / 'criteo_kaggle_sample_1k.tsv'}",
+        f"data.cache_dir={cache}",
+        "data.cardinalities=criteo_kaggle_filtered",
+        "train.batch_size=64",
+        "train.eval_batch_size=64",
+        "train.epochs=2",
+        "train.log_every=5",
     ]
     _run(args)
     s = _summary(run_dir)
@@ -174,7 +183,10 @@ def test_too_many_bad_rows_stops_before_launch(tmp_path):
     bad.write_text("\n".join(lines) + "\n")
     r = subprocess.run(
         RECSYS + [f"run_dir={tmp_path / 'run'}", "data.source=criteo", f"data.path={bad}", f"data.cache_dir={tmp_path / 'c'}"],
-        capture_output=True, text=True, timeout=120, cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
     )
     assert r.returncode == 2
     assert str(bad) in r.stderr and "first bad lines: 4, 11, 21" in r.stderr
@@ -201,8 +213,11 @@ def test_saved_plan_is_reused_and_checked(tmp_path):
     ]:
         r = subprocess.run(
             RECSYS + [f"run_dir={tmp_path / 'x'}", f"plan={plan_file}", *extra],
-            capture_output=True, text=True, timeout=120, cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=REPO,
         )
         assert r.returncode == 2, r.stderr[-2000:]
-        lines = [l for l in r.stderr.splitlines() if l.strip()]
+        lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
         assert len(lines) == 1 and needle in lines[0] and str(plan_file) in lines[0]

@@ -57,8 +57,11 @@ def test_install_build_uses_the_jit_flags():
 
 def _copy_worktree(dst: Path) -> None:
     """The files git would commit (tracked + untracked, not ignored): no build/, no in-place .so."""
-    names = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
-                           capture_output=True, check=True).stdout.decode().split("\0")
+    names = (
+        subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO, capture_output=True, check=True)
+        .stdout.decode()
+        .split("\0")
+    )
     for name in filter(None, names):
         src = REPO / name
         if name == ".venv" or not (src.is_file() or src.is_symlink()):
@@ -74,15 +77,24 @@ def installed(tmp_path_factory) -> dict[str, Path]:
     _copy_worktree(src)
     before = _files(src)
     env = dict(os.environ, PATH=f"{Path(PY).parent}{os.pathsep}{os.environ.get('PATH', '')}")  # the venv's ninja
-    r = subprocess.run([PY, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-cache-dir",
-                        "-w", str(dist), str(src)], capture_output=True, text=True, env=env, timeout=900)
+    r = subprocess.run(
+        [PY, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-cache-dir", "-w", str(dist), str(src)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     # building leaves the source tree as it was: no build/, no *.egg-info, no compiled op
     assert _files(src) == before, sorted(_files(src) ^ before)[:20]
     assert not (src / "build").exists() and not list(src.glob("*.egg-info"))
     (wheel,) = dist.glob("*.whl")
-    r = subprocess.run([PY, "-m", "pip", "install", "--no-deps", "--no-cache-dir", "--target", str(site), str(wheel)],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [PY, "-m", "pip", "install", "--no-deps", "--no-cache-dir", "--target", str(site), str(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     work = tmp / "elsewhere"
     work.mkdir()
@@ -91,8 +103,7 @@ def installed(tmp_path_factory) -> dict[str, Path]:
 
 def _env(site: Path, cache: Path, **extra: str) -> dict[str, str]:
     """Only the installed wheel on PYTHONPATH; JIT builds (if any) go to `cache`."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONPATH", "RECSYS_EXT_DIR", "RECSYS_NO_CPP", "RECSYS_CPP_JIT")}
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RECSYS_EXT_DIR", "RECSYS_NO_CPP", "RECSYS_CPP_JIT")}
     env.update(PYTHONPATH=str(site), XDG_CACHE_HOME=str(cache), **extra)
     return env
 
@@ -110,9 +121,14 @@ def test_wheel_holds_only_the_project_packages_and_their_data(installed):
     names = zipfile.ZipFile(installed["wheel"]).namelist()
     assert {n.split("/")[0] for n in names} == PACKAGES | {DIST_INFO}
     data = {n for n in names if not n.endswith(".py") and not n.startswith(DIST_INFO)}
-    assert {"sharding/topologies/cpu-gloo.yaml", "sharding/topologies/dgx-a100-2host.yaml",
-            "recsys/configs/experiments/demo.yaml", "recsys/configs/experiments/smoke.yaml",
-            "recsys/optim/csrc/cowclip_adam.cpp", "recsys/optim/_cowclip_C.sha256"} <= data
+    assert {
+        "sharding/topologies/cpu-gloo.yaml",
+        "sharding/topologies/dgx-a100-2host.yaml",
+        "recsys/configs/experiments/demo.yaml",
+        "recsys/configs/experiments/smoke.yaml",
+        "recsys/optim/csrc/cowclip_adam.cpp",
+        "recsys/optim/_cowclip_C.sha256",
+    } <= data
     assert [n for n in data if n.startswith("recsys/optim/_cowclip_C") and n.endswith(".so")]
     # installed: the same three packages (+ dist-info and pip's bin/ for the console scripts)
     assert {p.name for p in installed["site"].iterdir()} == PACKAGES | {DIST_INFO, "bin"}
@@ -129,10 +145,8 @@ def test_one_wheel_for_every_python_and_torch_of_the_range(installed):
     assert wheel.name == "torchrec_cowclip_trainer-0.1.0-cp311-abi3-linux_x86_64.whl", wheel.name
     (lib,) = (installed["site"] / "recsys" / "optim").glob("_cowclip_C*.so")
     assert lib.name == "_cowclip_C.abi3.so"
-    undefined = subprocess.run(["nm", "-D", "--undefined-only", str(lib)], capture_output=True, text=True,
-                               check=True).stdout.split()
-    symbols = {w for w in undefined if w not in ("U", "w") and "@" not in w and not w.startswith("_ITM_")
-               and w != "__gmon_start__"}
+    undefined = subprocess.run(["nm", "-D", "--undefined-only", str(lib)], capture_output=True, text=True, check=True).stdout.split()
+    symbols = {w for w in undefined if w not in ("U", "w") and "@" not in w and not w.startswith("_ITM_") and w != "__gmon_start__"}
     torch_calls = {w for w in symbols if w.startswith(("aoti_torch_", "torch_"))}
     assert torch_calls and {"torch_parallel_for", "aoti_torch_empty_strided"} <= torch_calls
     assert not {w for w in symbols if w.startswith("Py")}, "CPython API used: the abi3 tag would lie"
@@ -143,18 +157,41 @@ def test_one_wheel_for_every_python_and_torch_of_the_range(installed):
 def test_plan_with_shipped_names_from_another_directory(installed):
     site, work = installed["site"], installed["work"]
     env = _env(site, installed["tmp"] / "cache-plan")
-    r = _run([PY, "-c", "import recsys, sharding, torchx_components; "
-                        "from sharding.topology.cluster import load_topology; "
-                        "print(recsys.__file__, sharding.__file__, torchx_components.__file__, "
-                        "load_topology('dgx-a100-2host').world_size, load_topology('cpu-gloo').world_size)"],
-             work, env)
+    r = _run(
+        [
+            PY,
+            "-c",
+            "import recsys, sharding, torchx_components; "
+            "from sharding.topology.cluster import load_topology; "
+            "print(recsys.__file__, sharding.__file__, torchx_components.__file__, "
+            "load_topology('dgx-a100-2host').world_size, load_topology('cpu-gloo').world_size)",
+        ],
+        work,
+        env,
+    )
     assert r.returncode == 0, r.stderr
     *files, dgx, cpu = r.stdout.split()
     assert all(f.startswith(str(site)) for f in files), files  # the wheel, not the repository
     assert (int(dgx), int(cpu)) == (16, 2)
 
-    r = _run([PY, "-m", "recsys.plan_cli", "make", "--config", "smoke", "--topology", "cpu-gloo",
-              "--compute-device", "cpu", "--out", "plan.json"], work, env)
+    r = _run(
+        [
+            PY,
+            "-m",
+            "recsys.plan_cli",
+            "make",
+            "--config",
+            "smoke",
+            "--topology",
+            "cpu-gloo",
+            "--compute-device",
+            "cpu",
+            "--out",
+            "plan.json",
+        ],
+        work,
+        env,
+    )
     assert r.returncode == 0, r.stderr
     plan = json.loads((work / "plan.json").read_text())
     assert plan["world_size"] == 2 and plan["meta"]["topology"] == "cpu-gloo", {k: plan[k] for k in ("world_size", "meta")}
@@ -201,7 +238,7 @@ def test_stale_installed_op_falls_back_to_one_line_jit_build_in_user_cache(insta
     first = _run([PY, CHECK_OP], installed["work"], _env(site, cache), timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]
     assert "MATCH" in first.stdout
-    building = [l for l in first.stderr.splitlines() if "building" in l]
+    building = [ln for ln in first.stderr.splitlines() if "building" in ln]
     assert len(building) == 1, first.stderr
     build_dir = building[0].split(" into ", 1)[1]
     assert building[0] == f"building the CowClip op (first use, ~10 s) into {build_dir}"
@@ -216,8 +253,12 @@ def test_stale_installed_op_falls_back_to_one_line_jit_build_in_user_cache(insta
 
 
 def test_torchx_builtins_lists_the_components(installed):
-    r = _run([str(Path(PY).parent / "torchx"), "builtins"], installed["work"],
-             _env(installed["site"], installed["tmp"] / "cache-tx"), timeout=120)
+    r = _run(
+        [str(Path(PY).parent / "torchx"), "builtins"],
+        installed["work"],
+        _env(installed["site"], installed["tmp"] / "cache-tx"),
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     listed = {line.split(". ", 1)[1].strip() for line in r.stdout.splitlines() if ". " in line}
     assert {"recsys.train", "recsys.plan", "recsys.preprocess"} <= listed
@@ -241,8 +282,13 @@ def test_editable_install_builds_the_op(tmp_path):
     src, target = tmp_path / "src", tmp_path / "site"
     _copy_worktree(src)
     env = dict(os.environ, PATH=f"{Path(PY).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-    r = subprocess.run([PY, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-cache-dir",
-                        "-e", str(src), "--target", str(target)], capture_output=True, text=True, env=env, timeout=900)
+    r = subprocess.run(
+        [PY, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-cache-dir", "-e", str(src), "--target", str(target)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     venv_site = next(p for p in sys.path if p.endswith("site-packages") and Path(p, "torch").is_dir())
     work = tmp_path / "elsewhere"

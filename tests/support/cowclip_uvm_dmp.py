@@ -44,21 +44,26 @@ def build(world: int, device: torch.device):
 
     ebc = EmbeddingBagCollection(
         tables=[EmbeddingBagConfig(name=n, embedding_dim=DIMS[n], num_embeddings=ROWS[n], feature_names=[n]) for n in NAMES],
-        is_weighted=True, device=torch.device("meta"))
-    hp = CowClipHyper(learning_rate=cs.LR, l2=cs.L2, cowclip_r=cs.R, cowclip_zeta=cs.ZETA,
-                      update_scope="batch")  # checked against the lazy formula
+        is_weighted=True,
+        device=torch.device("meta"),
+    )
+    hp = CowClipHyper(
+        learning_rate=cs.LR, l2=cs.L2, cowclip_r=cs.R, cowclip_zeta=cs.ZETA, update_scope="batch"
+    )  # checked against the lazy formula
     for n, (_, _, host_mapped) in TABLES.items():
         kw = cowclip_fused_params(hp) | ({"uvm_host_mapped": True} if host_mapped else {})
         apply_optimizer_in_backward(TrecAdam, [ebc.embedding_bags[n].weight], kw)
-    gen = {"table_wise": lambda k: table_wise(rank=0, compute_kernel=k),
-           "row_wise": lambda k: row_wise(compute_kernel=k),
-           "column_wise": lambda k: column_wise(ranks=[0, 0] if world == 1 else [0, 1], compute_kernel=k)}
+    gen = {
+        "table_wise": lambda k: table_wise(rank=0, compute_kernel=k),
+        "row_wise": lambda k: row_wise(compute_kernel=k),
+        "column_wise": lambda k: column_wise(ranks=[0, 0] if world == 1 else [0, 1], compute_kernel=k),
+    }
     sharder = CowClipEmbeddingBagCollectionSharder()
     per_param = {n: gen[st](k) for n, (st, k, _) in TABLES.items()}
-    mplan = construct_module_sharding_plan(ebc, per_param, local_size=world, world_size=world,
-                                           device_type=device.type, sharder=sharder)
-    return DistributedModelParallel(ebc, env=ShardingEnv.from_process_group(dist.GroupMember.WORLD),
-                                    plan=ShardingPlan({"": mplan}), sharders=[sharder], device=device)
+    mplan = construct_module_sharding_plan(ebc, per_param, local_size=world, world_size=world, device_type=device.type, sharder=sharder)
+    return DistributedModelParallel(
+        ebc, env=ShardingEnv.from_process_group(dist.GroupMember.WORLD), plan=ShardingPlan({"": mplan}), sharders=[sharder], device=device
+    )
 
 
 def placement(dmp) -> dict[str, tuple[str, tuple[bool, ...] | None]]:
@@ -70,8 +75,7 @@ def placement(dmp) -> dict[str, tuple[str, tuple[bool, ...] | None]]:
     for tbe in cowclip_tbes(dmp):
         uvm = None
         if tbe.weights.is_cuda:
-            uvm = tuple(bool(torch.ops.fbgemm.is_uvm_tensor(getattr(tbe, b)))
-                        for b in ("weights", "momentum1", "momentum2", "row_step"))
+            uvm = tuple(bool(torch.ops.fbgemm.is_uvm_tensor(getattr(tbe, b))) for b in ("weights", "momentum1", "momentum2", "row_step"))
         for name in tbe.table_names:
             out[name] = (tbe.location, uvm)
     return out
@@ -150,6 +154,7 @@ def check(out: Path, world: int, uvm: bool, atol: float = 1e-6) -> None:
             want_uvm = (LOCATION[n] != "device",) * 4 if uvm else None
             assert seen[n] == {(LOCATION[n], want_uvm)}, (key, n, seen[n])
     want, _ = cs._reference(NAMES, ROWS, DIMS, {n: True for n in NAMES}, cs._batches(NAMES, ROWS, DIMS, STEPS))
+    final: dict[str, torch.Tensor] = {}  # the straight run's tables, which the resumed run must equal
     for key in ("final", "resumed"):
         got = {n: torch.full((ROWS[n], DIMS[n]), float("nan")) for n in NAMES}
         for d in results:

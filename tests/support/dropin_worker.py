@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torchrec.datasets.random import RandomRecDataset
-from torchrec.datasets.utils import Batch
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.planner import ParameterConstraints
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist

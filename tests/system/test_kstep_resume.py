@@ -28,8 +28,13 @@ COMMON = ["train.max_steps=48", "train.log_every=12", "train.merge_every=4", "ch
 
 
 def _start(
-    run_dir: Path, overrides: list[str], env_extra: dict[str, str] | None = None, port: int | None = None,
-    torchrun_extra: tuple[str, ...] = (), net=None, store_on_node0: bool = False,
+    run_dir: Path,
+    overrides: list[str],
+    env_extra: dict[str, str] | None = None,
+    port: int | None = None,
+    torchrun_extra: tuple[str, ...] = (),
+    net=None,
+    store_on_node0: bool = False,
 ) -> list[subprocess.Popen]:
     """Two torchrun nodes of 2 ranks. `net` (a tools/simnet.py SimNet, up): node i in host
     namespace i, gloo over the shaped link. `store_on_node0`: node 0's agent hosts the c10d
@@ -48,9 +53,22 @@ def _start(
     procs = []
     for node in range(2):
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2",
-            "--node_rank", str(node), "--rdzv_backend", "c10d", "--rdzv_endpoint", f"{addr}:{port}",
-            "--rdzv_id", f"{run_dir.name}{port}", *torchrun_extra,
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--nproc_per_node",
+            "2",
+            "--node_rank",
+            str(node),
+            "--rdzv_backend",
+            "c10d",
+            "--rdzv_endpoint",
+            f"{addr}:{port}",
+            "--rdzv_id",
+            f"{run_dir.name}{port}",
+            *torchrun_extra,
         ]
         node_env = env
         if net is not None:
@@ -92,7 +110,8 @@ def _wait_listening(port: int, proc: subprocess.Popen, timeout: float = 60) -> N
 LOST_LINE = re.compile(
     r"^error: (lost host (\d) \(global ranks \d-\d[^)]*\): its connection to host (\d) closed|"
     r"host (\d) \(global ranks \d-\d[^)]*\) did not answer host (\d)).*; the job stops \(resume=true continues "
-    r"from the last checkpoint\)$", re.M,
+    r"from the last checkpoint\)$",
+    re.M,
 )
 
 
@@ -141,7 +160,7 @@ def _freeze_and_wait(victim: subprocess.Popen, survivor: subprocess.Popen, timeo
 
 
 def _records(run_dir: Path) -> list[dict]:
-    return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def _flat_checkpoint(ckpt: Path, out: Path) -> dict[str, torch.Tensor]:
@@ -237,8 +256,11 @@ def test_frozen_host_stops_the_job_after_the_pg_timeout(tmp_path):
     store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True, wait_for_workers=False)
     run_dir = tmp_path / "frozen"
     procs = _start(
-        run_dir, [*COMMON[:-1], "train.max_steps=2000", "checkpoint.every_steps=12"], {"RECSYS_PG_TIMEOUT_S": "15"},
-        port=port, torchrun_extra=("--rdzv_conf", "is_host=false"),
+        run_dir,
+        [*COMMON[:-1], "train.max_steps=2000", "checkpoint.every_steps=12"],
+        {"RECSYS_PG_TIMEOUT_S": "15"},
+        port=port,
+        torchrun_extra=("--rdzv_conf", "is_host=false"),
     )
     try:
         _wait_for(run_dir / "checkpoints" / "step_000000012" / "COMMITTED", procs[0], timeout=300)
@@ -264,8 +286,10 @@ def test_frozen_host_holding_the_rendezvous_store_still_stops_the_job(tmp_path):
 
     run_dir = tmp_path / "frozen_store"
     procs = _start(
-        run_dir, [*COMMON[:-1], "train.max_steps=2000", "checkpoint.every_steps=12"],
-        {"RECSYS_PG_TIMEOUT_S": "15", "RECSYS_LAUNCHER_GRACE_S": "5"}, store_on_node0=True,
+        run_dir,
+        [*COMMON[:-1], "train.max_steps=2000", "checkpoint.every_steps=12"],
+        {"RECSYS_PG_TIMEOUT_S": "15", "RECSYS_LAUNCHER_GRACE_S": "5"},
+        store_on_node0=True,
     )
     try:
         _wait_for(run_dir / "checkpoints" / "step_000000012" / "COMMITTED", procs[0], timeout=300)

@@ -37,8 +37,7 @@ needs_netns = pytest.mark.skipif(_REASON is not None, reason=f"SIMNET NOT TESTED
 
 def _mine(name: str) -> list[str]:
     found = list_all()
-    return [x for x in found["namespaces"] + found["links"] + found["nft_tables"]
-            if f"snet-{name}-" in x or x.startswith(f"snet{name}")]
+    return [x for x in found["namespaces"] + found["links"] + found["nft_tables"] if f"snet-{name}-" in x or x.startswith(f"snet{name}")]
 
 
 # -- no privileges needed ---------------------------------------------------------------------
@@ -94,17 +93,24 @@ def test_refuses_without_root():
         pytest.skip("setpriv not installed")
     drop = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups"]
     r = subprocess.run([*drop, *SIMNET, "up", "--name", "x"], capture_output=True, text=True, cwd="/")
-    assert (r.returncode, r.stderr) == (
-        2, "simnet: needs root to create network namespaces (run as root, or use the loopback launch)\n"
-    )
+    assert (r.returncode, r.stderr) == (2, "simnet: needs root to create network namespaces (run as root, or use the loopback launch)\n")
     r = subprocess.run(
-        [*drop, sys.executable, str(REPO / "tools" / "exp_kstep.py"), "--quick", "--net", "rate=1gbit",
-         "--out", "/tmp/simnet-test-never-written"],
-        capture_output=True, text=True, cwd="/",
+        [
+            *drop,
+            sys.executable,
+            str(REPO / "tools" / "exp_kstep.py"),
+            "--quick",
+            "--net",
+            "rate=1gbit",
+            "--out",
+            "/tmp/simnet-test-never-written",
+        ],
+        capture_output=True,
+        text=True,
+        cwd="/",
     )
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
-        "exp_kstep: --net rate=1gbit: simnet: needs root to create network namespaces "
-        "(run as root, or use the loopback launch)"
+        "exp_kstep: --net rate=1gbit: simnet: needs root to create network namespaces (run as root, or use the loopback launch)"
     )
     assert not Path("/tmp/simnet-test-never-written").exists()
 
@@ -132,12 +138,12 @@ def _transfer(net: SimNet, src: int, dst: int, n: int) -> int:
     returns what the receiver got."""
     srv = subprocess.Popen(
         [*net.exec_prefix(dst), sys.executable, "-c", _PEER, "serve", net.host_addr(dst), "0"],
-        stdout=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert srv.stdout.readline().strip() == "ready"
-        subprocess.run([*net.exec_prefix(src), sys.executable, "-c", _PEER, "send", net.host_addr(dst), str(n)],
-                       check=True, timeout=120)
+        subprocess.run([*net.exec_prefix(src), sys.executable, "-c", _PEER, "send", net.host_addr(dst), str(n)], check=True, timeout=120)
         return int(srv.stdout.readline())
     finally:
         srv.kill()
@@ -145,8 +151,7 @@ def _transfer(net: SimNet, src: int, dst: int, n: int) -> int:
 
 
 def _tbf_stats(prefix: list[str], dev: str) -> dict[str, int]:
-    out = subprocess.run([*prefix, "tc", "-s", "-j", "qdisc", "show", "dev", dev], capture_output=True, text=True,
-                         check=True).stdout
+    out = subprocess.run([*prefix, "tc", "-s", "-j", "qdisc", "show", "dev", dev], capture_output=True, text=True, check=True).stdout
     q = next(x for x in json.loads(out) if x["kind"] == "tbf")
     return {"rate": q["options"]["rate"], "bytes": q["bytes"], "overlimits": q["overlimits"]}
 
@@ -188,6 +193,7 @@ def test_loss_drops_that_share_of_wire_sized_packets():
     super-packets, so one loss is one 1500-byte frame as on a real NIC."""
     n = 4 * 2**20
     with SimNet("t6", 2, LinkSpec.parse("rate=1gbit,loss=5%")) as net:
+
         def packets() -> int:
             return sum(int(Path(f"/sys/class/net/{net.root_veth(i)}/statistics/rx_packets").read_text()) for i in range(2))
 
@@ -217,8 +223,9 @@ def test_up_fails_cleanly_when_the_name_exists():
 def test_delay_uses_netem_or_refuses_in_one_line():
     if probe(LinkSpec(delay="1ms")) is None:
         with SimNet("t3", 2, LinkSpec.parse("rate=1gbit,delay=1ms")) as net:
-            out = subprocess.run([*net.exec_prefix(0), "tc", "qdisc", "show", "dev", IFNAME], capture_output=True,
-                                 text=True, check=True).stdout
+            out = subprocess.run(
+                [*net.exec_prefix(0), "tc", "qdisc", "show", "dev", IFNAME], capture_output=True, text=True, check=True
+            ).stdout
             assert "tbf" in out and "netem" in out and "delay 1ms" in out
     else:
         with pytest.raises(SimNetError) as e:
@@ -234,8 +241,7 @@ def test_delay_uses_netem_or_refuses_in_one_line():
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_cli_up_deletes_everything_on_signal(sig):
     name = f"t4{int(sig)}"
-    p = subprocess.Popen([*SIMNET, "up", "--name", name, "--net", "rate=1gbit"], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen([*SIMNET, "up", "--name", name, "--net", "rate=1gbit"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = p.stdout.readline()
         assert line.startswith(f"simnet: 2 hosts up (rate=1gbit,delay=0); bridge snet{name} 10.213."), line
@@ -258,8 +264,7 @@ def test_cli_detach_list_down():
             assert f"namespace snet-t5-h{i}  simnet0 10.213." in listing and f"link snett5r{i}  rx " in listing
     finally:
         r = subprocess.run([*SIMNET, "down", "--name", "t5"], capture_output=True, text=True)
-    assert r.stdout == ("simnet: deleted snett5, snett5r0, snett5r1, snett5r2, snet-t5-h0, snet-t5-h1, "
-                        "snet-t5-h2\n")
+    assert r.stdout == ("simnet: deleted snett5, snett5r0, snett5r1, snett5r2, snet-t5-h0, snet-t5-h1, snet-t5-h2\n")
     assert _mine("t5") == []
 
 
@@ -270,9 +275,26 @@ def test_exp_kstep_net_puts_cross_host_gloo_bytes_on_the_link(tmp_path):
     and k=1 sends many times the bytes of k=16. Slow (~1 minute)."""
     out = tmp_path / "exp"
     r = subprocess.run(
-        [sys.executable, "tools/exp_kstep.py", "--quick", "--ks", "1,16", "--moments", "off", "--rows", "all",
-         "--net", "rate=1gbit", "--sync", "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=900,
+        [
+            sys.executable,
+            "tools/exp_kstep.py",
+            "--quick",
+            "--ks",
+            "1,16",
+            "--moments",
+            "off",
+            "--rows",
+            "all",
+            "--net",
+            "rate=1gbit",
+            "--sync",
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     head = json.loads(r.stdout.strip().splitlines()[-1])
@@ -309,9 +331,11 @@ def test_exp_kstep_net_sigterm_mid_run_leaves_no_network_and_no_process(tmp_path
     its namespaces, bridge and veths, then exits 143. Slow (~30 s)."""
     out = tmp_path / "exp"
     p = subprocess.Popen(
-        [sys.executable, "tools/exp_kstep.py", "--quick", "--ks", "1", "--moments", "off", "--net", "rate=100mbit",
-         "--out", str(out)],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        [sys.executable, "tools/exp_kstep.py", "--quick", "--ks", "1", "--moments", "off", "--net", "rate=100mbit", "--out", str(out)],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         name, lines = None, []

@@ -120,7 +120,8 @@ def test_link_cut_longer_than_the_timeout_stops_both_hosts_then_resume_finishes(
         assert stopped_after < 10 + 5 + 30, stopped_after
         # each host names the other one, in one line
         assert lost_lines(procs[0].log_path) + lost_lines(procs[1].log_path) in ([(1, 0), (0, 1)], [(0, 1), (1, 0)]), (
-            procs[0].log_path.read_text()[-2000:] + procs[1].log_path.read_text()[-2000:])
+            procs[0].log_path.read_text()[-2000:] + procs[1].log_path.read_text()[-2000:]
+        )
         assert not (run_dir / "summary.json").exists()
         time.sleep(1)
         # resume both hosts on the restored link from the last merge checkpoint

@@ -83,7 +83,7 @@ def test_train_component_runs_on_slurm(tmp_path):
     assert j["JobName"] == "trainer-0" and j["WorkDir"] == str(submit)
     s = json.loads((run_dir / "summary.json").read_text())
     assert s["world_size"] == 2 and s["steps"] == 40, s
-    train = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in train if x["kind"] == "train"][-1] == 40
     assert (submit / f"slurm-{job_id}-trainer-0.err").is_file()
 
@@ -93,8 +93,17 @@ def test_requeued_job_resumes_from_last_checkpoint(tmp_path):
     requeued job (resume=true is the component's default) continues from the newest checkpoint."""
     run_dir, submit = tmp_path / "run", tmp_path / "submit"
     steps = 600
-    job_id = _submit(submit, [f"train.max_steps={steps}", "train.epochs=10", "checkpoint.every_steps=20",
-                              "checkpoint.keep=100", "train.log_every=20", f"run_dir={run_dir}"])
+    job_id = _submit(
+        submit,
+        [
+            f"train.max_steps={steps}",
+            "train.epochs=10",
+            "checkpoint.every_steps=20",
+            "checkpoint.keep=100",
+            "train.log_every=20",
+            f"run_dir={run_dir}",
+        ],
+    )
     first = run_dir / "checkpoints" / "step_000000020" / "COMMITTED"
     t0 = time.time()
     while not first.exists():
@@ -118,8 +127,7 @@ def test_requeued_job_resumes_from_last_checkpoint(tmp_path):
     resumed_at = int(Path(s["resumed_from"]).name.split("_")[1])
     assert 20 <= resumed_at < steps, s
     # the metrics log reads like one uninterrupted run: each train step logged once
-    logged = [json.loads(l)["step"] for l in (run_dir / "metrics.jsonl").read_text().splitlines()
-              if json.loads(l)["kind"] == "train"]
+    logged = [json.loads(ln)["step"] for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if json.loads(ln)["kind"] == "train"]
     assert logged == sorted(set(logged)) and logged[-1] == steps, logged
 
 
@@ -150,9 +158,23 @@ def test_preprocess_component_fans_out_as_slurm_tasks_and_joins(tmp_path):
         with get_runner() as runner:
             handle = runner.run_component(
                 str(REPO / "torchx_components" / "launch.py") + ":preprocess",
-                ["--config", SMOKE, "--tasks", "1", "--procs_per_task", "2", "--cpu", "2", "--memMB", "2048", *data,
-                 f"data.cache_dir={fan}"],
-                "slurm", cfg={"partition": "debug", "time": "15"})
+                [
+                    "--config",
+                    SMOKE,
+                    "--tasks",
+                    "1",
+                    "--procs_per_task",
+                    "2",
+                    "--cpu",
+                    "2",
+                    "--memMB",
+                    "2048",
+                    *data,
+                    f"data.cache_dir={fan}",
+                ],
+                "slurm",
+                cfg={"partition": "debug", "time": "15"},
+            )
     finally:
         os.chdir(old)
     job_id = parse_app_handle(handle).app_id
@@ -195,12 +217,27 @@ def test_preprocess_as_a_plain_slurm_array(tmp_path):
         (raw / f"day_{i}.tsv").write_text("".join(_criteo_lines(rng, n)))
     data = ["data.source=criteo", f"data.path={raw}", "train.batch_size=128"]
     script = tmp_path / "array.sh"
-    script.write_text("#!/bin/bash\n"
-                      f"exec {sys.executable} -m recsys.cli preprocess --config {SMOKE} "
-                      + " ".join(data) + f" data.cache_dir={fan}\n")
-    r = subprocess.run(["sbatch", "--parsable", "--array=0-2", "--partition=debug", "--time=10", "--cpus-per-task=1",
-                        "--mem=1500", f"--chdir={tmp_path}", f"--output={tmp_path}/array-%a.out",
-                        f"--export=ALL,PYTHONPATH={REPO}", str(script)], capture_output=True, text=True, check=True)
+    script.write_text(
+        f"#!/bin/bash\nexec {sys.executable} -m recsys.cli preprocess --config {SMOKE} " + " ".join(data) + f" data.cache_dir={fan}\n"
+    )
+    r = subprocess.run(
+        [
+            "sbatch",
+            "--parsable",
+            "--array=0-2",
+            "--partition=debug",
+            "--time=10",
+            "--cpus-per-task=1",
+            "--mem=1500",
+            f"--chdir={tmp_path}",
+            f"--output={tmp_path}/array-%a.out",
+            f"--export=ALL,PYTHONPATH={REPO}",
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     job_id = r.stdout.strip().split(";")[0]
     t0 = time.time()
     while True:
@@ -212,8 +249,8 @@ def test_preprocess_as_a_plain_slurm_array(tmp_path):
         time.sleep(1)
     logs = {p.name: p.read_text() for p in tmp_path.glob("array-*.out")}
     assert all(s["JobState"] == "COMPLETED" for s in states), (states, logs)
-    lines = sorted(l for text in logs.values() for l in text.splitlines() if l.startswith("task "))
-    assert len(lines) == 3 and sum(f"{fan} holds 1400 rows" in l for l in lines) == 1, lines
+    lines = sorted(ln for text in logs.values() for ln in text.splitlines() if ln.startswith("task "))
+    assert len(lines) == 3 and sum(f"{fan} holds 1400 rows" in ln for ln in lines) == 1, lines
     ref = prepare_data(load_config(SMOKE, [*data, f"data.cache_dir={tmp_path / 'single'}"]))
     a, b = ShardedDataset.open(fan), ShardedDataset.open(tmp_path / "single")
     assert a.manifest["cache_key"] == ref["cache_key"] and a.manifest["created_by"].endswith("(3 parts)")

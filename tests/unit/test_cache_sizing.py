@@ -96,16 +96,22 @@ def test_stats_are_shared_by_deepcopy_and_expected_lookups():
 
 
 def ebc():
-    tables = [EmbeddingBagConfig(name=f"t_{f}", embedding_dim=8, num_embeddings=n, feature_names=[f])
-              for f, n in (("A", 1000), ("B", 50))]
+    tables = [EmbeddingBagConfig(name=f"t_{f}", embedding_dim=8, num_embeddings=n, feature_names=[f]) for f, n in (("A", 1000), ("B", 50))]
     tables.append(EmbeddingBagConfig(name="w_A", embedding_dim=2, num_embeddings=1000, feature_names=["A"]))
     return EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
 
 
 def test_load_json_histogram_by_table_and_feature(tmp_path):
     f = tmp_path / "h.json"
-    f.write_text(json.dumps({"format": "recsys-id-histogram", "version": 1,
-                             "tables": {"A": {"counts": [10, 5, 2, 2]}, "t_B": {"counts": [3, 3], "num_embeddings": 50}}}))
+    f.write_text(
+        json.dumps(
+            {
+                "format": "recsys-id-histogram",
+                "version": 1,
+                "tables": {"A": {"counts": [10, 5, 2, 2]}, "t_B": {"counts": [3, 3], "num_embeddings": 50}},
+            }
+        )
+    )
     stats = load_sample(str(f), ebc())
     assert sorted(stats) == ["t_A", "t_B", "w_A"]  # feature A feeds t_A and w_A
     assert stats["t_A"].rows == 1000 and stats["t_B"].rows == 50 and stats["t_A"].total == 19
@@ -114,15 +120,18 @@ def test_load_json_histogram_by_table_and_feature(tmp_path):
     assert list(load_sample(str(g), ebc())) == ["t_B"]
 
 
-@pytest.mark.parametrize("doc,key", [
-    ({"tables": {"t_A": {"counts": [1, -2]}}}, "tables.t_A.counts[1]"),
-    ({"tables": {"t_Z": {"counts": [1]}}}, "t_Z"),
-    ({"tables": {"t_A": {"cnts": [1]}}}, "tables.t_A.cnts"),
-    ({"tables": {"t_A": {"counts": "1,2"}}}, "tables.t_A.counts"),
-    ({"tables": {"t_B": {"counts": [1], "num_embeddings": 7}}}, "tables.t_B.num_embeddings"),
-    ({"format": "other", "tables": {}}, "format"),
-    ({"tables": {"t_B": {"counts": [1] * 60}}}, "t_B"),  # more distinct ids than rows
-])
+@pytest.mark.parametrize(
+    "doc,key",
+    [
+        ({"tables": {"t_A": {"counts": [1, -2]}}}, "tables.t_A.counts[1]"),
+        ({"tables": {"t_Z": {"counts": [1]}}}, "t_Z"),
+        ({"tables": {"t_A": {"cnts": [1]}}}, "tables.t_A.cnts"),
+        ({"tables": {"t_A": {"counts": "1,2"}}}, "tables.t_A.counts"),
+        ({"tables": {"t_B": {"counts": [1], "num_embeddings": 7}}}, "tables.t_B.num_embeddings"),
+        ({"format": "other", "tables": {}}, "format"),
+        ({"tables": {"t_B": {"counts": [1] * 60}}}, "t_B"),  # more distinct ids than rows
+    ],
+)
 def test_bad_sample_is_one_line_naming_file_and_key(tmp_path, doc, key):
     f = tmp_path / "bad.json"
     f.write_text(json.dumps(doc))
@@ -163,8 +172,17 @@ def test_apply_cache_stats_sets_constraints():
 def test_cost_model_charges_measured_miss_rate():
     topo = load_topology("pcie-8gpu-2socket")
     cm = TopologyCostModel(topo, 512)
-    base = dict(table="t", sharding_type="table_wise", kernel="fused_uvm_caching", rank=0, rows=4_000_000, cols=64,
-                table_rows=4_000_000, table_cols=64, load_factor=0.05)
+    base = dict(
+        table="t",
+        sharding_type="table_wise",
+        kernel="fused_uvm_caching",
+        rank=0,
+        rows=4_000_000,
+        cols=64,
+        table_rows=4_000_000,
+        table_cols=64,
+        load_factor=0.05,
+    )
     default = cm.score_shards([PlacedShard(**base)])  # miss = 1 - 0.05
     measured = cm.score_shards([PlacedShard(**base, miss_rate=0.1)])
     assert measured.host_io[0] == pytest.approx(default.host_io[0] * 0.1 / 0.95)
@@ -178,9 +196,13 @@ def test_synthetic_sample_from_config():
 
     cfg = load_config("configs/experiments/smoke.yaml", [])
     cards = cardinalities(cfg.data)
-    module = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name=f"t_C{i + 1}", embedding_dim=4, num_embeddings=n,
-                                                               feature_names=[f"C{i + 1}"]) for i, n in enumerate(cards)],
-                                    device=torch.device("meta"))
+    module = EmbeddingBagCollection(
+        tables=[
+            EmbeddingBagConfig(name=f"t_C{i + 1}", embedding_dim=4, num_embeddings=n, feature_names=[f"C{i + 1}"])
+            for i, n in enumerate(cards)
+        ],
+        device=torch.device("meta"),
+    )
     stats = load_sample("synthetic:3000", module, cfg, batch=1024)
     assert sorted(stats) == sorted(table_features(module)) and all(s.total == 3000 for s in stats.values())
     big = max(stats, key=lambda t: stats[t].rows)

@@ -20,10 +20,16 @@ def _record(msg: str, level: int = logging.WARNING) -> logging.LogRecord:
     return logging.LogRecord("root", level, __file__, 1, msg, None, None)
 
 
-@pytest.mark.parametrize("fbgemm, torch_version, dropped", [
-    ("1.6.0", (2, 11, 0), True), ("1.6.0", (2, 12, 0), False), ("1.6.0", (2, 13, 0), False),
-    ("1.7.0", (2, 12, 0), True), ("1.7.0", (2, 11, 0), False),
-])
+@pytest.mark.parametrize(
+    "fbgemm, torch_version, dropped",
+    [
+        ("1.6.0", (2, 11, 0), True),
+        ("1.6.0", (2, 12, 0), False),
+        ("1.6.0", (2, 13, 0), False),
+        ("1.7.0", (2, 12, 0), True),
+        ("1.7.0", (2, 11, 0), False),
+    ],
+)
 def test_fbgemm_false_warning_dropped_only_for_its_own_torch(monkeypatch, fbgemm, torch_version, dropped):
     monkeypatch.setattr(compat, "torch_version", lambda: torch_version)
     f = compat.FbgemmCompatTableFilter()
@@ -80,8 +86,7 @@ def test_fbgemm_cowclip_types_from_either_module(monkeypatch, fbgemm):
         pytest.skip(f"FBGEMM {real} has no fbgemm_gpu.tbe.config")
     monkeypatch.setattr(compat, "fbgemm_version", lambda: fbgemm)
     counter, cowclip, decay = compat.fbgemm_cowclip_types()
-    assert (counter, cowclip, decay) == (old_home.CounterWeightDecayMode, old_home.CowClipDefinition,
-                                         old_home.WeightDecayMode)
+    assert (counter, cowclip, decay) == (old_home.CounterWeightDecayMode, old_home.CowClipDefinition, old_home.WeightDecayMode)
     assert decay.COWCLIP is old_home.WeightDecayMode.COWCLIP
 
 

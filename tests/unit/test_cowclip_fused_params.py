@@ -21,24 +21,29 @@ def test_sharder_fused_params_lr_is_the_learning_rate():
         CowClipHyper.from_fused_params({"optimizer": COWCLIP_ADAM, "lr": 0.5, "learning_rate": 0.1})
 
 
-@pytest.mark.parametrize("key, hint", [("learnig_rate", "learning_rate"), ("cowclip_zeat", "cowclip_zeta"),
-                                       ("totally_unrelated_option", None)])
+@pytest.mark.parametrize(
+    "key, hint", [("learnig_rate", "learning_rate"), ("cowclip_zeat", "cowclip_zeta"), ("totally_unrelated_option", None)]
+)
 def test_unknown_sharder_fused_params_key_is_one_line(key, hint):
     fp = {**cowclip_fused_params(CowClipHyper()), key: 1.0}
     with pytest.raises(ValueError) as e:
         CowClipEmbeddingBagCollectionSharder(fused_params=fp)
     msg = str(e.value)
     assert "\n" not in msg
-    assert msg.startswith(f"CowClipEmbeddingBagCollectionSharder: unknown fused_params key(s) '{key}'"
-                          + (f" (did you mean '{hint}'?)" if hint else ";"))
-    assert "CowClip-Adam takes beta1, beta2, cowclip, cowclip_r, cowclip_zeta, eps, eps_mode, l2, learning_rate, lr, " \
-           "optimizer, update_scope" in msg
+    assert msg.startswith(
+        f"CowClipEmbeddingBagCollectionSharder: unknown fused_params key(s) '{key}'" + (f" (did you mean '{hint}'?)" if hint else ";")
+    )
+    assert (
+        "CowClip-Adam takes beta1, beta2, cowclip, cowclip_r, cowclip_zeta, eps, eps_mode, l2, learning_rate, lr, "
+        "optimizer, update_scope" in msg
+    )
 
 
 def test_torchrec_and_fbgemm_keys_pass():
     assert {"cache_precision", "stochastic_rounding", "output_dtype", "bounds_check_mode"} <= other_fused_param_keys()
-    CowClipEmbeddingBagCollectionSharder(fused_params={**cowclip_fused_params(CowClipHyper()), "cache_precision": None,
-                                                        "stochastic_rounding": True})
+    CowClipEmbeddingBagCollectionSharder(
+        fused_params={**cowclip_fused_params(CowClipHyper()), "cache_precision": None, "stochastic_rounding": True}
+    )
     CowClipEmbeddingBagCollectionSharder(fused_params={"stochastic_rounding": False})  # stock tables only
     CowClipEmbeddingBagCollectionSharder()
     with pytest.raises(ValueError, match="update_scope must be batch|all|catchup"):

@@ -51,8 +51,9 @@ class RefTable:
         self.GS = 0
         self.last_clip: dict[int, float] = {}
 
-    def step(self, indices, offsets, grad_output, psw, lr, betas, eps, r, zeta, l2, clip,
-             update_scope, l2_scope, bias_correction, eps_mode):
+    def step(
+        self, indices, offsets, grad_output, psw, lr, betas, eps, r, zeta, l2, clip, update_scope, l2_scope, bias_correction, eps_mode
+    ):
         b1, b2 = betas
         n, d = len(self.W), len(self.W[0])
         per_row = ref_row_grads(indices, offsets, grad_output, psw)
@@ -93,8 +94,16 @@ class RefTable:
 # ----------------------------------------------------------------------------- random batches
 
 
-def make_batch(rng: random.Random, num_rows: int, dim: int, num_bags: int, max_len: int = 4,
-               id_range: int | None = None, weighted: bool = True, grad_scale: float = 0.05):
+def make_batch(
+    rng: random.Random,
+    num_rows: int,
+    dim: int,
+    num_bags: int,
+    max_len: int = 4,
+    id_range: int | None = None,
+    weighted: bool = True,
+    grad_scale: float = 0.05,
+):
     """Multi-hot bags with repeats inside a bag and across bags, some empty bags."""
     id_range = id_range or num_rows
     lengths = [rng.randint(0, max_len) for _ in range(num_bags)]
@@ -160,9 +169,7 @@ def test_counts_are_distinct_samples_not_occurrences():
 
 
 def test_batch_row_gradients_empty_and_bounds():
-    rows, grads, counts = batch_row_gradients(
-        torch.zeros(0, dtype=torch.long), torch.zeros(4, dtype=torch.long), torch.randn(3, 6)
-    )
+    rows, grads, counts = batch_row_gradients(torch.zeros(0, dtype=torch.long), torch.zeros(4, dtype=torch.long), torch.randn(3, 6))
     assert rows.shape == (0,) and grads.shape == (0, 6) and counts.shape == (0,)
     with pytest.raises(ValueError, match="out of range"):
         batch_row_gradients(torch.tensor([0, 7]), torch.tensor([0, 1, 2]), torch.randn(2, 3), num_rows=7)
@@ -237,8 +244,19 @@ def test_adam_steps_match_loop(cfg, dtype, tol):
     weight = make_weight(gen, n, d, dtype)
     ref = RefTable(weight)
     state = CowClipAdamState.zeros_like(weight)
-    hp = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, r=1.5, zeta=1e-5, l2=1e-2, clip=clip,
-              update_scope=update_scope, l2_scope=l2_scope, bias_correction=bias_correction, eps_mode=eps_mode)
+    hp = dict(
+        lr=1e-2,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        r=1.5,
+        zeta=1e-5,
+        l2=1e-2,
+        clip=clip,
+        update_scope=update_scope,
+        l2_scope=l2_scope,
+        bias_correction=bias_correction,
+        eps_mode=eps_mode,
+    )
     total_clipped = 0
     for step in range(5):
         # rows 0..id_range-1 only, varying per step: some rows skip steps (row != global step)
@@ -273,7 +291,7 @@ def test_row_and_global_bias_correction_differ_for_late_rows():
             cowclip_adam_step(w, st, torch.tensor([0]), off, go, lr=lr, eps=0.0, clip=False, bias_correction=bc)
         before = w[1].clone()
         cowclip_adam_step(w, st, torch.tensor([1]), off, go, lr=lr, eps=0.0, clip=False, bias_correction=bc)
-        results[bc] = (before - w[1])
+        results[bc] = before - w[1]
         assert st.row_step.tolist() == [2, 1] and int(st.step) == 3
     torch.testing.assert_close(results["row"], torch.full((d,), lr, dtype=torch.float64))
     b1, b2 = 0.9, 0.999
@@ -308,8 +326,9 @@ def test_empty_batch_changes_nothing_but_step():
     w = torch.randn(5, 4, dtype=torch.float64)
     st = CowClipAdamState.zeros_like(w)
     w0 = w.clone()
-    stats = cowclip_adam_step(w, st, torch.zeros(0, dtype=torch.long), torch.zeros(4, dtype=torch.long),
-                              torch.randn(3, 4, dtype=torch.float64))
+    stats = cowclip_adam_step(
+        w, st, torch.zeros(0, dtype=torch.long), torch.zeros(4, dtype=torch.long), torch.randn(3, 4, dtype=torch.float64)
+    )
     assert torch.equal(w, w0) and stats.unique_rows == 0 and float(stats.clipped_fraction) == 0.0
     assert int(st.step) == 1 and st.row_step.sum() == 0
 
@@ -395,8 +414,7 @@ def test_clip_false_lazy_global_keras_equals_sparse_adam():
     for batch in _autograd_batches(6, n, d, 6):
         idx, off, go, psw = as_tensors(batch, torch.float64)
         opt.zero_grad()
-        out = F.embedding_bag(idx, param, off, mode="sum", per_sample_weights=psw,
-                              include_last_offset=True, sparse=True)
+        out = F.embedding_bag(idx, param, off, mode="sum", per_sample_weights=psw, include_last_offset=True, sparse=True)
         out.backward(go)
         opt.step()
         cowclip_adam_step(ours, st, idx, off, go, psw, lr=lr, clip=False, bias_correction="global", eps_mode="keras")

@@ -81,7 +81,7 @@ def test_batches_on_any_world_size_resume_exactly_and_read_each_row_once_per_epo
         ranks = [[_rows(b) for b in train_batches(src, 256, r, world, 0, steps, order)] for r in range(world)]
         assert [sum((ranks[r][s] for r in range(world)), []) for s in range(steps)] == one
     for epoch in range(3):
-        seen = sum(one[16 * epoch:16 * (epoch + 1)], [])
+        seen = sum(one[16 * epoch : 16 * (epoch + 1)], [])
         assert sorted(seen) == list(range(4096)), epoch  # every row exactly once
     assert one[:16] != one[16:32]  # and another order next epoch
     # killed after step 21 (in epoch 2) and resumed there: the same rows, step by step
@@ -89,8 +89,7 @@ def test_batches_on_any_world_size_resume_exactly_and_read_each_row_once_per_epo
     resumed = [_rows(b) for b in train_batches(src, 256, 0, 1, 21, steps, order)]
     assert killed + resumed == one
     # eval stays in order and never sees a training row
-    assert sum((b.dense[:, 0].astype(int).tolist() for b in eval_blocks(src, 128, 0, 1)), []) == \
-        list(range(10**6, 10**6 + 300))
+    assert sum((b.dense[:, 0].astype(int).tolist() for b in eval_blocks(src, 128, 0, 1)), []) == list(range(10**6, 10**6 + 300))
 
 
 def test_rows_past_the_last_full_batch_rotate_between_epochs():
@@ -114,9 +113,12 @@ def test_window_reader_keeps_every_field():
     n = 600
     order = EpochOrder(n, True, block_rows=50, buffer_rows=200)
     probs = np.arange(n, dtype=np.float32) / n
-    reader = WindowReader(order, lambda lo, hi: RowBlock(np.arange(lo, hi, dtype=np.float32)[:, None],
-                                                         np.arange(lo, hi)[:, None], np.arange(lo, hi, dtype=np.float32),
-                                                         probs[lo:hi]))
+    reader = WindowReader(
+        order,
+        lambda lo, hi: RowBlock(
+            np.arange(lo, hi, dtype=np.float32)[:, None], np.arange(lo, hi)[:, None], np.arange(lo, hi, dtype=np.float32), probs[lo:hi]
+        ),
+    )
     block = reader.read(2, 150, 450)  # spans two windows
     rows = order.rows(2, 150, 450)
     assert block.sparse[:, 0].tolist() == rows.tolist() and block.labels.tolist() == rows.tolist()
@@ -125,16 +127,17 @@ def test_window_reader_keeps_every_field():
 
 def test_config_default_shuffles_and_checkpoints_record_the_order():
     cfg = load_config(SMOKE)
-    assert cfg.data.shuffle and epoch_order(cfg, IndexSource(5000, 10)).describe() == \
-        "shuffle seed=0 block=256 buffer=65536"
+    assert cfg.data.shuffle and epoch_order(cfg, IndexSource(5000, 10)).describe() == "shuffle seed=0 block=256 buffer=65536"
     shape = state_shape(cfg, ["c"], [7], 2)
     assert shape["data.order"] == "shuffle seed=0 block=256 buffer=65536"
     off = load_config(SMOKE, ["data.shuffle=false"])
     assert "data.order" not in state_shape(off, ["c"], [7], 2)  # as in checkpoints from before shuffling
     assert not epoch_order(off, IndexSource(5000, 10)).shuffle
-    for override, why in [("data.shuffle_block_rows=0", "must be positive"),
-                          ("data.shuffle_buffer_rows=-1", "must be >= 0 (0: shuffle blocks only)"),
-                          ("data.shuffle_seed=-2", "must be >= 0")]:
+    for override, why in [
+        ("data.shuffle_block_rows=0", "must be positive"),
+        ("data.shuffle_buffer_rows=-1", "must be >= 0 (0: shuffle blocks only)"),
+        ("data.shuffle_seed=-2", "must be >= 0"),
+    ]:
         with pytest.raises(ConfigError) as e:
             load_config(SMOKE, [override])
         assert str(e.value) == f"{SMOKE}: key '{override.split('=')[0]}': {why}"

@@ -14,13 +14,21 @@ def _fake_run(out: Path, name: str, auc: float, evals: list[tuple[int, float, fl
     records with elapsed_s and the clipped share; an eval record per epoch)."""
     d = out / name
     d.mkdir(parents=True)
-    (d / "summary.json").write_text(json.dumps({
-        "steps": evals[-1][0], "auc": auc, "logloss": 0.45, "oracle_auc": 0.80, "samples_per_s_this_run": 1000.0,
-        "train_wall_s_this_run": 12.0}))
+    (d / "summary.json").write_text(
+        json.dumps(
+            {
+                "steps": evals[-1][0],
+                "auc": auc,
+                "logloss": 0.45,
+                "oracle_auc": 0.80,
+                "samples_per_s_this_run": 1000.0,
+                "train_wall_s_this_run": 12.0,
+            }
+        )
+    )
     lines = []
     for i, (step, epoch, eval_auc) in enumerate(evals):
-        lines.append({"kind": "train", "step": step, "epoch": epoch, "elapsed_s": 10.0 * (i + 1),
-                      "clipped_row_fraction": clipped})
+        lines.append({"kind": "train", "step": step, "epoch": epoch, "elapsed_s": 10.0 * (i + 1), "clipped_row_fraction": clipped})
         lines.append({"kind": "eval", "step": step, "epoch": epoch, "auc": eval_auc, "logloss": 0.45})
     (d / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     (d / "exp_wall_s.txt").write_text("30.5\n")
@@ -91,15 +99,14 @@ def test_the_paper_grid_plans_each_base_run_once_and_the_decisive_cells_first():
     assert len(set(plan)) == len(plan)
     assert (0, 1024, "sqrt") not in plan and (0, 1024, "noclip_rule") in plan
     decisive = {(0, b, a) for b in (65536, 131072) for a in ("cowclip", "sqrt")}
-    first = plan[:2 + len(decisive)]
+    first = plan[: 2 + len(decisive)]
     assert set(first) == decisive | {(0, 1024, "cowclip"), (0, 1024, "noclip_rule")}  # sqrt's base run
     assert first.index((0, 131072, "cowclip")) < first.index((0, 65536, "cowclip"))
     then = {(0, b, a) for b in (65536, 131072) for a in ("cowclip_lazy", "noclip_rule", "linear")}
     then.add((0, 1024, "cowclip_lazy"))  # the lazy semantics' own base run
-    assert set(plan[len(first):len(first) + len(then)]) == then
+    assert set(plan[len(first) : len(first) + len(then)]) == then
     # without no clip + rule in the grid, sqrt runs its own base run and linear shares it
-    assert exp.plan_runs([0], [1024, 65536], ["sqrt", "linear"], 1024) == [
-        (0, 1024, "sqrt"), (0, 65536, "sqrt"), (0, 65536, "linear")]
+    assert exp.plan_runs([0], [1024, 65536], ["sqrt", "linear"], 1024) == [(0, 1024, "sqrt"), (0, 65536, "sqrt"), (0, 65536, "linear")]
 
 
 def test_report_gives_sqrt_and_linear_the_no_clip_rule_base_run(tmp_path, capsys):
@@ -119,30 +126,61 @@ def test_a_second_seed_repeats_only_the_decisive_cells_before_the_8k_cells():
     plan = exp.plan_runs([0, 1], [1024, 8192, 65536, 131072], exp.DEFAULT_ARMS, 1024, ["cowclip", "noclip_rule", "sqrt"])
     again = [r for r in plan if r[0] == 1]
     assert set(again) == {(1, b, a) for b in (1024, 65536, 131072) for a in ("cowclip", "noclip_rule")} | {
-        (1, 65536, "sqrt"), (1, 131072, "sqrt")}  # sqrt's 1K run is no clip + rule's
+        (1, 65536, "sqrt"),
+        (1, 131072, "sqrt"),
+    }  # sqrt's 1K run is no clip + rule's
     # the second seed: the targets' batches first (largest first), its 1K runs last
-    assert again == [(1, 131072, "cowclip"), (1, 131072, "noclip_rule"), (1, 131072, "sqrt"),
-                     (1, 65536, "cowclip"), (1, 65536, "noclip_rule"), (1, 65536, "sqrt"),
-                     (1, 1024, "cowclip"), (1, 1024, "noclip_rule")]
+    assert again == [
+        (1, 131072, "cowclip"),
+        (1, 131072, "noclip_rule"),
+        (1, 131072, "sqrt"),
+        (1, 65536, "cowclip"),
+        (1, 65536, "noclip_rule"),
+        (1, 65536, "sqrt"),
+        (1, 1024, "cowclip"),
+        (1, 1024, "noclip_rule"),
+    ]
     assert [r for r in plan if r[0] == 0] == seed0  # the first seed keeps its order
     # the first seed: the decisive arms at the targets' batches, then no clip + rule there (the
     # clip's share), then the lazy semantics (the default), then linear, then 8K
-    assert seed0[:13] == [(0, 1024, "cowclip"), (0, 1024, "noclip_rule"),
-                          (0, 131072, "cowclip"), (0, 131072, "sqrt"), (0, 65536, "cowclip"), (0, 65536, "sqrt"),
-                          (0, 131072, "noclip_rule"), (0, 65536, "noclip_rule"),
-                          (0, 1024, "cowclip_lazy"), (0, 131072, "cowclip_lazy"), (0, 65536, "cowclip_lazy"),
-                          (0, 131072, "linear"), (0, 65536, "linear")]
+    assert seed0[:13] == [
+        (0, 1024, "cowclip"),
+        (0, 1024, "noclip_rule"),
+        (0, 131072, "cowclip"),
+        (0, 131072, "sqrt"),
+        (0, 65536, "cowclip"),
+        (0, 65536, "sqrt"),
+        (0, 131072, "noclip_rule"),
+        (0, 65536, "noclip_rule"),
+        (0, 1024, "cowclip_lazy"),
+        (0, 131072, "cowclip_lazy"),
+        (0, 65536, "cowclip_lazy"),
+        (0, 131072, "linear"),
+        (0, 65536, "linear"),
+    ]
     assert max(plan.index(r) for r in seed0[:13]) < min(plan.index(r) for r in again)
     first_8k = min(i for i, r in enumerate(plan) if r[1] == 8192)
     assert max(plan.index(r) for r in again) < first_8k
     # every repeat shares one tier: linear (a later tier in the first seed) runs with its batch
-    linear = [r for r in exp.plan_runs([0, 1], [1024, 65536, 131072], exp.DEFAULT_ARMS, 1024,
-                                       ["cowclip", "noclip_rule", "linear"]) if r[0] == 1]
-    assert linear == [(1, 131072, "cowclip"), (1, 131072, "noclip_rule"), (1, 131072, "linear"),
-                      (1, 65536, "cowclip"), (1, 65536, "noclip_rule"), (1, 65536, "linear"),
-                      (1, 1024, "cowclip"), (1, 1024, "noclip_rule")]
+    linear = [
+        r for r in exp.plan_runs([0, 1], [1024, 65536, 131072], exp.DEFAULT_ARMS, 1024, ["cowclip", "noclip_rule", "linear"]) if r[0] == 1
+    ]
+    assert linear == [
+        (1, 131072, "cowclip"),
+        (1, 131072, "noclip_rule"),
+        (1, 131072, "linear"),
+        (1, 65536, "cowclip"),
+        (1, 65536, "noclip_rule"),
+        (1, 65536, "linear"),
+        (1, 1024, "cowclip"),
+        (1, 1024, "noclip_rule"),
+    ]
     assert exp.plan_runs([0, 1], [1024, 65536], ["cowclip"], 1024, None) == [
-        (0, 1024, "cowclip"), (0, 65536, "cowclip"), (1, 65536, "cowclip"), (1, 1024, "cowclip")]
+        (0, 1024, "cowclip"),
+        (0, 65536, "cowclip"),
+        (1, 65536, "cowclip"),
+        (1, 1024, "cowclip"),
+    ]
 
 
 def test_a_resumed_run_reports_its_whole_training_time(tmp_path, capsys):
@@ -152,15 +190,19 @@ def test_a_resumed_run_reports_its_whole_training_time(tmp_path, capsys):
     _fake_run(out, "b256_cowclip", 0.79, [(10, 1.0, 0.785), (20, 2.0, 0.79)], 0.0)
     d = out / "b2048_cowclip"
     d.mkdir(parents=True)
-    (d / "summary.json").write_text(json.dumps({
-        "steps": 3, "auc": 0.791, "logloss": 0.45, "oracle_auc": 0.80, "samples_per_s_this_run": 1000.0,
-        "train_wall_s_this_run": 7.0}))
-    recs = [{"kind": "train", "step": 1, "epoch": 1.0, "elapsed_s": 100.0},
-            {"kind": "eval", "step": 1, "epoch": 1.0, "auc": 0.780, "logloss": 0.46},
-            {"kind": "train", "step": 2, "epoch": 2.0, "elapsed_s": 4.0},  # resumed after epoch 1
-            {"kind": "eval", "step": 2, "epoch": 2.0, "auc": 0.790, "logloss": 0.45},
-            {"kind": "train", "step": 3, "epoch": 3.0, "elapsed_s": 7.0},
-            {"kind": "eval", "step": 3, "epoch": 3.0, "auc": 0.791, "logloss": 0.45}]
+    (d / "summary.json").write_text(
+        json.dumps(
+            {"steps": 3, "auc": 0.791, "logloss": 0.45, "oracle_auc": 0.80, "samples_per_s_this_run": 1000.0, "train_wall_s_this_run": 7.0}
+        )
+    )
+    recs = [
+        {"kind": "train", "step": 1, "epoch": 1.0, "elapsed_s": 100.0},
+        {"kind": "eval", "step": 1, "epoch": 1.0, "auc": 0.780, "logloss": 0.46},
+        {"kind": "train", "step": 2, "epoch": 2.0, "elapsed_s": 4.0},  # resumed after epoch 1
+        {"kind": "eval", "step": 2, "epoch": 2.0, "auc": 0.790, "logloss": 0.45},
+        {"kind": "train", "step": 3, "epoch": 3.0, "elapsed_s": 7.0},
+        {"kind": "eval", "step": 3, "epoch": 3.0, "auc": 0.791, "logloss": 0.45},
+    ]
     (d / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in recs) + "\n")
     (d / "exp_wall_s.txt").write_text("9.0\n")  # the last piece only
     exp.main(["--quick", "--report", "--out", str(out), "--docs", str(docs), "--arms", "cowclip"])
@@ -197,8 +239,23 @@ def test_the_clip_contribution_is_cowclip_minus_no_clip_at_the_same_batch(tmp_pa
     _fake_run(out, "b1024_noclip_rule", 0.7950, [(10, 1.0, 0.7950)], 0.0)
     _fake_run(out, "b65536_cowclip", 0.7955, [(1, 1.0, 0.7955)], 0.02)
     _fake_run(out, "b65536_noclip_rule", 0.7940, [(1, 1.0, 0.7940)], 0.0)
-    exp.main(["--report", "--out", str(out), "--docs", str(docs), "--arms", "cowclip", "noclip_rule",
-              "--batches", "1024", "65536", "--seeds", "0"])
+    exp.main(
+        [
+            "--report",
+            "--out",
+            str(out),
+            "--docs",
+            str(docs),
+            "--arms",
+            "cowclip",
+            "noclip_rule",
+            "--batches",
+            "1024",
+            "65536",
+            "--seeds",
+            "0",
+        ]
+    )
     head = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert abs(head["targets"]["clip_contribution@65536"] - 0.0015) < 1e-9
     # and at every batch both arms ran, the base included (there the runs differ by the clip alone too)
@@ -220,6 +277,7 @@ def test_a_fresh_clone_reuses_the_runs_the_committed_results_json_records(tmp_pa
     capsys.readouterr()
 
     import shutil
+
     shutil.rmtree(out)  # a fresh clone: no run directories
     exp.main([*argv, "--reuse"])  # every planned run is recorded: nothing to train
     log = capsys.readouterr().out
@@ -242,8 +300,25 @@ def test_the_seed_spread_of_a_cell_is_the_range_of_its_seeds_final_aucs(tmp_path
     _fake_run(out, "b65536_cowclip", 0.7955, [(1, 1.0, 0.7955)], 0.02)
     _fake_run(out, "b65536_cowclip_s1", 0.7948, [(1, 1.0, 0.7948)], 0.02)
     _fake_run(out, "b65536_noclip_rule", 0.7940, [(1, 1.0, 0.7940)], 0.0)
-    exp.main(["--report", "--out", str(out), "--docs", str(docs), "--arms", "cowclip", "noclip_rule", "linear",
-              "--batches", "1024", "65536", "--seeds", "0", "1"])
+    exp.main(
+        [
+            "--report",
+            "--out",
+            str(out),
+            "--docs",
+            str(docs),
+            "--arms",
+            "cowclip",
+            "noclip_rule",
+            "linear",
+            "--batches",
+            "1024",
+            "65536",
+            "--seeds",
+            "0",
+            "1",
+        ]
+    )
     head = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(head["seed_spread"]) == {"cowclip@65536"}
     assert abs(head["seed_spread"]["cowclip@65536"] - 0.0007) < 1e-9
@@ -260,8 +335,23 @@ def test_arm_differences_pair_the_seeds_that_ran_both_arms(tmp_path, capsys):
     _fake_run(out, "b65536_cowclip_s1", 0.7935, [(1, 1.0, 0.7935)], 0.02)  # seed 1 sits 0.002 lower
     _fake_run(out, "b65536_noclip_rule", 0.7950, [(1, 1.0, 0.7950)], 0.0)
     _fake_run(out, "b65536_cowclip_lazy", 0.7900, [(1, 1.0, 0.7900)], 0.0)
-    argv = ["--report", "--out", str(out), "--docs", str(docs), "--arms", "cowclip", "cowclip_lazy", "noclip_rule",
-            "--batches", "1024", "65536", "--seeds", "0", "1"]
+    argv = [
+        "--report",
+        "--out",
+        str(out),
+        "--docs",
+        str(docs),
+        "--arms",
+        "cowclip",
+        "cowclip_lazy",
+        "noclip_rule",
+        "--batches",
+        "1024",
+        "65536",
+        "--seeds",
+        "0",
+        "1",
+    ]
     exp.main(argv)
     head = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert abs(head["targets"]["clip_contribution@65536"] - 0.0005) < 1e-9  # seed 0 alone, not 0.7945 - 0.7950
@@ -297,8 +387,12 @@ def test_only_trains_the_named_cells_and_still_reports_every_finished_run(tmp_pa
     exp.main([*argv, "--only", "2048:sqrt:0", "256:cowclip"])  # both finished now: nothing to train
     assert trained == ["b2048_sqrt"]
     capsys.readouterr()
-    for bad, says in (("4096:cowclip", "not a planned run"), ("2048:cowclip:1", "not a planned run"),
-                      ("2048", "expected BATCH:ARM[:SEED]"), ("big:cowclip", "expected BATCH:ARM[:SEED]")):
+    for bad, says in (
+        ("4096:cowclip", "not a planned run"),
+        ("2048:cowclip:1", "not a planned run"),
+        ("2048", "expected BATCH:ARM[:SEED]"),
+        ("big:cowclip", "expected BATCH:ARM[:SEED]"),
+    ):
         try:
             exp.main([*argv, "--only", bad])
         except SystemExit as e:
@@ -321,15 +415,39 @@ def test_targets_by_seed_judge_each_seed_against_its_own_base_and_each_rule_alon
     _fake_run(out, "b131072_sqrt", 0.7750, [(1, 1.0, 0.7750)], 0.0)  # -0.0200
     _fake_run(out, "b131072_linear", 0.7790, [(1, 1.0, 0.7790)], 0.0)  # -0.0160 (diverged)
     _fake_run(out, "b131072_linear_s1", 0.7970, [(1, 1.0, 0.7970)], 0.0)  # +0.0014 against its own base
-    exp.main(["--report", "--out", str(out), "--docs", str(docs), "--arms", "cowclip", "noclip_rule", "sqrt", "linear",
-              "--batches", "1024", "131072", "--seeds", "0", "1"])
+    exp.main(
+        [
+            "--report",
+            "--out",
+            str(out),
+            "--docs",
+            str(docs),
+            "--arms",
+            "cowclip",
+            "noclip_rule",
+            "sqrt",
+            "linear",
+            "--batches",
+            "1024",
+            "131072",
+            "--seeds",
+            "0",
+            "1",
+        ]
+    )
     head = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     by_seed = head["targets_by_seed"]
-    assert by_seed["0"] == {"cowclip_within_0.001@131072": True, "sqrt_loses_2x_cowclip@131072": True,
-                            "linear_loses_2x_cowclip@131072": True}
+    assert by_seed["0"] == {
+        "cowclip_within_0.001@131072": True,
+        "sqrt_loses_2x_cowclip@131072": True,
+        "linear_loses_2x_cowclip@131072": True,
+    }
     # seed 1: CowClip lost 0.0014, so linear must lose more than 0.0028 to pass; it gained; no sqrt run
-    assert by_seed["1"] == {"cowclip_within_0.001@131072": False, "sqrt_loses_2x_cowclip@131072": None,
-                            "linear_loses_2x_cowclip@131072": False}
+    assert by_seed["1"] == {
+        "cowclip_within_0.001@131072": False,
+        "sqrt_loses_2x_cowclip@131072": None,
+        "linear_loses_2x_cowclip@131072": False,
+    }
     # the mean over seeds passes linear (-0.0073 against CowClip's -0.0006): what by_seed is there for
     assert head["targets"]["sqrt_linear_lose_2x_cowclip@131072"] is True
     assert json.loads((docs / "results" / "large_batch.json").read_text())["targets_by_seed"] == by_seed
@@ -344,8 +462,23 @@ def test_the_lr_arm_is_compared_with_cowclip_at_the_same_batch_and_stays_out_of_
     _fake_run(out, "b1024_cowclip_lr1e-3", 0.7970, [(10, 1.0, 0.7970)], 0.06)
     _fake_run(out, "b65536_cowclip", 0.7930, [(1, 1.0, 0.7930)], 0.02)  # -0.0028: fails the 0.001 target
     _fake_run(out, "b65536_cowclip_lr1e-3", 0.7975, [(1, 1.0, 0.7975)], 0.02)  # +0.0005 over its own base
-    exp.main(["--report", "--out", str(out), "--docs", str(docs), "--arms", "cowclip", "cowclip_lr1e-3",
-              "--batches", "1024", "65536", "--seeds", "0"])
+    exp.main(
+        [
+            "--report",
+            "--out",
+            str(out),
+            "--docs",
+            str(docs),
+            "--arms",
+            "cowclip",
+            "cowclip_lr1e-3",
+            "--batches",
+            "1024",
+            "65536",
+            "--seeds",
+            "0",
+        ]
+    )
     head = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     diff = head["lr1e-3_minus_paper_lr"]
     assert set(diff) == {"@1024", "@65536"}

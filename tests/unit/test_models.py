@@ -94,10 +94,8 @@ def test_table_rows_factor_sizes_tables_beyond_the_ids():
     stay below the cardinality); the config refuses 0 in one line."""
     from recsys.config import ConfigError, load_config
 
-    model = build_model(ModelConfig(name="deepfm", dnn=[8], table_rows_factor=3), ["a", "b"], [10, 7], 2,
-                        torch.device("cpu"))
-    rows = sorted(c.num_embeddings for m in model.modules() if hasattr(m, "embedding_bag_configs")
-                  for c in m.embedding_bag_configs())
+    model = build_model(ModelConfig(name="deepfm", dnn=[8], table_rows_factor=3), ["a", "b"], [10, 7], 2, torch.device("cpu"))
+    rows = sorted(c.num_embeddings for m in model.modules() if hasattr(m, "embedding_bag_configs") for c in m.embedding_bag_configs())
     assert rows and set(rows) == {21, 30}, rows
     with pytest.raises(ConfigError, match="key 'model.table_rows_factor': must be >= 1"):
         load_config(None, ["model.table_rows_factor=0"])

@@ -57,8 +57,12 @@ def test_round_trip_is_lossless(gpu_plan, tmp_path):
     # world size and device inferred from the shards' placements
     assert header["world_size"] == 4 and header["compute_device"] == "cuda" and header["meta"] == {"by": "test"}
     assert header["tables"] == tables and header["version"] == 2
-    assert tables["t_C1"] == {"num_embeddings": CARDINALITY_PRESETS["criteo_kaggle_raw"][0], "embedding_dim": 16, "data_type": "FP32",
-                              "optimizer_state": {"kind": "rowwise_adagrad", "bytes_per_weight": 0, "bytes_per_row": 4}}
+    assert tables["t_C1"] == {
+        "num_embeddings": CARDINALITY_PRESETS["criteo_kaggle_raw"][0],
+        "embedding_dim": 16,
+        "data_type": "FP32",
+        "optimizer_state": {"kind": "rowwise_adagrad", "bytes_per_weight": 0, "bytes_per_row": 4},
+    }
     # and again: the JSON is a fixed point
     assert plan_io.plan_to_dict(back, 4, "cuda", tables, {"by": "test"}) == json.loads(path.read_text())
     assert not [p for p in tmp_path.iterdir() if p.name != "plan.json"]  # no temp file left
@@ -70,8 +74,9 @@ def test_version_1_files_still_load(gpu_plan, tmp_path):
     import sharding.plan.report as plan_report
 
     model, plan = gpu_plan
-    d = plan_io.plan_to_dict(plan, 4, "cuda", {n: {k: t[k] for k in ("num_embeddings", "embedding_dim")}
-                                              for n, t in plan_io.model_tables(model).items()})
+    d = plan_io.plan_to_dict(
+        plan, 4, "cuda", {n: {k: t[k] for k in ("num_embeddings", "embedding_dim")} for n, t in plan_io.model_tables(model).items()}
+    )
     d["version"] = 1
     p = tmp_path / "v1.json"
     p.write_text(json.dumps(d))
@@ -81,8 +86,10 @@ def test_version_1_files_still_load(gpu_plan, tmp_path):
     rep = plan_report.report(plan, header)
     assert len(rep["optimizer_unknown"]) == 52 and {t["optimizer"] for t in rep["tables"]} == {"unknown"}
     text = plan_report.format_text(rep)
-    assert "optimizer state: not recorded for 52 of 52 tables (optimizer 'unknown'): their memory counts weights " \
-        "only, a lower bound" in text and "rowwise_adagrad" not in text
+    assert (
+        "optimizer state: not recorded for 52 of 52 tables (optimizer 'unknown'): their memory counts weights only, a lower bound" in text
+        and "rowwise_adagrad" not in text
+    )
     c1 = next(t for t in rep["tables"] if t["table"] == "t_C1")
     assert c1["hbm_bytes"] + c1["host_bytes"] == CARDINALITY_PRESETS["criteo_kaggle_raw"][0] * 16 * 4  # weights only
 
@@ -108,10 +115,17 @@ def test_checks_for_another_model_or_world(gpu_plan):
         (lambda d: d["tables"]["t_C2"].update(optimizer_state={"kind": "adam"}), "key 'tables.t_C2.optimizer_state': expected"),
         (lambda d: d.update(format="x"), "not a sharding plan file"),
         (lambda d: d.pop("world_size"), "key 'world_size': expected int"),
-        (lambda d: next(iter(next(iter(d["modules"].values()))["params"].values())).update(ranks="zero"), ".ranks: expected a list of ranks"),
+        (
+            lambda d: next(iter(next(iter(d["modules"].values()))["params"].values())).update(ranks="zero"),
+            ".ranks: expected a list of ranks",
+        ),
         (lambda d: next(iter(next(iter(d["modules"].values()))["params"].values())).update(colour=1), "unknown key 'colour'"),
-        (lambda d: next(iter(next(iter(d["modules"].values()))["params"].values())).update(
-            bounds_check_mode={"enum": "BoundsCheckMode", "name": "SOMETIMES"}), "'SOMETIMES' is not a BoundsCheckMode"),
+        (
+            lambda d: next(iter(next(iter(d["modules"].values()))["params"].values())).update(
+                bounds_check_mode={"enum": "BoundsCheckMode", "name": "SOMETIMES"}
+            ),
+            "'SOMETIMES' is not a BoundsCheckMode",
+        ),
     ],
 )
 def test_bad_files_give_one_line_errors(gpu_plan, tmp_path, mutate, needle):
@@ -164,20 +178,30 @@ def test_save_refuses_an_invalid_plan_and_writes_nothing(gpu_plan, tmp_path):
     name, ps = next(iter(next(iter(bad.plan.values())).items()))
     ps.compute_kernel = "bogus_kernel"
     target = tmp_path / "plan.json"
-    with pytest.raises(PlanFileError, match=rf"plan.json: key 'modules\.[^']*\.{name}\.compute_kernel': 'bogus_kernel' is not a torchrec compute kernel"):
+    with pytest.raises(
+        PlanFileError, match=rf"plan.json: key 'modules\.[^']*\.{name}\.compute_kernel': 'bogus_kernel' is not a torchrec compute kernel"
+    ):
         plan_io.save_plan(bad, target, model)
     assert not list(tmp_path.iterdir())
 
 
 def test_save_plan_refuses_a_model_without_tables_and_records_the_planners_batch(gpu_plan, tmp_path):
     model, plan = gpu_plan
-    with pytest.raises(PlanFileError, match=r"save_plan\(model=\.\.\.\) found no EmbeddingBagCollection / "
-                                            r"EmbeddingCollection tables in Linear, sharded or not; nothing was written"):
+    with pytest.raises(
+        PlanFileError,
+        match=r"save_plan\(model=\.\.\.\) found no EmbeddingBagCollection / "
+        r"EmbeddingCollection tables in Linear, sharded or not; nothing was written",
+    ):
         plan_io.save_plan(plan, tmp_path / "p.json", model=torch.nn.Linear(2, 2))
     assert not list(tmp_path.iterdir())
-    planner = EmbeddingShardingPlanner(topology=TopologyFactory.create_topology(
-        trainer_config=TrainerConfig(world_size=4, local_world_size=4), hardware_config=HardwareConfig(),
-        kernel_config=KernelConfig(compute_device="cuda")), batch_size=2048)
+    planner = EmbeddingShardingPlanner(
+        topology=TopologyFactory.create_topology(
+            trainer_config=TrainerConfig(world_size=4, local_world_size=4),
+            hardware_config=HardwareConfig(),
+            kernel_config=KernelConfig(compute_device="cuda"),
+        ),
+        batch_size=2048,
+    )
     plan_io.save_plan(plan, tmp_path / "p.json", model=model, planner=planner)
     assert json.loads((tmp_path / "p.json").read_text())["meta"]["batch_size_per_rank"] == 2048
 
@@ -191,12 +215,11 @@ def test_show_says_when_the_batch_for_the_modelled_step_is_assumed(gpu_plan, tmp
     assert main(["show", str(tmp_path / "none.json"), "--topology", "workstation-4gpu-nvlink-pairs"]) == 0
     out = capsys.readouterr().out
     assert "batch 512 per rank" in out and out.rstrip().endswith(
-        "batch per rank: 512 assumed (the plan file records none: save_plan(..., planner=...) records it); "
-        "--batch-size sets it")
+        "batch per rank: 512 assumed (the plan file records none: save_plan(..., planner=...) records it); --batch-size sets it"
+    )
     assert main(["show", str(tmp_path / "b.json"), "--topology", "workstation-4gpu-nvlink-pairs"]) == 0
     out = capsys.readouterr().out
     assert "batch 2048 per rank" in out and "assumed" not in out
-    assert main(["show", str(tmp_path / "none.json"), "--topology", "workstation-4gpu-nvlink-pairs",
-                 "--batch-size", "64"]) == 0
+    assert main(["show", str(tmp_path / "none.json"), "--topology", "workstation-4gpu-nvlink-pairs", "--batch-size", "64"]) == 0
     out = capsys.readouterr().out
     assert "batch 64 per rank" in out and "assumed" not in out

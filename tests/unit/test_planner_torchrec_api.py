@@ -11,7 +11,11 @@ from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
 from torchrec.distributed.planner.storage_reservations import HeuristicalStorageReservation
 from torchrec.distributed.planner.types import (
-    HardwareConfig, KernelConfig, Stats, TopologyFactory, TrainerConfig,
+    HardwareConfig,
+    KernelConfig,
+    Stats,
+    TopologyFactory,
+    TrainerConfig,
 )
 
 from tests.support import plan_models
@@ -23,7 +27,9 @@ TABLES = ("t_cowclip", "t_adagrad", "t_sgd")
 def _topology(world: int = 2, device: str = "cpu", local: int | None = None, **hardware):
     return TopologyFactory.create_topology(
         trainer_config=TrainerConfig(world_size=world, local_world_size=local or world),
-        hardware_config=HardwareConfig(**hardware), kernel_config=KernelConfig(compute_device=device))
+        hardware_config=HardwareConfig(**hardware),
+        kernel_config=KernelConfig(compute_device=device),
+    )
 
 
 def _model():
@@ -43,8 +49,7 @@ def test_a_torchrec_topology_is_planned_on_as_given(device, world, local):
     topo = _topology(world, device, local)
     planner = TopologyAwarePlanner(topo, batch_size=64)
     assert planner.torchrec_topology is topo
-    assert (planner.cluster.world_size, planner.cluster.local_world_size, planner.cluster.compute_device) == \
-        (world, local, device)
+    assert (planner.cluster.world_size, planner.cluster.local_world_size, planner.cluster.compute_device) == (world, local, device)
     plan = planner.plan(_model(), SHARDERS)
     assert set(_types(plan)) == set(TABLES)
     ranks = {r for m in plan.plan.values() for ps in m.values() for r in (ps.ranks or [])}
@@ -71,8 +76,21 @@ def test_storage_reservation_stats_and_callbacks_are_used():
     class Spy(Stats):
         calls: list = []
 
-        def log(self, sharding_plan, topology, batch_size, storage_reservation, num_proposals, num_plans,
-                run_time, best_plan, constraints=None, sharders=None, debug=False, **kwargs) -> None:
+        def log(
+            self,
+            sharding_plan,
+            topology,
+            batch_size,
+            storage_reservation,
+            num_proposals,
+            num_plans,
+            run_time,
+            best_plan,
+            constraints=None,
+            sharders=None,
+            debug=False,
+            **kwargs,
+        ) -> None:
             Spy.calls.append((batch_size, len(best_plan)))
 
     seen = []
@@ -92,23 +110,23 @@ CONSTRAINT_SETS = {
     "row_wise": {t: ParameterConstraints(sharding_types=["row_wise"]) for t in TABLES},
     "column_wise": {"t_cowclip": ParameterConstraints(sharding_types=["column_wise"])},
     "dense_kernel": {"t_sgd": ParameterConstraints(sharding_types=["data_parallel"], compute_kernels=["dense"])},
-    "mixed": {"t_cowclip": ParameterConstraints(sharding_types=["row_wise"]),
-              "t_adagrad": ParameterConstraints(sharding_types=["table_wise"]),
-              "t_sgd": ParameterConstraints(sharding_types=["data_parallel"])},
+    "mixed": {
+        "t_cowclip": ParameterConstraints(sharding_types=["row_wise"]),
+        "t_adagrad": ParameterConstraints(sharding_types=["table_wise"]),
+        "t_sgd": ParameterConstraints(sharding_types=["data_parallel"]),
+    },
 }
 
 
 # torchrec's stock EBC sharder offers no row_wise on CPU: those sets are for CUDA topologies only
-CASES = [(name, device) for device in ("cpu", "cuda") for name in CONSTRAINT_SETS
-         if device == "cuda" or name not in ("row_wise", "mixed")]
+CASES = [(name, device) for device in ("cpu", "cuda") for name in CONSTRAINT_SETS if device == "cuda" or name not in ("row_wise", "mixed")]
 
 
 @pytest.mark.parametrize("name, device", CASES)
 def test_every_constraint_set_torchrecs_planner_plans_ours_plans_too(name, device):
     constraints = CONSTRAINT_SETS[name]
     topo = _topology(2, device)
-    theirs = _types(EmbeddingShardingPlanner(topology=topo, batch_size=64, constraints=constraints)
-                    .plan(_model(), SHARDERS))
+    theirs = _types(EmbeddingShardingPlanner(topology=topo, batch_size=64, constraints=constraints).plan(_model(), SHARDERS))
     ours = _types(TopologyAwarePlanner(topo, batch_size=64, constraints=constraints).plan(_model(), SHARDERS))
     assert set(ours) == set(theirs) == set(TABLES)
     for table, c in constraints.items():  # each constrained table keeps to its constraint, in both
@@ -127,8 +145,10 @@ def _ebc_and_ec_model():
         def __init__(self) -> None:
             super().__init__()
             self.ebc = plan_models._ebc({"t_user": 500}, torch.device("meta"))
-            self.ec = EmbeddingCollection(tables=[EmbeddingConfig(name="t_seq", embedding_dim=8, num_embeddings=300,
-                                                                  feature_names=["f_seq"])], device=torch.device("meta"))
+            self.ec = EmbeddingCollection(
+                tables=[EmbeddingConfig(name="t_seq", embedding_dim=8, num_embeddings=300, feature_names=["f_seq"])],
+                device=torch.device("meta"),
+            )
 
     return TwoKinds()
 
@@ -148,16 +168,24 @@ def test_cowclip_tags_on_tables_no_sharder_trains_are_one_line(with_ec_sharder, 
     model = _ebc_and_ec_model()
     tag_cowclip_adam(model.parameters(), lr=0.01)
     sharders = [CowClipEmbeddingBagCollectionSharder()] + ([EmbeddingCollectionSharder()] if with_ec_sharder else [])
-    planner = (TopologyAwarePlanner(_topology(2, "cpu"), batch_size=64) if planner_kind == "topology"
-               else build_planner(ShardingConfig(), model, 2, 2, "cpu", 64))
-    what = "its sharder EmbeddingCollectionSharder does not train CowClip-Adam" if with_ec_sharder else \
-        "no sharder given shards its EmbeddingCollection"
+    planner = (
+        TopologyAwarePlanner(_topology(2, "cpu"), batch_size=64)
+        if planner_kind == "topology"
+        else build_planner(ShardingConfig(), model, 2, 2, "cpu", 64)
+    )
+    what = (
+        "its sharder EmbeddingCollectionSharder does not train CowClip-Adam"
+        if with_ec_sharder
+        else "no sharder given shards its EmbeddingCollection"
+    )
     for call in (lambda: planner.plan(model, sharders), lambda: planner.collective_plan(model, sharders)):
         with pytest.raises(ValueError) as e:
             call()
-        assert str(e.value) == (f"table t_seq of EmbeddingCollection 'ec' is tagged for CowClip-Adam, but {what}; "
-                                "CowClip-Adam trains EmbeddingCollection tables: add CowClipEmbeddingCollectionSharder() "
-                                "to the sharders")
+        assert str(e.value) == (
+            f"table t_seq of EmbeddingCollection 'ec' is tagged for CowClip-Adam, but {what}; "
+            "CowClip-Adam trains EmbeddingCollection tables: add CowClipEmbeddingCollectionSharder() "
+            "to the sharders"
+        )
     # the EBC table alone, with the CowClip sharder: plans
     untagged = _ebc_and_ec_model()
     tag_cowclip_adam(untagged.ebc.parameters(), lr=0.01)
@@ -181,4 +209,5 @@ def test_cowclip_tagged_ebc_under_the_stock_sharder_names_ours():
     assert str(e.value) == (
         "tables t_cowclip, t_adagrad, t_sgd of EmbeddingBagCollection 'sparse_arch.embedding_bag_collection' are "
         "tagged for CowClip-Adam, but its sharder EmbeddingBagCollectionSharder does not train CowClip-Adam; "
-        "CowClip-Adam trains EmbeddingBagCollection tables: add CowClipEmbeddingBagCollectionSharder() to the sharders")
+        "CowClip-Adam trains EmbeddingBagCollection tables: add CowClipEmbeddingBagCollectionSharder() to the sharders"
+    )

@@ -14,8 +14,14 @@ CRITEO_BASE = {"embedding_lr": 1e-4, "dense_lr": 8e-4, "l2": 1e-5, "warmup_steps
 # bytedance/LargeBatchCTR README (Criteo, DeepFM): dense lr per batch as printed there (x1e-4),
 # l2 as in its command lines / field-facts.md (x1e-5): 1K ... 128K
 CRITEO_TABLE = {
-    1: (8.0, 1), 2: (11.31, 2), 4: (16.0, 4), 8: (22.62, 8),
-    16: (32.0, 16), 32: (45.25, 32), 64: (64.0, 64), 128: (90.50, 128),
+    1: (8.0, 1),
+    2: (11.31, 2),
+    4: (16.0, 4),
+    8: (22.62, 8),
+    16: (32.0, 16),
+    32: (45.25, 32),
+    64: (64.0, 64),
+    128: (90.50, 128),
 }
 
 
@@ -112,8 +118,7 @@ def test_effective_optim_applies_the_rule_once_with_one_epoch_warmup():
     from recsys.config import OptimConfig
     from recsys.optim.scaling import effective_optim
 
-    base = OptimConfig(embedding="cowclip_adam", embedding_lr=1e-4, dense_lr=8e-4, embedding_l2=1e-5,
-                       scale_from_batch=1024)
+    base = OptimConfig(embedding="cowclip_adam", embedding_lr=1e-4, dense_lr=8e-4, embedding_l2=1e-5, scale_from_batch=1024)
     eff, warm = effective_optim(base, 8192, steps_per_epoch=122)
     assert eff.embedding_lr == 1e-4 and eff.scale_from_batch == 0 and warm == 122
     assert math.isclose(eff.dense_lr, 22.6274e-4, rel_tol=1e-5)  # the reference's 8K command line

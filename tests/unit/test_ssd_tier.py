@@ -73,24 +73,30 @@ def test_inline_ssd_key_and_from_with_ssd(tmp_path):
     inline = load_topology(write(tmp_path, HOST + "    ssd: {capacity_gb: 1024.5, read_gb_s: 6.8, write_gb_s: 4}\n"))
     assert inline.hosts[0].ssd == SsdSpec(round(1024.5 * 2**30), 6.8e9, 4e9)
     write(tmp_path, HOST, "base.yaml")
-    one = load_topology(write(tmp_path, "hosts:\n  - {from: base.yaml, ssd: {capacity_gb: 100, read_gb_s: 10, write_gb_s: 5}}\n", "one.yaml"))
+    one = load_topology(
+        write(tmp_path, "hosts:\n  - {from: base.yaml, ssd: {capacity_gb: 100, read_gb_s: 10, write_gb_s: 5}}\n", "one.yaml")
+    )
     assert one.hosts[0].ssd == SsdSpec(100 * 2**30, 10e9, 5e9)
     assert load_topology(write(tmp_path, "hosts:\n  - {from: base.yaml}\n", "none.yaml")).hosts[0].ssd is None
 
 
-@pytest.mark.parametrize("ssd, message", [
-    ("{capacity_gb: abc, read_gb_s: 25, write_gb_s: 12}",
-     "t.yaml: key 'hosts[0].ssd.capacity_gb': expected a positive number, got 'abc'"),
-    ("{capacity_gb: 100, read_gb_s: 0, write_gb_s: 12}",
-     "t.yaml: key 'hosts[0].ssd.read_gb_s': expected a positive number, got 0"),
-    ("{capacity_gb: 100, read_gb_s: 25, write_gb_s: -1}",
-     "t.yaml: key 'hosts[0].ssd.write_gb_s': expected a positive number, got -1"),
-    ("{capacity_gb: 100, read_gb_s: 25}",
-     "t.yaml: key 'hosts[0].ssd.write_gb_s': missing required key"),
-    ("{capacity_gb: 100, read_gbs: 25, write_gb_s: 12}",
-     "t.yaml: key 'hosts[0].ssd.read_gbs': unknown key (did you mean 'hosts[0].ssd.read_gb_s'?)"),
-    ("28000", "t.yaml: key 'hosts[0].ssd': expected a mapping, got 28000"),
-])
+@pytest.mark.parametrize(
+    "ssd, message",
+    [
+        (
+            "{capacity_gb: abc, read_gb_s: 25, write_gb_s: 12}",
+            "t.yaml: key 'hosts[0].ssd.capacity_gb': expected a positive number, got 'abc'",
+        ),
+        ("{capacity_gb: 100, read_gb_s: 0, write_gb_s: 12}", "t.yaml: key 'hosts[0].ssd.read_gb_s': expected a positive number, got 0"),
+        ("{capacity_gb: 100, read_gb_s: 25, write_gb_s: -1}", "t.yaml: key 'hosts[0].ssd.write_gb_s': expected a positive number, got -1"),
+        ("{capacity_gb: 100, read_gb_s: 25}", "t.yaml: key 'hosts[0].ssd.write_gb_s': missing required key"),
+        (
+            "{capacity_gb: 100, read_gbs: 25, write_gb_s: 12}",
+            "t.yaml: key 'hosts[0].ssd.read_gbs': unknown key (did you mean 'hosts[0].ssd.read_gb_s'?)",
+        ),
+        ("28000", "t.yaml: key 'hosts[0].ssd': expected a mapping, got 28000"),
+    ],
+)
 def test_bad_ssd_values_are_one_line_naming_the_key(tmp_path, ssd, message):
     with pytest.raises(TopologyError) as e:
         load_topology(write(tmp_path, HOST + f"    ssd: {ssd}\n"))
@@ -153,8 +159,11 @@ def test_key_value_tables_only_where_hbm_and_host_memory_cannot_hold_them():
 
 def model(specs=SPECS) -> EmbeddingBagCollection:
     ebc = EmbeddingBagCollection(
-        tables=[EmbeddingBagConfig(name=f"t_{i}", embedding_dim=d, num_embeddings=n, feature_names=[f"f_{i}"])
-                for i, (n, d) in enumerate(specs)], device=torch.device("meta"))
+        tables=[
+            EmbeddingBagConfig(name=f"t_{i}", embedding_dim=d, num_embeddings=n, feature_names=[f"f_{i}"]) for i, (n, d) in enumerate(specs)
+        ],
+        device=torch.device("meta"),
+    )
     apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": 0.01})
     return ebc
 
@@ -281,7 +290,8 @@ def test_ssd_time_is_misses_times_row_bytes_over_read_plus_write_bandwidth():
     fused = m.score_shards([kv(3, rows, cols, table_rows, kernel="fused")])
     row_part = 3 * cols * 4  # three passes over a 256-byte row (8 whole sectors)
     assert cost.lookup[3] == pytest.approx(
-        fused.lookup[3] * (lf * row_part + GPU_INDEX_BYTES_PER_LOOKUP) / (row_part + GPU_INDEX_BYTES_PER_LOOKUP), rel=1e-12)
+        fused.lookup[3] * (lf * row_part + GPU_INDEX_BYTES_PER_LOOKUP) / (row_part + GPU_INDEX_BYTES_PER_LOOKUP), rel=1e-12
+    )
     assert cost.rank_time[3] == pytest.approx(cost.lookup[3] + expected + cost.comm[3], rel=1e-12)
     assert cost.step_time == pytest.approx(cost.lookup[3] + expected + cost.comm_time, rel=1e-12)
     # a measured miss rate (cache statistics) replaces 1 - load_factor
@@ -310,8 +320,9 @@ def ssd_plan_file(ssd_plan, tmp_path_factory):
     import sharding.plan.io as plan_io
 
     _, ebc, plan = ssd_plan
-    path = plan_io.save_plan(plan, tmp_path_factory.mktemp("ssd") / "plan.json", ebc, world_size=8, compute_device="cuda",
-                             meta={"batch_size_per_rank": 512})
+    path = plan_io.save_plan(
+        plan, tmp_path_factory.mktemp("ssd") / "plan.json", ebc, world_size=8, compute_device="cuda", meta={"batch_size_per_rank": 512}
+    )
     return plan, path
 
 
@@ -322,8 +333,10 @@ def test_key_value_plan_file_round_trips(ssd_plan_file):
     back = plan_io.load_plan(path)
     assert str(back) == str(plan)
     ps = next(m["t_0"] for m in back.plan.values() if "t_0" in m)
-    assert ps.compute_kernel == "key_value" and ps.cache_params.load_factor == next(
-        m["t_0"] for m in plan.plan.values() if "t_0" in m).cache_params.load_factor
+    assert (
+        ps.compute_kernel == "key_value"
+        and ps.cache_params.load_factor == next(m["t_0"] for m in plan.plan.values() if "t_0" in m).cache_params.load_factor
+    )
 
 
 def test_show_reports_ssd_bytes_per_rank(ssd_plan_file):
@@ -369,8 +382,10 @@ def test_key_value_plan_for_cpu_is_one_line_error(ssd_plan_file):
     assert plan_problems(plan, header, "plan.json") == []  # valid for cuda
     problems = plan_problems(plan, dict(header, compute_device="cpu"), "plan.json")
     kv_key = next(f"modules.{p}.t_0" for p, m in plan.plan.items() if "t_0" in m)
-    assert f"plan.json: key '{kv_key}.compute_kernel': 'key_value' keeps the table on SSD with FBGEMM's SSD kernels, " \
-           "which run on CUDA only; this plan is for cpu (use fused there, or plan for a cuda topology with an SSD tier)" in problems
+    assert (
+        f"plan.json: key '{kv_key}.compute_kernel': 'key_value' keeps the table on SSD with FBGEMM's SSD kernels, "
+        "which run on CUDA only; this plan is for cpu (use fused there, or plan for a cuda topology with an SSD tier)" in problems
+    )
 
 
 # ---- one count of a table's bytes: weights plus the state of the optimizer it trains with ----
@@ -380,10 +395,19 @@ def _tagged_ebc(specs: dict[str, tuple[int, int, str]]):
 
     from recsys import tag_cowclip_adam
 
-    ebc = EmbeddingBagCollection(tables=[
-        EmbeddingBagConfig(name=n, embedding_dim=d, num_embeddings=r, feature_names=[f"f_{n}"],
-                           data_type=DataType.FP16 if opt == "fp16" else DataType.FP32)
-        for n, (r, d, opt) in specs.items()], device=torch.device("meta"))
+    ebc = EmbeddingBagCollection(
+        tables=[
+            EmbeddingBagConfig(
+                name=n,
+                embedding_dim=d,
+                num_embeddings=r,
+                feature_names=[f"f_{n}"],
+                data_type=DataType.FP16 if opt == "fp16" else DataType.FP32,
+            )
+            for n, (r, d, opt) in specs.items()
+        ],
+        device=torch.device("meta"),
+    )
     for n, (_, _, opt) in specs.items():
         w = ebc.embedding_bags[n].weight
         if opt == "cowclip":
@@ -402,11 +426,9 @@ def test_table_bytes_counts_each_tables_own_optimizer_state():
     from sharding.optimizer_state import table_bytes
 
     R, D = 1000, 16
-    ebc = _tagged_ebc({"cow": (R, D, "cowclip"), "ada": (R, D, "rowwise"), "plain": (R, D, "none"),
-                       "fp16_t": (R, D, "fp16")})
+    ebc = _tagged_ebc({"cow": (R, D, "cowclip"), "ada": (R, D, "rowwise"), "plain": (R, D, "none"), "fp16_t": (R, D, "fp16")})
     got = table_bytes(ebc)
-    assert got == {"cow": R * D * 4 + R * D * 8 + R * 8, "ada": R * D * 4 + R * 4, "plain": R * D * 4,
-                   "fp16_t": R * D * 2}
+    assert got == {"cow": R * D * 4 + R * D * 8 + R * 8, "ada": R * D * 4 + R * 4, "plain": R * D * 4, "fp16_t": R * D * 2}
     with_fp = table_bytes(ebc, [EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD})])
     assert with_fp["plain"] == R * D * 4 + R * 4 and with_fp["fp16_t"] == R * D * 2 + R * 4
     assert with_fp["cow"] == got["cow"]  # the table's own tag wins over the sharder's

@@ -86,10 +86,13 @@ def test_nvlink_domain_across_hosts_gb200_nvl72():
     assert bandwidth_matrix(two_racks)[0, 36] == pytest.approx(50 * GBs)  # 400 Gb/s NICs
 
 
-@pytest.mark.parametrize("network,message", [
-    ("{nvlink_domain_hosts: 4}", "key 'network.nvlink_domain_hosts': 4 does not divide the 18 hosts into whole NVLink domains"),
-    ("{nvlink_domain_hosts: 0}", "key 'network.nvlink_domain_hosts'"),
-])
+@pytest.mark.parametrize(
+    "network,message",
+    [
+        ("{nvlink_domain_hosts: 4}", "key 'network.nvlink_domain_hosts': 4 does not divide the 18 hosts into whole NVLink domains"),
+        ("{nvlink_domain_hosts: 0}", "key 'network.nvlink_domain_hosts'"),
+    ],
+)
 def test_nvlink_domain_errors_name_the_key(network, message):
     text = (Path(__file__).resolve().parents[2] / "sharding/topologies/gb200-nvl72.yaml").read_text()
     text = text.split("network:")[0] + f"network: {network}\n"
@@ -102,8 +105,7 @@ def test_nvlink_domain_needs_nvswitch_hosts():
     ok = load_topology_text(text.replace("latency_us: 2}", "latency_us: 2, nvlink_domain_hosts: 2}"), "ok")
     assert ok.same_nvlink_domain(0, 8)
     pcie = (Path(__file__).resolve().parents[2] / "sharding/topologies/pcie-8gpu-2socket.yaml").read_text()
-    bad = pcie.replace("hosts:\n  - name: ", "hosts:\n  - repeat: 2\n    name: ", 1) + \
-        "network: {nvlink_domain_hosts: 2}\n"
+    bad = pcie.replace("hosts:\n  - name: ", "hosts:\n  - repeat: 2\n    name: ", 1) + "network: {nvlink_domain_hosts: 2}\n"
     with pytest.raises(TopologyError, match="an NVLink domain across hosts needs NVSwitch hosts, but host"):
         load_topology_text(bad, "bad")
 
@@ -195,15 +197,28 @@ GOOD_HOST = """
         (("gpus: [0, 1]", "gpus: [0, 5]"), "key 'hosts[0].pcie.switches[0].gpus[1]': GPU 5 does not exist"),
         (("gpus: [0, 1]", "gpus: [0, 0]"), "key 'hosts[0].pcie.switches[0].gpus[1]': GPU 0 is already on switch 'sw0'"),
         (("gpus: [0, 1]", "gpus: [0]"), "key 'hosts[0].pcie.switches': GPU 1 is on no switch"),
-        (("nics: [ib0]", "nics: [ib1]"), "key 'hosts[0].pcie.switches[0].nics[0]': NIC 'ib1' is not in hosts[0].nics (did you mean 'ib0'?)"),
+        (
+            ("nics: [ib0]", "nics: [ib1]"),
+            "key 'hosts[0].pcie.switches[0].nics[0]': NIC 'ib1' is not in hosts[0].nics (did you mean 'ib0'?)",
+        ),
         (("numa: 0,", "numa: 3,"), "key 'hosts[0].pcie.switches[0].numa': NUMA node 3 does not exist"),
         (("    numa_nodes: [{ddr_gb: 512, ddr_bw_gb_s: 200}]\n", ""), "key 'hosts[0].numa_nodes': missing required key"),
         (("ddr_gb: 512, ", ""), "key 'hosts[0].numa_nodes[0].ddr_gb': missing required key"),
         (("compute_device: cuda", "compute_device: tpu"), "key 'compute_device': expected one of cuda, cpu, got 'tpu'"),
-        (("    nics: [{name: ib0, speed_gbit_s: 200}]\n", "    nvlink: {kind: pairs, link_gb_s: 25, pairs: [[0, 2, 4]]}\n    nics: [{name: ib0, speed_gbit_s: 200}]\n"),
-         "key 'hosts[0].nvlink.pairs[0][1]': GPU 2 does not exist"),
-        (("    nics: [{name: ib0, speed_gbit_s: 200}]\n", "    nvlink: {kind: nvswitch, link_gb_s: 25}\n    nics: [{name: ib0, speed_gbit_s: 200}]\n"),
-         "key 'hosts[0].nvlink.links_per_gpu': missing required key"),
+        (
+            (
+                "    nics: [{name: ib0, speed_gbit_s: 200}]\n",
+                "    nvlink: {kind: pairs, link_gb_s: 25, pairs: [[0, 2, 4]]}\n    nics: [{name: ib0, speed_gbit_s: 200}]\n",
+            ),
+            "key 'hosts[0].nvlink.pairs[0][1]': GPU 2 does not exist",
+        ),
+        (
+            (
+                "    nics: [{name: ib0, speed_gbit_s: 200}]\n",
+                "    nvlink: {kind: nvswitch, link_gb_s: 25}\n    nics: [{name: ib0, speed_gbit_s: 200}]\n",
+            ),
+            "key 'hosts[0].nvlink.links_per_gpu': missing required key",
+        ),
         (("hosts:", "hosts:\n  - {from: nope.yaml, repeat: 2}"), "key 'hosts[0].from': no such file 'nope.yaml'"),
         (("name: h", "name: h\n    repeat: 0"), "key 'hosts[0].repeat': expected an integer >= 1, got 0"),
         (("hosts:", "hosts: [\n"), "invalid YAML: line"),
@@ -228,7 +243,9 @@ def test_good_base_file_loads(tmp_path):
 
 def test_multi_host_needs_nics(tmp_path):
     base = tmp_path / "one.yaml"
-    base.write_text("compute_device: cuda\nhosts:" + GOOD_HOST.replace("    nics: [{name: ib0, speed_gbit_s: 200}]\n", "").replace(", nics: [ib0]", ""))
+    base.write_text(
+        "compute_device: cuda\nhosts:" + GOOD_HOST.replace("    nics: [{name: ib0, speed_gbit_s: 200}]\n", "").replace(", nics: [ib0]", "")
+    )
     two = tmp_path / "two.yaml"
     two.write_text("hosts:\n  - {from: one.yaml, repeat: 2}\n")
     with pytest.raises(TopologyError, match=r"^two.yaml: key 'hosts': host 'h-0' has no NICs but the cluster has 2 hosts$"):
@@ -258,9 +275,10 @@ def test_table_row_wise_groups_follow_the_nvlink_domain(domain_hosts):
 
     text = dump_topology(load_topology("gb200-nvl72")).replace("nvlink_domain_hosts: 18", f"nvlink_domain_hosts: {domain_hosts}")
     t = load_topology_text(text, "nvl")
-    ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name=f"t{i}", embedding_dim=64, num_embeddings=2_000_000,
-                                                            feature_names=[f"f{i}"]) for i in range(3)],
-                                 device=torch.device("meta"))
+    ebc = EmbeddingBagCollection(
+        tables=[EmbeddingBagConfig(name=f"t{i}", embedding_dim=64, num_embeddings=2_000_000, feature_names=[f"f{i}"]) for i in range(3)],
+        device=torch.device("meta"),
+    )
     cons = {f"t{i}": ParameterConstraints(sharding_types=["table_row_wise"]) for i in range(3)}
     planner = TopologyAwarePlanner(t, batch_size=512, constraints=cons)
     plan = planner.plan(ebc, [planner_sharder()])
@@ -294,14 +312,14 @@ def test_a_host_group_inside_a_larger_domain_still_pays_its_all_to_all():
     assert float(whole.sum()) == 0.0
 
 
-@pytest.mark.parametrize("given, hint", [("dgx-a10", "; did you mean 'dgx-a100'?"), ("dgx_h100", "; did you mean 'dgx-h100'?"),
-                                         ("zzz-nothing-like-it", "")])
+@pytest.mark.parametrize(
+    "given, hint", [("dgx-a10", "; did you mean 'dgx-a100'?"), ("dgx_h100", "; did you mean 'dgx-h100'?"), ("zzz-nothing-like-it", "")]
+)
 def test_unknown_topology_name_lists_the_shipped_ones(tmp_path, monkeypatch, given, hint):
     monkeypatch.chdir(tmp_path)
     names = [p.stem for p in shipped_topologies()]
     with pytest.raises(TopologyError) as e:
         load_topology(given)
-    assert str(e.value) == (f"{given}: no such topology file, nor a shipped topology name "
-                            f"(shipped: {', '.join(names)}){hint}")
+    assert str(e.value) == (f"{given}: no such topology file, nor a shipped topology name (shipped: {', '.join(names)}){hint}")
     with pytest.raises(TopologyError, match=r"^/no/such/dir/t\.yaml: no such topology file"):
         load_topology("/no/such/dir/t.yaml")

@@ -32,14 +32,31 @@ CAPS = dict(hbm_gb=80, hbm_bw_gb_s=2000, ddr_gb=512, ddr_bw_gb_s=150, nic_gbit_s
 # members of its parent switch or None) by header names; nics: header name -> (final name, NUMA).
 
 V100_PAIRS = {
-    (0, 1): 1, (0, 2): 1, (0, 3): 2, (0, 4): 2, (1, 2): 2, (1, 3): 1, (1, 5): 2, (2, 3): 2,
-    (2, 6): 1, (3, 7): 1, (4, 5): 1, (4, 6): 1, (4, 7): 2, (5, 6): 2, (5, 7): 1, (6, 7): 2,
+    (0, 1): 1,
+    (0, 2): 1,
+    (0, 3): 2,
+    (0, 4): 2,
+    (1, 2): 2,
+    (1, 3): 1,
+    (1, 5): 2,
+    (2, 3): 2,
+    (2, 6): 1,
+    (3, 7): 1,
+    (4, 5): 1,
+    (4, 6): 1,
+    (4, 7): 2,
+    (5, 6): 2,
+    (5, 7): 1,
+    (6, 7): 2,
 }
 EXPECTED = {
     "2x-a100-nv12-mlx5-columns-tabs.txt": dict(
-        gpus=2, model="NVIDIA A100-SXM4-80GB", hbm=(80, 2039),
+        gpus=2,
+        model="NVIDIA A100-SXM4-80GB",
+        hbm=(80, 2039),
         nvlink=("pairs", {(0, 1): 12}),
-        numa=[1, 1], numa_matrix=[{0, 1}],
+        numa=[1, 1],
+        numa_matrix=[{0, 1}],
         # PIX pairs of NICs; GPU0/1 are PXB to mlx5_6/7: the NIC pair is a leaf inside that group
         switches={
             (("GPU0", "GPU1"), None),
@@ -49,42 +66,65 @@ EXPECTED = {
             (("mlx5_4", "mlx5_5"), None),
         },
         # mlx5_4..7 NODE/PXB with the GPUs (NUMA 1); mlx5_0..3 SYS to both GPUs: a node of their own
-        nics={"mlx5_0": ("mlx5_0", 0), "mlx5_1": ("mlx5_1", 0), "mlx5_2": ("mlx5_2", 0), "mlx5_3": ("mlx5_3", 0),
-              "mlx5_4": ("mlx5_4", 1), "mlx5_5": ("mlx5_5", 1), "mlx5_6": ("mlx5_6", 1), "mlx5_7": ("mlx5_7", 1)},
+        nics={
+            "mlx5_0": ("mlx5_0", 0),
+            "mlx5_1": ("mlx5_1", 0),
+            "mlx5_2": ("mlx5_2", 0),
+            "mlx5_3": ("mlx5_3", 0),
+            "mlx5_4": ("mlx5_4", 1),
+            "mlx5_5": ("mlx5_5", 1),
+            "mlx5_6": ("mlx5_6", 1),
+            "mlx5_7": ("mlx5_7", 1),
+        },
     ),
     "4x-l40s-2socket-2nic-nic-legend.txt": dict(
-        gpus=4, model="NVIDIA L40S", hbm=(48, 864),
+        gpus=4,
+        model="NVIDIA L40S",
+        hbm=(48, 864),
         nvlink=("none", {}),
-        numa=[0, 0, 1, 1], numa_matrix=[{0, 1}, {2, 3}],
+        numa=[0, 0, 1, 1],
+        numa_matrix=[{0, 1}, {2, 3}],
         switches={(("GPU0",), None), (("GPU1",), None), (("GPU2",), None), (("GPU3",), None), (("NIC0", "NIC1"), None)},
         nics={"NIC0": ("mlx5_0", 1), "NIC1": ("mlx5_1", 1)},  # NODE with GPU2/3
     ),
     "4x-rtx3090-nvlink-bridge-pairs-nv4.txt": dict(
-        gpus=4, model="NVIDIA GeForce RTX 3090", hbm=(24, 936),
+        gpus=4,
+        model="NVIDIA GeForce RTX 3090",
+        hbm=(24, 936),
         nvlink=("pairs", {(0, 2): 4, (1, 3): 4}),
-        numa=[0, 0, 0, 0], numa_matrix=[{0, 1, 2, 3}],
+        numa=[0, 0, 0, 0],
+        numa_matrix=[{0, 1, 2, 3}],
         switches={(("GPU0",), None), (("GPU1",), None), (("GPU2",), None), (("GPU3",), None)},
         nics={},
     ),
     "8x-h100-sxm-nv18-no-nic.txt": dict(
-        gpus=8, model="NVIDIA H100 80GB HBM3", hbm=(80, 3350),
+        gpus=8,
+        model="NVIDIA H100 80GB HBM3",
+        hbm=(80, 3350),
         nvlink=("nvswitch", 18),
-        numa=[0, 0, 0, 0, 1, 1, 1, 1], numa_matrix=[set(range(8))],  # NV18 everywhere: no SYS to split
+        numa=[0, 0, 0, 0, 1, 1, 1, 1],
+        numa_matrix=[set(range(8))],  # NV18 everywhere: no SYS to split
         switches={((f"GPU{i}",), None) for i in range(8)},
         nics={},
     ),
     "8x-rtx4090-2socket-2nic-tabs.txt": dict(
-        gpus=8, model="NVIDIA GeForce RTX 4090", hbm=(24, 1008),
+        gpus=8,
+        model="NVIDIA GeForce RTX 4090",
+        hbm=(24, 1008),
         nvlink=("none", {}),
         # every GPU pair is SYS: by the legend's definition, eight nodes when no affinity is given
-        numa=[0, 0, 0, 0, 1, 1, 1, 1], numa_matrix=[{i} for i in range(8)],
+        numa=[0, 0, 0, 0, 1, 1, 1, 1],
+        numa_matrix=[{i} for i in range(8)],
         switches={((f"GPU{i}",), None) for i in range(8)} | {(("NIC0", "NIC1"), None)},
         nics={"NIC0": ("NIC0", 1), "NIC1": ("NIC1", 1)},  # PHB with GPU6 (NUMA 1)
     ),
     "8x-v100-sxm2-hybrid-cube-mesh-nv1-nv2.txt": dict(
-        gpus=8, model="Tesla V100-SXM2-32GB", hbm=(32, 900),
+        gpus=8,
+        model="Tesla V100-SXM2-32GB",
+        hbm=(32, 900),
         nvlink=("pairs", V100_PAIRS),
-        numa=[0, 0, 0, 0, 1, 1, 1, 1], numa_matrix=[{0, 1, 2, 3}, {4, 5, 6, 7}],  # CPU Affinity only
+        numa=[0, 0, 0, 0, 1, 1, 1, 1],
+        numa_matrix=[{0, 1, 2, 3}, {4, 5, 6, 7}],  # CPU Affinity only
         switches={((f"GPU{i}",), None) for i in range(8)},
         nics={},
     ),
@@ -401,11 +441,18 @@ SMALL = "\tGPU0\tGPU1\tCPU Affinity\tNUMA Affinity\nGPU0\t X \tNV4\t0-7\t0\nGPU1
     "args, text, needle",
     [
         ([], SMALL, "no GPU model: name it with --gpu"),
-        (["--gpu", "A100"], SMALL, "GPU model 'A100' fits several presets: A100-SXM4-40GB, A100-SXM4-80GB, A100-PCIE-40GB, A100-PCIE-80GB; name one"),
+        (
+            ["--gpu", "A100"],
+            SMALL,
+            "GPU model 'A100' fits several presets: A100-SXM4-40GB, A100-SXM4-80GB, A100-PCIE-40GB, A100-PCIE-80GB; name one",
+        ),
         (["--gpu", "L4"], SMALL, "no preset for GPU model 'L4' (known: A100-SXM4-40GB"),
         (["--gpu", "l40s"], SMALL, "the matrix has NVLink (NV4) but the L40S has none: wrong GPU model?"),
-        (["--gpu", "rtx3090"], SMALL + "GPU 0: NVIDIA RTX A6000 (UUID: GPU-1)\nGPU 1: NVIDIA RTX A6000 (UUID: GPU-2)\n",
-         "--gpu 'rtx3090' but line 4 names GPU 0 'NVIDIA RTX A6000'"),
+        (
+            ["--gpu", "rtx3090"],
+            SMALL + "GPU 0: NVIDIA RTX A6000 (UUID: GPU-1)\nGPU 1: NVIDIA RTX A6000 (UUID: GPU-2)\n",
+            "--gpu 'rtx3090' but line 4 names GPU 0 'NVIDIA RTX A6000'",
+        ),
         (["--hbm-gb", "80"], SMALL, "no GPU model"),
     ],
 )
@@ -425,12 +472,25 @@ def test_presets_are_distinct_and_named_as_nvidia_smi_prints():
         for alias in (p.name, *p.aliases):
             assert keys.setdefault(normalize(alias), p.name) == p.name, alias
     printed = {  # nvidia-smi --query-gpu=name as printed on these GPUs -> (GB, GB/s), spec sheets
-        "NVIDIA A100-SXM4-40GB": (40, 1555), "NVIDIA A100-SXM4-80GB": (80, 2039), "NVIDIA A100-PCIE-40GB": (40, 1555),
-        "NVIDIA A100 80GB PCIe": (80, 1935), "NVIDIA H100 80GB HBM3": (80, 3350), "NVIDIA H100 PCIe": (80, 2000),
-        "NVIDIA H200": (141, 4800), "NVIDIA GB200": (186, 8000), "NVIDIA L40S": (48, 864), "NVIDIA RTX A6000": (48, 768),
-        "NVIDIA GeForce RTX 3090": (24, 936), "NVIDIA GeForce RTX 4090": (24, 1008), "NVIDIA GeForce RTX 5090": (32, 1792),
-        "Tesla V100-SXM2-16GB": (16, 900), "Tesla V100-SXM2-32GB": (32, 900), "Tesla V100-PCIE-32GB": (32, 900),
-        "Tesla P100-SXM2-16GB": (16, 732), "Tesla P100-PCIE-12GB": (12, 549), "Tesla T4": (16, 320),
+        "NVIDIA A100-SXM4-40GB": (40, 1555),
+        "NVIDIA A100-SXM4-80GB": (80, 2039),
+        "NVIDIA A100-PCIE-40GB": (40, 1555),
+        "NVIDIA A100 80GB PCIe": (80, 1935),
+        "NVIDIA H100 80GB HBM3": (80, 3350),
+        "NVIDIA H100 PCIe": (80, 2000),
+        "NVIDIA H200": (141, 4800),
+        "NVIDIA GB200": (186, 8000),
+        "NVIDIA L40S": (48, 864),
+        "NVIDIA RTX A6000": (48, 768),
+        "NVIDIA GeForce RTX 3090": (24, 936),
+        "NVIDIA GeForce RTX 4090": (24, 1008),
+        "NVIDIA GeForce RTX 5090": (32, 1792),
+        "Tesla V100-SXM2-16GB": (16, 900),
+        "Tesla V100-SXM2-32GB": (32, 900),
+        "Tesla V100-PCIE-32GB": (32, 900),
+        "Tesla P100-SXM2-16GB": (16, 732),
+        "Tesla P100-PCIE-12GB": (12, 549),
+        "Tesla T4": (16, 320),
     }
     for name, (gb, bw) in printed.items():
         p = find_preset(name)
@@ -444,6 +504,7 @@ def test_list_gpus(capsys):
 
 
 # --- the two-level PCIe tree --------------------------------------------------------------------
+
 
 # two sockets; on each, two leaf switches (2 GPUs + 1 NIC, PIX) inside one PXB group
 def _two_level() -> str:
@@ -528,8 +589,8 @@ hosts:
     p = tmp_path / "t.yaml"
     p.write_text(text)
     assert load_topology(p).hosts[0].switch("sw1").parent == "sw0"
-    bad = text.replace("parent: sw0", "parent: nope") if edit == "parent: sw0" else text.replace(
-        "{name: sw1, numa: 0", "{name: sw1, numa: 1"
+    bad = (
+        text.replace("parent: sw0", "parent: nope") if edit == "parent: sw0" else text.replace("{name: sw1, numa: 0", "{name: sw1, numa: 1")
     )
     p.write_text(bad)
     with pytest.raises(TopologyError) as e:
@@ -544,19 +605,37 @@ hosts:
     "text, needle",
     [
         (SMALL.replace("NV4\t0-7", "NVX\t0-7", 1), "topo.txt: line 2, column 10: unknown token 'NVX' (GPU0 to GPU1)"),
-        (SMALL.replace("\t", "    ").replace("NV4    0-7", "NVX    0-7", 1), "topo.txt: line 2, column 16: unknown token 'NVX' (GPU0 to GPU1)"),
-        (SMALL.replace("GPU1\tNV4\t X \t0-7\t0", "GPU1\tNV4\t0-7\t0"), "topo.txt: line 3: 1 matrix cells after 'GPU1', expected 2 (one per device in the header)"),
+        (
+            SMALL.replace("\t", "    ").replace("NV4    0-7", "NVX    0-7", 1),
+            "topo.txt: line 2, column 16: unknown token 'NVX' (GPU0 to GPU1)",
+        ),
+        (
+            SMALL.replace("GPU1\tNV4\t X \t0-7\t0", "GPU1\tNV4\t0-7\t0"),
+            "topo.txt: line 3: 1 matrix cells after 'GPU1', expected 2 (one per device in the header)",
+        ),
         (SMALL.replace("GPU1\tNV4\t X ", "GPU1\tNV4\t X \tSYS"), "topo.txt: line 3: 3 matrix cells after 'GPU1', expected 2"),
         (SMALL.replace("GPU1\tNV4", "GPU1\tPIX"), "topo.txt: line 3, column 6: GPU1 to GPU0 is 'PIX' but GPU0 to GPU1 (line 2) is 'NV4'"),
-        (SMALL.replace("GPU1\tNV4\t X ", "GPU1\tX\t X "), "topo.txt: line 3, column 6: got 'X' for GPU1 to GPU0, expected 'X' only on the diagonal"),
+        (
+            SMALL.replace("GPU1\tNV4\t X ", "GPU1\tX\t X "),
+            "topo.txt: line 3, column 6: got 'X' for GPU1 to GPU0, expected 'X' only on the diagonal",
+        ),
         (SMALL.replace("GPU1\tNV4\t X ", "GPU9\tNV4\t X "), "topo.txt: line 3, column 1: unknown row 'GPU9' (header names GPU0, GPU1)"),
-        (SMALL.replace("\t0-7\t0\nGPU1", "\t0-7\t0\t1\t5\nGPU1"), "topo.txt: line 2: 4 values after the matrix of 'GPU0', expected at most 2 (CPU Affinity, NUMA Affinity)"),
+        (
+            SMALL.replace("\t0-7\t0\nGPU1", "\t0-7\t0\t1\t5\nGPU1"),
+            "topo.txt: line 2: 4 values after the matrix of 'GPU0', expected at most 2 (CPU Affinity, NUMA Affinity)",
+        ),
         (SMALL.replace("\tGPU1\t", "\tGPU0\t", 1), "topo.txt: line 1: device 'GPU0' is named twice in the header"),
         ("hello\n", "topo.txt: no header row naming GPU0 (is this `nvidia-smi topo -m` output?)"),
         (SMALL.split("GPU1\tNV4")[0], "topo.txt: no row for GPU1 (the header names 2 devices)"),
         (SMALL + SMALL.splitlines()[2] + "\n", "topo.txt: line 4: row 'GPU1' appears twice"),
-        (SMALL + "\nGPU 0: NVIDIA L40S (UUID: a)\nGPU 5: NVIDIA L40S (UUID: b)\n", "topo.txt: line 6: names GPU 5 but the matrix has 2 GPUs"),
-        (SMALL + "\nGPU 0: NVIDIA L40S (UUID: a)\n", "topo.txt: the `nvidia-smi -L` lines name 1 GPUs, the matrix has 2 (no line for GPU 1)"),
+        (
+            SMALL + "\nGPU 0: NVIDIA L40S (UUID: a)\nGPU 5: NVIDIA L40S (UUID: b)\n",
+            "topo.txt: line 6: names GPU 5 but the matrix has 2 GPUs",
+        ),
+        (
+            SMALL + "\nGPU 0: NVIDIA L40S (UUID: a)\n",
+            "topo.txt: the `nvidia-smi -L` lines name 1 GPUs, the matrix has 2 (no line for GPU 1)",
+        ),
         (SMALL + "\nNVIDIA L40S\nNVIDIA L40S\nNVIDIA T4\n", "topo.txt: line 5: 3 GPU model lines for 2 GPUs"),
     ],
 )

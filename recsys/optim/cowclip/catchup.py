@@ -96,8 +96,17 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "DEFAULT_GROWTH", "ERR_M_CLR", "ERR_M_REL", "ERR_V_C2LR2", "ERR_V_REL", "ERR_W_LR", "ERR_W_REL",
-    "catch_up", "catch_up_all_tables", "check_catchup_hyper", "dense_l2_steps",
+    "DEFAULT_GROWTH",
+    "ERR_M_CLR",
+    "ERR_M_REL",
+    "ERR_V_C2LR2",
+    "ERR_V_REL",
+    "ERR_W_LR",
+    "ERR_W_REL",
+    "catch_up",
+    "catch_up_all_tables",
+    "check_catchup_hyper",
+    "dense_l2_steps",
 ]
 
 # the bound of the module docstring (asserted by tests/integration/test_cowclip_catchup.py; the worst
@@ -137,8 +146,9 @@ def _pow(b: float, x: Tensor) -> Tensor:
     return torch.exp(x * math.log(b))
 
 
-def _exact_step(w: Tensor, m: Tensor, v: Tensor, t: Tensor, c: float, lr: float, b1: float, b2: float,
-                eps: float, keras: bool) -> tuple[Tensor, Tensor, Tensor]:
+def _exact_step(
+    w: Tensor, m: Tensor, v: Tensor, t: Tensor, c: float, lr: float, b1: float, b2: float, eps: float, keras: bool
+) -> tuple[Tensor, Tensor, Tensor]:
     """One dense L2-only step at global step t [P, 1] (float64): the exact recursion."""
     m_n = torch.add(m * b1, w, alpha=(1 - b1) * c)
     v_n = torch.addcmul(v * b2, w, w, value=(1 - b2) * c * c)
@@ -176,13 +186,13 @@ def _lucas(p: Tensor, k: Tensor, b1: float) -> tuple[Tensor, Tensor]:
     for b in range(int(ki.max()).bit_length() - 1, -1, -1):
         u, vv, qn = u * vv, vv * vv - 2.0 * qn, qn * qn  # n -> 2n (U_0 = 0 stays 0 until the first bit)
         one = ((ki >> b) & 1).bool()
-        u, vv, qn = (torch.where(one, (p * u + vv) * 0.5, u), torch.where(one, (dis * u + p * vv) * 0.5, vv),
-                     torch.where(one, qn * b1, qn))
+        u, vv, qn = (torch.where(one, (p * u + vv) * 0.5, u), torch.where(one, (dis * u + p * vv) * 0.5, vv), torch.where(one, qn * b1, qn))
     return u, vv
 
 
-def _g_path(v: Tensor, d: Tensor, ws: Tensor, ss: Tensor, x: Tensor, t0: Tensor, c: float, b1: float, b2: float,
-            eps: float, keras: bool) -> Tensor:
+def _g_path(
+    v: Tensor, d: Tensor, ws: Tensor, ss: Tensor, x: Tensor, t0: Tensor, c: float, b1: float, b2: float, eps: float, keras: bool
+) -> Tensor:
     """Adam's factor G at step j = x of a block whose w moves on the predicted linear path
     w + (j-1) s: v_x = b2^x v + c^2 EMA_x((w + (j-1) s)^2) (closed forms of ``_ema_lin``).
     ``d = c^2 w^2 - v``, ``ws = w s``, ``ss = s^2``; x, t0: [P, 1] float64."""
@@ -197,8 +207,9 @@ def _g_path(v: Tensor, d: Tensor, ws: Tensor, ss: Tensor, x: Tensor, t0: Tensor,
     return vx.sqrt_().mul_((bc1 / bc2.sqrt()).float()).add_((bc1 * eps).float()).reciprocal_()
 
 
-def _block(w: Tensor, m: Tensor, v: Tensor, t0: Tensor, k: Tensor, c: float, lr: float,
-           b1: float, b2: float, eps: float, keras: bool) -> tuple[Tensor, Tensor, Tensor]:
+def _block(
+    w: Tensor, m: Tensor, v: Tensor, t0: Tensor, k: Tensor, c: float, lr: float, b1: float, b2: float, eps: float, keras: bool
+) -> tuple[Tensor, Tensor, Tensor]:
     """Advance rows [P, D] by k [P, 1] (float64, k >= 2; the last block of a row may be shorter)
     dense L2-only steps from global step t0 [P, 1]: the frozen-step matrix power of the module doc."""
     ww = w * w
@@ -235,9 +246,21 @@ def _block(w: Tensor, m: Tensor, v: Tensor, t0: Tensor, k: Tensor, c: float, lr:
     return w_e, m_e, v_e.clamp_(min=0)
 
 
-def catch_up(w: Tensor, m: Tensor, v: Tensor, row_step: Tensor, step: int, *, lr: float,
-             betas: tuple[float, float], eps: float, eps_mode: str, l2: float,
-             growth: float = DEFAULT_GROWTH, presorted: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+def catch_up(
+    w: Tensor,
+    m: Tensor,
+    v: Tensor,
+    row_step: Tensor,
+    step: int,
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    eps_mode: str,
+    l2: float,
+    growth: float = DEFAULT_GROWTH,
+    presorted: bool = False,
+) -> tuple[Tensor, Tensor, Tensor]:
     """Rows ``w, m, v`` [R, D] (gathered copies), current at global steps ``row_step`` [R], advanced
     to global step ``step`` by the block scheme of the module doc; returns new (w, m, v).
     Rows with ``row_step >= step`` come back unchanged. No Python loop over rows: one pass of a
@@ -274,12 +297,10 @@ def catch_up(w: Tensor, m: Tensor, v: Tensor, row_step: Tensor, step: int, *, lr
         p1 = 0 if k_nom == 1 else int((gap_s > done + 1).sum())
         if p1 < p:
             sl = slice(p1, p)
-            w_s[sl], m_s[sl], v_s[sl] = _exact_step(w_s[sl], m_s[sl], v_s[sl], t0_all[sl] + (done + 1),
-                                                    c, lr, b1, b2, eps, keras)
+            w_s[sl], m_s[sl], v_s[sl] = _exact_step(w_s[sl], m_s[sl], v_s[sl], t0_all[sl] + (done + 1), c, lr, b1, b2, eps, keras)
         if p1 > 0 and k_nom > 1:
             k = torch.clamp(gap_f[:p1] - done, max=k_nom)
-            w_s[:p1], m_s[:p1], v_s[:p1] = _block(w_s[:p1], m_s[:p1], v_s[:p1], t0_all[:p1] + done, k,
-                                                  c, lr, b1, b2, eps, keras)
+            w_s[:p1], m_s[:p1], v_s[:p1] = _block(w_s[:p1], m_s[:p1], v_s[:p1], t0_all[:p1] + done, k, c, lr, b1, b2, eps, keras)
         done += k_nom
         size *= growth
     if order is None:
@@ -289,8 +310,19 @@ def catch_up(w: Tensor, m: Tensor, v: Tensor, row_step: Tensor, step: int, *, lr
     return w_s[inv].to(w.dtype), m_s[inv].to(m.dtype), v_s[inv].to(v.dtype)
 
 
-def dense_l2_steps(w: Tensor, m: Tensor, v: Tensor, row_step: Tensor, step: int, *, lr: float,
-                   betas: tuple[float, float], eps: float, eps_mode: str, l2: float) -> tuple[Tensor, Tensor, Tensor]:
+def dense_l2_steps(
+    w: Tensor,
+    m: Tensor,
+    v: Tensor,
+    row_step: Tensor,
+    step: int,
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    eps_mode: str,
+    l2: float,
+) -> tuple[Tensor, Tensor, Tensor]:
     """The exact iteration of the dense L2-only steps (O(gap) per row): the oracle of ``catch_up``
     for short gaps and what it approximates for long ones. Returns new (w, m, v)."""
     b1, b2 = betas

@@ -48,8 +48,7 @@ def _local_tables(tbes: list[tuple[CowClipAdamTBE, list[str]]]) -> dict[str, lis
 
 
 @torch.no_grad()
-def column_wise_step(tables: list[ExchangeTable], tbes: list[tuple[CowClipAdamTBE, list[str]]],
-                     pg: dist.ProcessGroup | None) -> None:
+def column_wise_step(tables: list[ExchangeTable], tbes: list[tuple[CowClipAdamTBE, list[str]]], pg: dist.ProcessGroup | None) -> None:
     """Sum the partial squared norms of each CW table's batch rows over its column shards, then
     update every local shard with the full-row clip. Two all-reduces over ``pg``."""
     local = _local_tables(tbes)
@@ -92,7 +91,7 @@ def column_wise_step(tables: list[ExchangeTable], tbes: list[tuple[CowClipAdamTB
         buf[s0 : s0 + rows.numel()] = sq
     if pg is not None and dist.get_world_size(pg) > 1:
         dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=pg)
-    for name, (rows, counts, _, prepared) in partial.items():
+    for name, (rows, _counts, _, prepared) in partial.items():
         i = order[name]
         s0 = int(starts[i])
         full = buf[s0 : s0 + rows.numel()]
@@ -101,8 +100,7 @@ def column_wise_step(tables: list[ExchangeTable], tbes: list[tuple[CowClipAdamTB
 
 
 @torch.no_grad()
-def data_parallel_step(tables: list[ExchangeTable], tbes: list[tuple[CowClipAdamTBE, list[str]]],
-                       pg: dist.ProcessGroup | None) -> None:
+def data_parallel_step(tables: list[ExchangeTable], tbes: list[tuple[CowClipAdamTBE, list[str]]], pg: dist.ProcessGroup | None) -> None:
     """Merge the replicas' batch rows of every DP table (union of ids, summed gradients / W and
     summed counts) and apply the same update on every replica."""
     local = _local_tables(tbes)

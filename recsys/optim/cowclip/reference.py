@@ -131,9 +131,7 @@ def batch_row_gradients(
 
     # bag id of every occurrence (offsets -> lengths -> repeat); output_size avoids a sync
     lengths = offsets[1:] - offsets[:-1]
-    bags = torch.repeat_interleave(
-        torch.arange(num_bags, device=device), lengths, output_size=indices.numel()
-    )
+    bags = torch.repeat_interleave(torch.arange(num_bags, device=device), lengths, output_size=indices.numel())
     rows, inverse = torch.unique(indices, sorted=True, return_inverse=True)
     contrib = grad_output.index_select(0, bags)
     if per_sample_weights is not None:
@@ -166,9 +164,7 @@ def _clip_scale(grads: Tensor, clip_t: Tensor) -> tuple[Tensor, Tensor]:
     return scale, gnorm > clip_t
 
 
-def cowclip_clip(
-    row_grads: Tensor, weights_rows: Tensor, counts: Tensor, r: float = 1.0, zeta: float = 1e-5
-) -> Tensor:
+def cowclip_clip(row_grads: Tensor, weights_rows: Tensor, counts: Tensor, r: float = 1.0, zeta: float = 1e-5) -> Tensor:
     """CowClip: ``g * clip / max(||g||, clip)`` per row (a new tensor; inputs untouched)."""
     if row_grads.shape != weights_rows.shape:
         raise ValueError(f"row_grads {tuple(row_grads.shape)} and weights_rows {tuple(weights_rows.shape)} differ")
@@ -216,8 +212,9 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
         raise ValueError(f"{name} must be one of {'|'.join(choices)}, got {value!r}")
 
 
-def _adam_rows(w: Tensor, m: Tensor, v: Tensor, g: Tensor, t: Tensor, lr: float,
-               beta1: float, beta2: float, eps: float, eps_mode: str) -> None:
+def _adam_rows(
+    w: Tensor, m: Tensor, v: Tensor, g: Tensor, t: Tensor, lr: float, beta1: float, beta2: float, eps: float, eps_mode: str
+) -> None:
     """In-place Adam on row blocks w, m, v [R, D] with gradient g and bias-correction step t
     (a 0-dim or [R] tensor, >= 1)."""
     m.mul_(beta1).add_(g, alpha=1 - beta1)

@@ -69,8 +69,15 @@ _DP = ShardingType.DATA_PARALLEL.value
 class CowClipEmbedding(CowClipKernel, BaseBatchedEmbedding[Tensor], FusedOptimizerModule):
     """torchrec embedding kernel (unpooled) over ``CowClipAdamTBE``; shaped like ``BatchedFusedEmbedding``."""
 
-    def __init__(self, config: GroupedEmbeddingConfig, pg: dist.ProcessGroup | None, device: torch.device | None,
-                 mode: str, replicated: bool, location: str = "device") -> None:
+    def __init__(
+        self,
+        config: GroupedEmbeddingConfig,
+        pg: dist.ProcessGroup | None,
+        device: torch.device | None,
+        mode: str,
+        replicated: bool,
+        location: str = "device",
+    ) -> None:
         BaseBatchedEmbedding.__init__(self, config, pg, device)
         self._build_cowclip(config, pg, device, mode, replicated, location, PoolingMode.NONE)
 
@@ -85,15 +92,23 @@ class CowClipGroupedEmbeddingsLookup(CowClipLookup, GroupedEmbeddingsLookup):
     def _create_embedding_kernel(self, config, pg, device, env=None):  # type: ignore[override]
         if not is_cowclip(config.fused_params):
             return super()._create_embedding_kernel(config, pg, device, env)
-        return CowClipEmbedding(config, pg, device, mode=self.cowclip_update_mode,
-                                replicated=self._cowclip_mode == "dp", location=state_location(config))
+        return CowClipEmbedding(
+            config, pg, device, mode=self.cowclip_update_mode, replicated=self._cowclip_mode == "dp", location=state_location(config)
+        )
 
 
 class CowClipSequenceExchangeLookup(ExchangeLookup, CowClipGroupedEmbeddingsLookup, FusedOptimizerModule):
     """The sequence ``ExchangeLookup`` (column-wise and data-parallel EC tables)."""
 
-    def __init__(self, grouped_configs: list[GroupedEmbeddingConfig], *, cowclip_mode: str,
-                 exchange_tables: list[ExchangeTable], exchange_pg: dist.ProcessGroup | None, **kw: Any) -> None:
+    def __init__(
+        self,
+        grouped_configs: list[GroupedEmbeddingConfig],
+        *,
+        cowclip_mode: str,
+        exchange_tables: list[ExchangeTable],
+        exchange_pg: dist.ProcessGroup | None,
+        **kw: Any,
+    ) -> None:
         super().__init__(grouped_configs, cowclip_mode=cowclip_mode, **kw)
         self._init_exchange(exchange_tables, exchange_pg)
 
@@ -103,25 +118,35 @@ def _sequence_lookup_for(sharding: Any, cowclip_tables: dict[str, list[ExchangeT
     kw: dict[str, Any] = dict(device=sharding._device, env=sharding._env)
     if isinstance(sharding, DpSequenceEmbeddingSharding):
         pg = sharding._env.process_group
-        return CowClipSequenceExchangeLookup(sharding._grouped_embedding_configs, pg=pg, cowclip_mode="dp",
-                                             exchange_tables=cowclip_tables.get(_DP, []), exchange_pg=pg, **kw)
+        return CowClipSequenceExchangeLookup(
+            sharding._grouped_embedding_configs, pg=pg, cowclip_mode="dp", exchange_tables=cowclip_tables.get(_DP, []), exchange_pg=pg, **kw
+        )
     if isinstance(sharding, CwSequenceEmbeddingSharding):
         return CowClipSequenceExchangeLookup(
-            sharding._grouped_embedding_configs, pg=sharding._pg, cowclip_mode="cw",
-            exchange_tables=list(cowclip_tables.get(ShardingType.COLUMN_WISE.value, [])), exchange_pg=sharding._pg,
-            **kw)
+            sharding._grouped_embedding_configs,
+            pg=sharding._pg,
+            cowclip_mode="cw",
+            exchange_tables=list(cowclip_tables.get(ShardingType.COLUMN_WISE.value, [])),
+            exchange_pg=sharding._pg,
+            **kw,
+        )
     if isinstance(sharding, (TwSequenceEmbeddingSharding, RwSequenceEmbeddingSharding)):
-        return CowClipGroupedEmbeddingsLookup(sharding._grouped_embedding_configs, pg=sharding._pg,
-                                              cowclip_mode="inline", **kw)
+        return CowClipGroupedEmbeddingsLookup(sharding._grouped_embedding_configs, pg=sharding._pg, cowclip_mode="inline", **kw)
     raise NotImplementedError(f"CowClip EmbeddingCollection sharder: sharding {type(sharding).__name__} is not supported")
 
 
 class ShardedCowClipEmbeddingCollection(CowClipShardedModule, ShardedEmbeddingCollection):
     """``ShardedEmbeddingCollection`` whose lookups build CowClip kernels for tagged tables."""
 
-    def __init__(self, module: EmbeddingCollection, table_name_to_parameter_sharding: dict[str, ParameterSharding],
-                 env: ShardingEnv, fused_params: dict[str, Any] | None = None, device: torch.device | None = None,
-                 **kw: Any) -> None:
+    def __init__(
+        self,
+        module: EmbeddingCollection,
+        table_name_to_parameter_sharding: dict[str, ParameterSharding],
+        env: ShardingEnv,
+        fused_params: dict[str, Any] | None = None,
+        device: torch.device | None = None,
+        **kw: Any,
+    ) -> None:
         tables = cowclip_tables_by_sharding_type(module, table_name_to_parameter_sharding, fused_params)
         object.__setattr__(self, "_cowclip_tables", tables)
         if tables:
@@ -136,8 +161,9 @@ class ShardedCowClipEmbeddingCollection(CowClipShardedModule, ShardedEmbeddingCo
         self.register_load_state_dict_post_hook(forget_dense_steps)
 
     @classmethod
-    def create_grouped_sharding_infos(cls, module: Any, table_name_to_parameter_sharding: dict[str, ParameterSharding],
-                                      fused_params: dict[str, Any] | None) -> dict[str, list[Any]]:
+    def create_grouped_sharding_infos(
+        cls, module: Any, table_name_to_parameter_sharding: dict[str, ParameterSharding], fused_params: dict[str, Any] | None
+    ) -> dict[str, list[Any]]:
         """torchrec's, keeping the CowClip tag. Unlike the EBC's, torchrec's EC version sets
         ``optimizer`` from the tag's optimizer class even where the tag names one, and does so in
         the parameter's own kwargs: the tables would go to FBGEMM as Adam (which rejects our
@@ -162,8 +188,9 @@ class ShardedCowClipEmbeddingCollection(CowClipShardedModule, ShardedEmbeddingCo
     def _create_lookups(self) -> None:
         for sharding in self._sharding_type_to_sharding.values():
             if self.enable_embedding_update and sharding.enable_embedding_update:
-                raise NotImplementedError("CowClip EmbeddingCollection sharder: tables with enable_embedding_update "
-                                          "(written by the model) are not supported")
+                raise NotImplementedError(
+                    "CowClip EmbeddingCollection sharder: tables with enable_embedding_update (written by the model) are not supported"
+                )
             self._lookups.append(_sequence_lookup_for(sharding, self._cowclip_tables))
 
     def init_data_parallel(self) -> None:
@@ -177,7 +204,8 @@ def _refuse_index_dedup(requested: bool, names: list[str]) -> None:
         raise NotImplementedError(
             f"CowClip-Adam tables {', '.join(names)}: EmbeddingCollection index dedup (use_index_dedup / "
             "set_ec_index_dedup) hides how often an id occurs in the batch, which CowClip's clip threshold counts; "
-            "turn it off")
+            "turn it off"
+        )
 
 
 class CowClipEmbeddingCollectionSharder(EmbeddingCollectionSharder):
@@ -188,19 +216,34 @@ class CowClipEmbeddingCollectionSharder(EmbeddingCollectionSharder):
 
     trains_cowclip_adam = True  # what the planners' check_cowclip_sharders looks for
 
-    def __init__(self, fused_params: dict[str, Any] | None = None, qcomm_codecs_registry: Any = None,
-                 use_index_dedup: bool = False) -> None:
+    def __init__(
+        self, fused_params: dict[str, Any] | None = None, qcomm_codecs_registry: Any = None, use_index_dedup: bool = False
+    ) -> None:
         check_fused_params(fused_params, "CowClipEmbeddingCollectionSharder")
         if use_index_dedup:
-            raise ValueError("CowClipEmbeddingCollectionSharder: use_index_dedup=True hides how often an id occurs "
-                             "in the batch, which CowClip's clip threshold counts; leave it False")
+            raise ValueError(
+                "CowClipEmbeddingCollectionSharder: use_index_dedup=True hides how often an id occurs "
+                "in the batch, which CowClip's clip threshold counts; leave it False"
+            )
         super().__init__(fused_params, qcomm_codecs_registry, use_index_dedup)
 
-    def shard(self, module: EmbeddingCollection, params: dict[str, ParameterSharding], env: ShardingEnv,
-              device: torch.device | None = None, module_fqn: str | None = None) -> ShardedCowClipEmbeddingCollection:
+    def shard(
+        self,
+        module: EmbeddingCollection,
+        params: dict[str, ParameterSharding],
+        env: ShardingEnv,
+        device: torch.device | None = None,
+        module_fqn: str | None = None,
+    ) -> ShardedCowClipEmbeddingCollection:
         return ShardedCowClipEmbeddingCollection(
-            module, params, env, self.fused_params, device, qcomm_codecs_registry=self.qcomm_codecs_registry,
-            use_index_dedup=self._use_index_dedup, module_fqn=module_fqn,
+            module,
+            params,
+            env,
+            self.fused_params,
+            device,
+            qcomm_codecs_registry=self.qcomm_codecs_registry,
+            use_index_dedup=self._use_index_dedup,
+            module_fqn=module_fqn,
         )
 
     @property

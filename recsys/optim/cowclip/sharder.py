@@ -146,11 +146,13 @@ def table_location(table: Any, fused_params: dict[str, Any] | None) -> str:
     if kernel == EmbeddingComputeKernel.FUSED_UVM_CACHING:
         raise ValueError(
             f"CowClip-Adam table {table.name}: compute kernel fused_uvm_caching is not supported (FBGEMM's cache of "
-            "hot rows cannot stay coherent with the CowClip update); use fused_uvm or fused")
+            "hot rows cannot stay coherent with the CowClip update); use fused_uvm or fused"
+        )
     if kernel not in _KERNEL_LOCATION:
         raise ValueError(
             f"CowClip-Adam table {table.name} needs compute kernel fused or fused_uvm (dense for data_parallel), "
-            f"the plan says {kernel.value}")
+            f"the plan says {kernel.value}"
+        )
     location = _KERNEL_LOCATION[kernel]
     if location == "managed" and (fused_params or {}).get("uvm_host_mapped"):
         location = "host_mapped"
@@ -161,8 +163,10 @@ def state_location(config: GroupedEmbeddingConfig) -> str:
     """The one location of a CowClip group's tables (``split_by_location`` made it uniform)."""
     locations = {table_location(t, config.fused_params) for t in config.embedding_tables}
     if len(locations) != 1:
-        raise ValueError(f"CowClip-Adam tables {[t.name for t in config.embedding_tables]}: one kernel holds "
-                         f"tables of one location, got {sorted(locations)}")
+        raise ValueError(
+            f"CowClip-Adam tables {[t.name for t in config.embedding_tables]}: one kernel holds "
+            f"tables of one location, got {sorted(locations)}"
+        )
     return locations.pop()
 
 
@@ -240,9 +244,7 @@ class CowClipFusedOptimizer(EmbeddingFusedOptimizer):
 
     def __init__(self, config: GroupedEmbeddingConfig, tbe: CowClipAdamTBE, pg: dist.ProcessGroup | None) -> None:
         states = tbe.get_optimizer_state()
-        super().__init__(config, tbe, pg, all_optimizer_states=[
-            {k: v for k, v in st.items() if k != "row_step"} for st in states
-        ])  # type: ignore[arg-type]
+        super().__init__(config, tbe, pg, all_optimizer_states=[{k: v for k, v in st.items() if k != "row_step"} for st in states])  # type: ignore[arg-type]
         local: dict[str, list[tuple[Tensor, ShardMetadata]]] = {}
         for table, st in zip(config.embedding_tables, states):
             local.setdefault(table.name, []).append((st["row_step"], table.local_metadata))
@@ -268,11 +270,14 @@ def _rowwise_sharded(table: Any, local: list[tuple[Tensor, ShardMetadata]], pg: 
         mapping[m] = ShardMetadata(shard_sizes=[m.shard_sizes[0]], shard_offsets=[off], placement=m.placement)
     size = table.global_metadata.size[0] * (len(shards) if column_wise else 1)
     meta = ShardedTensorMetadata(
-        shards_metadata=list(mapping.values()), size=torch.Size([size]),
+        shards_metadata=list(mapping.values()),
+        size=torch.Size([size]),
         tensor_properties=TensorProperties(dtype=torch.long, layout=torch.strided, requires_grad=False),
     )
     return ShardedTensor._init_from_local_shards_and_global_metadata(
-        local_shards=[Shard(t, mapping[m]) for t, m in local], sharded_tensor_metadata=meta, process_group=pg,
+        local_shards=[Shard(t, mapping[m]) for t, m in local],
+        sharded_tensor_metadata=meta,
+        process_group=pg,
     )
 
 
@@ -285,21 +290,32 @@ class CowClipKernel:
     _emb_module: CowClipAdamTBE
     _optim: FusedOptimizer
 
-    def _build_cowclip(self, config: GroupedEmbeddingConfig, pg: dist.ProcessGroup | None,
-                       device: torch.device | None, mode: str, replicated: bool, location: str,
-                       pooling_mode: Any) -> None:
+    def _build_cowclip(
+        self,
+        config: GroupedEmbeddingConfig,
+        pg: dist.ProcessGroup | None,
+        device: torch.device | None,
+        mode: str,
+        replicated: bool,
+        location: str,
+        pooling_mode: Any,
+    ) -> None:
         hyper = CowClipHyper.from_fused_params(config.fused_params)
         self._emb_module = CowClipAdamTBE(
-            list(zip(self._local_rows, self._local_cols)), self._feature_table_map, hyper,  # type: ignore[attr-defined]
-            full_dims=self._embedding_dims, mode=mode, pooling_mode=pooling_mode, device=device,  # type: ignore[attr-defined]
+            list(zip(self._local_rows, self._local_cols)),
+            self._feature_table_map,
+            hyper,  # type: ignore[attr-defined]
+            full_dims=self._embedding_dims,
+            mode=mode,
+            pooling_mode=pooling_mode,
+            device=device,  # type: ignore[attr-defined]
             location=location,
         )
         self.table_names = [t.name for t in config.embedding_tables]
         self._emb_module.table_names = self.table_names
         self.replicated = replicated
         self._optim = (
-            ReplicatedCowClipFusedOptimizer(config, self._emb_module) if replicated
-            else CowClipFusedOptimizer(config, self._emb_module, pg)
+            ReplicatedCowClipFusedOptimizer(config, self._emb_module) if replicated else CowClipFusedOptimizer(config, self._emb_module, pg)
         )
         self.init_parameters()  # type: ignore[attr-defined]
 
@@ -342,12 +358,10 @@ class CowClipKernel:
     def _param_per_table(self, v: dict[str, TableBatchedEmbeddingSlice]) -> None:
         self.__dict__["_param_per_table"] = v
 
-    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
-                      ) -> Iterator[tuple[str, Tensor]]:
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, Tensor]]:
         yield from ()  # fused parameters are not buffers for outside optimizers (torchrec convention)
 
-    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
-                         ) -> Iterator[tuple[str, nn.Parameter]]:
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
         for name, tensor in self.named_split_embedding_weights(prefix, recurse, remove_duplicate):  # type: ignore[attr-defined]
             param = nn.Parameter(tensor, requires_grad=False)
             param._in_backward_optimizers = [EmptyFusedOptimizer()]  # type: ignore[attr-defined]
@@ -402,8 +416,15 @@ class CowClipGroupedPooledEmbeddingsLookup(CowClipLookup, GroupedPooledEmbedding
     def _create_embedding_kernel(self, config, device, pg, sharding_type, env):  # type: ignore[override]
         if not is_cowclip(config.fused_params):
             return super()._create_embedding_kernel(config, device, pg, sharding_type, env)
-        return CowClipEmbeddingBag(config, pg, device, sharding_type, mode=self.cowclip_update_mode,
-                                   replicated=self._cowclip_mode == "dp", location=state_location(config))
+        return CowClipEmbeddingBag(
+            config,
+            pg,
+            device,
+            sharding_type,
+            mode=self.cowclip_update_mode,
+            replicated=self._cowclip_mode == "dp",
+            location=state_location(config),
+        )
 
 
 class _ExchangeOptimizer(FusedOptimizer):
@@ -501,8 +522,15 @@ class ExchangeLookup(CowClipLookup):
 class CowClipExchangeLookup(ExchangeLookup, CowClipGroupedPooledEmbeddingsLookup, FusedOptimizerModule):
     """The pooled ``ExchangeLookup`` (column-wise, table-column-wise, data-parallel EBC tables)."""
 
-    def __init__(self, grouped_configs: list[GroupedEmbeddingConfig], *, cowclip_mode: str,
-                 exchange_tables: list[ExchangeTable], exchange_pg: dist.ProcessGroup | None, **kw: Any) -> None:
+    def __init__(
+        self,
+        grouped_configs: list[GroupedEmbeddingConfig],
+        *,
+        cowclip_mode: str,
+        exchange_tables: list[ExchangeTable],
+        exchange_pg: dist.ProcessGroup | None,
+        **kw: Any,
+    ) -> None:
         super().__init__(grouped_configs, cowclip_mode=cowclip_mode, **kw)
         self._init_exchange(exchange_tables, exchange_pg)
 
@@ -514,21 +542,33 @@ def _lookup_for(sharding: Any, cowclip_tables: dict[str, list[ExchangeTable]]) -
     if isinstance(sharding, DpPooledEmbeddingSharding):
         pg = sharding._env.process_group
         return CowClipExchangeLookup(
-            sharding._grouped_embedding_configs, pg=pg, scale_weight_gradients=False, cowclip_mode="dp",
-            exchange_tables=cowclip_tables.get(_DP, []), exchange_pg=pg, **kw,
+            sharding._grouped_embedding_configs,
+            pg=pg,
+            scale_weight_gradients=False,
+            cowclip_mode="dp",
+            exchange_tables=cowclip_tables.get(_DP, []),
+            exchange_pg=pg,
+            **kw,
         )
     if isinstance(sharding, TwRwPooledEmbeddingSharding):
-        return L(sharding._grouped_embedding_configs_per_rank[sharding._rank], pg=sharding._pg,
-                 sharding_type=ShardingType.TABLE_ROW_WISE, cowclip_mode="inline", **kw)
+        return L(
+            sharding._grouped_embedding_configs_per_rank[sharding._rank],
+            pg=sharding._pg,
+            sharding_type=ShardingType.TABLE_ROW_WISE,
+            cowclip_mode="inline",
+            **kw,
+        )
     if isinstance(sharding, RwPooledEmbeddingSharding):
-        return L(sharding._grouped_embedding_configs, pg=sharding._pg, sharding_type=ShardingType.ROW_WISE,
-                 cowclip_mode="inline", **kw)
+        return L(sharding._grouped_embedding_configs, pg=sharding._pg, sharding_type=ShardingType.ROW_WISE, cowclip_mode="inline", **kw)
     if isinstance(sharding, CwPooledEmbeddingSharding):  # TwCw is a subclass; one sharding per type
-        st = ShardingType.TABLE_COLUMN_WISE.value if isinstance(sharding, TwCwPooledEmbeddingSharding) else (
-            ShardingType.COLUMN_WISE.value)
+        st = ShardingType.TABLE_COLUMN_WISE.value if isinstance(sharding, TwCwPooledEmbeddingSharding) else (ShardingType.COLUMN_WISE.value)
         return CowClipExchangeLookup(
-            sharding._grouped_embedding_configs, pg=sharding._pg, cowclip_mode="cw",
-            exchange_tables=list(cowclip_tables.get(st, [])), exchange_pg=sharding._pg, **kw,
+            sharding._grouped_embedding_configs,
+            pg=sharding._pg,
+            cowclip_mode="cw",
+            exchange_tables=list(cowclip_tables.get(st, [])),
+            exchange_pg=sharding._pg,
+            **kw,
         )
     if isinstance(sharding, TwPooledEmbeddingSharding):
         return L(sharding._grouped_embedding_configs, pg=sharding._pg, cowclip_mode="inline", **kw)
@@ -578,8 +618,7 @@ class CowClipShardedModule:
 
     def _cowclip_kernels(self) -> list[CowClipKernel]:
         """The CowClip kernels of every lookup (they sit in torchrec's plain ``_lookups`` list)."""
-        return [k for lk in self._lookups
-                for k in (lk.cowclip_kernels() if isinstance(lk, CowClipLookup) else [])]
+        return [k for lk in self._lookups for k in (lk.cowclip_kernels() if isinstance(lk, CowClipLookup) else [])]
 
     def catch_up_all(self) -> int:
         """``update_scope="catchup"`` tables: every row to the current step (the kernels sit in
@@ -591,11 +630,16 @@ class CowClipShardedModule:
 class ShardedCowClipEmbeddingBagCollection(CowClipShardedModule, ShardedEmbeddingBagCollection):
     """``ShardedEmbeddingBagCollection`` whose lookups build CowClip kernels for tagged tables."""
 
-    def __init__(self, module: EmbeddingBagCollection, table_name_to_parameter_sharding: dict[str, ParameterSharding],
-                 env: ShardingEnv, fused_params: dict[str, Any] | None = None, device: torch.device | None = None,
-                 **kw: Any) -> None:
-        object.__setattr__(self, "_cowclip_tables", cowclip_tables_by_sharding_type(
-            module, table_name_to_parameter_sharding, fused_params))
+    def __init__(
+        self,
+        module: EmbeddingBagCollection,
+        table_name_to_parameter_sharding: dict[str, ParameterSharding],
+        env: ShardingEnv,
+        fused_params: dict[str, Any] | None = None,
+        device: torch.device | None = None,
+        **kw: Any,
+    ) -> None:
+        object.__setattr__(self, "_cowclip_tables", cowclip_tables_by_sharding_type(module, table_name_to_parameter_sharding, fused_params))
         if SEBC_WRAPS_DP_IN_INIT:  # torchrec < 1.7 (sharding/compat.py): CowClip DP lookups stay unwrapped
             with ddp_wrap_skipping(is_cowclip_dp_lookup):
                 super().__init__(module, table_name_to_parameter_sharding, env, fused_params, device, **kw)
@@ -604,7 +648,6 @@ class ShardedCowClipEmbeddingBagCollection(CowClipShardedModule, ShardedEmbeddin
             super().__init__(module, table_name_to_parameter_sharding, env, fused_params, device, **kw)
         # loading writes row_step in place: the catch-up kernels must derive their step again
         self.register_load_state_dict_post_hook(forget_dense_steps)
-
 
     def _create_lookups(self) -> None:
         for sharding in self._embedding_shardings:
@@ -620,8 +663,7 @@ def init_data_parallel(module: Any, shardings: list[Any], dp_type: type) -> None
     for DDP to reduce). Replicas start from the same weights: broadcast from the group's first
     rank, as DDP's constructor would."""
     cowclip_dp = [
-        (i, lk) for i, (s, lk) in enumerate(zip(shardings, module._lookups))
-        if isinstance(s, dp_type) and is_cowclip_dp_lookup(lk)
+        (i, lk) for i, (s, lk) in enumerate(zip(shardings, module._lookups)) if isinstance(s, dp_type) and is_cowclip_dp_lookup(lk)
     ]
     for _, lk in cowclip_dp:
         others = [m for m in lk._emb_modules if not isinstance(m, CowClipKernel)]
@@ -665,11 +707,22 @@ class CowClipEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         check_fused_params(fused_params, "CowClipEmbeddingBagCollectionSharder")
         super().__init__(fused_params, *args, **kwargs)
 
-    def shard(self, module: EmbeddingBagCollection, params: dict[str, ParameterSharding], env: ShardingEnv,
-              device: torch.device | None = None, module_fqn: str | None = None) -> ShardedCowClipEmbeddingBagCollection:
+    def shard(
+        self,
+        module: EmbeddingBagCollection,
+        params: dict[str, ParameterSharding],
+        env: ShardingEnv,
+        device: torch.device | None = None,
+        module_fqn: str | None = None,
+    ) -> ShardedCowClipEmbeddingBagCollection:
         return ShardedCowClipEmbeddingBagCollection(
-            module=module, table_name_to_parameter_sharding=params, env=env, fused_params=self.fused_params,
-            device=device, qcomm_codecs_registry=self.qcomm_codecs_registry, module_fqn=module_fqn,
+            module=module,
+            table_name_to_parameter_sharding=params,
+            env=env,
+            fused_params=self.fused_params,
+            device=device,
+            qcomm_codecs_registry=self.qcomm_codecs_registry,
+            module_fqn=module_fqn,
             sharded_module_order_overwrite=self._sharded_module_order_overwrite,
         )
 

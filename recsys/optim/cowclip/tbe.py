@@ -61,8 +61,17 @@ COWCLIP_ADAM = "recsys.cowclip_adam"  # value of fused_params["optimizer"] that 
 
 # fused_params keys of ours; everything else torchrec/FBGEMM may add (cache_precision, ...) is ignored
 _OUR_KEYS = {
-    "optimizer", "learning_rate", "beta1", "beta2", "eps", "eps_mode", "cowclip", "cowclip_r",
-    "cowclip_zeta", "l2", "update_scope",
+    "optimizer",
+    "learning_rate",
+    "beta1",
+    "beta2",
+    "eps",
+    "eps_mode",
+    "cowclip",
+    "cowclip_r",
+    "cowclip_zeta",
+    "l2",
+    "update_scope",
 }
 
 
@@ -137,9 +146,11 @@ def check_fused_params(fp: dict[str, Any] | None, where: str) -> None:
     if unknown:
         close = difflib.get_close_matches(unknown[0], sorted(ours | other_fused_param_keys()), n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
-        raise ValueError(f"{where}: unknown fused_params key(s) {', '.join(repr(k) for k in unknown)}{hint}; "
-                         f"CowClip-Adam takes {', '.join(sorted(ours))}, besides the keyword arguments of "
-                         "FBGEMM's SplitTableBatchedEmbeddingBagsCodegen and torchrec's FUSED_PARAM_* keys")
+        raise ValueError(
+            f"{where}: unknown fused_params key(s) {', '.join(repr(k) for k in unknown)}{hint}; "
+            f"CowClip-Adam takes {', '.join(sorted(ours))}, besides the keyword arguments of "
+            "FBGEMM's SplitTableBatchedEmbeddingBagsCodegen and torchrec's FUSED_PARAM_* keys"
+        )
     if is_cowclip_optimizer(fp):
         CowClipHyper.from_fused_params(fp)  # values: eps_mode, update_scope, lr vs learning_rate
 
@@ -166,9 +177,7 @@ def unified_zeros(numel: int, dtype: torch.dtype, device: torch.device, host_map
         unified = torch.ops.fbgemm.new_unified_tensor(proto, [numel], is_host_mapped=host_mapped)
     except (AttributeError, RuntimeError, NotImplementedError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise RuntimeError(
-            f"CowClip-Adam UVM table: this fbgemm_gpu cannot allocate unified memory on {device} ({first[:160]})"
-        ) from None
+        raise RuntimeError(f"CowClip-Adam UVM table: this fbgemm_gpu cannot allocate unified memory on {device} ({first[:160]})") from None
     return torch.zeros(numel, device=device, dtype=dtype, out=unified)
 
 
@@ -266,8 +275,7 @@ class _CowClipLookup(torch.autograd.Function):
     """Pooled forward with FBGEMM; backward = CowClip-Adam row update, no gradient returned."""
 
     @staticmethod
-    def forward(ctx, anchor: Tensor, tbe: "CowClipAdamTBE", indices: Tensor, offsets: Tensor,
-                psw: Tensor | None) -> Tensor:
+    def forward(ctx, anchor: Tensor, tbe: "CowClipAdamTBE", indices: Tensor, offsets: Tensor, psw: Tensor | None) -> Tensor:
         ctx.tbe = tbe
         ctx.anchor_meta = (anchor.shape, anchor.dtype, anchor.device)
         ctx.save_for_backward(indices, offsets, psw if psw is not None else indices.new_empty(0, dtype=torch.float))
@@ -286,7 +294,8 @@ class _CowClipLookup(torch.autograd.Function):
             # weighted SUM bag, so every kernel (they all take per-sample weights) serves MEAN too
             w = mean_pooling_weights(offsets, indices.numel(), w)
         update = {"all": ctx.tbe.backward_update_all_rows, "catchup": ctx.tbe.backward_update_catchup}.get(
-            ctx.tbe.hyper.update_scope, ctx.tbe.backward_update)
+            ctx.tbe.hyper.update_scope, ctx.tbe.backward_update
+        )
         update(grad_out, indices, offsets, w)
         shape, dtype, device = ctx.anchor_meta
         # an (empty) gradient for the anchor: the node that produced it (the exchange) waits for it
@@ -331,8 +340,10 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
         if pooling_mode not in (PoolingMode.SUM, PoolingMode.MEAN, PoolingMode.NONE):
             raise NotImplementedError(f"CowClip-Adam kernel: pooling SUM, MEAN or NONE, got {pooling_mode}")
         if pooling_mode == PoolingMode.NONE and len({d for _, d in embedding_specs}) > 1:
-            raise NotImplementedError("CowClip-Adam kernel: unpooled tables of one kernel share one dim "
-                                      f"(FBGEMM's unpooled output is [ids, D]), got {[d for _, d in embedding_specs]}")
+            raise NotImplementedError(
+                "CowClip-Adam kernel: unpooled tables of one kernel share one dim "
+                f"(FBGEMM's unpooled output is [ids, D]), got {[d for _, d in embedding_specs]}"
+            )
         if mode not in ("inline", "deferred"):
             raise ValueError(f"mode must be inline|deferred, got {mode!r}")
         if len(set(feature_table_map)) != len(feature_table_map):
@@ -341,7 +352,10 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
         # a UVM table is one that does not fit the device: FBGEMM's constructor draws the initial
         # weights where it computes, so draw them in host memory and move only the small buffers
         super().__init__(
-            embedding_specs, feature_table_map, weights_precision=SparseType.FP32, pooling_mode=pooling_mode,
+            embedding_specs,
+            feature_table_map,
+            weights_precision=SparseType.FP32,
+            pooling_mode=pooling_mode,
             use_cpu=device.type == "cpu" or unified,
         )
         # our weights are updated in place by the optimizer, never by autograd: a buffer, not a Parameter
@@ -420,9 +434,7 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
     def get_optimizer_state(self) -> list[dict[str, Tensor]]:
         """Per table, in the order torchrec's ``EmbeddingFusedOptimizer`` checkpoints: the first key
         becomes ``<table>.momentum1``, the others keep their names."""
-        return [
-            {"exp_avg": s.exp_avg, "exp_avg_sq": s.exp_avg_sq, "row_step": s.row_step} for s in self._states
-        ]
+        return [{"exp_avg": s.exp_avg, "exp_avg_sq": s.exp_avg_sq, "row_step": s.row_step} for s in self._states]
 
     # ---- the API torchrec's EmbeddingFusedOptimizer calls --------------------------------------
     def get_learning_rate(self) -> float:
@@ -457,11 +469,11 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
         if batch_size_per_feature_per_rank is not None:
             raise NotImplementedError("CowClip-Adam kernel: variable batch size per feature (VBE) is not supported")
         if self.staged:
-            names = sorted({self.table_names[s.table] if s.table < len(self.table_names) else f"#{s.table}"
-                            for s in self.staged})
+            names = sorted({self.table_names[s.table] if s.table < len(self.table_names) else f"#{s.table}" for s in self.staged})
             raise RuntimeError(
                 f"CowClip-Adam tables {names}: the previous backward staged rows whose column-wise/data-parallel "
-                "update never ran (no exchange after backward); refusing to read stale weights")
+                "update never ran (no exchange after backward); refusing to read stale weights"
+            )
         offsets = offsets.to(indices.dtype)
         if per_sample_weights is not None:
             per_sample_weights = per_sample_weights.detach().float()
@@ -488,9 +500,8 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
         """Each id's row in the flat buffer's row numbering (``row_starts`` of its feature's table)."""
         F = len(self.feature_table_map)
         B = (offsets.numel() - 1) // F
-        bounds = offsets[:: B] if B > 0 else offsets.new_zeros(F + 1)
-        starts = torch.tensor([self.row_starts[t] for t in self.feature_table_map], dtype=torch.long,
-                              device=indices.device)
+        bounds = offsets[::B] if B > 0 else offsets.new_zeros(F + 1)
+        starts = torch.tensor([self.row_starts[t] for t in self.feature_table_map], dtype=torch.long, device=indices.device)
         per_feature = (bounds[1:] - bounds[:-1]).long()
         return indices.long() + torch.repeat_interleave(starts, per_feature, output_size=indices.numel())
 
@@ -501,7 +512,7 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
         if B * F + 1 != offsets.numel() or grad_out.shape[0] != B:
             raise RuntimeError(f"CowClip backward: {offsets.numel()} offsets for {F} features and {grad_out.shape[0]} bags")
         D_offsets = self.D_offsets.tolist()
-        bounds = offsets[:: B].tolist() if B > 0 else [0] * (F + 1)
+        bounds = offsets[::B].tolist() if B > 0 else [0] * (F + 1)
         for t in range(len(self.embedding_specs)):
             f = self.feature_of_table[t]
             lo, hi = int(bounds[f]), int(bounds[f + 1])
@@ -518,9 +529,19 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
         if cached is None or cached[0] != key:
             D_offsets = self.D_offsets.tolist()
             meta = torch.tensor(
-                [[self.weights_physical_offsets[t], self.embedding_specs[t][0], self.embedding_specs[t][1],
-                  D_offsets[f], self.row_starts[t], int(bool(self.clip[t]))]
-                 for f, t in enumerate(self.feature_table_map)], dtype=torch.long)
+                [
+                    [
+                        self.weights_physical_offsets[t],
+                        self.embedding_specs[t][0],
+                        self.embedding_specs[t][1],
+                        D_offsets[f],
+                        self.row_starts[t],
+                        int(bool(self.clip[t])),
+                    ]
+                    for f, t in enumerate(self.feature_table_map)
+                ],
+                dtype=torch.long,
+            )
             zeta = torch.tensor([self._zeta_for_full_dim(t) for t in self.feature_table_map], dtype=torch.float64)
             cached = self._fused_meta = (key, meta, zeta)
         return cached[1], cached[2]
@@ -547,14 +568,25 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
             F = len(self.feature_table_map)
             B = (offsets.numel() - 1) // F
             if B * F + 1 != offsets.numel() or grad_out.shape[0] != B:
-                raise RuntimeError(
-                    f"CowClip backward: {offsets.numel()} offsets for {F} features and {grad_out.shape[0]} bags")
+                raise RuntimeError(f"CowClip backward: {offsets.numel()} offsets for {F} features and {grad_out.shape[0]} bags")
             hp = self.hyper
             meta, zeta = self._fused_feature_meta()
             stats = update(
-                self.weights, self.momentum1, self.momentum2, self.row_step, meta, zeta,
-                indices, offsets, grad_out, psw,
-                lr=self.lr, betas=(hp.beta1, hp.beta2), eps=hp.eps, r=hp.cowclip_r, l2=hp.l2,
+                self.weights,
+                self.momentum1,
+                self.momentum2,
+                self.row_step,
+                meta,
+                zeta,
+                indices,
+                offsets,
+                grad_out,
+                psw,
+                lr=self.lr,
+                betas=(hp.beta1, hp.beta2),
+                eps=hp.eps,
+                r=hp.cowclip_r,
+                l2=hp.l2,
                 eps_mode=hp.eps_mode,
             )
             self.stats.add_counts(stats)
@@ -562,10 +594,20 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
         for t, idx, offs, go, w in self._feature_slices(grad_out, indices, offsets, psw):
             if self.mode == "inline":
                 st = cowclip_table_update_for(self.weights.device)(
-                    self._view(self.weights, t), self._states[t], idx, offs, go.contiguous(), w,
-                    lr=self.lr, betas=(self.hyper.beta1, self.hyper.beta2), eps=self.hyper.eps,
-                    r=self.hyper.cowclip_r, zeta=self._zeta_for_full_dim(t), l2=self.hyper.l2,
-                    clip=self.clip[t], eps_mode=self.hyper.eps_mode,
+                    self._view(self.weights, t),
+                    self._states[t],
+                    idx,
+                    offs,
+                    go.contiguous(),
+                    w,
+                    lr=self.lr,
+                    betas=(self.hyper.beta1, self.hyper.beta2),
+                    eps=self.hyper.eps,
+                    r=self.hyper.cowclip_r,
+                    zeta=self._zeta_for_full_dim(t),
+                    l2=self.hyper.l2,
+                    clip=self.clip[t],
+                    eps_mode=self.hyper.eps_mode,
                 )
                 self.stats.add(st.unique_rows, int(st.clipped_rows))
             else:
@@ -634,8 +676,13 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
         """``catchup_op="auto"`` becomes what this device runs, on first use (loading the op may build it)."""
         if self.catchup_op == "auto":
             dev = self.weights.device
-            self.catchup_op = ("fused" if dev.type == "cpu" and fused_available() else
-                               "triton" if dev.type == "cuda" and triton_available(dev) else "torch")
+            self.catchup_op = (
+                "fused"
+                if dev.type == "cpu" and fused_available()
+                else "triton"
+                if dev.type == "cuda" and triton_available(dev)
+                else "torch"
+            )
 
     @torch.no_grad()
     def catch_up_lookup(self, indices: Tensor, offsets: Tensor) -> None:
@@ -646,18 +693,44 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
         self._resolve_catchup_op()
         if self.catchup_op == "fused":  # find, read and advance each row once, in C++
             hp = self.hyper
-            fused_catch_up_tables(self.weights, self.momentum1, self.momentum2, self.row_step, self._fused_feature_meta()[0],
-                                  indices, offsets, step, lr=self.lr, betas=(hp.beta1, hp.beta2), eps=hp.eps,
-                                  l2=hp.l2, eps_mode=hp.eps_mode, growth=self.catchup_growth)
+            fused_catch_up_tables(
+                self.weights,
+                self.momentum1,
+                self.momentum2,
+                self.row_step,
+                self._fused_feature_meta()[0],
+                indices,
+                offsets,
+                step,
+                lr=self.lr,
+                betas=(hp.beta1, hp.beta2),
+                eps=hp.eps,
+                l2=hp.l2,
+                eps_mode=hp.eps_mode,
+                growth=self.catchup_growth,
+            )
             return
         if self.catchup_op == "triton":  # the same in one launch, no host synchronisation
             from recsys.optim.cowclip.kernels.triton_catchup import triton_catch_up_lookup
 
             hp = self.hyper
-            triton_catch_up_lookup(self.weights, self.momentum1, self.momentum2, self.row_step,
-                                   self._device_feature_meta(), indices, offsets, step, lr=self.lr,
-                                   max_dim=max(d for _, d in self.embedding_specs), betas=(hp.beta1, hp.beta2),
-                                   eps=hp.eps, eps_mode=hp.eps_mode, l2=hp.l2, growth=self.catchup_growth)
+            triton_catch_up_lookup(
+                self.weights,
+                self.momentum1,
+                self.momentum2,
+                self.row_step,
+                self._device_feature_meta(),
+                indices,
+                offsets,
+                step,
+                lr=self.lr,
+                max_dim=max(d for _, d in self.embedding_specs),
+                betas=(hp.beta1, hp.beta2),
+                eps=hp.eps,
+                eps_mode=hp.eps_mode,
+                l2=hp.l2,
+                growth=self.catchup_growth,
+            )
             return
         grows = self.global_rows(indices, offsets)
         behind = grows[self.row_step.index_select(0, grows) < step]
@@ -686,11 +759,26 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
         hp = self.hyper
         T = len(self.embedding_specs)
         bounds = torch.searchsorted(table, torch.arange(T + 1))  # ascending rows: each table's stretch
-        meta = torch.tensor([[self.weights_physical_offsets[t], rows, dim, 0, self.row_starts[t], 0]
-                             for t, (rows, dim) in enumerate(self.embedding_specs)], dtype=torch.long)
-        advanced = fused_catch_up_tables(self.weights, self.momentum1, self.momentum2, self.row_step, meta,
-                                         grows - starts[table], bounds, step, lr=self.lr, betas=(hp.beta1, hp.beta2),
-                                         eps=hp.eps, l2=hp.l2, eps_mode=hp.eps_mode, growth=self.catchup_growth)
+        meta = torch.tensor(
+            [[self.weights_physical_offsets[t], rows, dim, 0, self.row_starts[t], 0] for t, (rows, dim) in enumerate(self.embedding_specs)],
+            dtype=torch.long,
+        )
+        advanced = fused_catch_up_tables(
+            self.weights,
+            self.momentum1,
+            self.momentum2,
+            self.row_step,
+            meta,
+            grows - starts[table],
+            bounds,
+            step,
+            lr=self.lr,
+            betas=(hp.beta1, hp.beta2),
+            eps=hp.eps,
+            l2=hp.l2,
+            eps_mode=hp.eps_mode,
+            growth=self.catchup_growth,
+        )
         if int(advanced.sum()) != grows.numel():  # every row given is behind: each must move once
             raise RuntimeError(f"catch-up advanced {int(advanced.sum())} of {grows.numel()} rows behind step {step}")
 
@@ -712,10 +800,23 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
         if self.catchup_op == "triton":
             from recsys.optim.cowclip.kernels.triton_catchup import triton_catch_up_rows
 
-            triton_catch_up_rows(self.weights, self.momentum1, self.momentum2, self.row_step,
-                                 phys[table] + (grows - starts[table]) * row_dim, grows, row_dim, step, lr=self.lr,
-                                 betas=(hp.beta1, hp.beta2), eps=hp.eps, eps_mode=hp.eps_mode, l2=hp.l2,
-                                 growth=self.catchup_growth, max_dim=max(d for _, d in self.embedding_specs))
+            triton_catch_up_rows(
+                self.weights,
+                self.momentum1,
+                self.momentum2,
+                self.row_step,
+                phys[table] + (grows - starts[table]) * row_dim,
+                grows,
+                row_dim,
+                step,
+                lr=self.lr,
+                betas=(hp.beta1, hp.beta2),
+                eps=hp.eps,
+                eps_mode=hp.eps_mode,
+                l2=hp.l2,
+                growth=self.catchup_growth,
+                max_dim=max(d for _, d in self.embedding_specs),
+            )
             return
         dim_set = sorted({d for _, d in self.embedding_specs})
         for dim in dim_set:
@@ -730,16 +831,31 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
             rs, order = torch.sort(rs, stable=True)  # longest gaps first: catch_up's prefixes
             g, t = g[order], t[order]
             bufs = (self.weights, self.momentum1, self.momentum2)
-            if len(dim_set) == 1 and self.weights.numel() % dim == 0 and all(
-                    o % dim == 0 for o in self.weights_physical_offsets[: len(self.embedding_specs)]):  # whole rows
+            if (
+                len(dim_set) == 1
+                and self.weights.numel() % dim == 0
+                and all(o % dim == 0 for o in self.weights_physical_offsets[: len(self.embedding_specs)])
+            ):  # whole rows
                 pos = phys[t] // dim + (g - starts[t])
                 bufs = tuple(x.view(-1, dim) for x in bufs)
                 w, m, v = (x.index_select(0, pos) for x in bufs)
             else:  # element positions in the flat buffers
                 pos = ((phys[t] + (g - starts[t]) * dim).unsqueeze(1) + torch.arange(dim, device=dev)).reshape(-1)
                 w, m, v = (x.index_select(0, pos).view(-1, dim) for x in bufs)
-            w, m, v = catch_up(w, m, v, rs, step, lr=self.lr, betas=(hp.beta1, hp.beta2), eps=hp.eps,
-                               eps_mode=hp.eps_mode, l2=hp.l2, growth=self.catchup_growth, presorted=True)
+            w, m, v = catch_up(
+                w,
+                m,
+                v,
+                rs,
+                step,
+                lr=self.lr,
+                betas=(hp.beta1, hp.beta2),
+                eps=hp.eps,
+                eps_mode=hp.eps_mode,
+                l2=hp.l2,
+                growth=self.catchup_growth,
+                presorted=True,
+            )
             for x, new in zip(bufs, (w, m, v)):
                 x.index_copy_(0, pos, new.reshape((-1,) + tuple(x.shape[1:])))
         self.row_step.index_fill_(0, grows, step)
@@ -762,8 +878,9 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
 
     # ---- the update half, used by the exchange -------------------------------------------------
     @torch.no_grad()
-    def apply_rows(self, t: int, rows: Tensor, g: Tensor, counts: Tensor,
-                   wsq: Tensor | None = None, gsq: Tensor | None = None, add_l2: bool = True) -> None:
+    def apply_rows(
+        self, t: int, rows: Tensor, g: Tensor, counts: Tensor, wsq: Tensor | None = None, gsq: Tensor | None = None, add_l2: bool = True
+    ) -> None:
         """Clip (with full-row squared norms ``wsq``/``gsq`` when given, else this shard's) and
         apply Adam to ``rows`` of local table t. ``g`` must already hold the L2 term when
         ``add_l2`` is False (column shards add it before their partial norms)."""

@@ -108,7 +108,9 @@ GPU_ACCESS_GRANULE = 32
 CPU_ACCESS_GRANULE = 64
 # collectives per training step of one sharding type (input dist: splits, lengths, ids; output)
 COLLECTIVES_PER_STEP = {
-    "table_wise": 5, "column_wise": 5, "table_column_wise": 5,  # 3 input + fwd a2a + bwd a2a
+    "table_wise": 5,
+    "column_wise": 5,
+    "table_column_wise": 5,  # 3 input + fwd a2a + bwd a2a
     "row_wise": 5,  # 3 input + reduce-scatter + all-gather
     "table_row_wise": 7,  # 3 input + RS and AG in the host + fwd/bwd a2a across hosts
     "data_parallel": 1,  # the gradient all-reduce
@@ -224,12 +226,14 @@ class TopologyCostModel:
             sel = used & (links.bw == bw_class)
             weights.append(sel / sel.sum())
         self.bound_weights = np.stack(weights, axis=1) if weights else np.zeros((links.count, 0))  # [links, n]
-        self.attached = [np.unique(np.concatenate([links.first_hop[r][links.first_hop[r] >= 0],
-                                                   links.last_hop[:, r][links.last_hop[:, r] >= 0]])) for r in range(w)]
+        self.attached = [
+            np.unique(np.concatenate([links.first_hop[r][links.first_hop[r] >= 0], links.last_hop[:, r][links.last_hop[:, r] >= 0]]))
+            for r in range(w)
+        ]
         self._ring_cache: dict[tuple[int, ...], np.ndarray] = {}
         self._group_cache: dict[tuple[int, ...], tuple] = {}
         self._off_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
-        self._norm2 = {"in": (links.in_inv ** 2).sum(axis=1), "out": (links.out_inv ** 2).sum(axis=1)}
+        self._norm2 = {"in": (links.in_inv**2).sum(axis=1), "out": (links.out_inv**2).sum(axis=1)}
         # host-memory resources: per GPU port, per switch uplink, per NUMA DDR, per socket link
         self.res_bw: list[float] = []
         self._res_index: dict[str, int] = {}
@@ -246,9 +250,7 @@ class TopologyCostModel:
                 path.append(self._res(f"{h}/{s.name}.uplink", s.uplink_bw))
             path.append(self._res(f"{h}/numa{g.numa}", host.numa(g.numa).ddr_bw))
             self.local_path.append(path)
-        self.numa_cap = {
-            (h, n.index): n.ddr_bytes for h, host in enumerate(topo.hosts) for n in host.numa_nodes
-        }
+        self.numa_cap = {(h, n.index): n.ddr_bytes for h, host in enumerate(topo.hosts) for n in host.numa_nodes}
         # the SSD tier per host (0: none; a key_value shard there costs infinite time)
         self.ssd_read_bw = np.array([h.ssd.read_bw if h.ssd else 0.0 for h in topo.hosts])
         self.ssd_write_bw = np.array([h.ssd.write_bw if h.ssd else 0.0 for h in topo.hosts])
@@ -386,9 +388,11 @@ class TopologyCostModel:
         sends it the slice's gradient (backward)."""
         b = self.batch * cols * BYTES
         L = self.links
-        return [(f"{sharding_type}:ids", self.ids_bytes(pooling) * L.in_inv[rank]),
-                (f"{sharding_type}:fwd", b * L.out_inv[rank]),
-                (f"{sharding_type}:bwd", b * L.in_inv[rank])]
+        return [
+            (f"{sharding_type}:ids", self.ids_bytes(pooling) * L.in_inv[rank]),
+            (f"{sharding_type}:fwd", b * L.out_inv[rank]),
+            (f"{sharding_type}:bwd", b * L.in_inv[rank]),
+        ]
 
     def new_state(self) -> "CostState":
         return CostState(self)
@@ -437,10 +441,16 @@ class TopologyCostModel:
         has a shard per rank) with the same ranks again and again. The key holds everything the
         conversion reads; the option itself is kept referenced so its id is not reused."""
         cp = so.cache_params
-        key = (id(so), so.name, so.sharding_type, so.compute_kernel, tuple(so.tensor.shape),
-               tuple(so.input_lengths) if so.input_lengths else None,
-               None if cp is None else (cp.load_factor, id(getattr(cp, "stats", None))),
-               tuple((sh.rank, sh.size[0], sh.size[1]) for sh in so.shards))
+        key = (
+            id(so),
+            so.name,
+            so.sharding_type,
+            so.compute_kernel,
+            tuple(so.tensor.shape),
+            tuple(so.input_lengths) if so.input_lengths else None,
+            None if cp is None else (cp.load_factor, id(getattr(cp, "stats", None))),
+            tuple((sh.rank, sh.size[0], sh.size[1]) for sh in so.shards),
+        )
         hit = self._placed_cache.get(key)
         if hit is None:
             if len(self._placed_cache) > 200_000:
@@ -617,9 +627,13 @@ class CostState:
             part = m.batch * s.cols * BYTES / n  # this rank's slice of the host-reduced output
             ring = m.ring_rank_inv(g, r) * ((n - 1) / n * d) if n > 1 else np.zeros(L.count)
             out_off, in_off = m.off_group_inv(g, r)
-            return [("table_row_wise:ids", (idb / n) * L.in_inv[r]),
-                    ("table_row_wise:fwd_rs", ring), ("table_row_wise:fwd_a2a", part * out_off),
-                    ("table_row_wise:bwd_a2a", part * in_off), ("table_row_wise:bwd_ag", ring)]
+            return [
+                ("table_row_wise:ids", (idb / n) * L.in_inv[r]),
+                ("table_row_wise:fwd_rs", ring),
+                ("table_row_wise:fwd_a2a", part * out_off),
+                ("table_row_wise:bwd_a2a", part * in_off),
+                ("table_row_wise:bwd_ag", ring),
+            ]
         if st == "data_parallel":
             g = s.group or tuple(range(w))
             n = len(g)
@@ -705,9 +719,13 @@ class CostState:
         ring = m.ring_inv(g) * ((n - 1) / n * d) if n > 1 else np.zeros(L.count)
         idb = m.ids_bytes(s0.pooling) / n
         in_sum, out_off, in_off = m.group_sums(g)
-        loads = [("table_row_wise:ids", idb * in_sum), ("table_row_wise:fwd_rs", ring),
-                 ("table_row_wise:fwd_a2a", part * out_off),
-                 ("table_row_wise:bwd_a2a", part * in_off), ("table_row_wise:bwd_ag", ring)]
+        loads = [
+            ("table_row_wise:ids", idb * in_sum),
+            ("table_row_wise:fwd_rs", ring),
+            ("table_row_wise:fwd_a2a", part * out_off),
+            ("table_row_wise:bwd_a2a", part * in_off),
+            ("table_row_wise:bwd_ag", ring),
+        ]
         rows = np.fromiter((p.rows for p in protos), dtype=np.float64, count=n)
         lk = np.zeros(w)
         lb = m.batch * w * s0.pooling * m.lookup_bytes(s0.cols) * rows / max(1, s0.table_rows)
@@ -721,8 +739,9 @@ class CostState:
         squares = {p: float((v * v).sum()) for p, v in self.loads.items()}
         return lk, self.comm_time(), sum(squares.values()), maxes, squares
 
-    def step_time_with(self, lookup_delta: np.ndarray, loads: list[tuple[str, np.ndarray]], new_type: str | None = None,
-                       base: tuple | None = None) -> tuple[float, float]:
+    def step_time_with(
+        self, lookup_delta: np.ndarray, loads: list[tuple[str, np.ndarray]], new_type: str | None = None, base: tuple | None = None
+    ) -> tuple[float, float]:
         """(step time, spread) if the given lookups and link loads were added; spread (sum of
         squares of rank and link times) breaks ties towards even loads. ``base``: ``base_scores()``
         of this state, when many trials start from it."""
@@ -747,9 +766,14 @@ class CostState:
         if not shards:
             return
         s0 = shards[0]
-        if (len(shards) < 4 or m.cpu or s0.kernel in UVM_KERNELS + SSD_KERNELS or s0.sharding_type not in ("row_wise", "data_parallel")
-                or any(s.table != s0.table or s.cols != s0.cols or s.group != s0.group for s in shards)
-                or (s0.group and len(shards) != len(s0.group))):
+        if (
+            len(shards) < 4
+            or m.cpu
+            or s0.kernel in UVM_KERNELS + SSD_KERNELS
+            or s0.sharding_type not in ("row_wise", "data_parallel")
+            or any(s.table != s0.table or s.cols != s0.cols or s.group != s0.group for s in shards)
+            or (s0.group and len(shards) != len(s0.group))
+        ):
             for s in shards:
                 self.add(s)
             return
@@ -815,8 +839,19 @@ class CostState:
                 attributed[r] += float(v[a].max(initial=0.0)) if len(a) else 0.0
         base = self.lookup + io + ssd
         rt = base + attributed
-        return PlanCost(float(base.max(initial=0.0)) + comm_time, rt, self.lookup.copy(), io, attributed,
-                        self.hbm_bytes.copy(), self.host_bytes.copy(), comm_time, phases, ssd, self.ssd_bytes.copy())
+        return PlanCost(
+            float(base.max(initial=0.0)) + comm_time,
+            rt,
+            self.lookup.copy(),
+            io,
+            attributed,
+            self.hbm_bytes.copy(),
+            self.host_bytes.copy(),
+            comm_time,
+            phases,
+            ssd,
+            self.ssd_bytes.copy(),
+        )
 
     # greedy support ------------------------------------------------------------------------------
 
@@ -836,13 +871,12 @@ class CostState:
             lb = self._lookup_bytes(proto)
             own = base[cand] + lb / m.mem_bw[cand]
             lk_max = np.maximum(base.max(initial=0.0), own)
-            spread = float((base * base).sum()) - base[cand] ** 2 + own ** 2
+            spread = float((base * base).sum()) - base[cand] ** 2 + own**2
             comm = np.full(len(cand), self.comm_time() + self.new_type_latency(proto.sharding_type))
             b = m.batch * proto.cols * BYTES
             t = proto.sharding_type
             rows = {"in": L.in_inv[cand], "out": L.out_inv[cand]}
-            for phase, coef, which in ((f"{t}:ids", m.ids_bytes(proto.pooling), "in"), (f"{t}:fwd", b, "out"),
-                                       (f"{t}:bwd", b, "in")):
+            for phase, coef, which in ((f"{t}:ids", m.ids_bytes(proto.pooling), "in"), (f"{t}:fwd", b, "out"), (f"{t}:bwd", b, "in")):
                 cur = self.load(phase)
                 mat = rows[which]
                 new = mat * coef
@@ -907,9 +941,15 @@ def with_all_ranks(so: ShardingOption, rank: int) -> ShardingOption:
         pass
 
     v = _V()
-    v.__dict__.update(name=so.name, tensor=so.tensor, input_lengths=so.input_lengths, sharding_type=so.sharding_type,
-                      compute_kernel=so.compute_kernel, cache_params=so.cache_params,
-                      shards=[replace(sh, rank=rank) for sh in so.shards])
+    v.__dict__.update(
+        name=so.name,
+        tensor=so.tensor,
+        input_lengths=so.input_lengths,
+        sharding_type=so.sharding_type,
+        compute_kernel=so.compute_kernel,
+        cache_params=so.cache_params,
+        shards=[replace(sh, rank=rank) for sh in so.shards],
+    )
     return v  # type: ignore[return-value]
 
 
@@ -923,8 +963,22 @@ def placed_from_option(so: ShardingOption, rank_of=None) -> list[PlacedShard]:
     for sh in so.shards:
         if sh.rank is None:
             continue
-        out.append(PlacedShard(so.name, so.sharding_type, so.compute_kernel, sh.rank, int(sh.size[0]), int(sh.size[1]),
-                               rows, cols, pooling, lf, group, miss))
+        out.append(
+            PlacedShard(
+                so.name,
+                so.sharding_type,
+                so.compute_kernel,
+                sh.rank,
+                int(sh.size[0]),
+                int(sh.size[1]),
+                rows,
+                cols,
+                pooling,
+                lf,
+                group,
+                miss,
+            )
+        )
     return out
 
 

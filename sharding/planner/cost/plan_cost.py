@@ -24,8 +24,10 @@ __all__ = ["modeled_step", "plan_tables", "plan_pooling", "format_step", "step_l
 
 def plan_tables(header: Mapping[str, Any]) -> dict[str, dict]:
     """``{table: {num_embeddings, embedding_dim}}`` from a plan file's header."""
-    return {name: {"num_embeddings": int(t["num_embeddings"]), "embedding_dim": int(t["embedding_dim"])}
-            for name, t in header.get("tables", {}).items()}
+    return {
+        name: {"num_embeddings": int(t["num_embeddings"]), "embedding_dim": int(t["embedding_dim"])}
+        for name, t in header.get("tables", {}).items()
+    }
 
 
 def plan_pooling(header: Mapping[str, Any]) -> dict[str, float]:
@@ -34,8 +36,14 @@ def plan_pooling(header: Mapping[str, Any]) -> dict[str, float]:
     return {str(k): float(v) for k, v in pooling.items()}
 
 
-def modeled_step(plan: ShardingPlan, tables: Mapping[str, dict], topo: ClusterTopology, batch_size_per_rank: int,
-                 pooling: Mapping[str, float] | None = None, model: TopologyCostModel | None = None) -> PlanCost:
+def modeled_step(
+    plan: ShardingPlan,
+    tables: Mapping[str, dict],
+    topo: ClusterTopology,
+    batch_size_per_rank: int,
+    pooling: Mapping[str, float] | None = None,
+    model: TopologyCostModel | None = None,
+) -> PlanCost:
     """The planner's cost model scored on a finished ``ShardingPlan``. ``model``: a cost model of
     this topology and batch already built (the planner's own: building one for 128 ranks takes
     about 1.5 s, the link matrices); otherwise one is built."""
@@ -46,22 +54,28 @@ def modeled_step(plan: ShardingPlan, tables: Mapping[str, dict], topo: ClusterTo
 
 def step_line(cost: PlanCost) -> str:
     """One line: the modelled step, the slowest rank and its share of the collectives."""
-    return (f"modeled step {cost.step_time * 1e3:.4f} ms (slowest rank {cost.bottleneck_rank}: "
-            f"{cost.rank_time[cost.bottleneck_rank] * 1e3:.4f} ms; collectives {cost.comm_time * 1e3:.4f} ms)")
+    return (
+        f"modeled step {cost.step_time * 1e3:.4f} ms (slowest rank {cost.bottleneck_rank}: "
+        f"{cost.rank_time[cost.bottleneck_rank] * 1e3:.4f} ms; collectives {cost.comm_time * 1e3:.4f} ms)"
+    )
 
 
 def format_step(cost: PlanCost, topology: str, batch_size_per_rank: int) -> str:
     """The step, per rank (lookups, host traffic, collectives attributed to the rank's own links)
     and the busiest directed link of every collective phase."""
     ssd = bool(cost.ssd_bytes.any())  # an SSD column only for plans with key_value tables
-    lines = [f"{step_line(cost)} on {topology}, batch {batch_size_per_rank} per rank "
-             "(the planner's model: sharding/planner/cost/model.py)",
-             f"{'rank':<6} {'lookup ms':>10} {'host io ms':>11} " + (f"{'ssd io ms':>10} {'SSD':>12} " if ssd else "")
-             + f"{'comm ms':>9} {'total ms':>9}"]
+    lines = [
+        f"{step_line(cost)} on {topology}, batch {batch_size_per_rank} per rank (the planner's model: sharding/planner/cost/model.py)",
+        f"{'rank':<6} {'lookup ms':>10} {'host io ms':>11} "
+        + (f"{'ssd io ms':>10} {'SSD':>12} " if ssd else "")
+        + f"{'comm ms':>9} {'total ms':>9}",
+    ]
     for r in range(len(cost.rank_time)):
-        lines.append(f"{r:<6} {cost.lookup[r] * 1e3:>10.4f} {cost.host_io[r] * 1e3:>11.4f} "
-                     + (f"{cost.ssd_io[r] * 1e3:>10.4f} {cost.ssd_bytes[r] / 2**30:>8,.1f} GiB " if ssd else "")
-                     + f"{cost.comm[r] * 1e3:>9.4f} {cost.rank_time[r] * 1e3:>9.4f}")
+        lines.append(
+            f"{r:<6} {cost.lookup[r] * 1e3:>10.4f} {cost.host_io[r] * 1e3:>11.4f} "
+            + (f"{cost.ssd_io[r] * 1e3:>10.4f} {cost.ssd_bytes[r] / 2**30:>8,.1f} GiB " if ssd else "")
+            + f"{cost.comm[r] * 1e3:>9.4f} {cost.rank_time[r] * 1e3:>9.4f}"
+        )
     for phase, (link, secs) in sorted(cost.phases.items()):
         lines.append(f"busiest link, {phase}: {link} ({secs * 1e3:.4f} ms)")
     return "\n".join(lines)

@@ -91,15 +91,20 @@ class Traffic:
         ranks = []
         for r in range(self.world_size):
             d: dict[str, Any] = {
-                "rank": r, "sent_bytes": int(self.sent[r]), "received_bytes": int(self.received[r]),
-                "lookups": int(self.lookups[r]), "compute_bytes": int(self.compute_bytes[r]),
+                "rank": r,
+                "sent_bytes": int(self.sent[r]),
+                "received_bytes": int(self.received[r]),
+                "lookups": int(self.lookups[r]),
+                "compute_bytes": int(self.compute_bytes[r]),
             }
             if self.bytes_by_kind:
                 d["sent_bytes_by_link"] = {k: int(v[r]) for k, v in self.bytes_by_kind.items()}
             ranks.append(d)
         out: dict[str, Any] = {
-            "model": "see sharding/planner/cost/traffic.py", "batch_size_per_rank": self.batch_size_per_rank,
-            "forward_bytes": self.fwd.astype(np.int64).tolist(), "backward_bytes": self.bwd.astype(np.int64).tolist(),
+            "model": "see sharding/planner/cost/traffic.py",
+            "batch_size_per_rank": self.batch_size_per_rank,
+            "forward_bytes": self.fwd.astype(np.int64).tolist(),
+            "backward_bytes": self.bwd.astype(np.int64).tolist(),
             "ranks": ranks,
         }
         if self.topology is not None:
@@ -228,33 +233,54 @@ def apply_topology(tr: Traffic, topo, infos: list[TableInfo] | None = None, rank
                 mem["hbm_bytes"] += rank_memory[r]["hbm_bytes"]
                 mem["host_bytes"] += rank_memory[r]["host_bytes"]
                 mem["ssd_bytes"] += rank_memory[r].get("ssd_bytes", 0)
-        tr.hosts.append({
-            "host": h, "name": host.name, "ranks": rs,
-            "hbm_bytes": mem["hbm_bytes"], "hbm_capacity": sum(g.hbm_bytes for g in host.gpus),
-            "host_bytes": mem["host_bytes"], "host_capacity": host.ddr_bytes,
-            "ssd_bytes": mem["ssd_bytes"], "ssd_capacity": host.ssd_bytes,
-            "pcie_switches": [
-                {"switch": s.name, "numa": s.numa, "gpus": [topo.rank(h, i) for i in s.gpus],
-                 "bytes_per_step": int(switch_bytes.get((h, s.name), 0.0))}
-                for s in host.pcie_switches
-            ],
-        })
+        tr.hosts.append(
+            {
+                "host": h,
+                "name": host.name,
+                "ranks": rs,
+                "hbm_bytes": mem["hbm_bytes"],
+                "hbm_capacity": sum(g.hbm_bytes for g in host.gpus),
+                "host_bytes": mem["host_bytes"],
+                "host_capacity": host.ddr_bytes,
+                "ssd_bytes": mem["ssd_bytes"],
+                "ssd_capacity": host.ssd_bytes,
+                "pcie_switches": [
+                    {
+                        "switch": s.name,
+                        "numa": s.numa,
+                        "gpus": [topo.rank(h, i) for i in s.gpus],
+                        "bytes_per_step": int(switch_bytes.get((h, s.name), 0.0)),
+                    }
+                    for s in host.pcie_switches
+                ],
+            }
+        )
     return tr
 
 
 def format_text(tr: Traffic) -> str:
     """Bytes per rank by link kind, per host and per PCIe switch (needs :func:`apply_topology`)."""
-    lines = [f"traffic by link kind on {tr.topology} (MB per step, forward + backward, batch {tr.batch_size_per_rank} "
-             "per rank; sharding/planner/cost/traffic.py; the step's times are the planner's, above)",
-             f"{'rank':<6} {'sent MB':>10} " + " ".join(f"{LINK_LABELS[k]:>13}" for k in LINK_KINDS) + f" {'lookups':>10}"]
+    lines = [
+        f"traffic by link kind on {tr.topology} (MB per step, forward + backward, batch {tr.batch_size_per_rank} "
+        "per rank; sharding/planner/cost/traffic.py; the step's times are the planner's, above)",
+        f"{'rank':<6} {'sent MB':>10} " + " ".join(f"{LINK_LABELS[k]:>13}" for k in LINK_KINDS) + f" {'lookups':>10}",
+    ]
     for r in range(tr.world_size):
-        lines.append(f"{r:<6} {tr.sent[r] / 2**20:>10,.2f} "
-                     + " ".join(f"{tr.bytes_by_kind[k][r] / 2**20:>13,.2f}" for k in LINK_KINDS) + f" {tr.lookups[r]:>10,.0f}")
+        lines.append(
+            f"{r:<6} {tr.sent[r] / 2**20:>10,.2f} "
+            + " ".join(f"{tr.bytes_by_kind[k][r] / 2**20:>13,.2f}" for k in LINK_KINDS)
+            + f" {tr.lookups[r]:>10,.0f}"
+        )
     for h in tr.hosts:
         loads = ", ".join(f"{s['switch']} {s['bytes_per_step'] / 2**20:,.1f} MB" for s in h["pcie_switches"])
-        ssd = (f", SSD {h['ssd_bytes'] / 2**30:,.2f} / {h['ssd_capacity'] / 2**30:,.0f} GB"
-               if h.get("ssd_bytes") or h.get("ssd_capacity") else "")  # hosts with an SSD tier or key_value shards
-        lines.append(f"host {h['host']} ({h['name']}): HBM {h['hbm_bytes'] / 2**30:,.2f} / {h['hbm_capacity'] / 2**30:,.0f} GB, "
-                     f"host {h['host_bytes'] / 2**30:,.2f} / {h['host_capacity'] / 2**30:,.0f} GB{ssd}"
-                     + (f"; PCIe switch load per step: {loads}" if loads else ""))
+        ssd = (
+            f", SSD {h['ssd_bytes'] / 2**30:,.2f} / {h['ssd_capacity'] / 2**30:,.0f} GB"
+            if h.get("ssd_bytes") or h.get("ssd_capacity")
+            else ""
+        )  # hosts with an SSD tier or key_value shards
+        lines.append(
+            f"host {h['host']} ({h['name']}): HBM {h['hbm_bytes'] / 2**30:,.2f} / {h['hbm_capacity'] / 2**30:,.0f} GB, "
+            f"host {h['host_bytes'] / 2**30:,.2f} / {h['host_capacity'] / 2**30:,.0f} GB{ssd}"
+            + (f"; PCIe switch load per step: {loads}" if loads else "")
+        )
     return "\n".join(lines)

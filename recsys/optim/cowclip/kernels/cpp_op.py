@@ -106,8 +106,7 @@ def cache_root() -> Path:
 def build_dir() -> Path:
     """Where the JIT fallback builds and caches the op: one directory per Python and torch version
     (ABI) and per source hash, so a changed source never reuses an old build."""
-    tag = (f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__.replace('+', '_')}"
-           f"_src{source_sha256()[:16]}")
+    tag = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__.replace('+', '_')}_src{source_sha256()[:16]}"
     return cache_root() / tag / _NAME
 
 
@@ -233,8 +232,7 @@ def _build_and_load(verbose: bool) -> Path:
             os.environ["PATH"] = old_path
     _build_seconds = time.perf_counter() - t0
     if not _op_registered():
-        raise RuntimeError("library loaded but torch.ops.recsys.cowclip_adam_step_/cowclip_adam_tables_ "
-                           "are not registered")
+        raise RuntimeError("library loaded but torch.ops.recsys.cowclip_adam_step_/cowclip_adam_tables_ are not registered")
     return d
 
 
@@ -339,9 +337,23 @@ def fused_cowclip_adam_tables(
     if psw is not None and (psw.dtype != torch.float32 or not psw.is_contiguous()):
         psw = psw.to(torch.float32).contiguous()
     return torch.ops.recsys.cowclip_adam_tables_(
-        weights, momentum1, momentum2, row_step, feature_meta, zeta,
-        indices.contiguous(), offsets.contiguous(), grad_output, psw,
-        float(lr), float(betas[0]), float(betas[1]), float(eps), float(r), float(l2), eps_mode == "keras",
+        weights,
+        momentum1,
+        momentum2,
+        row_step,
+        feature_meta,
+        zeta,
+        indices.contiguous(),
+        offsets.contiguous(),
+        grad_output,
+        psw,
+        float(lr),
+        float(betas[0]),
+        float(betas[1]),
+        float(eps),
+        float(r),
+        float(l2),
+        eps_mode == "keras",
     )
 
 
@@ -376,8 +388,21 @@ def fused_catch_up_tables(
     if indices.dtype not in (torch.int32, torch.int64):
         indices, offsets = indices.long(), offsets.long()
     return torch.ops.recsys.cowclip_catch_up_tables_(
-        weights, momentum1, momentum2, row_step, feature_meta, indices.contiguous(), offsets.contiguous(), int(step),
-        float(lr), float(betas[0]), float(betas[1]), float(eps), float(l2), eps_mode == "keras", float(growth),
+        weights,
+        momentum1,
+        momentum2,
+        row_step,
+        feature_meta,
+        indices.contiguous(),
+        offsets.contiguous(),
+        int(step),
+        float(lr),
+        float(betas[0]),
+        float(betas[1]),
+        float(eps),
+        float(l2),
+        eps_mode == "keras",
+        float(growth),
     )
 
 
@@ -425,10 +450,23 @@ def fused_cowclip_adam_step(
             if psw is not None:
                 psw = psw.detach().to(torch.float32).contiguous()
             out = torch.ops.recsys.cowclip_adam_step_(
-                weight, state.exp_avg, state.exp_avg_sq, state.row_step,
-                indices.long().contiguous(), offsets.long().contiguous(), go, psw,
-                float(lr), float(betas[0]), float(betas[1]), float(eps), float(r), float(zeta), float(l2),
-                bool(clip), eps_mode == "keras",
+                weight,
+                state.exp_avg,
+                state.exp_avg_sq,
+                state.row_step,
+                indices.long().contiguous(),
+                offsets.long().contiguous(),
+                go,
+                psw,
+                float(lr),
+                float(betas[0]),
+                float(betas[1]),
+                float(eps),
+                float(r),
+                float(zeta),
+                float(l2),
+                bool(clip),
+                eps_mode == "keras",
             )
             state.step.add_(1)
         n_unique, n_clipped = int(out[0]), out[1]
@@ -445,7 +483,21 @@ def fused_cowclip_adam_step(
         why = _reason
     _warn_once(why)
     return cowclip_adam_step(
-        weight, state, indices, offsets, grad_output, per_sample_weights,
-        lr=lr, betas=betas, eps=eps, r=r, zeta=zeta, l2=l2, clip=clip,
-        update_scope="batch", l2_scope="batch", bias_correction="row", eps_mode=eps_mode,
+        weight,
+        state,
+        indices,
+        offsets,
+        grad_output,
+        per_sample_weights,
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        r=r,
+        zeta=zeta,
+        l2=l2,
+        clip=clip,
+        update_scope="batch",
+        l2_scope="batch",
+        bias_correction="row",
+        eps_mode=eps_mode,
     )

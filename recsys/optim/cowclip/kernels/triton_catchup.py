@@ -49,12 +49,24 @@ _GL = 1.0 / math.sqrt(3.0)  # 2-node Gauss-Legendre on [-1, 1]
 
 
 def _advance_row(
-    W, M, V,  # flat float32 weights / momentum1 / momentum2
-    woff, D, rs, step,  # the row's element offset and dim, its row_step, the global step
+    W,
+    M,
+    V,  # flat float32 weights / momentum1 / momentum2
+    woff,
+    D,
+    rs,
+    step,  # the row's element offset and dim, its row_step, the global step
     HP,  # float64 [8]: lr, b1, b2, eps, c = 2*l2, growth, ln b1, ln b2 (a Python float argument would be float32)
-    CONST, n_const,  # float64 [n_const, 16]: the k-only factors of full piece i (_piece_table)
-    b1f, b2f, c_m, c_v, c2, epsf,  # float32 factors of the exact step (as the C++ op's CatchHyper)
-    KERAS: tl.constexpr, BLOCK_D: tl.constexpr,
+    CONST,
+    n_const,  # float64 [n_const, 16]: the k-only factors of full piece i (_piece_table)
+    b1f,
+    b2f,
+    c_m,
+    c_v,
+    c2,
+    epsf,  # float32 factors of the exact step (as the C++ op's CatchHyper)
+    KERAS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """Advance one row's w, m, v in place from step ``rs`` to ``step`` (``row_step`` is the
     caller's): the body both kernels share."""
@@ -233,10 +245,25 @@ def _advance_row(
 
 
 def _catch_up_rows_kernel(
-    W, M, V, RS,  # flat float32 weights / momentum1 / momentum2, int64 row_step
-    WOFF, RSI, DIMS,  # [R] int64 element offset of each row, [R] int64 index in RS, [R] int32 dim
-    HP, CONST, n_const, step, b1f, b2f, c_m, c_v, c2, epsf,  # as _advance_row's
-    KERAS: tl.constexpr, BLOCK_D: tl.constexpr,
+    W,
+    M,
+    V,
+    RS,  # flat float32 weights / momentum1 / momentum2, int64 row_step
+    WOFF,
+    RSI,
+    DIMS,  # [R] int64 element offset of each row, [R] int64 index in RS, [R] int32 dim
+    HP,
+    CONST,
+    n_const,
+    step,
+    b1f,
+    b2f,
+    c_m,
+    c_v,
+    c2,
+    epsf,  # as _advance_row's
+    KERAS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """One program per (distinct) row: advance it from its ``row_step`` to ``step`` in place."""
     r = tl.program_id(0).to(tl.int64)
@@ -249,12 +276,34 @@ def _catch_up_rows_kernel(
 
 
 def _claim_advance_kernel(
-    W, M, V, RS,  # as _catch_up_rows_kernel's
-    IDX, OFFSETS, META,  # [L] the lookup's ids (int32/int64), [F*B+1] the KJT's offsets, [F, 6] int64 feature_meta
-    L, F, B,  # ids, features, bags per feature (feature f's ids start at OFFSETS[f * B])
-    OUT_WOFF, OUT_RS, OUT_D, COUNTS,  # scratch [L] int64, [L] int64, [L] int32: each program's claimed rows; [programs] int32
-    HP, CONST, n_const, step, b1f, b2f, c_m, c_v, c2, epsf,  # as _advance_row's
-    BLOCK: tl.constexpr, SEARCH_STEPS: tl.constexpr, KERAS: tl.constexpr, BLOCK_D: tl.constexpr,
+    W,
+    M,
+    V,
+    RS,  # as _catch_up_rows_kernel's
+    IDX,
+    OFFSETS,
+    META,  # [L] the lookup's ids (int32/int64), [F*B+1] the KJT's offsets, [F, 6] int64 feature_meta
+    L,
+    F,
+    B,  # ids, features, bags per feature (feature f's ids start at OFFSETS[f * B])
+    OUT_WOFF,
+    OUT_RS,
+    OUT_D,
+    COUNTS,  # scratch [L] int64, [L] int64, [L] int32: each program's claimed rows; [programs] int32
+    HP,
+    CONST,
+    n_const,
+    step,
+    b1f,
+    b2f,
+    c_m,
+    c_v,
+    c2,
+    epsf,  # as _advance_row's
+    BLOCK: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,
+    KERAS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """BLOCK ids per program (one warp: an id per lane). First the claim: find each id's feature
     (a binary search over the feature starts in OFFSETS) and claim every row behind ``step`` by an
@@ -294,8 +343,26 @@ def _claim_advance_kernel(
     tl.debug_barrier()  # the lanes' stores above, visible to the loads below
     for r in range(0, total):
         s = pid * BLOCK + r
-        _advance_row_jit(W, M, V, tl.load(OUT_WOFF + s), tl.load(OUT_D + s), tl.load(OUT_RS + s), step, HP, CONST,
-                         n_const, b1f, b2f, c_m, c_v, c2, epsf, KERAS, BLOCK_D)
+        _advance_row_jit(
+            W,
+            M,
+            V,
+            tl.load(OUT_WOFF + s),
+            tl.load(OUT_D + s),
+            tl.load(OUT_RS + s),
+            step,
+            HP,
+            CONST,
+            n_const,
+            b1f,
+            b2f,
+            c_m,
+            c_v,
+            c2,
+            epsf,
+            KERAS,
+            BLOCK_D,
+        )
 
 
 def _jit_all() -> None:
@@ -335,9 +402,20 @@ def _f32(x: float) -> float:
     return float(torch.tensor(x, dtype=torch.float32))
 
 
-def _launch_args(weights: Tensor, momentum1: Tensor, momentum2: Tensor, row_step: Tensor, step: int, lr: float,
-                 betas: tuple[float, float], eps: float, eps_mode: str, l2: float, growth: float,
-                 max_dim: int) -> tuple[tuple, dict]:
+def _launch_args(
+    weights: Tensor,
+    momentum1: Tensor,
+    momentum2: Tensor,
+    row_step: Tensor,
+    step: int,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    eps_mode: str,
+    l2: float,
+    growth: float,
+    max_dim: int,
+) -> tuple[tuple, dict]:
     """Both kernels' checks and their shared arguments: (HP, CONST, n_const, step and the float32
     factors), and the constexprs."""
     if eps_mode not in ("torch", "keras"):
@@ -349,8 +427,12 @@ def _launch_args(weights: Tensor, momentum1: Tensor, momentum2: Tensor, row_step
         raise ValueError(f"betas must be in (0, 1), got {betas}")
     if not _ct.triton_available(weights.device):
         raise RuntimeError(f"CowClip Triton catch-up not available for {weights.device} tensors")
-    for name, x, dt in (("weights", weights, torch.float32), ("momentum1", momentum1, torch.float32),
-                        ("momentum2", momentum2, torch.float32), ("row_step", row_step, torch.long)):
+    for name, x, dt in (
+        ("weights", weights, torch.float32),
+        ("momentum1", momentum1, torch.float32),
+        ("momentum2", momentum2, torch.float32),
+        ("row_step", row_step, torch.long),
+    ):
         if x.dtype != dt or not x.is_contiguous() or x.device != weights.device:
             raise RuntimeError(f"{name} must be a contiguous {dt} tensor on {weights.device}")
     dev = weights.device
@@ -361,17 +443,30 @@ def _launch_args(weights: Tensor, momentum1: Tensor, momentum2: Tensor, row_step
     if f32 is None:  # (rounding through torch costs a few microseconds each: once per setting)
         if len(_F32_FACTORS) >= 16:
             _F32_FACTORS.clear()
-        f32 = _F32_FACTORS[values] = (_f32(b1), _f32(b2), _f32((1.0 - b1) * c), _f32((1.0 - b2) * c * c), _f32(c * c),
-                                      _f32(float(eps)))
+        f32 = _F32_FACTORS[values] = (_f32(b1), _f32(b2), _f32((1.0 - b1) * c), _f32((1.0 - b2) * c * c), _f32(c * c), _f32(float(eps)))
     args = (_device_hyper(values, dev), table, table.shape[0], int(step), *f32)
     consts = dict(KERAS=eps_mode == "keras", BLOCK_D=max(16, _ct.triton.next_power_of_2(int(max_dim))), num_warps=1)
     return args, consts
 
 
-def triton_catch_up_rows(weights: Tensor, momentum1: Tensor, momentum2: Tensor, row_step: Tensor,
-                         elem_offset: Tensor, row_index: Tensor, dims: Tensor, step: int, *, lr: float,
-                         betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, eps_mode: str = "torch",
-                         l2: float = 0.0, growth: float = DEFAULT_GROWTH, max_dim: int | None = None) -> None:
+def triton_catch_up_rows(
+    weights: Tensor,
+    momentum1: Tensor,
+    momentum2: Tensor,
+    row_step: Tensor,
+    elem_offset: Tensor,
+    row_index: Tensor,
+    dims: Tensor,
+    step: int,
+    *,
+    lr: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    eps_mode: str = "torch",
+    l2: float = 0.0,
+    growth: float = DEFAULT_GROWTH,
+    max_dim: int | None = None,
+) -> None:
     """Advance rows to global step ``step`` in place, by the block scheme of
     ``recsys.optim.cowclip.catchup.catch_up``: row i starts at ``weights[elem_offset[i]:+dims[i]]``
     (likewise in the moments) and is current at ``row_step[row_index[i]]``, which becomes ``step``
@@ -381,21 +476,54 @@ def triton_catch_up_rows(weights: Tensor, momentum1: Tensor, momentum2: Tensor, 
     R = elem_offset.numel()
     dev = weights.device
     dims = dims.to(device=dev, dtype=torch.int32).contiguous()
-    args, consts = _launch_args(weights, momentum1, momentum2, row_step, step, lr, betas, eps, eps_mode, l2, growth,
-                                max_dim if max_dim is not None else (int(dims.max()) if R else 1))
+    args, consts = _launch_args(
+        weights,
+        momentum1,
+        momentum2,
+        row_step,
+        step,
+        lr,
+        betas,
+        eps,
+        eps_mode,
+        l2,
+        growth,
+        max_dim if max_dim is not None else (int(dims.max()) if R else 1),
+    )
     if R == 0:
         return
     with _ct._triton_mode_env():
         _kernel()[(R,)](
-            weights, momentum1, momentum2, row_step,
+            weights,
+            momentum1,
+            momentum2,
+            row_step,
             elem_offset.to(device=dev, dtype=torch.long).contiguous(),
-            row_index.to(device=dev, dtype=torch.long).contiguous(), dims, *args, **consts)
+            row_index.to(device=dev, dtype=torch.long).contiguous(),
+            dims,
+            *args,
+            **consts,
+        )
 
 
-def triton_catch_up_lookup(weights: Tensor, momentum1: Tensor, momentum2: Tensor, row_step: Tensor,
-                           feature_meta: Tensor, indices: Tensor, offsets: Tensor, step: int, *, lr: float,
-                           max_dim: int, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                           eps_mode: str = "torch", l2: float = 0.0, growth: float = DEFAULT_GROWTH) -> Tensor | None:
+def triton_catch_up_lookup(
+    weights: Tensor,
+    momentum1: Tensor,
+    momentum2: Tensor,
+    row_step: Tensor,
+    feature_meta: Tensor,
+    indices: Tensor,
+    offsets: Tensor,
+    step: int,
+    *,
+    lr: float,
+    max_dim: int,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    eps_mode: str = "torch",
+    l2: float = 0.0,
+    growth: float = DEFAULT_GROWTH,
+) -> Tensor | None:
     """Advance every row a lookup reads that is behind ``step`` to ``step``, in place: the CUDA
     twin of the C++ op ``fused_catch_up_tables`` (same buffers, same ``feature_meta`` [F, 6] int64,
     here on the device; the KJT's ``indices`` and ``offsets`` [F*B+1], repeats allowed). Returns
@@ -415,8 +543,7 @@ def triton_catch_up_lookup(weights: Tensor, momentum1: Tensor, momentum2: Tensor
     persistent advance kernel (as fast, with a second launch and a counter to zero)."""
     L = indices.numel()
     F = feature_meta.shape[0]
-    args, consts = _launch_args(weights, momentum1, momentum2, row_step, step, lr, betas, eps, eps_mode, l2, growth,
-                                max_dim)
+    args, consts = _launch_args(weights, momentum1, momentum2, row_step, step, lr, betas, eps, eps_mode, l2, growth, max_dim)
     if feature_meta.dtype != torch.long or feature_meta.device != weights.device or feature_meta.dim() != 2:
         raise RuntimeError(f"feature_meta must be an int64 [F, 6] tensor on {weights.device}")
     if (offsets.numel() - 1) % max(F, 1) != 0:
@@ -428,9 +555,25 @@ def triton_catch_up_lookup(weights: Tensor, momentum1: Tensor, momentum2: Tensor
     out_woff, out_rs, out_d, counts = _scratch(weights.device, L, programs)
     with _ct._triton_mode_env():
         _lookup_kernel()[(programs,)](
-            weights, momentum1, momentum2, row_step, indices.contiguous(), offsets.contiguous(),
-            feature_meta.contiguous(), L, F, B, out_woff, out_rs, out_d, counts, *args,
-            BLOCK=LOOKUP_BLOCK, SEARCH_STEPS=max(1, math.ceil(math.log2(F))), **consts)
+            weights,
+            momentum1,
+            momentum2,
+            row_step,
+            indices.contiguous(),
+            offsets.contiguous(),
+            feature_meta.contiguous(),
+            L,
+            F,
+            B,
+            out_woff,
+            out_rs,
+            out_d,
+            counts,
+            *args,
+            BLOCK=LOOKUP_BLOCK,
+            SEARCH_STEPS=max(1, math.ceil(math.log2(F))),
+            **consts,
+        )
     return counts
 
 
@@ -452,9 +595,12 @@ def _scratch(dev: torch.device, L: int, programs: int) -> tuple[Tensor, Tensor, 
         if len(_SCRATCH) >= 8:
             _SCRATCH.clear()
         n = max(L, 1024)
-        bufs = _SCRATCH[key] = (torch.empty(n, dtype=torch.long, device=dev), torch.empty(n, dtype=torch.long, device=dev),
-                                torch.empty(n, dtype=torch.int32, device=dev),
-                                torch.empty(_ct.triton.cdiv(n, LOOKUP_BLOCK), dtype=torch.int32, device=dev))
+        bufs = _SCRATCH[key] = (
+            torch.empty(n, dtype=torch.long, device=dev),
+            torch.empty(n, dtype=torch.long, device=dev),
+            torch.empty(n, dtype=torch.int32, device=dev),
+            torch.empty(_ct.triton.cdiv(n, LOOKUP_BLOCK), dtype=torch.int32, device=dev),
+        )
     return bufs[0], bufs[1], bufs[2], bufs[3][:programs]
 
 
@@ -499,9 +645,21 @@ def _piece_table(values: tuple[float, ...], step: int, dev: torch.device) -> Ten
         for x in xs:
             _o, y1, y2 = ema(x)
             path += [2.0 * c * c * y1, c * c * y2]
-        rows.append([k, *(math.exp(x * ln_b1) for x in xs), *(math.exp(x * ln_b2) for x in xs),
-                     math.exp(k * ln_b1), math.exp(k * ln_b2), 1.0 / k,
-                     c * c * one2, 2.0 * c * c * y2a, c * c * y2b, 1.0 - one2, *path])
+        rows.append(
+            [
+                k,
+                *(math.exp(x * ln_b1) for x in xs),
+                *(math.exp(x * ln_b2) for x in xs),
+                math.exp(k * ln_b1),
+                math.exp(k * ln_b2),
+                1.0 / k,
+                c * c * one2,
+                2.0 * c * c * y2a,
+                c * c * y2b,
+                1.0 - one2,
+                *path,
+            ]
+        )
     if len(_PIECE_TABLES) >= 16:
         _PIECE_TABLES.clear()
     hit = _PIECE_TABLES[key] = torch.tensor(rows, dtype=torch.float64, device=dev)

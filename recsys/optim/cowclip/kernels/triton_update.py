@@ -104,16 +104,36 @@ def triton_available(device: torch.device | str | None = None) -> bool:
 
 
 def _cowclip_adam_rows(
-    W, M1, M2, RS,  # flat state: weights, momentum1, momentum2 (float32), row_step (int64)
-    G, stride_g,  # grad_output [B, total_D] float32, unit column stride
-    SEG, SEG_FEAT, SEG_ROW,  # [>=U+1] segment bounds in sorted order, [>=U] feature, [>=U] row in its table
+    W,
+    M1,
+    M2,
+    RS,  # flat state: weights, momentum1, momentum2 (float32), row_step (int64)
+    G,
+    stride_g,  # grad_output [B, total_D] float32, unit column stride
+    SEG,
+    SEG_FEAT,
+    SEG_ROW,  # [>=U+1] segment bounds in sorted order, [>=U] feature, [>=U] row in its table
     NSEG,  # [1] int64: U, the number of segments (programs u >= U do nothing)
-    SORT_SAMPLE, SORT_PSW,  # [L] sample (bag within the feature) and per-sample weight, sorted order
-    META, ZETA_P,  # [F, 6] int64 feature_meta, [F] float32 zeta' = r*sqrt(D)*zeta
+    SORT_SAMPLE,
+    SORT_PSW,  # [L] sample (bag within the feature) and per-sample weight, sorted order
+    META,
+    ZETA_P,  # [F, 6] int64 feature_meta, [F] float32 zeta' = r*sqrt(D)*zeta
     CLIPPED,  # [U] int32 out: 1 where the gradient was scaled down
-    lr, b1, b2, omb1, omb2, eps, l2x2, r, log2_b1, log2_b2,
-    HAS_PSW: tl.constexpr, HAS_L2: tl.constexpr, KERAS: tl.constexpr,
-    BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
+    lr,
+    b1,
+    b2,
+    omb1,
+    omb2,
+    eps,
+    l2x2,
+    r,
+    log2_b1,
+    log2_b2,
+    HAS_PSW: tl.constexpr,
+    HAS_L2: tl.constexpr,
+    KERAS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     """One program per unique row of any table: sum its gradient over its occurrences, count its
     distinct samples, then L2 + clip + Adam on that row in place (see the module docstring).
@@ -224,9 +244,18 @@ def _kernel() -> Callable:
     return _KERNEL[0]
 
 
-def _check_inputs(weights: Tensor, momentum1: Tensor, momentum2: Tensor, row_step: Tensor,
-                  feature_meta: Tensor, zeta: Tensor, indices: Tensor, offsets: Tensor,
-                  grad_output: Tensor, psw: Tensor | None) -> list[list[int]]:
+def _check_inputs(
+    weights: Tensor,
+    momentum1: Tensor,
+    momentum2: Tensor,
+    row_step: Tensor,
+    feature_meta: Tensor,
+    zeta: Tensor,
+    indices: Tensor,
+    offsets: Tensor,
+    grad_output: Tensor,
+    psw: Tensor | None,
+) -> list[list[int]]:
     """The C++ op's checks, with its messages (RuntimeError, like its TORCH_CHECKs). Returns
     ``feature_meta`` as lists."""
 
@@ -236,37 +265,45 @@ def _check_inputs(weights: Tensor, momentum1: Tensor, momentum2: Tensor, row_ste
 
     check(weights.dim() == 1, "weights must be the flat 1-D buffer")
     check(weights.dtype == torch.float32, "weights must be float32")
-    check(weights.is_contiguous() and momentum1.is_contiguous() and momentum2.is_contiguous(),
-          "weight, exp_avg, exp_avg_sq must be contiguous")
-    check(momentum1.shape == weights.shape and momentum2.shape == weights.shape,
-          "optimizer state shape does not match weight")
+    check(
+        weights.is_contiguous() and momentum1.is_contiguous() and momentum2.is_contiguous(),
+        "weight, exp_avg, exp_avg_sq must be contiguous",
+    )
+    check(momentum1.shape == weights.shape and momentum2.shape == weights.shape, "optimizer state shape does not match weight")
     check(momentum1.dtype == torch.float32 and momentum2.dtype == torch.float32, "exp_avg, exp_avg_sq must be float32")
-    check(row_step.dim() == 1 and row_step.dtype == torch.long and row_step.is_contiguous(),
-          "row_step must be a contiguous int64 vector")
+    check(row_step.dim() == 1 and row_step.dtype == torch.long and row_step.is_contiguous(), "row_step must be a contiguous int64 vector")
     dev = weights.device
-    check(all(x.device == dev for x in (momentum1, momentum2, row_step, indices, offsets, grad_output))
-          and (psw is None or psw.device == dev),
-          f"all tensors but feature_meta and zeta must be on {dev}")
-    check(feature_meta.dim() == 2 and feature_meta.shape[1] == 6 and feature_meta.dtype == torch.long,
-          "feature_meta must be a contiguous int64 [F, 6] (weights_offset, rows, dim, grad_col, row_start, clip)")
+    check(
+        all(x.device == dev for x in (momentum1, momentum2, row_step, indices, offsets, grad_output))
+        and (psw is None or psw.device == dev),
+        f"all tensors but feature_meta and zeta must be on {dev}",
+    )
+    check(
+        feature_meta.dim() == 2 and feature_meta.shape[1] == 6 and feature_meta.dtype == torch.long,
+        "feature_meta must be a contiguous int64 [F, 6] (weights_offset, rows, dim, grad_col, row_start, clip)",
+    )
     F = feature_meta.shape[0]
     check(zeta.dim() == 1 and zeta.numel() == F and zeta.dtype == torch.float64, "zeta must be a contiguous float64 [F]")
     check(indices.dim() == 1 and offsets.dim() == 1, "indices and offsets must be 1-D")
-    check(indices.dtype == offsets.dtype and indices.dtype in (torch.int32, torch.int64),
-          "indices and offsets must both be int64 or both int32")
-    check(grad_output.dim() == 2 and grad_output.dtype == torch.float32 and grad_output.stride(1) == 1,
-          "grad_output must be float32 [B, total_D] with unit column stride")
+    check(
+        indices.dtype == offsets.dtype and indices.dtype in (torch.int32, torch.int64),
+        "indices and offsets must both be int64 or both int32",
+    )
+    check(
+        grad_output.dim() == 2 and grad_output.dtype == torch.float32 and grad_output.stride(1) == 1,
+        "grad_output must be float32 [B, total_D] with unit column stride",
+    )
     check(F > 0 and (offsets.numel() - 1) % F == 0, "offsets must have F*B+1 entries")
     B = (offsets.numel() - 1) // F
-    check(grad_output.shape[0] == B,
-          f"offsets has {B} bags per feature but grad_output has {grad_output.shape[0]} rows")
+    check(grad_output.shape[0] == B, f"offsets has {B} bags per feature but grad_output has {grad_output.shape[0]} rows")
     if psw is not None:
-        check(psw.dim() == 1 and psw.numel() == indices.numel() and psw.dtype == torch.float32,
-              "per_sample_weights must be a contiguous float32 [L]")
+        check(
+            psw.dim() == 1 and psw.numel() == indices.numel() and psw.dtype == torch.float32,
+            "per_sample_weights must be a contiguous float32 [L]",
+        )
     meta = feature_meta.tolist()  # feature_meta lives on the host (as the C++ op receives it): no sync
     for f, (woff, n, dim, col, rst, _clip) in enumerate(meta):
-        check(woff >= 0 and n >= 0 and dim > 0 and woff + n * dim <= weights.numel(),
-              f"feature {f}: table outside the weights buffer")
+        check(woff >= 0 and n >= 0 and dim > 0 and woff + n * dim <= weights.numel(), f"feature {f}: table outside the weights buffer")
         check(col >= 0 and col + dim <= grad_output.shape[1], f"feature {f}: columns outside grad_output")
         check(rst >= 0 and rst + n <= row_step.numel(), f"feature {f}: rows outside row_step")
     for lo_hi in ([(m[0], m[0] + m[1] * m[2]) for m in meta], [(m[4], m[4] + m[1]) for m in meta]):
@@ -321,8 +358,10 @@ def triton_cowclip_adam_tables(
     if eps_mode not in ("torch", "keras"):
         raise ValueError(f"eps_mode must be torch|keras, got {eps_mode!r}")
     if not triton_available(weights.device):
-        raise RuntimeError(f"CowClip Triton kernel not available for {weights.device} tensors "
-                           f"({'triton not installed' if triton is None else 'CPU tensors need TRITON_INTERPRET=1 before triton is imported'})")
+        raise RuntimeError(
+            f"CowClip Triton kernel not available for {weights.device} tensors "
+            f"({'triton not installed' if triton is None else 'CPU tensors need TRITON_INTERPRET=1 before triton is imported'})"
+        )
     feature_meta = feature_meta.cpu()
     zeta = zeta.cpu()
     if grad_output.dtype != torch.float32 or grad_output.stride(-1) != 1:
@@ -358,8 +397,7 @@ def triton_cowclip_adam_tables(
         feat = torch.searchsorted(offsets[B::B].contiguous(), torch.arange(L, device=dev), right=True).clamp_(max=F - 1)
         ids = indices.long()
         bad = (ids < 0) | (ids >= n_rows.index_select(0, feat))
-        first, last, min_len, any_bad = torch.stack(
-            [offsets[0], offsets[-1], lengths.min(), bad.any().long()]).tolist()  # sync 1
+        first, last, min_len, any_bad = torch.stack([offsets[0], offsets[-1], lengths.min(), bad.any().long()]).tolist()  # sync 1
         if first != 0 or last != L:
             raise RuntimeError("offsets must start at 0 and end at len(indices)")
         if min_len < 0:
@@ -367,8 +405,7 @@ def triton_cowclip_adam_tables(
         if any_bad:  # the error path may take its time
             i = int(bad.nonzero()[0, 0])
             f = int(feat[i])
-            raise RuntimeError(f"embedding ids out of range [0, {int(feature_meta[f, 1])}): {int(ids[i])} "
-                               f"(feature {f})")
+            raise RuntimeError(f"embedding ids out of range [0, {int(feature_meta[f, 1])}): {int(ids[i])} (feature {f})")
         bag = torch.repeat_interleave(torch.arange(FB, device=dev), lengths, output_size=L)
         base = torch.cumsum(n_rows, 0) - n_rows  # first key of each feature's table
         key = base.index_select(0, feat) + ids
@@ -397,13 +434,37 @@ def triton_cowclip_adam_tables(
         block_d = max(16, triton.next_power_of_2(max(m[2] for m in meta)))
         with _triton_mode_env():
             _kernel()[(L,)](
-                weights, momentum1, momentum2, row_step,
-                grad_output, grad_output.stride(0),
-                seg, seg_feat, seg_row, nseg, sort_sample, sort_psw,
-                meta_d, zeta_p, clipped,
-                float(lr), b1, b2, 1.0 - b1, 1.0 - b2, float(eps), 2.0 * float(l2), float(r), log2_b1, log2_b2,
-                HAS_PSW=psw is not None, HAS_L2=float(l2) != 0.0, KERAS=eps_mode == "keras",
-                BLOCK_D=block_d, CHUNK=CHUNK, num_warps=1 if block_d * CHUNK <= 1024 else 4,
+                weights,
+                momentum1,
+                momentum2,
+                row_step,
+                grad_output,
+                grad_output.stride(0),
+                seg,
+                seg_feat,
+                seg_row,
+                nseg,
+                sort_sample,
+                sort_psw,
+                meta_d,
+                zeta_p,
+                clipped,
+                float(lr),
+                b1,
+                b2,
+                1.0 - b1,
+                1.0 - b2,
+                float(eps),
+                2.0 * float(l2),
+                float(r),
+                log2_b1,
+                log2_b2,
+                HAS_PSW=psw is not None,
+                HAS_L2=float(l2) != 0.0,
+                KERAS=eps_mode == "keras",
+                BLOCK_D=block_d,
+                CHUNK=CHUNK,
+                num_warps=1 if block_d * CHUNK <= 1024 else 4,
                 enable_fp_fusion=True,  # FMA, Triton's default up to 3.9 (said explicitly: 3.10 changes it)
             )
         # per-feature counts, still without a synchronisation: unique rows = segment starts of the
@@ -432,22 +493,33 @@ def triton_cowclip_adam_step(
 ) -> CowClipStats:
     """One table [N, D], same contract as ``fused_cowclip_adam_step``: the multi-table kernel with
     one feature; ``state.step`` is incremented here (the kernel only keeps per-row steps)."""
-    if weight.dim() != 2 or not (weight.is_contiguous() and state.exp_avg.is_contiguous()
-                                 and state.exp_avg_sq.is_contiguous()):
+    if weight.dim() != 2 or not (weight.is_contiguous() and state.exp_avg.is_contiguous() and state.exp_avg_sq.is_contiguous()):
         raise RuntimeError("weight, exp_avg, exp_avg_sq must be contiguous [N, D]")
     n, dim = weight.shape
     if grad_output.dim() != 2 or grad_output.shape[1] != dim:
         raise RuntimeError(f"grad_output dim {tuple(grad_output.shape)} != weight dim {dim}")
     meta = torch.tensor([[0, n, dim, 0, 0, int(bool(clip))]], dtype=torch.long)
     out = triton_cowclip_adam_tables(
-        weight.view(-1), state.exp_avg.view(-1), state.exp_avg_sq.view(-1), state.row_step, meta,
-        torch.tensor([float(zeta)], dtype=torch.float64), indices, offsets, grad_output.detach(),
-        per_sample_weights, lr=lr, betas=betas, eps=eps, r=r, l2=l2, eps_mode=eps_mode,
+        weight.view(-1),
+        state.exp_avg.view(-1),
+        state.exp_avg_sq.view(-1),
+        state.row_step,
+        meta,
+        torch.tensor([float(zeta)], dtype=torch.float64),
+        indices,
+        offsets,
+        grad_output.detach(),
+        per_sample_weights,
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        r=r,
+        l2=l2,
+        eps_mode=eps_mode,
     )
     state.step.add_(1)
     n_unique, n_clipped = int(out[0, 0]), out[0, 1]
-    return CowClipStats(unique_rows=n_unique, clipped_rows=n_clipped,
-                        clipped_fraction=n_clipped.to(torch.float32) / max(n_unique, 1))
+    return CowClipStats(unique_rows=n_unique, clipped_rows=n_clipped, clipped_fraction=n_clipped.to(torch.float32) / max(n_unique, 1))
 
 
 def cowclip_update_for(device: torch.device | str) -> Callable[..., Tensor] | None:
