@@ -542,10 +542,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import logging
-    import warnings
+
+    from recsys.library_warnings import quiet_known_library_warnings
 
     logging.disable(logging.WARNING)  # torchrec's planner logs its own tables
-    warnings.filterwarnings("ignore")
+    quiet_known_library_warnings()
     try:
         return args.fn(args)
     except BrokenPipeError:  # `recsys-plan show ... | head`: the reader left, nothing to say

@@ -18,9 +18,9 @@ import argparse
 import logging
 import os
 import sys
-import warnings
 
 from recsys.config import ConfigError, check_training_extras, load_config
+from recsys.library_warnings import quiet_known_library_warnings
 from recsys.training.distributed import shutdown
 from recsys.training.process import die_with_parent
 
@@ -37,8 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("torchrec.distributed.utils").setLevel(logging.ERROR)  # per-table DP notices
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
     logging.getLogger("recsys").setLevel(logging.INFO if rank == 0 else logging.WARNING)
-    warnings.filterwarnings("ignore", category=UserWarning)
-    warnings.filterwarnings("ignore", category=FutureWarning)
+    quiet_known_library_warnings()
     try:
         cfg = load_config(args.config, args.overrides)
         check_training_extras(cfg, args.config)
