@@ -23,21 +23,27 @@ second seed (`--seeds 0 1`, the default) repeats the decisive cells only (`--rep
 no clip + rule and linear by default, at 128K, 64K and then 1K; `--repeat-all` for every cell), so that a
 0.001 difference means something. Runs
 checkpoint at every epoch end; an interrupted grid continues with --reuse (finished runs are
-kept: from their run directory, or where that is absent, as on a fresh clone, from the committed
-results JSON when it was written for the same config and overrides; an interrupted run resumes
-from its last epoch); a finished run's checkpoints are deleted
-(the raw tables' state is ~7 GB). Per run the tool reports final and best AUC against the base
-batch, logloss, the share of rows clipped per epoch, steps, samples/s, wall time and the training
-time to reach the base batch's final AUC; it writes `docs/results/large_batch.json`, the table
-into `docs/large_batch.md` between `<!-- <marker>:start -->` / `<!-- <marker>:end -->` and a plot
-(AUC against batch, and AUC against epoch per batch) unless --no-docs. The last stdout line is
-one JSON object with the headline figures.
+kept: from their run directory under --out, or where that is absent, as on a fresh clone, from the
+newest committed results JSON of the same --marker under --bench when it was written for the same
+config and overrides; an interrupted run resumes from its last epoch); a finished run's checkpoints
+are deleted (the raw tables' state is ~7 GB). Per run the tool reports final and best AUC against
+the base batch, logloss, the share of rows clipped per epoch, steps, samples/s, wall time and the
+training time to reach the base batch's final AUC.
+
+It writes only under --out (the runs, and results.json with every run's figures) and --bench
+(default benchmarks/), unless --no-record: a dated record `<bench>/<date>-large-batch-<marker>.md`
+(what ran, the machine, the command, the table; a note when runs are still missing), with
+`<bench>/results/<date>-large-batch-<marker>.json` (headline figures and every run) and `.png`
+(AUC against batch, against steps, and against epoch per batch). --date (default today) names
+them; a report written again on the same date replaces that date's files. The last stdout line is
+one JSON object with the headline figures. The user guide and the current results are
+docs/large_batch.md.
 
     .venv/bin/python tools/exp_large_batch.py --reuse      # the paper grid: many hours, one run at a time
-    .venv/bin/python tools/exp_large_batch.py --report     # docs from the runs finished so far (no training)
+    .venv/bin/python tools/exp_large_batch.py --report     # a record of the runs finished so far (no training)
     .venv/bin/python tools/exp_large_batch.py --reuse --only 8192:cowclip   # one planned cell (fits the time left)
     .venv/bin/python tools/exp_large_batch.py --seeds 0 1 2 --reuse   # a third seed for the decisive cells
-    .venv/bin/python tools/exp_large_batch.py --quick --no-docs   # tiny, for a smoke test
+    .venv/bin/python tools/exp_large_batch.py --quick --no-record   # tiny, for a smoke test
     .venv/bin/python tools/exp_large_batch.py --config configs/experiments/large_batch.yaml \\
         --arms a a_all b c --batches 1024 8192 65536 --marker results --out runs/exp_large_batch   # the 2026-11-22 grid
 """
@@ -45,11 +51,17 @@ one JSON object with the headline figures.
 from __future__ import annotations
 
 import argparse
+import datetime
+import importlib.metadata
 import json
 import os
+import platform
+import re
+import shlex
 import shutil
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -60,6 +72,7 @@ sys.path.insert(0, str(REPO))
 from recsys.config import load_config  # noqa: E402
 
 CONFIG = REPO / "configs" / "experiments" / "large_batch_paper.yaml"
+BENCH = REPO / "benchmarks"  # dated records: benchmarks/<date>-large-batch-<marker>.md, results/ beside it
 
 _REF = ["optim.embedding_l2_scope=catchup"]
 ARMS: dict[str, list[str]] = {
@@ -227,7 +240,8 @@ def recorded_runs(results_json: Path, config: Path, overrides: list[str]) -> dic
 
     Why: a run's directory (its summary and metrics) lives under runs/, which git ignores, so a
     grid carried on from a fresh clone or another machine would retrain hours of finished runs;
-    the committed `docs/results/large_batch.json` holds every figure the report needs of them."""
+    a committed results JSON (`benchmarks/results/<date>-large-batch-<marker>.json`) holds every
+    figure the report needs of them."""
     if not results_json.is_file():
         return {}
     try:
@@ -237,6 +251,121 @@ def recorded_runs(results_json: Path, config: Path, overrides: list[str]) -> dic
     if doc.get("config") != _config_key(config) or doc.get("overrides") != overrides:
         return {}
     return {(r["seed"], r["batch"], r["arm"]): r for r in doc.get("runs", [])}
+
+
+def record_paths(bench: Path, date: str, marker: str) -> tuple[Path, Path, Path]:
+    """The dated record a report writes: its markdown, results JSON and plot."""
+    name = f"{date}-large-batch-{marker}"
+    return bench / f"{name}.md", bench / "results" / f"{name}.json", bench / "results" / f"{name}.png"
+
+
+def latest_recorded_runs(bench: Path, marker: str, config: Path, overrides: list[str]) -> tuple[Path | None, dict]:
+    """The finished runs recorded by the newest results JSON of ``marker`` under ``bench/results``
+    (``<date>-large-batch-<marker>.json``) that was written for the same config and overrides,
+    with its path (None, {} where there is none): a grid carried on another day reuses what the
+    last record holds."""
+    pattern = re.compile(rf"\d{{4}}-\d{{2}}-\d{{2}}-large-batch-{re.escape(marker)}\.json")
+    for path in sorted((p for p in (bench / "results").glob("*.json") if pattern.fullmatch(p.name)), reverse=True):
+        runs = recorded_runs(path, config, overrides)
+        if runs:
+            return path, runs
+    return None, {}
+
+
+def _machine() -> str:
+    """The machine line of a record: CPU model and cores, memory, GPUs the driver lists, Python and
+    the library versions (read from files and package metadata: no process is started)."""
+
+    def first(path: str, key: str) -> str | None:
+        try:
+            lines = Path(path).read_text().splitlines()
+        except OSError:
+            return None
+        return next((x.split(":", 1)[1].strip() for x in lines if x.startswith(key)), None)
+
+    parts = [f"{os.cpu_count()} CPU cores ({first('/proc/cpuinfo', 'model name') or platform.machine()})"]
+    mem = first("/proc/meminfo", "MemTotal")
+    if mem and mem.split()[0].isdigit():
+        parts.append(f"{int(mem.split()[0]) / 2**20:.1f} GiB RAM")
+    gpus = sorted(Path("/proc/driver/nvidia/gpus").glob("*/information"))
+    names = [n for g in gpus if (n := first(str(g), "Model"))]
+    if names:
+        parts.append(", ".join(names))
+    parts.append(f"Python {platform.python_version()}")
+    for dist in ("torch", "torchrec", "fbgemm-gpu", "fbgemm-gpu-cpu"):
+        try:
+            parts.append(f"{dist} {importlib.metadata.version(dist)}")
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return ", ".join(parts)
+
+
+def _record(
+    *,
+    date: str,
+    marker: str,
+    config: Path,
+    extra: list[str],
+    argv: list[str],
+    batches: list[int],
+    base: int,
+    arms: list[str],
+    seeds: list[int],
+    finished: int,
+    planned: int,
+    table: str,
+    headline: dict[str, Any],
+    json_path: Path,
+    png_path: Path,
+) -> str:
+    """The dated record's markdown (the house format of benchmarks/: title, What, Machine, the
+    command, tables), its JSON and plot linked beside it."""
+    over = f" with `{' '.join(extra)}`" if extra else ""
+    what = (
+        f"What: `tools/exp_large_batch.py` on `{_config_key(config)}`{over}: batches {', '.join(map(str, batches))} "
+        f"(base {base}), arms {', '.join(arms)}, seeds {', '.join(map(str, seeds))}; every run a real training job, "
+        "the same epochs at every batch. Per run: the final eval AUC, its change against the same arm's and seed's "
+        "base-batch run (vs base) and the best eval's, logloss, the share of updated rows CowClip clipped per epoch, "
+        "optimizer steps, samples/s, training seconds, the training seconds to reach the base run's final AUC and "
+        f"wall seconds. Headline figures and every run's evals: [results/{json_path.name}](results/{json_path.name})."
+    )
+    lines = [
+        f"# {date}: large-batch grid `{marker}`, CowClip vs sqrt / linear scaling ({finished} of {planned} runs)",
+        "",
+        textwrap.fill(what, 100, break_long_words=False, break_on_hyphens=False),
+        "",
+        textwrap.fill(f"Machine: {_machine()}; load average {os.getloadavg()[0]:.1f} when this was written.", 100),
+        "",
+        "```bash",
+        ".venv/bin/python tools/exp_large_batch.py " + shlex.join(argv),
+        "```",
+        "",
+    ]
+    if finished < planned:
+        lines += [
+            f"**Partial: {finished} of the {planned} planned runs have finished** (the grid continues with "
+            "`tools/exp_large_batch.py --reuse`; this table has the runs finished so far).",
+            "",
+        ]
+    lines += [table, ""]
+
+    def signed(d: dict[str, Any]) -> str:
+        return ", ".join(f"{k} {'-' if v is None else v if isinstance(v, bool) else format(v, '+.4f')}" for k, v in d.items()) or "-"
+
+    lines += [
+        "Headline figures (final AUC differences, paired by seed):",
+        "",
+        f"* the clip's own share, CowClip minus no clip + rule (`clip_contribution`): {signed(headline['clip_contribution'])}",
+        f"* reference semantics minus lazy (`reference_minus_lazy`): {signed(headline['reference_minus_lazy'])}",
+        f"* embedding lr 1e-3 minus the paper's (`lr1e-3_minus_paper_lr`): {signed(headline['lr1e-3_minus_paper_lr'])}",
+        "* spread of a cell's final AUC over seeds (`seed_spread`): "
+        + (", ".join(f"{k} {v:.5f}" for k, v in headline["seed_spread"].items()) or "-"),
+        f"* targets (`targets`, means over seeds): {signed(headline['targets'])}",
+        "",
+        f"![AUC against batch, steps and epoch](results/{png_path.name})",
+        "",
+    ]
+    return "\n".join(lines)
 
 
 def _cell(spec: str, plan: list[tuple[int, int, str]]) -> tuple[int, int, str]:
@@ -483,9 +612,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeat-all", action="store_true", help="a further seed repeats every cell")
     ap.add_argument("--set", nargs="*", default=[], help="extra key=value overrides for every run")
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "exp_large_batch_paper")
-    ap.add_argument("--docs", type=Path, default=REPO / "docs", help="where large_batch.md/.png and results/ go")
-    ap.add_argument("--marker", default="paper", help="docs/large_batch.md section the table goes into")
-    ap.add_argument("--no-docs", action="store_true")
+    ap.add_argument(
+        "--bench",
+        type=Path,
+        default=BENCH,
+        help="where the dated record <date>-large-batch-<marker>.md and its results/ JSON and plot go "
+        "(and where --reuse and --report look for recorded runs)",
+    )
+    ap.add_argument("--date", default=None, help="the record's date, YYYY-MM-DD (default: today)")
+    ap.add_argument("--marker", default=None, help="the record's name: <date>-large-batch-<marker> (default: paper; quick with --quick)")
+    ap.add_argument("--no-record", "--no-docs", dest="no_record", action="store_true", help="write no record under --bench")
     ap.add_argument(
         "--reuse", action="store_true", help="keep runs that already finished in --out, resume interrupted ones from their last epoch"
     )
@@ -504,7 +640,14 @@ def main(argv: list[str] | None = None) -> None:
         help="train nothing: write the table, JSON and plot of the runs finished so far (a grid that "
         "is still running elsewhere, or was stopped), saying how many of the planned runs they are",
     )
+    argv = list(sys.argv[1:] if argv is None else argv)
     a = ap.parse_args(argv)
+    a.date = a.date or datetime.date.today().isoformat()
+    if not re.fullmatch(r"\d{4}-\d{2}-\d{2}", a.date):
+        raise SystemExit(f"--date {a.date!r}: expected YYYY-MM-DD")
+    a.marker = a.marker or ("quick" if a.quick else "paper")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", a.marker):
+        raise SystemExit(f"--marker {a.marker!r}: letters, digits, '_', '.' and '-' only (it names files)")
     extra = list(a.set)
     batches = sorted(a.batches)
     if a.quick:
@@ -526,8 +669,8 @@ def main(argv: list[str] | None = None) -> None:
     a.seeds = a.seeds or ([0] if a.quick else [0, 1])
     plan = plan_runs(a.seeds, batches, a.arms, a.base_batch, None if a.repeat_all else a.repeat_arms)
     only = None if a.only is None else {_cell(x, plan) for x in a.only}
-    results_json = a.docs / "results" / "large_batch.json"
-    recorded = recorded_runs(results_json, a.config, extra) if a.reuse or a.report else {}
+    record_md, results_json, plot_png = record_paths(a.bench, a.date, a.marker)
+    recorded_json, recorded = latest_recorded_runs(a.bench, a.marker, a.config, extra) if a.reuse or a.report else (None, {})
     results: list[dict] = []
     t_start = time.perf_counter()
     ran = 0
@@ -554,7 +697,7 @@ def main(argv: list[str] | None = None) -> None:
             print("    (reused)", flush=True)
         elif (seed, b, arm) in recorded:
             s = dict(recorded[(seed, b, arm)])
-            print(f"    (reused from {results_json}: {run_dir} has no summary.json)", flush=True)
+            print(f"    (reused from {recorded_json}: {run_dir} has no summary.json)", flush=True)
         elif a.report or (only is not None and (seed, b, arm) not in only):
             print("    not finished: left out of the report" + ("" if a.report else " (not in --only)"), flush=True)
             continue
@@ -580,16 +723,13 @@ def main(argv: list[str] | None = None) -> None:
 
     finished = sum(1 for r in results if not r.get("shared_with"))
     table = _table(results)
-    if finished < len(plan):
-        table = (
-            f"**Partial: {finished} of the {len(plan)} planned runs have finished** (the grid continues with "
-            f"`tools/exp_large_batch.py --reuse`; this table has the runs finished so far).\n\n" + table
-        )
     print(table)
+    if finished < len(plan):
+        print(f"Partial: {finished} of the {len(plan)} planned runs have finished", flush=True)
     headline = _headline(results, a.base_batch, batches)
     headline.update(runs_finished=finished, runs_planned=len(plan))
-    if not a.no_docs:
-        (a.docs / "results").mkdir(parents=True, exist_ok=True)
+    if not a.no_record:
+        results_json.parent.mkdir(parents=True, exist_ok=True)
         keep = (
             "batch",
             "arm",
@@ -616,14 +756,27 @@ def main(argv: list[str] | None = None) -> None:
             )
             + "\n"
         )
-        _plot(results, a.base_batch, a.docs / "large_batch.png" if a.marker == "results" else a.docs / f"large_batch_{a.marker}.png")
-        doc = a.docs / "large_batch.md"
-        start, end = f"<!-- {a.marker}:start -->\n", f"\n<!-- {a.marker}:end -->"
-        text = doc.read_text() if doc.is_file() else "# Large-batch experiment\n"
-        if start not in text or end not in text:
-            text = text.rstrip("\n") + f"\n\n{start}{end}\n"
-        head, rest = text.split(start, 1)
-        doc.write_text(head + start + table + end + rest.split(end, 1)[1])
+        _plot(results, a.base_batch, plot_png)
+        record_md.write_text(
+            _record(
+                date=a.date,
+                marker=a.marker,
+                config=a.config,
+                extra=extra,
+                argv=argv,
+                batches=batches,
+                base=a.base_batch,
+                arms=a.arms,
+                seeds=a.seeds,
+                finished=finished,
+                planned=len(plan),
+                table=table,
+                headline=headline,
+                json_path=results_json,
+                png_path=plot_png,
+            )
+        )
+        print(f"record: {record_md} ({results_json.name}, {plot_png.name} in {results_json.parent})", flush=True)
     headline.update(load_average=os.getloadavg()[0], total_wall_s=round(time.perf_counter() - t_start, 1))
     print(json.dumps(headline))
 

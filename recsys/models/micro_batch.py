@@ -2,7 +2,7 @@
 
 Why: at large batches the dense tower's activations ([64K, 400] fp32 is 100 MB per layer) no
 longer fit in the caches, and a 64K step ran slower per sample than an 8K step
-(docs/benchmarks.md). Running everything after the embedding lookup (FM, DNN, cross layers, heads
+(benchmarks/2026-11-22-train-throughput.md). Running everything after the embedding lookup (FM, DNN, cross layers, heads
 and the loss) chunk by chunk keeps each chunk's activations small; gradients of the dense
 parameters and of the pooled embeddings are summed over the chunks, so the step's gradients are
 those of the whole batch (up to float summation order), the embedding lookup and its fused

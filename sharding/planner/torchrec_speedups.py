@@ -1,6 +1,6 @@
 """Faster torchrec planner internals, applied only while the topology-aware planner plans.
 
-Profiling the 500-table model on 128 ranks (docs/benchmarks.md, planner section) showed most of
+Profiling the 500-table model on 128 ranks (benchmarks/2026-11-26-planner.md) showed most of
 the time in torchrec itself, not in our cost model:
 
 - the v2 shard perf estimator (``torchrec/distributed/planner/estimator``) looks up its

@@ -4,7 +4,7 @@ Logic only: which plans the tool measures, what the model says about them (check
 independent computation), and that its summary statistics are those of its own rows. Whether
 the measured times order the plans as the model does depends on the machine and its load: that
 is the tool's output (Spearman rank correlation, measured/modeled per plan), recorded in
-docs/benchmarks.md, not a test assertion."""
+benchmarks/ (e.g. 2026-11-26-calibration-cpu.md), not a test assertion."""
 
 from __future__ import annotations
 

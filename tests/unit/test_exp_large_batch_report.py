@@ -1,5 +1,6 @@
-"""`tools/exp_large_batch.py --report`: the docs of a grid that is still running (or was stopped),
-from the runs finished so far, without training anything."""
+"""`tools/exp_large_batch.py --report`: the dated record of a grid that is still running (or was
+stopped), from the runs finished so far, without training anything. The tool writes only under
+--out and --bench, here both in tmp_path."""
 
 from __future__ import annotations
 
@@ -7,6 +8,14 @@ import json
 from pathlib import Path
 
 from tools import exp_large_batch as exp
+
+DATE = "2026-01-02"  # --date of every report here: the record's name does not depend on the day the tests run
+
+
+def _record(bench: Path, marker: str = "quick", date: str = DATE) -> tuple[Path, Path, Path]:
+    """Where a report writes its record: the markdown, the results JSON and the plot."""
+    name = f"{date}-large-batch-{marker}"
+    return bench / f"{name}.md", bench / "results" / f"{name}.json", bench / "results" / f"{name}.png"
 
 
 def _fake_run(out: Path, name: str, auc: float, evals: list[tuple[int, float, float]], clipped: float) -> None:
@@ -35,18 +44,19 @@ def _fake_run(out: Path, name: str, auc: float, evals: list[tuple[int, float, fl
 
 
 def test_report_writes_the_finished_runs_and_says_how_many_are_missing(tmp_path, capsys):
-    out, docs = tmp_path / "runs", tmp_path / "docs"
+    out, bench = tmp_path / "runs", tmp_path / "benchmarks"
     # --quick plans batches 256 and 2048; with arms cowclip, sqrt, linear that is 5 runs (linear
     # shares sqrt's run at the base batch). Three have finished:
     _fake_run(out, "b256_cowclip", 0.7900, [(10, 1.0, 0.7850), (20, 2.0, 0.7900)], 0.01)
     _fake_run(out, "b256_sqrt", 0.7800, [(10, 1.0, 0.7700), (20, 2.0, 0.7800)], 0.0)
     _fake_run(out, "b2048_cowclip", 0.7880, [(1, 1.0, 0.7910), (2, 2.0, 0.7880)], 0.02)
-    exp.main(["--quick", "--report", "--out", str(out), "--docs", str(docs), "--arms", "cowclip", "sqrt", "linear"])
+    exp.main(["--quick", "--report", "--out", str(out), "--bench", str(bench), "--date", DATE, "--arms", "cowclip", "sqrt", "linear"])
     assert not (out / "b2048_sqrt").exists() and not (out / "b2048_linear").exists()  # nothing was trained
 
     head = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert (head["runs_finished"], head["runs_planned"]) == (3, 5)
-    res = json.loads((docs / "results" / "large_batch.json").read_text())
+    md_path, json_path, png_path = _record(bench)
+    res = json.loads(json_path.read_text())
     assert (res["runs_finished"], res["runs_planned"]) == (3, 5)
     runs = {(r["batch"], r["arm"]): r for r in res["runs"]}
     assert set(runs) == {(256, "cowclip"), (256, "sqrt"), (256, "linear"), (2048, "cowclip")}
@@ -58,20 +68,30 @@ def test_report_writes_the_finished_runs_and_says_how_many_are_missing(tmp_path,
     assert runs[(256, "linear")]["auc"] == runs[(256, "sqrt")]["auc"]
     assert res["targets"] == {}  # targets are for batches of 64K and more: none claimed from these
 
-    md = (docs / "large_batch.md").read_text()
+    md = md_path.read_text()
+    assert md.startswith(f"# {DATE}: large-batch grid `quick`")
     assert "**Partial: 3 of the 5 planned runs have finished**" in md
     assert md.count("| 2048 | cowclip") == 1 and "| 2048 | sqrt" not in md
-    assert (docs / "large_batch_paper.png").stat().st_size > 10_000
+    assert f"](results/{json_path.name})" in md and f"](results/{png_path.name})" in md
+    assert png_path.stat().st_size > 10_000
+    # nothing outside --out and --bench
+    assert {p.relative_to(tmp_path).parts[0] for p in tmp_path.iterdir()} == {"runs", "benchmarks"}
+    assert sorted(p.name for p in bench.rglob("*") if p.is_file()) == sorted([md_path.name, json_path.name, png_path.name])
 
 
 def test_report_of_a_complete_grid_has_no_partial_note(tmp_path, capsys):
-    out, docs = tmp_path / "runs", tmp_path / "docs"
+    out, bench = tmp_path / "runs", tmp_path / "benchmarks"
     _fake_run(out, "b256_cowclip", 0.79, [(10, 1.0, 0.79)], 0.0)
     _fake_run(out, "b2048_cowclip", 0.78, [(1, 1.0, 0.78)], 0.0)
-    exp.main(["--quick", "--report", "--out", str(out), "--docs", str(docs), "--arms", "cowclip"])
+    exp.main(["--quick", "--report", "--out", str(out), "--bench", str(bench), "--date", DATE, "--arms", "cowclip"])
     head = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert (head["runs_finished"], head["runs_planned"]) == (2, 2)
-    assert "Partial" not in (docs / "large_batch.md").read_text()
+    assert "Partial" not in _record(bench)[0].read_text()
+
+    # --no-record (alias --no-docs): the table on stdout only, nothing under --bench
+    other = tmp_path / "other"
+    exp.main(["--quick", "--report", "--out", str(out), "--bench", str(other), "--arms", "cowclip", "--no-docs"])
+    assert "| 2048 | cowclip" in capsys.readouterr().out and not other.exists()
 
 
 def test_arms_that_share_the_base_run_train_the_same_job_there():
@@ -110,11 +130,11 @@ def test_the_paper_grid_plans_each_base_run_once_and_the_decisive_cells_first():
 
 
 def test_report_gives_sqrt_and_linear_the_no_clip_rule_base_run(tmp_path, capsys):
-    out, docs = tmp_path / "runs", tmp_path / "docs"
+    out, bench = tmp_path / "runs", tmp_path / "benchmarks"
     _fake_run(out, "b256_noclip_rule", 0.7900, [(10, 1.0, 0.7900)], 0.0)
     _fake_run(out, "b2048_sqrt", 0.7850, [(1, 1.0, 0.7850)], 0.0)
-    exp.main(["--quick", "--report", "--out", str(out), "--docs", str(docs), "--arms", "noclip_rule", "sqrt", "linear"])
-    res = json.loads((docs / "results" / "large_batch.json").read_text())
+    exp.main(["--quick", "--report", "--out", str(out), "--bench", str(bench), "--date", DATE, "--arms", "noclip_rule", "sqrt", "linear"])
+    res = json.loads(_record(bench)[1].read_text())
     runs = {(r["batch"], r["arm"]): r for r in res["runs"]}
     assert runs[(256, "sqrt")]["auc"] == runs[(256, "linear")]["auc"] == 0.7900
     assert abs(runs[(2048, "sqrt")]["auc_vs_base"] - (0.7850 - 0.7900)) < 1e-12
@@ -186,7 +206,7 @@ def test_a_second_seed_repeats_only_the_decisive_cells_before_the_8k_cells():
 def test_a_resumed_run_reports_its_whole_training_time(tmp_path, capsys):
     """The trainer's clock restarts when a run resumes; the report adds the pieces (and gives no wall
     time: the tool could not time a piece that a stopped grid cut off)."""
-    out, docs = tmp_path / "runs", tmp_path / "docs"
+    out, bench = tmp_path / "runs", tmp_path / "benchmarks"
     _fake_run(out, "b256_cowclip", 0.79, [(10, 1.0, 0.785), (20, 2.0, 0.79)], 0.0)
     d = out / "b2048_cowclip"
     d.mkdir(parents=True)
@@ -205,36 +225,36 @@ def test_a_resumed_run_reports_its_whole_training_time(tmp_path, capsys):
     ]
     (d / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in recs) + "\n")
     (d / "exp_wall_s.txt").write_text("9.0\n")  # the last piece only
-    exp.main(["--quick", "--report", "--out", str(out), "--docs", str(docs), "--arms", "cowclip"])
-    res = json.loads((docs / "results" / "large_batch.json").read_text())
+    exp.main(["--quick", "--report", "--out", str(out), "--bench", str(bench), "--date", DATE, "--arms", "cowclip"])
+    res = json.loads(_record(bench)[1].read_text())
     big = next(r for r in res["runs"] if r["batch"] == 2048)
     assert (big["train_s"], big["pieces"], big["wall_s"]) == (107.0, 2, None)
     assert big["train_s_to_base_auc"] == 104.0  # epoch 2 reached the base's 0.79: 100 s + 4 s
     assert [e["train_s"] for e in big["evals"]] == [100.0, 104.0, 107.0]
-    assert "| 107 | 104 | - (2 pieces) |" in (docs / "large_batch.md").read_text()
+    assert "| 107 | 104 | - (2 pieces) |" in _record(bench)[0].read_text()
 
 
 def test_the_report_compares_the_two_semantics_at_each_batch(tmp_path, capsys):
     """The final AUC of the reference semantics minus the lazy ones' at every batch where both ran
     (what the default scope follows), whatever each arm's own base run gave."""
-    out, docs = tmp_path / "runs", tmp_path / "docs"
+    out, bench = tmp_path / "runs", tmp_path / "benchmarks"
     _fake_run(out, "b256_cowclip", 0.7950, [(10, 1.0, 0.7950)], 0.01)
     _fake_run(out, "b256_cowclip_lazy", 0.7850, [(10, 1.0, 0.7850)], 0.0)
     _fake_run(out, "b2048_cowclip", 0.7960, [(1, 1.0, 0.7960)], 0.01)
     _fake_run(out, "b2048_cowclip_lazy", 0.7945, [(1, 1.0, 0.7945)], 0.0)
-    exp.main(["--quick", "--report", "--out", str(out), "--docs", str(docs), "--arms", "cowclip", "cowclip_lazy"])
+    exp.main(["--quick", "--report", "--out", str(out), "--bench", str(bench), "--date", DATE, "--arms", "cowclip", "cowclip_lazy"])
     head = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     diff = head["reference_minus_lazy"]
     assert set(diff) == {"@256", "@2048"}
     assert abs(diff["@256"] - 0.0100) < 1e-9 and abs(diff["@2048"] - 0.0015) < 1e-9
-    runs = {(r["batch"], r["arm"]): r for r in json.loads((docs / "results" / "large_batch.json").read_text())["runs"]}
+    runs = {(r["batch"], r["arm"]): r for r in json.loads(_record(bench)[1].read_text())["runs"]}
     assert abs(runs[(2048, "cowclip_lazy")]["auc_vs_base"] - 0.0095) < 1e-9  # against its own 256 run, not the reference's
 
 
 def test_the_clip_contribution_is_cowclip_minus_no_clip_at_the_same_batch(tmp_path, capsys):
     """Not the difference of the two arms' gains over their own 1K runs: the clip's worth at the
     1K base (here 0.0010) must not be subtracted from its worth at the large batch."""
-    out, docs = tmp_path / "runs", tmp_path / "docs"
+    out, bench = tmp_path / "runs", tmp_path / "benchmarks"
     _fake_run(out, "b1024_cowclip", 0.7960, [(10, 1.0, 0.7960)], 0.05)
     _fake_run(out, "b1024_noclip_rule", 0.7950, [(10, 1.0, 0.7950)], 0.0)
     _fake_run(out, "b65536_cowclip", 0.7955, [(1, 1.0, 0.7955)], 0.02)
@@ -244,8 +264,10 @@ def test_the_clip_contribution_is_cowclip_minus_no_clip_at_the_same_batch(tmp_pa
             "--report",
             "--out",
             str(out),
-            "--docs",
-            str(docs),
+            "--bench",
+            str(bench),
+            "--date",
+            DATE,
             "--arms",
             "cowclip",
             "noclip_rule",
@@ -266,35 +288,44 @@ def test_the_clip_contribution_is_cowclip_minus_no_clip_at_the_same_batch(tmp_pa
 
 def test_a_fresh_clone_reuses_the_runs_the_committed_results_json_records(tmp_path, capsys):
     """runs/ is not in git: on a fresh clone the finished runs' directories are gone, and --reuse
-    must take them from docs/results/large_batch.json instead of retraining them; a JSON written
-    for other overrides must not be taken."""
-    out, docs = tmp_path / "runs", tmp_path / "docs"
+    must take them from the newest committed results JSON of the same marker under --bench
+    (benchmarks/results/<date>-large-batch-<marker>.json) instead of retraining them; a JSON
+    written for other overrides must not be taken, and an older dated record is never rewritten."""
+    out, bench = tmp_path / "runs", tmp_path / "benchmarks"
     _fake_run(out, "b256_cowclip", 0.7900, [(10, 1.0, 0.7850), (20, 2.0, 0.7900)], 0.01)
     _fake_run(out, "b2048_cowclip", 0.7880, [(1, 1.0, 0.7910), (2, 2.0, 0.7880)], 0.02)
-    argv = ["--quick", "--out", str(out), "--docs", str(docs), "--arms", "cowclip"]
-    exp.main([*argv, "--report"])
-    first = json.loads((docs / "results" / "large_batch.json").read_text())
+    argv = ["--quick", "--out", str(out), "--bench", str(bench), "--arms", "cowclip"]
+    exp.main([*argv, "--report", "--date", "2026-01-01"])
+    old_md, old_json, _ = _record(bench, date="2026-01-01")
+    first, first_md = json.loads(old_json.read_text()), old_md.read_text()
     capsys.readouterr()
 
     import shutil
 
     shutil.rmtree(out)  # a fresh clone: no run directories
-    exp.main([*argv, "--reuse"])  # every planned run is recorded: nothing to train
+    exp.main([*argv, "--reuse", "--date", DATE])  # every planned run is recorded: nothing to train
     log = capsys.readouterr().out
-    assert log.count("(reused from") == 2 and not out.joinpath("b2048_cowclip").exists()
-    again = json.loads((docs / "results" / "large_batch.json").read_text())
+    assert log.count(f"(reused from {old_json}") == 2 and not out.joinpath("b2048_cowclip").exists()
+    again = json.loads(_record(bench)[1].read_text())
     assert again["runs"] == first["runs"] and (again["runs_finished"], again["runs_planned"]) == (2, 2)
+    assert old_md.read_text() == first_md and json.loads(old_json.read_text()) == first  # the older record stays as it was
 
-    exp.main([*argv, "--report", "--set", "train.epochs=3"])  # other overrides: the record is not theirs
+    exp.main([*argv, "--report", "--date", DATE, "--set", "train.epochs=3"])  # other overrides: the record is not theirs
     head = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert (head["runs_finished"], head["runs_planned"]) == (0, 2)
+
+    # the newest record (DATE) is the other overrides' after that report: a later report takes the newest one that is theirs
+    exp.main([*argv, "--report", "--date", "2026-01-03"])
+    log = capsys.readouterr().out
+    assert log.count(f"(reused from {old_json}") == 2
+    assert json.loads(log.strip().splitlines()[-1])["runs_finished"] == 2
 
 
 def test_the_seed_spread_of_a_cell_is_the_range_of_its_seeds_final_aucs(tmp_path, capsys):
     """What a second seed moves a cell is the yardstick of a 0.001 difference: the max minus the min
     of the cell's final AUCs over seeds, only for cells with more than one seed, and a run shared
     at the base batch counted once."""
-    out, docs = tmp_path / "runs", tmp_path / "docs"
+    out, bench = tmp_path / "runs", tmp_path / "benchmarks"
     _fake_run(out, "b1024_cowclip", 0.7960, [(10, 1.0, 0.7960)], 0.05)
     _fake_run(out, "b1024_noclip_rule", 0.7950, [(10, 1.0, 0.7950)], 0.0)
     _fake_run(out, "b65536_cowclip", 0.7955, [(1, 1.0, 0.7955)], 0.02)
@@ -305,8 +336,10 @@ def test_the_seed_spread_of_a_cell_is_the_range_of_its_seeds_final_aucs(tmp_path
             "--report",
             "--out",
             str(out),
-            "--docs",
-            str(docs),
+            "--bench",
+            str(bench),
+            "--date",
+            DATE,
             "--arms",
             "cowclip",
             "noclip_rule",
@@ -328,7 +361,7 @@ def test_arm_differences_pair_the_seeds_that_ran_both_arms(tmp_path, capsys):
     """While a second seed has run CowClip and not yet no clip + rule (or the lazy semantics), the
     clip's contribution and reference minus lazy must not take seed 1's CowClip against seed 0's
     other arm: a seed's shift would pass for the clip's worth."""
-    out, docs = tmp_path / "runs", tmp_path / "docs"
+    out, bench = tmp_path / "runs", tmp_path / "benchmarks"
     _fake_run(out, "b1024_cowclip", 0.7960, [(10, 1.0, 0.7960)], 0.05)
     _fake_run(out, "b1024_noclip_rule", 0.7950, [(10, 1.0, 0.7950)], 0.0)
     _fake_run(out, "b65536_cowclip", 0.7955, [(1, 1.0, 0.7955)], 0.02)
@@ -339,8 +372,10 @@ def test_arm_differences_pair_the_seeds_that_ran_both_arms(tmp_path, capsys):
         "--report",
         "--out",
         str(out),
-        "--docs",
-        str(docs),
+        "--bench",
+        str(bench),
+        "--date",
+        DATE,
         "--arms",
         "cowclip",
         "cowclip_lazy",
@@ -365,10 +400,10 @@ def test_arm_differences_pair_the_seeds_that_ran_both_arms(tmp_path, capsys):
 
 def test_only_trains_the_named_cells_and_still_reports_every_finished_run(tmp_path, capsys, monkeypatch):
     """--only picks the planned cells to train (one that fits the time a machine has left), and the
-    docs still cover the whole plan: finished runs reused, the others left out, not dropped from the
+    record still covers the whole plan: finished runs reused, the others left out, not dropped from the
     JSON's plan count. The trainer is replaced by a recorder here: what is tested is which cells the
     tool asks it for (the trainer's own runs are the other tests' and the grid's)."""
-    out, docs = tmp_path / "runs", tmp_path / "docs"
+    out, bench = tmp_path / "runs", tmp_path / "benchmarks"
     _fake_run(out, "b256_cowclip", 0.7900, [(10, 1.0, 0.7850), (20, 2.0, 0.7900)], 0.01)
     trained = []
 
@@ -378,7 +413,7 @@ def test_only_trains_the_named_cells_and_still_reports_every_finished_run(tmp_pa
         return exp._load(run_dir)
 
     monkeypatch.setattr(exp, "_run", fake_run)
-    argv = ["--quick", "--reuse", "--out", str(out), "--docs", str(docs), "--arms", "cowclip", "sqrt"]
+    argv = ["--quick", "--reuse", "--out", str(out), "--bench", str(bench), "--date", DATE, "--arms", "cowclip", "sqrt"]
     exp.main([*argv, "--only", "2048:sqrt"])
     assert trained == ["b2048_sqrt"]  # not b256_sqrt nor b2048_cowclip, though both are unfinished
     head = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -405,7 +440,7 @@ def test_targets_by_seed_judge_each_seed_against_its_own_base_and_each_rule_alon
     """A rule that diverges on one seed and not on the other fails the verdict on that other seed,
     which the mean over seeds hides; sqrt and linear each get a verdict, and a seed without a run
     gets None, not a pass."""
-    out, docs = tmp_path / "runs", tmp_path / "docs"
+    out, bench = tmp_path / "runs", tmp_path / "benchmarks"
     _fake_run(out, "b1024_cowclip", 0.7960, [(10, 1.0, 0.7960)], 0.05)
     _fake_run(out, "b1024_noclip_rule", 0.7950, [(10, 1.0, 0.7950)], 0.0)  # sqrt's and linear's base too
     _fake_run(out, "b1024_cowclip_s1", 0.7964, [(10, 1.0, 0.7964)], 0.05)
@@ -420,8 +455,10 @@ def test_targets_by_seed_judge_each_seed_against_its_own_base_and_each_rule_alon
             "--report",
             "--out",
             str(out),
-            "--docs",
-            str(docs),
+            "--bench",
+            str(bench),
+            "--date",
+            DATE,
             "--arms",
             "cowclip",
             "noclip_rule",
@@ -450,14 +487,14 @@ def test_targets_by_seed_judge_each_seed_against_its_own_base_and_each_rule_alon
     }
     # the mean over seeds passes linear (-0.0073 against CowClip's -0.0006): what by_seed is there for
     assert head["targets"]["sqrt_linear_lose_2x_cowclip@131072"] is True
-    assert json.loads((docs / "results" / "large_batch.json").read_text())["targets_by_seed"] == by_seed
+    assert json.loads(_record(bench, "paper")[1].read_text())["targets_by_seed"] == by_seed
 
 
 def test_the_lr_arm_is_compared_with_cowclip_at_the_same_batch_and_stays_out_of_the_verdicts(tmp_path, capsys):
     """``lr1e-3_minus_paper_lr``: CowClip at embedding lr 1e-3 minus CowClip at the paper's lr, at
     each batch both ran; the lr arm's own gain over its 1K run is in ``auc_vs_base`` and never
     stands in for CowClip in the targets (here it would turn a failed verdict into a pass)."""
-    out, docs = tmp_path / "runs", tmp_path / "docs"
+    out, bench = tmp_path / "runs", tmp_path / "benchmarks"
     _fake_run(out, "b1024_cowclip", 0.7958, [(10, 1.0, 0.7958)], 0.05)
     _fake_run(out, "b1024_cowclip_lr1e-3", 0.7970, [(10, 1.0, 0.7970)], 0.06)
     _fake_run(out, "b65536_cowclip", 0.7930, [(1, 1.0, 0.7930)], 0.02)  # -0.0028: fails the 0.001 target
@@ -467,8 +504,10 @@ def test_the_lr_arm_is_compared_with_cowclip_at_the_same_batch_and_stays_out_of_
             "--report",
             "--out",
             str(out),
-            "--docs",
-            str(docs),
+            "--bench",
+            str(bench),
+            "--date",
+            DATE,
             "--arms",
             "cowclip",
             "cowclip_lr1e-3",

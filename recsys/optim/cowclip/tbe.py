@@ -381,7 +381,7 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
         w = self.weights
         if w.device.type == "cpu" and w.numel() * 4 >= HUGE_PAGE_MIN_BYTES:
             # lazy Adam touches 4 random rows per id (w, m, v, row_step): 2 MB pages save the page
-            # walks (docs/benchmarks.md, CowClip: 20.8 -> 13.7 ms at 26 x 1M rows, batch 8K)
+            # walks (benchmarks/2026-11-22-cowclip-kernel.md: 20.8 -> 13.7 ms at 26 x 1M rows, batch 8K)
             advise_huge_pages([self.weights, self.momentum1, self.momentum2, self.row_step])
         self.hyper = hyper
         self.lr = float(hyper.learning_rate)

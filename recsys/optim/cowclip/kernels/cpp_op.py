@@ -240,9 +240,9 @@ def advise_huge_pages(tensors) -> int:
     """Back the tensors' memory with 2 MB transparent huge pages, in place (same addresses, so every
     view stays valid): ``madvise(MADV_HUGEPAGE)`` then ``madvise(MADV_COLLAPSE)`` (Linux >= 6.1) on
     the 2 MB-aligned part of each. Returns the bytes collapsed (0 where the kernel or THP setting
-    refuses; never raises). Not called by default: it is a storage-allocation choice (a one-time
-    copy of the tables, seconds for GBs). At 1M rows x 26 tables lazy Adam's 4 random rows per id
-    (w, m, v, row_step) cost 4 page walks with 4 KB pages; see docs/benchmarks.md (CowClip)."""
+    refuses; never raises). ``CowClipAdamTBE`` calls it on CPU state of ``HUGE_PAGE_MIN_BYTES`` or
+    more. At 1M rows x 26 tables lazy Adam's 4 random rows per id (w, m, v, row_step) cost 4 page
+    walks with 4 KB pages; see benchmarks/2026-11-22-cowclip-kernel.md."""
     import ctypes
 
     try:

@@ -4,7 +4,7 @@
 ``recsys/optim/cowclip/catchup.py`` has the math (the block scheme and its measured error bound)
 and the torch version, which CUDA runs used before this kernel: on an H200, 26 tables of 1.3M rows
 (the raw Criteo total), batch 8K, it cost 22x the lazy Triton update per step, a few hundred
-small torch ops per lookup; with this kernel catch-up plus update cost 1.7x (docs/benchmarks.md,
+small torch ops per lookup; with this kernel catch-up plus update cost 1.7x (benchmarks/2026-11-26-triton-gpu.md,
 "Triton kernels on a GPU"; measured with the block formula this kernel had before the frozen-step
 matrix power and the predicted w path, which have not run on a GPU yet). One program advances
 one row: it reads the row's w, m, v and ``row_step`` once, walks the row's schedule (blocks of 1, 2, 4, ... steps,
@@ -537,7 +537,7 @@ def triton_catch_up_lookup(
     synchronisation, and a dozen small ops and copies). Here each program claims the rows behind
     among its 32 ids (an atomic max of their ``row_step`` to ``step``: exactly one id per row wins)
     and advances the ones it won; one launch, no synchronisation, and the result does not depend on
-    which id won. Tried before it (docs/benchmarks.md): one program per id with the advance inline
+    which id won. Tried before it (benchmarks/2026-11-26-triton-gpu.md): one program per id with the advance inline
     (the advance's registers cap the programs in flight; each id's chain of dependent loads made it
     0.8-1.7 ms slower at batches 64K-128K), and a claim kernel listing the rows for a second,
     persistent advance kernel (as fast, with a second launch and a counter to zero)."""
