@@ -26,7 +26,8 @@ invocation per rate, all merged into one file with a per-link summary (epoch tim
 speed-ups vs k=1 and vs sync, crossovers) and a time-vs-k plot:
 
     .venv/bin/python tools/exp_kstep.py --ks 1,4,16,64 --moments off --sync --eval-every 64 \
-        --net rate=1gbit --results docs/results/kstep_network.json --network-plot docs/kstep_network.png \
+        --net rate=1gbit --results benchmarks/results/DATE-kstep-network.json \
+        --network-plot benchmarks/results/DATE-kstep-network.png \
         --dmpcollection
 
 `--dmpcollection` tries torchrec's own 2D parallelism (DMPCollection) here and records the outcome.
@@ -663,7 +664,7 @@ def main(argv: list[str] | None = None) -> int:
         "--results",
         type=Path,
         default=None,
-        help="also merge the rows into this JSON (e.g. docs/results/kstep_network.json: one file "
+        help="also merge the rows into this JSON (e.g. benchmarks/results/DATE-kstep-network.json: one file "
         "over several invocations, one per rate) and recompute the per-link summary",
     )
     ap.add_argument("--network-plot", type=Path, default=None, help="with --results: time-vs-k plot of every link in it")
