@@ -64,7 +64,7 @@ test-system: venv test-deps
 
 # The GPU suite (tests/gpu; docs/install.md "Testing on a GPU"): NCCL, FBGEMM's CUDA kernels, the
 # Triton kernel compiled, a training run on CUDA. It needs a CUDA build of the stack, e.g.
-# `make test-gpu GPU_VENV=.venv-cuda`; with the CPU stack of $(VENV) (and in `make test`, which
+# `make test-gpu GPU_VENV=.venv-cuda`; with the CPU stack of $(VENV) (and in `make test-system`, which
 # collects tests/gpu too) every test is skipped with one reason line.
 GPU_VENV ?= $(VENV)
 test-gpu: $(if $(filter $(GPU_VENV),$(VENV)),venv test-deps)
