@@ -12,29 +12,13 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from sharding import save_plan
 from sharding.planner.topology_planner import TopologyAwarePlanner
+from tests.support.plan_models import PLANNER_SPECS as SPECS, meta_ebc
 
 REPO = Path(__file__).resolve().parents[2]
-SPECS = [
-    (1_000_000, 64),
-    (500_000, 64),
-    (200_000, 32),
-    (50_000, 32),
-    (10_000, 16),
-    (5_000, 16),
-    (1_000, 16),
-    (300, 16),
-    (2_000_000, 32),
-    (80_000, 64),
-    (120, 16),
-    (7_000, 32),
-]
 
 
 class _Lines(logging.Handler):
@@ -48,10 +32,7 @@ class _Lines(logging.Handler):
 
 @pytest.mark.parametrize("topology", ["pcie-8gpu-2socket", "dgx-a100-2host"])
 def test_show_prints_the_step_the_planner_logged(tmp_path, topology):
-    tables = [
-        EmbeddingBagConfig(name=f"t_{i}", embedding_dim=d, num_embeddings=n, feature_names=[f"f_{i}"]) for i, (n, d) in enumerate(SPECS)
-    ]
-    model = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+    model = meta_ebc(SPECS)
     planner = TopologyAwarePlanner(topology, 512)
     handler, logger = _Lines(), logging.getLogger("sharding.planner.topology_planner")
     old_level, old_disable = logger.level, logging.root.manager.disable

@@ -11,39 +11,16 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.planner.proposers import GreedyProposer
 from torchrec.distributed.planner.types import PlannerError
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from sharding.planner.bounds import step_time_lower_bound
 from sharding.planner.proposers import BudgetedProposer, SearchReport
 from sharding.planner.topology_planner import ModelDoesNotFitError, TopologyAwarePlanner
+from tests.support.plan_models import meta_ebc as ebc
 
 ROOT = Path(__file__).resolve().parents[2]
-SPECS = [
-    (1_000_000, 64),
-    (500_000, 64),
-    (200_000, 32),
-    (50_000, 32),
-    (10_000, 16),
-    (5_000, 16),
-    (1_000, 16),
-    (300, 16),
-    (2_000_000, 32),
-    (80_000, 64),
-    (120, 16),
-    (7_000, 32),
-]
-
-
-def ebc(specs=SPECS):
-    tables = [
-        EmbeddingBagConfig(name=f"t_{i}", embedding_dim=d, num_embeddings=n, feature_names=[f"f_{i}"]) for i, (n, d) in enumerate(specs)
-    ]
-    return EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
 
 
 def _placements(plan):

@@ -17,15 +17,9 @@ from sharding.planner.cost.model import PlacedShard, TopologyCostModel
 from sharding.topology.cluster import load_topology
 from sharding.planner.topology_planner import default_constraints, greedy_patience_for, torchrec_topology
 from sharding.planner.torchrec_speedups import fast_deepcopy, fast_planner_internals
+from tests.support.plan_models import meta_ebc as ebc
 
 logging.disable(logging.WARNING)
-
-
-def ebc(specs):
-    tables = [
-        EmbeddingBagConfig(name=f"t_{i}", embedding_dim=d, num_embeddings=n, feature_names=[f"f_{i}"]) for i, (n, d) in enumerate(specs)
-    ]
-    return EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
 
 
 SPECS = [(2_000_000, 64), (300_000, 32), (50_000, 128), (7_000, 16), (123_457, 64), (900, 32)]

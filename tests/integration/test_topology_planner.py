@@ -10,42 +10,17 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from recsys.config import CARDINALITY_PRESETS
 from sharding.planner.cost.model import PlacedShard, TopologyCostModel
 from sharding.topology.cluster import load_topology
 from sharding.planner.topology_planner import ModelDoesNotFitError, TopologyAwarePlanner
+from tests.support.plan_models import PLANNER_SPECS as SPECS, meta_ebc as ebc
 
 ROOT = Path(__file__).resolve().parents[2]
 GIB = 1024**3
 logging.disable(logging.WARNING)
-
-
-def ebc(specs):
-    tables = [
-        EmbeddingBagConfig(name=f"t_{i}", embedding_dim=d, num_embeddings=n, feature_names=[f"f_{i}"]) for i, (n, d) in enumerate(specs)
-    ]
-    return EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
-
-
-SPECS = [
-    (1_000_000, 64),
-    (500_000, 64),
-    (200_000, 32),
-    (50_000, 32),
-    (10_000, 16),
-    (5_000, 16),
-    (1_000, 16),
-    (300, 16),
-    (2_000_000, 32),
-    (80_000, 64),
-    (120, 16),
-    (7_000, 32),
-]
 
 
 def plan_for(topo, specs=SPECS, batch=512, **kw):

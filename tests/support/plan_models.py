@@ -15,6 +15,21 @@ DIM = 8
 ROWS = {"t_cowclip": 1000, "t_adagrad": 600, "t_sgd": 100}
 
 
+# The planner tests' model: twelve tables of 120 to 2M rows and dims 16-64, (rows, dim) each.
+PLANNER_SPECS: list[tuple[int, int]] = [
+    (1_000_000, 64), (500_000, 64), (200_000, 32), (50_000, 32), (10_000, 16), (5_000, 16),
+    (1_000, 16), (300, 16), (2_000_000, 32), (80_000, 64), (120, 16), (7_000, 32),
+]  # fmt: skip
+
+
+def meta_ebc(specs: list[tuple[int, int]] = PLANNER_SPECS) -> EmbeddingBagCollection:
+    """Table ``t_i`` read by feature ``f_i`` per (rows, dim), on the meta device: planning only."""
+    tables = [
+        EmbeddingBagConfig(name=f"t_{i}", embedding_dim=d, num_embeddings=n, feature_names=[f"f_{i}"]) for i, (n, d) in enumerate(specs)
+    ]
+    return EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+
+
 def _ebc(rows: dict[str, int], device: torch.device | None = None) -> EmbeddingBagCollection:
     return EmbeddingBagCollection(
         tables=[EmbeddingBagConfig(name=n, embedding_dim=DIM, num_embeddings=r, feature_names=[f"f_{n}"]) for n, r in rows.items()],
