@@ -43,6 +43,11 @@ def _fake_run(out: Path, name: str, auc: float, evals: list[tuple[int, float, fl
     (d / "exp_wall_s.txt").write_text("30.5\n")
 
 
+def _report(out: Path, bench: Path, *args: str) -> None:
+    """``exp_large_batch.py --report`` on the runs under ``out``, its record under ``bench``."""
+    exp.main(["--report", "--out", str(out), "--bench", str(bench), "--date", DATE, *args])
+
+
 def test_report_writes_the_finished_runs_and_says_how_many_are_missing(tmp_path, capsys):
     out, bench = tmp_path / "runs", tmp_path / "benchmarks"
     # --quick plans batches 256 and 2048; with arms cowclip, sqrt, linear that is 5 runs (linear
@@ -50,7 +55,7 @@ def test_report_writes_the_finished_runs_and_says_how_many_are_missing(tmp_path,
     _fake_run(out, "b256_cowclip", 0.7900, [(10, 1.0, 0.7850), (20, 2.0, 0.7900)], 0.01)
     _fake_run(out, "b256_sqrt", 0.7800, [(10, 1.0, 0.7700), (20, 2.0, 0.7800)], 0.0)
     _fake_run(out, "b2048_cowclip", 0.7880, [(1, 1.0, 0.7910), (2, 2.0, 0.7880)], 0.02)
-    exp.main(["--quick", "--report", "--out", str(out), "--bench", str(bench), "--date", DATE, "--arms", "cowclip", "sqrt", "linear"])
+    _report(out, bench, "--quick", "--arms", "cowclip", "sqrt", "linear")
     assert not (out / "b2048_sqrt").exists() and not (out / "b2048_linear").exists()  # nothing was trained
 
     head = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -83,7 +88,7 @@ def test_report_of_a_complete_grid_has_no_partial_note(tmp_path, capsys):
     out, bench = tmp_path / "runs", tmp_path / "benchmarks"
     _fake_run(out, "b256_cowclip", 0.79, [(10, 1.0, 0.79)], 0.0)
     _fake_run(out, "b2048_cowclip", 0.78, [(1, 1.0, 0.78)], 0.0)
-    exp.main(["--quick", "--report", "--out", str(out), "--bench", str(bench), "--date", DATE, "--arms", "cowclip"])
+    _report(out, bench, "--quick", "--arms", "cowclip")
     head = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert (head["runs_finished"], head["runs_planned"]) == (2, 2)
     assert "Partial" not in _record(bench)[0].read_text()
@@ -133,7 +138,7 @@ def test_report_gives_sqrt_and_linear_the_no_clip_rule_base_run(tmp_path, capsys
     out, bench = tmp_path / "runs", tmp_path / "benchmarks"
     _fake_run(out, "b256_noclip_rule", 0.7900, [(10, 1.0, 0.7900)], 0.0)
     _fake_run(out, "b2048_sqrt", 0.7850, [(1, 1.0, 0.7850)], 0.0)
-    exp.main(["--quick", "--report", "--out", str(out), "--bench", str(bench), "--date", DATE, "--arms", "noclip_rule", "sqrt", "linear"])
+    _report(out, bench, "--quick", "--arms", "noclip_rule", "sqrt", "linear")
     res = json.loads(_record(bench)[1].read_text())
     runs = {(r["batch"], r["arm"]): r for r in res["runs"]}
     assert runs[(256, "sqrt")]["auc"] == runs[(256, "linear")]["auc"] == 0.7900
@@ -225,7 +230,7 @@ def test_a_resumed_run_reports_its_whole_training_time(tmp_path, capsys):
     ]
     (d / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in recs) + "\n")
     (d / "exp_wall_s.txt").write_text("9.0\n")  # the last piece only
-    exp.main(["--quick", "--report", "--out", str(out), "--bench", str(bench), "--date", DATE, "--arms", "cowclip"])
+    _report(out, bench, "--quick", "--arms", "cowclip")
     res = json.loads(_record(bench)[1].read_text())
     big = next(r for r in res["runs"] if r["batch"] == 2048)
     assert (big["train_s"], big["pieces"], big["wall_s"]) == (107.0, 2, None)
@@ -242,7 +247,7 @@ def test_the_report_compares_the_two_semantics_at_each_batch(tmp_path, capsys):
     _fake_run(out, "b256_cowclip_lazy", 0.7850, [(10, 1.0, 0.7850)], 0.0)
     _fake_run(out, "b2048_cowclip", 0.7960, [(1, 1.0, 0.7960)], 0.01)
     _fake_run(out, "b2048_cowclip_lazy", 0.7945, [(1, 1.0, 0.7945)], 0.0)
-    exp.main(["--quick", "--report", "--out", str(out), "--bench", str(bench), "--date", DATE, "--arms", "cowclip", "cowclip_lazy"])
+    _report(out, bench, "--quick", "--arms", "cowclip", "cowclip_lazy")
     head = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     diff = head["reference_minus_lazy"]
     assert set(diff) == {"@256", "@2048"}
@@ -259,25 +264,7 @@ def test_the_clip_contribution_is_cowclip_minus_no_clip_at_the_same_batch(tmp_pa
     _fake_run(out, "b1024_noclip_rule", 0.7950, [(10, 1.0, 0.7950)], 0.0)
     _fake_run(out, "b65536_cowclip", 0.7955, [(1, 1.0, 0.7955)], 0.02)
     _fake_run(out, "b65536_noclip_rule", 0.7940, [(1, 1.0, 0.7940)], 0.0)
-    exp.main(
-        [
-            "--report",
-            "--out",
-            str(out),
-            "--bench",
-            str(bench),
-            "--date",
-            DATE,
-            "--arms",
-            "cowclip",
-            "noclip_rule",
-            "--batches",
-            "1024",
-            "65536",
-            "--seeds",
-            "0",
-        ]
-    )
+    _report(out, bench, "--arms", "cowclip", "noclip_rule", "--batches", "1024", "65536", "--seeds", "0")
     head = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert abs(head["targets"]["clip_contribution@65536"] - 0.0015) < 1e-9
     # and at every batch both arms ran, the base included (there the runs differ by the clip alone too)
@@ -331,27 +318,7 @@ def test_the_seed_spread_of_a_cell_is_the_range_of_its_seeds_final_aucs(tmp_path
     _fake_run(out, "b65536_cowclip", 0.7955, [(1, 1.0, 0.7955)], 0.02)
     _fake_run(out, "b65536_cowclip_s1", 0.7948, [(1, 1.0, 0.7948)], 0.02)
     _fake_run(out, "b65536_noclip_rule", 0.7940, [(1, 1.0, 0.7940)], 0.0)
-    exp.main(
-        [
-            "--report",
-            "--out",
-            str(out),
-            "--bench",
-            str(bench),
-            "--date",
-            DATE,
-            "--arms",
-            "cowclip",
-            "noclip_rule",
-            "linear",
-            "--batches",
-            "1024",
-            "65536",
-            "--seeds",
-            "0",
-            "1",
-        ]
-    )
+    _report(out, bench, "--arms", "cowclip", "noclip_rule", "linear", "--batches", "1024", "65536", "--seeds", "0", "1")
     head = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(head["seed_spread"]) == {"cowclip@65536"}
     assert abs(head["seed_spread"]["cowclip@65536"] - 0.0007) < 1e-9
@@ -450,28 +417,7 @@ def test_targets_by_seed_judge_each_seed_against_its_own_base_and_each_rule_alon
     _fake_run(out, "b131072_sqrt", 0.7750, [(1, 1.0, 0.7750)], 0.0)  # -0.0200
     _fake_run(out, "b131072_linear", 0.7790, [(1, 1.0, 0.7790)], 0.0)  # -0.0160 (diverged)
     _fake_run(out, "b131072_linear_s1", 0.7970, [(1, 1.0, 0.7970)], 0.0)  # +0.0014 against its own base
-    exp.main(
-        [
-            "--report",
-            "--out",
-            str(out),
-            "--bench",
-            str(bench),
-            "--date",
-            DATE,
-            "--arms",
-            "cowclip",
-            "noclip_rule",
-            "sqrt",
-            "linear",
-            "--batches",
-            "1024",
-            "131072",
-            "--seeds",
-            "0",
-            "1",
-        ]
-    )
+    _report(out, bench, "--arms", "cowclip", "noclip_rule", "sqrt", "linear", "--batches", "1024", "131072", "--seeds", "0", "1")
     head = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     by_seed = head["targets_by_seed"]
     assert by_seed["0"] == {
@@ -499,25 +445,7 @@ def test_the_lr_arm_is_compared_with_cowclip_at_the_same_batch_and_stays_out_of_
     _fake_run(out, "b1024_cowclip_lr1e-3", 0.7970, [(10, 1.0, 0.7970)], 0.06)
     _fake_run(out, "b65536_cowclip", 0.7930, [(1, 1.0, 0.7930)], 0.02)  # -0.0028: fails the 0.001 target
     _fake_run(out, "b65536_cowclip_lr1e-3", 0.7975, [(1, 1.0, 0.7975)], 0.02)  # +0.0005 over its own base
-    exp.main(
-        [
-            "--report",
-            "--out",
-            str(out),
-            "--bench",
-            str(bench),
-            "--date",
-            DATE,
-            "--arms",
-            "cowclip",
-            "cowclip_lr1e-3",
-            "--batches",
-            "1024",
-            "65536",
-            "--seeds",
-            "0",
-        ]
-    )
+    _report(out, bench, "--arms", "cowclip", "cowclip_lr1e-3", "--batches", "1024", "65536", "--seeds", "0")
     head = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     diff = head["lr1e-3_minus_paper_lr"]
     assert set(diff) == {"@1024", "@65536"}
