@@ -100,18 +100,6 @@ class CowClipGroupedEmbeddingsLookup(CowClipLookup, GroupedEmbeddingsLookup):
 class CowClipSequenceExchangeLookup(ExchangeLookup, CowClipGroupedEmbeddingsLookup, FusedOptimizerModule):
     """The sequence ``ExchangeLookup`` (column-wise and data-parallel EC tables)."""
 
-    def __init__(
-        self,
-        grouped_configs: list[GroupedEmbeddingConfig],
-        *,
-        cowclip_mode: str,
-        exchange_tables: list[ExchangeTable],
-        exchange_pg: dist.ProcessGroup | None,
-        **kw: Any,
-    ) -> None:
-        super().__init__(grouped_configs, cowclip_mode=cowclip_mode, **kw)
-        self._init_exchange(exchange_tables, exchange_pg)
-
 
 def _sequence_lookup_for(sharding: Any, cowclip_tables: dict[str, list[ExchangeTable]]) -> GroupedEmbeddingsLookup:
     """Mirrors the four torchrec ``create_lookup`` bodies (tw/rw/cw/dp_sequence_sharding.py)."""

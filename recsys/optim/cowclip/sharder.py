@@ -480,7 +480,15 @@ class ExchangeLookup(CowClipLookup):
     exchange_tables: list[ExchangeTable]
     exchange_pg: dist.ProcessGroup | None
 
-    def _init_exchange(self, exchange_tables: list[ExchangeTable], exchange_pg: dist.ProcessGroup | None) -> None:
+    def __init__(
+        self,
+        grouped_configs: list[GroupedEmbeddingConfig],
+        *,
+        exchange_tables: list[ExchangeTable],
+        exchange_pg: dist.ProcessGroup | None,
+        **kw: Any,
+    ) -> None:
+        super().__init__(grouped_configs, **kw)  # the pooled or sequence CowClip lookup after it in the MRO
         self.exchange_tables = exchange_tables
         self.exchange_pg = exchange_pg
         self._exchange_optim = _ExchangeOptimizer()
@@ -521,18 +529,6 @@ class ExchangeLookup(CowClipLookup):
 
 class CowClipExchangeLookup(ExchangeLookup, CowClipGroupedPooledEmbeddingsLookup, FusedOptimizerModule):
     """The pooled ``ExchangeLookup`` (column-wise, table-column-wise, data-parallel EBC tables)."""
-
-    def __init__(
-        self,
-        grouped_configs: list[GroupedEmbeddingConfig],
-        *,
-        cowclip_mode: str,
-        exchange_tables: list[ExchangeTable],
-        exchange_pg: dist.ProcessGroup | None,
-        **kw: Any,
-    ) -> None:
-        super().__init__(grouped_configs, cowclip_mode=cowclip_mode, **kw)
-        self._init_exchange(exchange_tables, exchange_pg)
 
 
 def _lookup_for(sharding: Any, cowclip_tables: dict[str, list[ExchangeTable]]) -> GroupedPooledEmbeddingsLookup:
