@@ -63,33 +63,9 @@ from sharding.planner.topology_planner import TopologyAwarePlanner, default_cons
 
 KAGGLE = CARDINALITY_PRESETS["criteo_kaggle_raw"]
 CRITEO_1TB = [
-    39884406,
-    39043,
-    17289,
-    7420,
-    20263,
-    3,
-    7120,
-    1543,
-    63,
-    38532951,
-    2953546,
-    403346,
-    10,
-    2208,
-    11938,
-    155,
-    4,
-    976,
-    14,
-    39979771,
-    25641295,
-    39664984,
-    585935,
-    12972,
-    108,
-    36,
-]
+    39884406, 39043, 17289, 7420, 20263, 3, 7120, 1543, 63, 38532951, 2953546, 403346, 10, 2208,
+    11938, 155, 4, 976, 14, 39979771, 25641295, 39664984, 585935, 12972, 108, 36,
+]  # fmt: skip
 
 
 def ebc(specs: list[tuple[int, int]]) -> EmbeddingBagCollection:
