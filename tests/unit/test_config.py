@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -129,23 +127,6 @@ def test_missing_config_file(tmp_path):
         load_config(tmp_path / "nope.yaml")
 
 
-def test_cli_fails_fast_with_one_line(tmp_path):
-    """The launcher refuses before torchrun starts: exit 2, one line naming the key."""
-    p = _write(tmp_path, "train:\n  batch_size: 1001\n")
-    r = subprocess.run([sys.executable, "-m", "recsys.cli", "train", "--config", str(p)], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and "train.batch_size" in lines[0] and str(p) in lines[0]
-    assert "torch.distributed" not in r.stderr
-
-
-def test_cli_missing_data_file(tmp_path):
-    p = _write(tmp_path, f"data:\n  source: criteo\n  path: {tmp_path}/missing.tsv\n")
-    r = subprocess.run([sys.executable, "-m", "recsys.cli", "train", "--config", str(p)], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2
-    assert "data.path" in r.stderr and "missing.tsv" in r.stderr
-
-
 def test_overwrite_key_defaults_to_false_and_parses():
     assert load_config(DEMO).overwrite is False
     assert load_config(DEMO, ["overwrite=true"]).overwrite is True
@@ -227,3 +208,36 @@ def test_config_built_in_python_is_checked_against_its_literal_types():
         r"got 'ring'$",
     ):
         validate(cfg)
+
+
+def test_environment_sets_its_keys_when_the_config_loads(monkeypatch):
+    """RECSYS_RESUME, RECSYS_MERGE_ROUTE and RECSYS_PG_TIMEOUT_S are resolved into the config
+    (so the run's config.yaml records them) and win over the file and the overrides."""
+    from recsys.config import dump
+
+    monkeypatch.setenv("RECSYS_RESUME", "1")
+    monkeypatch.setenv("RECSYS_MERGE_ROUTE", "flat")
+    monkeypatch.setenv("RECSYS_PG_TIMEOUT_S", "15")
+    cfg = load_config(DEMO, ["train.merge_route=hierarchical", "train.pg_timeout_s=900"])
+    assert (cfg.resume, cfg.train.merge_route, cfg.train.pg_timeout_s) == (True, "flat", 15.0)
+    assert "resume: true" in dump(cfg) and "merge_route: flat" in dump(cfg)
+    monkeypatch.setenv("RECSYS_RESUME", "0")
+    monkeypatch.setenv("RECSYS_MERGE_ROUTE", "")  # empty: the key is left alone
+    cfg = load_config(DEMO, ["resume=true", "train.merge_route=hierarchical"])
+    assert (cfg.resume, cfg.train.merge_route) == (False, "hierarchical")
+
+
+@pytest.mark.parametrize(
+    "var, raw, message",
+    [
+        ("RECSYS_MERGE_ROUTE", "ring", "RECSYS_MERGE_ROUTE=ring: key 'train.merge_route': expected one of auto, flat, hierarchical"),
+        ("RECSYS_PG_TIMEOUT_S", "soon", "environment RECSYS_PG_TIMEOUT_S=soon: key 'train.pg_timeout_s': expected a number, got 'soon'"),
+        ("RECSYS_RESUME", "yes please", "environment RECSYS_RESUME=yes please: key 'resume': expected true or false, got 'yes please'"),
+        ("RECSYS_PG_TIMEOUT_S", "-5", "key 'train.pg_timeout_s': must be positive"),
+    ],
+)  # fmt: skip
+def test_bad_environment_value_is_one_line_naming_the_variable(monkeypatch, var, raw, message):
+    monkeypatch.setenv(var, raw)
+    with pytest.raises(ConfigError) as e:
+        load_config(DEMO)
+    assert message in str(e.value) and "\n" not in str(e.value)
