@@ -44,7 +44,7 @@ def _check_saved_plan(cfg) -> None:
 
     from recsys.data.source import build_source
     from recsys.models.ctr import TrainModule
-    from recsys.training.loop import default_model
+    from recsys.training.job import default_model
     import sharding.plan.io as plan_io
     from sharding.plan.validation import validate_plan
 

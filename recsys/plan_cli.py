@@ -43,7 +43,7 @@ def _model_and_tables(config: str, overrides: list[str]):
     from recsys.data.source import build_source
     from recsys.models.ctr import TrainModule
     from recsys.optim.embedding import attach_embedding_optimizer
-    from recsys.training.loop import default_model
+    from recsys.training.job import default_model
     import sharding.plan.io as plan_io
 
     cfg = load_config(config, overrides)

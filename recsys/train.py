@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     from recsys.training.checkpoint import CheckpointError
     from recsys.training.comm_failure import HostLostError, end_stuck_launcher, first_to_report
     from recsys.training.finite import NonFiniteError
-    from recsys.training.loop import run
+    from recsys.training.trainer import run
     from recsys.training.run_dir import RunDirError, RunFinished
 
     try:

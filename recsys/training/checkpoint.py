@@ -252,10 +252,12 @@ class Checkpointer:
         groups: Any = None,
         shape: dict[str, Any] | None = None,
         data: dict[str, Any] | None = None,
+        every_steps: int = 0,
     ) -> None:
         """`groups`: a `hierarchy.HostGroups` for hierarchical runs (see the module docstring).
         `shape`: the config that shapes the saved state, recorded in and checked against COMMITTED.
-        `data`: the identity of the data trained on (`DataSource.identity()`), likewise."""
+        `data`: the identity of the data trained on (`DataSource.identity()`), likewise.
+        `every_steps`: the mid-run cadence (`due`); 0: only the final checkpoint."""
         self.root = Path(root)
         self.rank = rank
         self.world_size = world_size
@@ -266,6 +268,20 @@ class Checkpointer:
         self.data_start_step = 0  # where the epochs of `data` began (a resume_on_new_data run: later)
         self.per_host_optim = False  # hierarchical, moments not merged: host h>0 saves its own
         self.lineage = uuid.uuid4().hex  # this run's; a resume adopts the checkpoint's (load)
+        self.every_steps = every_steps
+
+    # -- cadence -------------------------------------------------------------------------------
+    def align_every(self, k: int) -> int:
+        """Rounds the cadence up to a multiple of `k` (a hierarchical run checkpoints only at its
+        merge steps, where every host holds the same model); returns the new cadence."""
+        if self.every_steps:
+            self.every_steps = -(-self.every_steps // k) * k
+        return self.every_steps
+
+    def due(self, step: int, last_step: int) -> bool:
+        """Whether a mid-run checkpoint is taken after `step`; the last step's is always taken,
+        after the final eval, so it is not due here."""
+        return bool(self.every_steps) and step % self.every_steps == 0 and step != last_step
 
     @property
     def shard_world(self) -> int:
@@ -483,6 +499,21 @@ class Checkpointer:
             shutil.rmtree(old, ignore_errors=True)
 
     # -- load ----------------------------------------------------------------------------------
+    def resume(self, path: Path, model: nn.Module, optimizer: KeyedOptimizer, dense_optimizer: KeyedOptimizer) -> dict[str, Any]:
+        """`load`, for a run that continues from `path`: any failure behind complete-looking files
+        (corrupt bytes; DCP raises it on every rank) becomes one CheckpointError line, and the
+        optimizer's step is set to the checkpoint's (FBGEMM's COWCLIP and counter modes keep their
+        iteration outside the state dict). Returns what `load` returns."""
+        try:
+            extra = self.load(path, model, optimizer, dense_optimizer)
+        except (CheckpointError, KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:
+            why = describe_failure(e)
+            raise CheckpointError(f"cannot load checkpoint {path}: {why}; move it aside to resume from an earlier one") from None
+        optimizer.set_optimizer_step(int(extra["step"]))
+        return extra
+
     def load(self, path: Path, model: nn.Module, optimizer: KeyedOptimizer, dense_optimizer: KeyedOptimizer) -> dict[str, Any]:
         """Restores model, optimizer and this rank's RNG in place; returns the marker's `extra`
         with `step` and `rank_state` (what `save` got as rank_state, {} if none)."""

@@ -80,6 +80,13 @@ def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
     return torch.device("cpu")
 
 
+def mean_across_ranks(value: float) -> float:
+    """The mean of a host value over all ranks of the default group (collective)."""
+    t = torch.tensor([value], dtype=torch.float64, device=collective_device())
+    dist.all_reduce(t)
+    return float(t.item()) / dist.get_world_size()
+
+
 def free_port() -> int:
     """A TCP port free on this machine now (for a rendezvous on 127.0.0.1)."""
     import socket

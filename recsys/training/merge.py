@@ -11,7 +11,7 @@ The two-line hook for an existing TorchRec loop is ``KStepMergeHook`` (docs/drop
 constructor builds the host groups from the torchrun environment and gives DMP the host's
 ``ShardingEnv``; ``merger.step(model, optimizer)`` after each optimizer step merges every k steps
 (and at ``total_steps``). ``KStepMerger`` below is the engine, for loops that build their own
-groups (recsys/training/loop.py):
+groups (recsys/training/job.py):
 
     merger = KStepMerger(dmp, optimizer, groups.replica_pg, every_k=16, host_pg=groups.host_pg)
     merger.step(step)  # after each optimizer step, with the 1-based step number

@@ -200,11 +200,6 @@ def state_shape(cfg, sparse_names: list[str], cardinalities: list[int], shard_wo
     }
 
 
-def wants_resume(cfg) -> bool:
-    """`resume=true`, or RECSYS_RESUME=1 in the environment (the same; docs/kstep.md)."""
-    return bool(cfg.resume) or os.environ.get("RECSYS_RESUME") == "1"
-
-
 @dataclass(frozen=True)
 class ResumePoint:
     """Where a resume starts: the checkpoint, and the step at which the epochs of the data it
@@ -226,7 +221,7 @@ def preflight(cfg, source, shape: dict, warn: bool = True) -> ResumePoint | None
     from recsys.training.checkpoint import CheckpointError, Checkpointer, incomplete_reason, step_of
 
     run_dir = cfg.resolved_run_dir()
-    resume = wants_resume(cfg)
+    resume = bool(cfg.resume)  # RECSYS_RESUME=1 is resolved into it when the config loads
     aside = check_fresh(run_dir, resume, getattr(cfg, "overwrite", False))
     if aside is not None:  # (in the launcher, logging's last-resort handler prints it)
         log.warning("overwrite=true: moved the earlier run in %s to %s", run_dir, aside)
