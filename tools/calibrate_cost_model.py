@@ -4,7 +4,7 @@ Two measurements, both on real process groups (gloo on CPU; NCCL when the ranks 
 
 1. collectives: the latency of a tiny ``all_to_all_single`` (8 bytes to each peer) and the
    bandwidth of a large one, against the model's collective latency and pair bandwidth
-   (``sharding/planner/cost/model.py``, ``sharding/topology/bandwidth.py`` on the topology);
+   (``sharding/planner/cost/model.py``, ``sharding/topology/paths.py`` on the topology);
 2. plans: one EmbeddingBagCollection (Criteo-Kaggle-like: 26 tables of dim 16, rows capped at
    ``--max-rows``) sharded by several plans of the topology-aware planner, each restricted to one
    sharding type (and its unrestricted choice), trained with the fused optimizer; per plan the

@@ -7,7 +7,7 @@ constraints depend on the model's tables; no private attribute is set from outsi
 
 - the ``Topology`` is built from a :class:`ClusterTopology` (HBM per GPU, host memory per rank =
   host memory / ranks per host, SSD per rank = a host's SSD tier / ranks per host, bandwidths
-  from the path model in ``sharding/topology/bandwidth.py``);
+  from the path model in ``sharding/topology/paths.py``, through ``bandwidth.py``);
 - :class:`TopologyPartitioner` places shards greedily by the modeled step time of
   ``sharding/planner/cost/model.py`` (rank-pair bandwidths, shared PCIe uplinks, NUMA placement) subject to
   HBM per rank and host memory per host; row-wise-in-host groups stay inside one host (its NVLink

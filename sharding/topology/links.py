@@ -6,24 +6,10 @@ A link carries bytes in each direction at once: a GPU's NVLink port sends 300 GB
 of its busiest directed link: bytes on it / its bandwidth. Memory (a NUMA node's DDR, through
 which CPU ranks exchange data) is one resource for both directions: reads and writes share it.
 
-The path of a transfer ``a -> b`` (the rules of ``sharding/topology/bandwidth.py``, with direction):
-
-- same host, NVSwitch or an NVLink island: ``a``'s NVLink egress, ``b``'s NVLink ingress (each
-  GPU's links to the switch: ``links_per_gpu x link_bw`` per direction);
-- same host, point-to-point NVLink (``pairs``): the link ``a>b``;
-- same host, PCIe: ``a``'s switch port up; if the switches differ, ``a``'s switch uplink up, the
-  inter-socket link in the direction ``numa(a) > numa(b)`` if the sockets differ, ``b``'s switch
-  uplink down; ``b``'s port down;
-- other host in the same NVLink domain (``network.nvlink_domain_hosts``, e.g. an NVL72 rack):
-  ``a``'s NVLink egress, ``b``'s NVLink ingress, as inside an NVSwitch host;
-- other host: to ``a``'s NIC the same way (PCIe, the NIC is the far endpoint), the NIC's send side,
-  the fabric's port of that NIC (``network.bw_per_nic``) out, the far NIC's fabric port in, the
-  far NIC's receive side, down to ``b``;
-- CPU ranks: the DDR of each side's NUMA node (+ the socket link between them, directed), NICs
-  between hosts.
-
-Unlike ``bandwidth.py``'s ``shared=True`` view, nothing is divided by a count of sharers: the
-loads of all transfers add up on the links they cross, which is where sharing shows.
+Which links a transfer crosses is ``sharding/topology/paths.py``'s ``route``, the one path model
+(``bandwidth.py``'s rank-pair bandwidths are derived from it too). Unlike ``bandwidth.py``'s
+``shared=True`` view, nothing is divided by a count of sharers here: the loads of all transfers
+add up on the links they cross, which is where sharing shows.
 """
 
 from __future__ import annotations
@@ -33,8 +19,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from sharding.topology.bandwidth import nearest_nic
-from sharding.topology.cluster import ClusterTopology, Host
+from sharding.topology.cluster import ClusterTopology
+from sharding.topology.paths import route
 
 
 @dataclass
@@ -96,119 +82,17 @@ class _Builder:
         return i
 
 
-def _pcie(b: _Builder, hn: str, host: Host, a_end: tuple[str, str | None, int], b_end: tuple[str, str | None, int]) -> list[int]:
-    """PCIe from endpoint a to endpoint b (name, switch, numa) on one host, directed."""
-    (na, sa, ma), (nb, sb, mb) = a_end, b_end
-    out = []
-    if sa is not None:
-        out.append(b.link(f"{hn}/{sa}.port.{na}>up", host.switch(sa).port_bw))
-    if sa is None or sa != sb:
-        if sa is not None:
-            out.append(b.link(f"{hn}/{sa}.uplink>up", host.switch(sa).uplink_bw))
-        if ma != mb and math.isfinite(host.inter_socket_bw):
-            out.append(b.link(f"{hn}/socket{ma}>{mb}", host.inter_socket_bw))
-        if sb is not None:
-            out.append(b.link(f"{hn}/{sb}.uplink>down", host.switch(sb).uplink_bw))
-    if sb is not None:
-        out.append(b.link(f"{hn}/{sb}.port.{nb}>down", host.switch(sb).port_bw))
-    return out
-
-
-def _ddr(b: _Builder, hn: str, host: Host, numa: int) -> int:
-    return b.link(f"{hn}/numa{numa}.ddr", host.numa(numa).ddr_bw)
-
-
-def _to_nic(b: _Builder, topo: ClusterTopology, hn: str, host: Host, local: int, nic, up: bool) -> list[int]:
-    """A rank's path to (``up``) or from its NIC, NIC included, directed."""
-    g = host.gpus[local]
-    nic_end = (nic.name, nic.pcie_switch, nic.numa)
-    if topo.compute_device == "cpu":
-        mem = [_ddr(b, hn, host, g.numa)]
-        if up:
-            path = mem + (
-                [b.link(f"{hn}/socket{g.numa}>{nic.numa}", host.inter_socket_bw)]
-                if nic.numa != g.numa and math.isfinite(host.inter_socket_bw)
-                else []
-            )
-            if nic.pcie_switch is not None:
-                s = host.switch(nic.pcie_switch)
-                path += [b.link(f"{hn}/{s.name}.uplink>down", s.uplink_bw), b.link(f"{hn}/{s.name}.port.{nic.name}>down", s.port_bw)]
-        else:
-            path = []
-            if nic.pcie_switch is not None:
-                s = host.switch(nic.pcie_switch)
-                path += [b.link(f"{hn}/{s.name}.port.{nic.name}>up", s.port_bw), b.link(f"{hn}/{s.name}.uplink>up", s.uplink_bw)]
-            path += (
-                [b.link(f"{hn}/socket{nic.numa}>{g.numa}", host.inter_socket_bw)]
-                if nic.numa != g.numa and math.isfinite(host.inter_socket_bw)
-                else []
-            ) + mem
-    else:
-        gpu_end = (f"gpu{local}", g.pcie_switch, g.numa)
-        path = _pcie(b, hn, host, gpu_end, nic_end) if up else _pcie(b, hn, host, nic_end, gpu_end)
-    nic_link = b.link(f"{hn}/{nic.name}>{'out' if up else 'in'}", nic.bw)
-    fabric = []
-    if math.isfinite(topo.network.bw_per_nic):
-        fabric = [b.link(f"network/{hn}/{nic.name}>{'out' if up else 'in'}", topo.network.bw_per_nic)]
-    return path + [nic_link] + fabric if up else fabric + [nic_link] + path
-
-
 def build_links(topo: ClusterTopology) -> LinkSet:
-    """Every rank pair's directed path (see the module docstring)."""
+    """Every rank pair's directed path (``paths.route``), as indices into one list of links."""
     b = _Builder()
     w = topo.world_size
-    cpu = topo.compute_device == "cpu"
     loc = [topo.locate(r) for r in range(w)]
-    hname = [f"{h.name}#{i}" for i, h in enumerate(topo.hosts)]
-    up_cache: dict[int, list[int]] = {}
-    down_cache: dict[int, list[int]] = {}
-
-    def nic_path(r: int, up: bool) -> list[int]:
-        cache = up_cache if up else down_cache
-        hit = cache.get(r)
-        if hit is None:
-            h, i = loc[r]
-            host = topo.hosts[h]
-            nic = nearest_nic(host, i)
-            if nic is None:
-                raise ValueError(f"{topo.source or topo.name}: a host without NICs in a multi-host topology")
-            hit = cache[r] = _to_nic(b, topo, hname[h], host, i, nic, up)
-        return hit
-
     path: list[list[np.ndarray]] = [[np.zeros(0, dtype=np.int64)] * w for _ in range(w)]
     for a in range(w):
-        ha, ia = loc[a]
-        host = topo.hosts[ha]
-        hn = hname[ha]
         for c in range(w):
-            if c == a:
-                continue
-            hc, ic = loc[c]
-            if ha == hc:
-                ga, gc = host.gpus[ia], host.gpus[ic]
-                if cpu:
-                    p = [_ddr(b, hn, host, ga.numa)]
-                    if ga.numa != gc.numa:
-                        if math.isfinite(host.inter_socket_bw):
-                            p.append(b.link(f"{hn}/socket{ga.numa}>{gc.numa}", host.inter_socket_bw))
-                        p.append(_ddr(b, hn, host, gc.numa))
-                elif host.nvlink.bandwidth(ia, ic) > 0:
-                    nv = host.nvlink.bandwidth(ia, ic)
-                    if host.nvlink.kind == "pairs":
-                        p = [b.link(f"{hn}/nvlink{ia}>{ic}", nv)]
-                    else:
-                        p = [b.link(f"{hn}/gpu{ia}.nvlink>out", nv), b.link(f"{hn}/gpu{ic}.nvlink>in", nv)]
-                else:
-                    p = _pcie(b, hn, host, (f"gpu{ia}", ga.pcie_switch, ga.numa), (f"gpu{ic}", gc.pcie_switch, gc.numa))
-            elif topo.same_nvlink_domain(a, c):  # one NVLink domain across hosts: GPU ports, no NIC
-                hostc = topo.hosts[hc]
-                p = [
-                    b.link(f"{hn}/gpu{ia}.nvlink>out", host.nvlink.links_per_gpu * host.nvlink.link_bw),
-                    b.link(f"{hname[hc]}/gpu{ic}.nvlink>in", hostc.nvlink.links_per_gpu * hostc.nvlink.link_bw),
-                ]
-            else:
-                p = nic_path(a, True) + nic_path(c, False)
-            path[a][c] = np.asarray(list(dict.fromkeys(p)), dtype=np.int64)
+            if c != a:
+                p = [b.link(h.name, h.bw) for h in route(topo, a, c)]
+                path[a][c] = np.asarray(list(dict.fromkeys(p)), dtype=np.int64)
     if not b.names:  # one rank: no transfers; one idle link keeps every load vector non-empty
         b.link("none", math.inf)
     bw = np.asarray(b.bw, dtype=np.float64)

@@ -36,7 +36,7 @@ and the same written backward (``compute_bytes = 2 * lookups * c * 4``), from ho
 ``W * B * rows_s / rows`` for a row shard, ``B`` for a DP replica.
 
 With a topology (:func:`apply_topology`): each rank's sent bytes split by the link kind of the
-pair's path (:func:`sharding.topology.bandwidth.pair_path`): NVLink, PCIe, network (another host),
+pair's route (:func:`sharding.topology.paths.route`): NVLink, PCIe, network (another host),
 or shared memory (CPU ranks); the bytes crossing each PCIe switch (peer traffic and UVM reads);
 each host's memory against its capacity.
 """
@@ -164,44 +164,24 @@ def traffic(infos: list[TableInfo], world_size: int, batch_size_per_rank: int = 
     return Traffic(W, B, fwd, bwd, lookups, compute, uvm)
 
 
-def link_kind(topo, a: int, b: int, path=None) -> str:
-    """NVLink, PCIe, network or shm (CPU ranks) for the path between two different ranks."""
-    from sharding.topology.bandwidth import pair_path
+def link_kind(topo, a: int, b: int, hops=None) -> str:
+    """NVLink, PCIe, network or shm (CPU ranks) for the route between two different ranks
+    (``hops``: its ``sharding.topology.paths.route``, if already known)."""
+    from sharding.topology.paths import route
 
-    path = pair_path(topo, a, b) if path is None else path
-    names = [link.name for link in path]
-    if topo.locate(a)[0] != topo.locate(b)[0] or any(n.startswith("network@") for n in names):
+    hops = route(topo, a, b) if hops is None else hops
+    if topo.locate(a)[0] != topo.locate(b)[0] or any(h.kind == "fabric" for h in hops):
         return "network"
     if topo.compute_device == "cpu":
         return "shm"
-    if any("/nvlink(" in n for n in names):
+    if any(h.kind == "nvlink" for h in hops):
         return "nvlink"
     return "pcie"
 
 
-def _link_switch(topo, name: str, default_host: int) -> tuple[int, str] | None:
-    """(host index, switch name) of a PCIe link name from :func:`pair_path`, else None."""
-    h = default_host
-    if "#" in name and ":" in name:
-        head, name = name.split(":", 1)
-        try:
-            h = int(head.rsplit("#", 1)[1])
-        except ValueError:
-            return None
-    if "/" not in name:
-        return None
-    local = name.split("/", 1)[1]
-    sw = local.split(".", 1)[0]
-    if "." not in local:
-        return None
-    if any(s.name == sw for s in topo.hosts[h].pcie_switches):
-        return h, sw
-    return None
-
-
 def apply_topology(tr: Traffic, topo, infos: list[TableInfo] | None = None, rank_memory: list[dict] | None = None) -> Traffic:
     """Bytes per rank by link kind, per PCIe switch and per host (memory against capacity)."""
-    from sharding.topology.bandwidth import pair_path
+    from sharding.topology.paths import route
 
     W = tr.world_size
     if topo.world_size != W:
@@ -211,13 +191,12 @@ def apply_topology(tr: Traffic, topo, infos: list[TableInfo] | None = None, rank
     switch_bytes: dict[tuple[int, str], float] = {}
     total = tr.total
     for a in range(W):
-        ha = topo.locate(a)[0]
         for b in range(W):
             if a == b or total[a, b] == 0:
                 continue
-            path = pair_path(topo, a, b)
-            tr.bytes_by_kind[link_kind(topo, a, b, path)][a] += total[a, b]
-            for sw in {x for x in (_link_switch(topo, link.name, ha) for link in path) if x is not None}:
+            hops = route(topo, a, b)
+            tr.bytes_by_kind[link_kind(topo, a, b, hops)][a] += total[a, b]
+            for sw in {(h.host, h.switch) for h in hops if h.switch is not None}:
                 switch_bytes[sw] = switch_bytes.get(sw, 0.0) + total[a, b]
     for r in range(W):
         h, i = topo.locate(r)
