@@ -378,9 +378,16 @@ def test_bad_inputs_raise_one_line_and_write_nothing():
 
 @needs_triton
 def test_dispatch_by_device():
-    assert ctr.cowclip_update_for("cuda") is ctr.triton_cowclip_adam_tables
-    assert ctr.cowclip_table_update_for("cuda") is ctr.triton_cowclip_adam_step
-    assert ctr.cowclip_update_for("meta") is None
+    from recsys.optim.cowclip.kernels import cpp_op, dispatch
+
+    assert dispatch.tables_update_op("cuda") is ctr.triton_cowclip_adam_tables
+    assert dispatch.table_update_op("cuda") is ctr.triton_cowclip_adam_step
+    assert dispatch.catchup_backend("cuda") == "triton"
+    assert dispatch.tables_update_op("meta") is None and dispatch.catchup_backend("meta") == "torch"
+    assert dispatch.table_update_op("meta") is cpp_op.fused_cowclip_adam_step  # which falls back to the reference
+    fused = cpp_op.fused_available()
+    assert dispatch.tables_update_op("cpu") is (cpp_op.fused_cowclip_adam_tables if fused else None)
+    assert dispatch.catchup_backend("cpu") == ("fused" if fused else "torch")
     assert ctr.triton_available("cpu") == (DEV.type == "cpu")  # the interpreter: only where this file asked
 
 
@@ -607,9 +614,10 @@ def test_cpu_install_without_triton_keeps_working():
     code = (
         "import sys; sys.modules['triton'] = None\n"
         "import recsys.optim.cowclip.kernels.triton_update as c, recsys.optim.cowclip.kernels.cpp_op as k\n"
+        "import recsys.optim.cowclip.kernels.dispatch as d\n"
         "assert not c.triton_available() and not c.triton_available('cuda')\n"
-        "assert c.cowclip_update_for('cuda') is None\n"
-        "assert c.cowclip_table_update_for('cuda') is k.fused_cowclip_adam_step\n"
+        "assert d.tables_update_op('cuda') is None and d.catchup_backend('cuda') == 'torch'\n"
+        "assert d.table_update_op('cuda') is k.fused_cowclip_adam_step\n"
         "print('ok')\n"
     )
     out = subprocess.run(
@@ -629,8 +637,8 @@ def test_importing_the_module_does_not_import_triton():
     the TBE does) must leave that to whoever runs a kernel first; the CPU dispatch never imports it."""
     code = (
         "import sys\n"
-        "import recsys.optim.cowclip.kernels.triton_update as c\n"
-        "assert c.cowclip_table_update_for('cpu') is not None\n"
+        "import recsys.optim.cowclip.kernels.triton_update, recsys.optim.cowclip.kernels.dispatch as d\n"
+        "assert d.table_update_op('cpu') is not None\n"
         "assert 'triton' not in sys.modules, 'imported'\n"
         "print('ok')\n"
     )

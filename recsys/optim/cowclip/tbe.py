@@ -51,8 +51,8 @@ from torch import Tensor
 
 from recsys.optim.cowclip.reference import CowClipAdamState, _adam_rows, _clip_scale, batch_row_gradients
 from recsys.optim.cowclip.catchup import DEFAULT_GROWTH, catch_up, check_catchup_hyper
-from recsys.optim.cowclip.kernels.cpp_op import advise_huge_pages, fused_available, fused_catch_up_tables
-from recsys.optim.cowclip.kernels.triton_update import cowclip_table_update_for, cowclip_update_for, triton_available
+from recsys.optim.cowclip.kernels.cpp_op import advise_huge_pages, fused_catch_up_tables
+from recsys.optim.cowclip.kernels.dispatch import catchup_backend, catchup_kwargs, table_update_op, tables_update_op, update_kwargs
 
 HUGE_PAGE_MIN_BYTES = 64 << 20  # tables smaller than this stay on whatever pages they got
 # where weights + optimizer state live; the values the sharder maps the plan's kernels to
@@ -326,7 +326,7 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
         catchup_op: str = "auto",
     ) -> None:
         """``tables_op``: the multi-table update op for inline mode; ``"auto"`` picks it by device
-        on first use (the C++ op on CPU, the Triton kernel on CUDA: ``cowclip_update_for``),
+        on first use (the C++ op on CPU, the Triton kernel on CUDA: ``kernels/dispatch.py``),
         ``None`` forces the per-table path. ``catchup_growth``: block growth of the catch-up
         (``update_scope="catchup"``; the default 2: about log2(gap) + 1 blocks; 1: the exact
         step-by-step iteration).
@@ -562,7 +562,7 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
         gradients and counts for the exchange."""
         grad_out = grad_out.float()
         if self._tables_op == "auto":  # resolved on first use: loading the op may build it
-            self._tables_op = cowclip_update_for(self.weights.device)
+            self._tables_op = tables_update_op(self.weights.device)
         update = self._tables_op if self.mode == "inline" else None
         if update is not None:
             F = len(self.feature_table_map)
@@ -582,32 +582,22 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
                 offsets,
                 grad_out,
                 psw,
-                lr=self.lr,
-                betas=(hp.beta1, hp.beta2),
-                eps=hp.eps,
-                r=hp.cowclip_r,
-                l2=hp.l2,
-                eps_mode=hp.eps_mode,
+                **update_kwargs(hp, self.lr),
             )
             self.stats.add_counts(stats)
             return
         for t, idx, offs, go, w in self._feature_slices(grad_out, indices, offsets, psw):
             if self.mode == "inline":
-                st = cowclip_table_update_for(self.weights.device)(
+                st = table_update_op(self.weights.device)(
                     self._view(self.weights, t),
                     self._states[t],
                     idx,
                     offs,
                     go.contiguous(),
                     w,
-                    lr=self.lr,
-                    betas=(self.hyper.beta1, self.hyper.beta2),
-                    eps=self.hyper.eps,
-                    r=self.hyper.cowclip_r,
                     zeta=self._zeta_for_full_dim(t),
-                    l2=self.hyper.l2,
                     clip=self.clip[t],
-                    eps_mode=self.hyper.eps_mode,
+                    **update_kwargs(self.hyper, self.lr),
                 )
                 self.stats.add(st.unique_rows, int(st.clipped_rows))
             else:
@@ -675,14 +665,7 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
     def _resolve_catchup_op(self) -> None:
         """``catchup_op="auto"`` becomes what this device runs, on first use (loading the op may build it)."""
         if self.catchup_op == "auto":
-            dev = self.weights.device
-            self.catchup_op = (
-                "fused"
-                if dev.type == "cpu" and fused_available()
-                else "triton"
-                if dev.type == "cuda" and triton_available(dev)
-                else "torch"
-            )
+            self.catchup_op = catchup_backend(self.weights.device)
 
     @torch.no_grad()
     def catch_up_lookup(self, indices: Tensor, offsets: Tensor) -> None:
@@ -702,12 +685,7 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
                 indices,
                 offsets,
                 step,
-                lr=self.lr,
-                betas=(hp.beta1, hp.beta2),
-                eps=hp.eps,
-                l2=hp.l2,
-                eps_mode=hp.eps_mode,
-                growth=self.catchup_growth,
+                **catchup_kwargs(hp, self.lr, self.catchup_growth),
             )
             return
         if self.catchup_op == "triton":  # the same in one launch, no host synchronisation
@@ -723,13 +701,8 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
                 indices,
                 offsets,
                 step,
-                lr=self.lr,
                 max_dim=max(d for _, d in self.embedding_specs),
-                betas=(hp.beta1, hp.beta2),
-                eps=hp.eps,
-                eps_mode=hp.eps_mode,
-                l2=hp.l2,
-                growth=self.catchup_growth,
+                **catchup_kwargs(hp, self.lr, self.catchup_growth),
             )
             return
         grows = self.global_rows(indices, offsets)
@@ -772,12 +745,7 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
             grows - starts[table],
             bounds,
             step,
-            lr=self.lr,
-            betas=(hp.beta1, hp.beta2),
-            eps=hp.eps,
-            l2=hp.l2,
-            eps_mode=hp.eps_mode,
-            growth=self.catchup_growth,
+            **catchup_kwargs(hp, self.lr, self.catchup_growth),
         )
         if int(advanced.sum()) != grows.numel():  # every row given is behind: each must move once
             raise RuntimeError(f"catch-up advanced {int(advanced.sum())} of {grows.numel()} rows behind step {step}")
@@ -809,13 +777,8 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
                 grows,
                 row_dim,
                 step,
-                lr=self.lr,
-                betas=(hp.beta1, hp.beta2),
-                eps=hp.eps,
-                eps_mode=hp.eps_mode,
-                l2=hp.l2,
-                growth=self.catchup_growth,
                 max_dim=max(d for _, d in self.embedding_specs),
+                **catchup_kwargs(hp, self.lr, self.catchup_growth),
             )
             return
         dim_set = sorted({d for _, d in self.embedding_specs})
@@ -848,13 +811,8 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
                 v,
                 rs,
                 step,
-                lr=self.lr,
-                betas=(hp.beta1, hp.beta2),
-                eps=hp.eps,
-                eps_mode=hp.eps_mode,
-                l2=hp.l2,
-                growth=self.catchup_growth,
                 presorted=True,
+                **catchup_kwargs(hp, self.lr, self.catchup_growth),
             )
             for x, new in zip(bufs, (w, m, v)):
                 x.index_copy_(0, pos, new.reshape((-1,) + tuple(x.shape[1:])))

@@ -5,7 +5,7 @@
 ``recsys.optim.cowclip.kernels.cpp_op.fused_cowclip_adam_tables`` (same arguments, same in-place effect on the
 flat ``weights``/``momentum1``/``momentum2``/``row_step`` buffers, same int64 [F, 2] result of
 (unique rows, clipped rows) per feature), so the caller picks one by device:
-``cowclip_update_for(weights.device)``. Per table it is the update of
+``dispatch.tables_update_op(weights.device)``. Per table it is the update of
 ``cowclip_adam_step(..., update_scope="batch", l2_scope="batch", bias_correction="row")``:
 lazy Adam on the batch's unique rows, per-row bias correction, rows absent from the batch never read
 or written (bit-identical), L2 (``2*l2*w``) added to the batch rows' gradient before the clip.
@@ -35,7 +35,8 @@ tables x batch 8K the step is host-bound either way, 2.6 ms against 0.4 ms of de
 kernel launches, not its waits, are what costs; docs/install.md "What the GPU run shows".)
 
 Triton is optional and imported on first use: without it this module imports,
-``triton_available()`` is False and ``cowclip_update_for`` never returns the Triton op. With ``TRITON_INTERPRET=1`` (set before triton
+``triton_available()`` is False and ``dispatch.tables_update_op`` never returns the Triton op.
+With ``TRITON_INTERPRET=1`` (set before triton
 is imported) the same kernel runs on CPU tensors through Triton's interpreter: that is how CI checks
 it against the torch reference (``tests/integration/test_cowclip_triton.py``).
 """
@@ -61,8 +62,6 @@ _TRITON_TRIED = False
 
 __all__ = [
     "CHUNK",
-    "cowclip_update_for",
-    "cowclip_table_update_for",
     "triton_available",
     "triton_cowclip_adam_step",
     "triton_cowclip_adam_tables",
@@ -520,29 +519,3 @@ def triton_cowclip_adam_step(
     state.step.add_(1)
     n_unique, n_clipped = int(out[0, 0]), out[0, 1]
     return CowClipStats(unique_rows=n_unique, clipped_rows=n_clipped, clipped_fraction=n_clipped.to(torch.float32) / max(n_unique, 1))
-
-
-def cowclip_update_for(device: torch.device | str) -> Callable[..., Tensor] | None:
-    """The multi-table CowClip-Adam op for tensors on ``device`` (the dispatch by device):
-    CUDA -> ``triton_cowclip_adam_tables`` (if triton is installed), CPU -> the C++ op
-    ``fused_cowclip_adam_tables`` (if it builds). ``None``: no fused op there; the caller runs the
-    per-table path (``fused_cowclip_adam_step``, which falls back to the torch reference)."""
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        return triton_cowclip_adam_tables if triton_available(dev) else None
-    if dev.type == "cpu":
-        from recsys.optim.cowclip.kernels.cpp_op import fused_available, fused_cowclip_adam_tables
-
-        return fused_cowclip_adam_tables if fused_available() else None
-    return None
-
-
-def cowclip_table_update_for(device: torch.device | str) -> Callable[..., CowClipStats]:
-    """The one-table op for ``device``: the Triton kernel on CUDA when triton is installed, else
-    ``fused_cowclip_adam_step`` (C++ op on CPU, torch reference elsewhere)."""
-    dev = torch.device(device)
-    if dev.type == "cuda" and triton_available(dev):
-        return triton_cowclip_adam_step
-    from recsys.optim.cowclip.kernels.cpp_op import fused_cowclip_adam_step
-
-    return fused_cowclip_adam_step
