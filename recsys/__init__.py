@@ -26,8 +26,8 @@ _EXPORTS = {
     "tag_cowclip_adam": "recsys.optim.cowclip.sharder",
     "CowClipEmbeddingBagCollectionSharder": "recsys.optim.cowclip.sharder",
     "CowClipEmbeddingCollectionSharder": "recsys.optim.cowclip.sequence",
-    "KStepMergeHook": "recsys.training.merge",
-    "KStepMerger": "recsys.training.merge",
+    "KStepMergeHook": "recsys.training.kstep.merger",
+    "KStepMerger": "recsys.training.kstep.merger",
     "export_model": "recsys.training.export",
     "load_exported": "recsys.training.export",
 }

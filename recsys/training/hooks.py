@@ -18,8 +18,8 @@ from recsys.optim.cowclip.catchup import catch_up_all_tables
 from recsys.optim.cowclip.sharder import take_update_stats
 from recsys.optim.dense import DenseLrWarmup
 from recsys.training.distributed import collective_device, mean_across_ranks
-from recsys.training.hierarchy import HostGroups
-from recsys.training.merge import KStepMerger
+from recsys.training.kstep.host_groups import HostGroups
+from recsys.training.kstep.merger import KStepMerger
 
 
 class TrainHook:

@@ -28,9 +28,9 @@ from recsys.optim.embedding import attach_embedding_optimizer, embedding_sharder
 from recsys.training.checkpoint import Checkpointer, CheckpointError
 from recsys.training.comm_failure import register_peers
 from recsys.training.distributed import DistEnv, init_distributed
-from recsys.training.hierarchy import HostGroups, build_host_groups, remap_plan_to_host, resolve_hosts
+from recsys.training.kstep.host_groups import HostGroups, build_host_groups, remap_plan_to_host, resolve_hosts
 from recsys.training.hooks import CowClipHook, DenseWarmupHook, MergeHook, TrainHook
-from recsys.training.merge import KStepMerger
+from recsys.training.kstep.merger import KStepMerger
 from recsys.training.run_dir import (
     ResumePoint,
     RunDirError,

@@ -279,6 +279,6 @@ def total_steps(cfg, source, data_start_step: int = 0) -> int:
 
 def shard_world_size(cfg, world_size: int) -> int:
     """Ranks the embeddings are sharded over: the world, or one host's ranks (merge_every > 0)."""
-    from recsys.training.hierarchy import resolve_hosts
+    from recsys.training.kstep.host_groups import resolve_hosts
 
     return world_size // resolve_hosts(cfg.train.hosts) if cfg.train.merge_every > 0 else world_size

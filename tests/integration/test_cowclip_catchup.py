@@ -309,7 +309,7 @@ def _merge_worker(rank: int, port: int, out: str) -> None:
 
     import torch.distributed as dist
 
-    from recsys.training.merge import KStepMerger
+    from recsys.training.kstep.merger import KStepMerger
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)

@@ -1,4 +1,4 @@
-"""K-step merging across hosts (recsys/training/merge.py, hierarchy.py; docs/kstep.md).
+"""K-step merging across hosts (recsys/training/kstep/merger.py, hierarchy.py; docs/kstep.md).
 
 Fast: config checks, and the merger on a plain model in two gloo processes (k=1 with SGD equals
 synchronous data parallelism exactly; Adam moments are averaged in place).
@@ -51,8 +51,8 @@ def _worker(rank: int, port: int, out: str, steps: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     torch.set_num_threads(1)
-    from recsys.training.hierarchy import build_host_groups
-    from recsys.training.merge import KStepMerger
+    from recsys.training.kstep.host_groups import build_host_groups
+    from recsys.training.kstep.merger import KStepMerger
 
     groups = build_host_groups(2)
     assert groups.ranks_per_host == 1 and groups.replica_ranks == [0, 1]
@@ -216,8 +216,8 @@ def _route_worker(rank: int, port: int, out: str, steps: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=4)
     torch.set_num_threads(1)
-    from recsys.training.hierarchy import build_host_groups
-    from recsys.training.merge import KStepMerger
+    from recsys.training.kstep.host_groups import build_host_groups
+    from recsys.training.kstep.merger import KStepMerger
 
     groups = build_host_groups(2)
     assert (groups.host, groups.local_rank, groups.replica_ranks) == (rank // 2, rank % 2, [rank % 2, 2 + rank % 2])
@@ -278,7 +278,7 @@ def test_hierarchical_route_equals_flat_with_fewer_cross_host_bytes(tmp_path):
 
 
 def _union_worker(rank: int, port: int, out: str) -> None:
-    from recsys.training.touched_rows import union
+    from recsys.training.kstep.touched_rows import union
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -294,7 +294,7 @@ def _union_worker(rank: int, port: int, out: str) -> None:
         got = torch.cat([u.rows[0], u.rows[1] + cut])
         results[name] = {"or": bool(torch.equal(got, want)), "mode": u.mode, "bytes": u.exchange_bytes, "count": int(got.numel())}
     # max_divergence: equal replicas by fingerprint, a differing one by its exact difference
-    from recsys.training.merge import KStepMerger
+    from recsys.training.kstep.merger import KStepMerger
 
     torch.manual_seed(0)
     model = torch.nn.Linear(300, 40)
@@ -311,7 +311,7 @@ def _union_worker(rank: int, port: int, out: str) -> None:
 def test_fingerprint_is_exact_and_order_free():
     """Replica checks compare bit fingerprints: equal bits give equal fingerprints whatever the
     thread count; one changed element or two swapped ones change them."""
-    from recsys.training.merge import _fingerprint
+    from recsys.training.kstep.merger import _fingerprint
 
     a = torch.randn(3001, 7, generator=torch.Generator().manual_seed(0))
     threads = torch.get_num_threads()

@@ -18,7 +18,7 @@ groups (recsys/training/job.py):
 
 Which embedding rows (``rows=``): ``touched`` (the default) averages only the rows some host
 looked up since the last merge, with their optimizer state, agreed in one all-gather of row lists
-or bitmaps (``recsys.training.touched_rows``: why every other row is equal on every host
+or bitmaps (``recsys.training.kstep.touched_rows``: why every other row is equal on every host
 already); a shard whose union holds most of its rows goes whole. ``all``: whole shards. Both
 end at the same model (tests/integration/test_kstep_merge.py); the bytes of a touched-row merge follow the
 rows the batches touched, not the table sizes.
@@ -57,7 +57,7 @@ from torch import nn
 
 from recsys.optim.cowclip.catchup import catch_up_all_tables
 from recsys.training.distributed import collective_device, local_tensors
-from recsys.training.touched_rows import TouchedRows, union
+from recsys.training.kstep.touched_rows import TouchedRows, union
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class KStepMerger:
     every ``every_k`` steps (module docstring). For a user's loop, ``KStepMergeHook`` builds the
     groups and this object; the project's loop builds them itself.
 
-    Example (groups from ``recsys.training.hierarchy.build_host_groups``)::
+    Example (groups from ``recsys.training.kstep.host_groups.build_host_groups``)::
 
         merger = KStepMerger(dmp, optimizer, groups.replica_pg, every_k=16, host_pg=groups.host_pg)
         for step in range(1, steps + 1):
@@ -99,7 +99,7 @@ class KStepMerger:
         tracking_from_start: bool = True,
     ) -> None:
         """``rows``: ``touched`` (the default) averages only the embedding rows some host looked
-        up since the last merge (``recsys.training.touched_rows``), ``all`` whole shards.
+        up since the last merge (``recsys.training.kstep.touched_rows``), ``all`` whole shards.
         ``tracking_from_start``: the merger exists before the model's first forward, so it sees
         every row that moves; when False (a hook bound after the first step) the first merge
         takes whole shards."""
@@ -512,7 +512,7 @@ class KStepMergeHook:
     ) -> None:
         from torchrec.distributed.types import ShardingEnv
 
-        from recsys.training.hierarchy import build_host_groups, pg_timeout_from_env, resolve_hosts
+        from recsys.training.kstep.host_groups import build_host_groups, pg_timeout_from_env, resolve_hosts
 
         if not dist.is_initialized():
             raise RuntimeError("KStepMergeHook: call torch.distributed.init_process_group() first")
