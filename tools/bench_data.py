@@ -6,7 +6,7 @@ All peers run on the same generated multi-million-row Criteo Kaggle-format TSV (
 
 - ``reference``: end to end (read, parse, write shards) with every line through the per-line
   reference parser (``parse_criteo_block(fast=False)``: the parser preprocessing used before);
-- ``ours_1w`` / ``ours_2w``: ``recsys.data.raw_formats.preprocess_criteo`` end to end with 1 and
+- ``ours_1w`` / ``ours_2w``: ``recsys.data.preprocess.raw_formats.preprocess_criteo`` end to end with 1 and
   2 worker threads; their shards are checked byte-identical to the reference's;
 - ``pyarrow_raw``: ``pyarrow.csv.read_csv`` with all cores, ids kept as strings: a raw parse into
   an Arrow table, no validation, no hex decoding, nothing written;
@@ -50,11 +50,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from recsys.data.bad_rows import FileReport  # noqa: E402
-from recsys.data.parse_criteo import CRITEO_COLUMNS, CRITEO_DENSE_NAMES, CRITEO_SPARSE_NAMES, parse_criteo_block  # noqa: E402
-from recsys.data.pipeline import Progress, run_file  # noqa: E402
-from recsys.data.raw_formats import preprocess_criteo  # noqa: E402
-from recsys.data.read_blocks import BlockReader  # noqa: E402
+from recsys.data.preprocess.bad_rows import FileReport  # noqa: E402
+from recsys.data.preprocess.parse_criteo import CRITEO_COLUMNS, CRITEO_DENSE_NAMES, CRITEO_SPARSE_NAMES, parse_criteo_block  # noqa: E402
+from recsys.data.preprocess.pipeline import Progress, run_file  # noqa: E402
+from recsys.data.preprocess.raw_formats import preprocess_criteo  # noqa: E402
+from recsys.data.preprocess.read_blocks import BlockReader  # noqa: E402
 from recsys.data.shards import ShardedDataset, ShardWriter  # noqa: E402
 
 SAMPLE = (

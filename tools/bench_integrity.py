@@ -94,7 +94,7 @@ def _criteo_lines(shared: Path) -> list[str]:
 
 def data_costs(workdir: Path, data_mb: int, shared: Path) -> dict:
     from recsys.data.cache_key import content_sha256
-    from recsys.data.raw_formats import preprocess_criteo
+    from recsys.data.preprocess.raw_formats import preprocess_criteo
 
     lines = "".join(_criteo_lines(shared)).encode()
     path = workdir / "day.tsv"

@@ -306,7 +306,7 @@ def preprocess(
     """Preprocess the config's raw files into its shard cache, fanned out over `tasks` x
     `procs_per_task` parts: each part takes a contiguous, byte-balanced group of the files and
     writes its own shard directory; the last part to finish joins them into one dataset without
-    copying the arrays (recsys/data/fanout.py). The tasks are the replicas of one role (TorchX's
+    copying the arrays (recsys/data/preprocess/fanout.py). The tasks are the replicas of one role (TorchX's
     fan-out; on Slurm one component of a heterogeneous job each, on its own node); each task
     runs `recsys preprocess --task i --tasks N --procs P`, i.e. P local processes. On local_cwd
     the tasks are local process trees. Training with the same config then finds the cache up to date.

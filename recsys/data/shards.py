@@ -1,6 +1,6 @@
 """On-disk shard format for preprocessed CTR data and its memory-mapped reader.
 
-Raw Criteo/Avazu text is parsed once (see :mod:`recsys.data.raw_formats`) into fixed-size numpy
+Raw Criteo/Avazu text is parsed once (see :mod:`recsys.data.preprocess.raw_formats`) into fixed-size numpy
 shards so that training never re-parses text and every rank can memory-map any row range cheaply.
 
 Layout of a shard directory::
@@ -47,7 +47,7 @@ SPARSE_DTYPE = np.dtype(np.int64)
 LABEL_DTYPE = np.dtype(np.float32)
 
 _SHARD_NAME_RE = re.compile(r"^shard_\d{5,}$")
-# A joined dataset (recsys/data/fanout.py) lists the shards of its parts where they were written,
+# A joined dataset (recsys/data/preprocess/fanout.py) lists the shards of its parts where they were written,
 # ``parts/NNNNN`` below the manifest, instead of copying them; nothing else is allowed (no ``..``).
 _PART_DIR_RE = re.compile(r"^parts/\d{5,}$")
 _TMP_TAG = "tmp"
@@ -110,7 +110,7 @@ def _write_json(path: Path, obj: Any) -> None:
 def replace_manifest(root: Path, manifest: dict[str, Any]) -> None:
     """Write ``root``'s manifest in place, atomically and durably (temp file, fsync, rename,
     directory fsync): for a directory whose shard files are already there, e.g. one joined from
-    parts (recsys/data/fanout.py). Readers see the old manifest or the new one, never a mix."""
+    parts (recsys/data/preprocess/fanout.py). Readers see the old manifest or the new one, never a mix."""
     tmp = root / f".{MANIFEST_NAME}.tmp"
     _write_json(tmp, manifest)
     os.replace(tmp, root / MANIFEST_NAME)

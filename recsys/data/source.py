@@ -204,7 +204,7 @@ def prepare_data(cfg: ExperimentConfig) -> dict | None:
 def _preprocessing(cfg: ExperimentConfig) -> tuple[Callable[[list[Path], Path], dict], Callable[[list[Path]], dict]]:
     """(files, out -> manifest, files -> cache key): the config's preprocessing of some files
     into one directory, and the cache key that writes for them."""
-    from recsys.data import raw_formats
+    from recsys.data.preprocess import raw_formats
 
     d = cfg.data
     if d.source == "criteo":
@@ -222,9 +222,9 @@ def _preprocessing(cfg: ExperimentConfig) -> tuple[Callable[[list[Path], Path], 
 
 def preprocess_task(cfg: ExperimentConfig, task: int, tasks: int) -> dict | None:
     """Task `task` of `tasks` of a fanned-out preprocessing of the config's raw files into its
-    shard cache (recsys/data/fanout.py); the last task to finish joins the parts. Returns the
+    shard cache (recsys/data/preprocess/fanout.py); the last task to finish joins the parts. Returns the
     joined manifest (checked like `prepare_data`'s), or None while other parts are missing."""
-    from recsys.data import fanout
+    from recsys.data.preprocess import fanout
 
     if cfg.data.source == "synthetic":
         raise ConfigError("key 'data.source': generated data (synthetic) has nothing to preprocess")
@@ -237,7 +237,7 @@ def preprocess_task(cfg: ExperimentConfig, task: int, tasks: int) -> dict | None
 
 def preprocess_tasks(cfg: ExperimentConfig, tasks: list[int], total: int) -> dict | None:
     """Several tasks of a fan-out on this machine, one process each (forked, as for many files in
-    recsys/data/pipeline.py): what one TorchX replica or Slurm task runs when a node takes more
+    recsys/data/preprocess/pipeline.py): what one TorchX replica or Slurm task runs when a node takes more
     than one part. Returns the joined manifest if one of them joined (None otherwise); the first
     failure is raised as it was raised in its process."""
     if len(tasks) == 1:

@@ -27,7 +27,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from recsys.config import load_config  # noqa: E402
-from recsys.data import raw_formats as rf  # noqa: E402
+from recsys.data.preprocess import raw_formats as rf  # noqa: E402
 from recsys.data.batching import steps_per_epoch  # noqa: E402
 from recsys.data.cache_key import describe_change, make_key  # noqa: E402
 from recsys.data.errors import CacheWriteError, DataFileError  # noqa: E402
@@ -198,7 +198,7 @@ def test_same_size_and_mtime_with_other_content_rebuilds(tmp_path, kaggle_lines,
     write(day, swapped)
     os.utime(day, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert day.stat().st_size == st.st_size and day.stat().st_mtime_ns == st.st_mtime_ns
-    caplog.set_level(logging.WARNING, logger="recsys.data.raw_formats")
+    caplog.set_level(logging.WARNING, logger="recsys.data.preprocess.raw_formats")
     m2 = rf.preprocess_criteo(day, out)
     assert [r.getMessage() for r in caplog.records] == [f"{out}: rebuilding the shard cache: {day} changed (content changed)"]
     first_label = float(kaggle_lines[1].split("\t")[0])
@@ -232,7 +232,7 @@ def test_an_edit_in_the_middle_with_size_and_mtime_kept_is_found_by_the_full_has
     assert m["sources"][0]["sha256"] == hashlib.sha256(big.read_bytes()).hexdigest()
     labels_before = ShardedDataset.open(out).read(0, m["num_rows"])[2].copy()
     _edit_middle_keep_size_and_mtime(big)
-    caplog.set_level(logging.INFO, logger="recsys.data.raw_formats")
+    caplog.set_level(logging.INFO, logger="recsys.data.preprocess.raw_formats")
     reused = rf.preprocess_criteo(big, out, verify="quick")
     assert reused["sources"][0]["sha256"] == m["sources"][0]["sha256"]  # stale, as announced:
     assert caplog.records[-1].getMessage() == (
@@ -259,7 +259,7 @@ def test_a_cache_without_content_hashes_is_reused_with_a_warning(tmp_path, kaggl
     for src in manifest["sources"]:
         del src["sha256"]
     (out / MANIFEST_NAME).write_text(json.dumps(manifest))
-    caplog.set_level(logging.WARNING, logger="recsys.data.raw_formats")
+    caplog.set_level(logging.WARNING, logger="recsys.data.preprocess.raw_formats")
     assert rf.preprocess_criteo(day, out)["num_rows"] == m["num_rows"]
     assert [r.getMessage() for r in caplog.records] == [
         f"{out}: {day} predates whole-file hashes: reused as matched by size, modification time and first and "
@@ -272,7 +272,7 @@ def test_new_or_removed_file_in_a_directory_input_rebuilds(tmp_path, kaggle_line
     write(d / "day_0.tsv", kaggle_lines[:500])
     write(d / "day_1.tsv", kaggle_lines[500:800])
     cfg = load_config(SMOKE, overrides(tmp_path, d, f"data.cache_dir={tmp_path / 'cache'}"))
-    caplog.set_level(logging.INFO, logger="recsys.data.raw_formats")
+    caplog.set_level(logging.INFO, logger="recsys.data.preprocess.raw_formats")
     assert prepare_data(cfg)["num_rows"] == 800
     caplog.clear()
     assert prepare_data(cfg)["num_rows"] == 800  # unchanged: reused
@@ -311,7 +311,7 @@ def test_cache_without_a_key_is_not_reused(tmp_path, kaggle_lines, caplog):
     man = json.loads((out / MANIFEST_NAME).read_text())
     del man["cache_key"]
     (out / MANIFEST_NAME).write_text(json.dumps(man))
-    caplog.set_level(logging.WARNING, logger="recsys.data.raw_formats")
+    caplog.set_level(logging.WARNING, logger="recsys.data.preprocess.raw_formats")
     assert "cache_key" in rf.preprocess_criteo(day, out)
     assert [r.getMessage() for r in caplog.records] == [
         f"{out}: rebuilding the shard cache: it was built without a content key (an older version); its inputs cannot be verified"
@@ -544,7 +544,7 @@ def test_rows_missing_many_columns_are_counted_and_said(tmp_path, kaggle_lines, 
     Kaggle file) stay an info line."""
     short = ["\t".join(line.rstrip("\n").split("\t")[:20]) + "\n" for line in kaggle_lines]
     day = write(tmp_path / "day.tsv", short)
-    caplog.set_level(logging.INFO, logger="recsys.data.raw_formats")
+    caplog.set_level(logging.INFO, logger="recsys.data.preprocess.raw_formats")
     m = rf.preprocess_criteo(day, tmp_path / "cache")
     assert m["num_rows"] == 1000 and m["sources"][0]["padded_fields"] == 20000
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [

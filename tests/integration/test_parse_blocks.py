@@ -26,9 +26,9 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from recsys.data.errors import DataFileError  # noqa: E402
-from recsys.data.parse_criteo import CRITEO_COLUMNS, parse_criteo_block  # noqa: E402
-from recsys.data.raw_formats import preprocess_criteo  # noqa: E402
-from recsys.data.read_blocks import Block, BlockReader, Layout  # noqa: E402
+from recsys.data.preprocess.parse_criteo import CRITEO_COLUMNS, parse_criteo_block  # noqa: E402
+from recsys.data.preprocess.raw_formats import preprocess_criteo  # noqa: E402
+from recsys.data.preprocess.read_blocks import Block, BlockReader, Layout  # noqa: E402
 
 TSV_LAYOUT = Layout(b"\t", 40, tuple(range(40)))
 GOOD_HEX = ["68fd1e64", "80E26C9B", "0", "a", "00000001", "ffffffff", "7e0cccc", ""]
@@ -275,14 +275,14 @@ def test_full_disk_with_files_in_processes_names_the_cache(tmp_path):
 def test_progress_line_rows_per_second_and_eta(tmp_path, caplog):
     import logging
 
-    from recsys.data.pipeline import Progress
+    from recsys.data.preprocess.pipeline import Progress
 
     a, b = tmp_path / "a.tsv", tmp_path / "b.tsv"
     a.write_bytes(b"x" * 3000)
     b.write_bytes(b"x" * 1000)
     now = [100.0]
     p = Progress([a, b], every_s=5.0, clock=lambda: now[0])
-    caplog.set_level(logging.INFO, logger="recsys.data.raw_formats")
+    caplog.set_level(logging.INFO, logger="recsys.data.preprocess.raw_formats")
     now[0] = 104.0  # before every_s: no line
     p.update(200_000, 3000, 0.2)
     assert not caplog.records

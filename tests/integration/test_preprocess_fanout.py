@@ -1,4 +1,4 @@
-"""Preprocessing fanned out over tasks and joined without copying (recsys/data/fanout.py): the
+"""Preprocessing fanned out over tasks and joined without copying (recsys/data/preprocess/fanout.py): the
 joined dataset equals a single-process preprocessing of the same files (rows, order, bad-row
 reports, cache key), training finds it up to date, re-runs reuse parts, a changed file rebuilds
 its part, and the CLI and the TorchX component (local_cwd) run it."""
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from recsys.config import load_config
-from recsys.data.fanout import task_files
+from recsys.data.preprocess.fanout import task_files
 from recsys.data.shards import ShardedDataset
 from recsys.data.source import build_source, prepare_data, preprocess_task
 
@@ -87,9 +87,9 @@ def test_two_tasks_join_into_the_single_process_dataset(raw_dir, tmp_path, caplo
     # no array copied: the join wrote only a manifest beside the parts
     assert sorted(p.name for p in fan.iterdir()) == [".join.lock", "manifest.json", "parts"]
     # training with the same config finds the joined cache up to date and reads it
-    caplog.set_level(logging.INFO, logger="recsys.data.raw_formats")
+    caplog.set_level(logging.INFO, logger="recsys.data.preprocess.raw_formats")
     again = prepare_data(cfg)
-    assert again["created_by"].startswith("recsys.data.fanout.join_parts") and "rebuilding" not in caplog.text
+    assert again["created_by"].startswith("recsys.data.preprocess.fanout.join_parts") and "rebuilding" not in caplog.text
     src = build_source(cfg)
     assert src.num_rows(0) + src.num_rows(1) == 2409
     np.testing.assert_array_equal(src.read(0, 1000, 1100).sparse, _rows(single)[1][1000:1100])
@@ -201,7 +201,7 @@ def test_torchx_component_on_local_cwd_gives_the_single_process_dataset(raw_dir,
     )
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
     manifest = json.loads((fan / "manifest.json").read_text())
-    assert manifest["created_by"] == "recsys.data.fanout.join_parts (4 parts)"
+    assert manifest["created_by"] == "recsys.data.preprocess.fanout.join_parts (4 parts)"
     ref = prepare_data(_cfg(raw_dir, tmp_path / "single"))
     assert manifest["cache_key"] == ref["cache_key"]
     for a, b in zip(_rows(fan), _rows(tmp_path / "single")):

@@ -25,8 +25,8 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # lets the file run before `pip install -e .`
     sys.path.insert(0, str(REPO))
 
-from recsys.data import raw_formats as rf  # noqa: E402
-from recsys.data.raw_formats import (  # noqa: E402
+from recsys.data.preprocess import raw_formats as rf  # noqa: E402
+from recsys.data.preprocess.raw_formats import (  # noqa: E402
     AVAZU_SPARSE_NAMES,
     CRITEO_DENSE_NAMES,
     CRITEO_SPARSE_NAMES,
@@ -96,7 +96,7 @@ def assert_same(a: tuple, b: tuple) -> None:
 
 def test_criteo_tsv_sample(tmp_path, caplog):
     src = sample(TSV)
-    caplog.set_level(logging.INFO, logger="recsys.data.raw_formats")
+    caplog.set_level(logging.INFO, logger="recsys.data.preprocess.raw_formats")
     m = preprocess_criteo([src], tmp_path / "tsv", fmt="tsv")
     lines = data_lines(src, header=False)
     # README says 999 rows (= `wc -l`): the last line has no newline, so there are 1000 rows.
@@ -220,7 +220,7 @@ def test_malformed_tsv_rows_skipped_with_line_numbers(tmp_path, caplog):
     bad_file = tmp_path / "criteo_bad.tsv"
     bad_file.write_bytes(text.encode())
 
-    caplog.set_level(logging.INFO, logger="recsys.data.raw_formats")
+    caplog.set_level(logging.INFO, logger="recsys.data.preprocess.raw_formats")
     m = preprocess_criteo([bad_file], tmp_path / "out", block_bytes=4096)  # many block boundaries
     [rep] = m["sources"]
     assert rep["total_rows"] == 1000 and rep["bad_rows"] == 7 and m["num_rows"] == 993
@@ -446,7 +446,7 @@ def test_existing_complete_dir_is_reused_only_with_the_same_key(tmp_path, monkey
     assert ShardedDataset.open(out).num_shards == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds"]  # old copy removed
     # another option, another file, another kind: rebuilt, with one warning line saying why
-    caplog.set_level(logging.WARNING, logger="recsys.data.raw_formats")
+    caplog.set_level(logging.WARNING, logger="recsys.data.preprocess.raw_formats")
     for call, why in [
         (lambda: preprocess_criteo(sample(CSV), out, rows_per_shard=64), "parse options changed: rows_per_shard 100 -> 64"),
         (

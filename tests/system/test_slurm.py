@@ -191,7 +191,7 @@ def test_preprocess_component_fans_out_as_slurm_tasks_and_joins(tmp_path):
     out = (submit / f"slurm-{job_id}-preprocess-0.out").read_text()
     assert f"task 0 of 1 (parts 0-1 of 2): {fan} holds 1450 rows in 2 shards" in out, _logs(submit)
     manifest = json.loads((fan / "manifest.json").read_text())
-    assert manifest["created_by"] == "recsys.data.fanout.join_parts (2 parts)"
+    assert manifest["created_by"] == "recsys.data.preprocess.fanout.join_parts (2 parts)"
     ref = prepare_data(load_config(SMOKE, [*data, f"data.cache_dir={tmp_path / 'single'}"]))
     assert manifest["cache_key"] == ref["cache_key"] and manifest["num_rows"] == ref["num_rows"] == 1450
     a, b = ShardedDataset.open(fan), ShardedDataset.open(tmp_path / "single")

@@ -30,7 +30,7 @@ __all__ = ["task_files", "part_dir", "run_task", "join_parts", "JOINED_BY"]
 
 logger = logging.getLogger(__name__)
 
-JOINED_BY = "recsys.data.fanout.join_parts"
+JOINED_BY = "recsys.data.preprocess.fanout.join_parts"
 PARTS = "parts"
 
 

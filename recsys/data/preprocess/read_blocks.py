@@ -1,7 +1,7 @@
 """Stage 1 of preprocessing: a raw text file as numbered blocks of whole lines.
 
 Why blocks of bytes instead of lines: handing a parser megabytes at a time lets it split and
-decode with numpy over the whole block (:mod:`recsys.data.parse_criteo`) and lets blocks be
+decode with numpy over the whole block (:mod:`recsys.data.preprocess.parse_criteo`) and lets blocks be
 parsed in parallel; Python never touches individual lines on the fast path.
 
 The reader also settles the file's layout from its first line: a UTF-8 BOM is dropped, and a first

@@ -7,7 +7,7 @@ blocks and appends finished ones, in file order, to the :class:`~recsys.data.sha
 Results are therefore identical for any number of workers. At most ``2 * workers`` blocks are in
 flight, which bounds memory (a block is a few MiB of text).
 
-The progress line (logger ``recsys.data.raw_formats``, every ``progress_every_s`` seconds) shows
+The progress line (logger ``recsys.data.preprocess.raw_formats``, every ``progress_every_s`` seconds) shows
 rows, rows/s, the share of the input bytes read and the ETA over all files of the run.
 
 Why processes as well: with many files, :func:`run_files_in_processes` gives each file a process
@@ -28,15 +28,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-from recsys.data.bad_rows import FileReport, check_bad_fraction
+from recsys.data.preprocess.bad_rows import FileReport, check_bad_fraction
 from recsys.data.errors import CacheWriteError
-from recsys.data.parse_criteo import ParsedBlock
-from recsys.data.read_blocks import Block, BlockReader, Layout
+from recsys.data.preprocess.parse_criteo import ParsedBlock
+from recsys.data.preprocess.read_blocks import Block, BlockReader, Layout
 from recsys.data.shards import ShardedDataset, ShardWriter
 
 __all__ = ["default_workers", "Progress", "run_file", "run_files_in_processes"]
 
-logger = logging.getLogger("recsys.data.raw_formats")  # the drivers' logger: one place to listen
+logger = logging.getLogger("recsys.data.preprocess.raw_formats")  # the drivers' logger: one place to listen
 _APPEND_ROWS = 1 << 18  # rows of a part copied at a time (about 70 MB of Criteo arrays)
 
 

@@ -7,13 +7,13 @@ directory (:mod:`recsys.data.shards`) that training reads.
 
 The work goes one way through small modules, one per stage:
 
-1. :mod:`recsys.data.read_blocks` reads each file (``.gz`` too) as blocks of whole lines and
+1. :mod:`recsys.data.preprocess.read_blocks` reads each file (``.gz`` too) as blocks of whole lines and
    settles its layout (header, column order);
-2. :mod:`recsys.data.parse_criteo` / :mod:`recsys.data.parse_avazu` turn a block into arrays and
-   its bad-row report (:mod:`recsys.data.bad_rows`), on a pool of threads;
+2. :mod:`recsys.data.preprocess.parse_criteo` / :mod:`recsys.data.preprocess.parse_avazu` turn a block into arrays and
+   its bad-row report (:mod:`recsys.data.preprocess.bad_rows`), on a pool of threads;
 3. :class:`recsys.data.shards.ShardWriter` appends them in file order and publishes atomically;
 
-:mod:`recsys.data.pipeline` connects them (with a progress line). This module only checks the
+:mod:`recsys.data.preprocess.pipeline` connects them (with a progress line). This module only checks the
 arguments, decides whether the cache is up to date (:mod:`recsys.data.cache_key`), and runs the
 files through the pipeline.
 
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Literal, Sequence
 
-from recsys.data.bad_rows import (  # noqa: F401  (re-exported: the names users know)
+from recsys.data.preprocess.bad_rows import (  # noqa: F401  (re-exported: the names users know)
     MAX_BAD_LINES_KEPT,
     REASON_COLUMNS,
     REASON_HEX,
@@ -53,16 +53,16 @@ from recsys.data.bad_rows import (  # noqa: F401  (re-exported: the names users 
 )
 from recsys.data.cache_key import content_sha256, describe_change, make_key
 from recsys.data.errors import DataFileError, read_error
-from recsys.data.parse_avazu import AVAZU_COLUMNS, AVAZU_SPARSE_NAMES, avazu_hash, parse_avazu_block  # noqa: F401
-from recsys.data.parse_criteo import (  # noqa: F401
+from recsys.data.preprocess.parse_avazu import AVAZU_COLUMNS, AVAZU_SPARSE_NAMES, avazu_hash, parse_avazu_block  # noqa: F401
+from recsys.data.preprocess.parse_criteo import (  # noqa: F401
     CRITEO_COLUMNS,
     CRITEO_DENSE_NAMES,
     CRITEO_SPARSE_NAMES,
     ParsedBlock,
     parse_criteo_block,
 )
-from recsys.data.pipeline import Progress, default_workers, run_file, run_files_in_processes
-from recsys.data.read_blocks import DEFAULT_BLOCK_BYTES, Block, BlockReader, Layout, first_line, header_names
+from recsys.data.preprocess.pipeline import Progress, default_workers, run_file, run_files_in_processes
+from recsys.data.preprocess.read_blocks import DEFAULT_BLOCK_BYTES, Block, BlockReader, Layout, first_line, header_names
 from recsys.data.shards import FORMAT_VERSION, InvalidShardDirError, ShardedDataset, ShardWriter
 
 logger = logging.getLogger(__name__)
@@ -295,7 +295,7 @@ def _run(
         if progress.rows >= 1_000_000:
             logger.info(progress.line(1.0))
         return writer.commit(
-            _with_content_hashes(reports), extra={"created_by": f"recsys.data.raw_formats.preprocess_{kind}", "cache_key": key}
+            _with_content_hashes(reports), extra={"created_by": f"recsys.data.preprocess.raw_formats.preprocess_{kind}", "cache_key": key}
         )
 
 
@@ -319,7 +319,7 @@ def criteo_key(
     pad_short_rows: bool = True,
 ) -> dict[str, Any]:
     """The cache key :func:`preprocess_criteo` writes for these files and options (also the key
-    of a dataset joined from parts, recsys/data/fanout.py)."""
+    of a dataset joined from parts, recsys/data/preprocess/fanout.py)."""
     return make_key(
         paths,
         {

@@ -12,9 +12,9 @@ import zlib
 
 import numpy as np
 
-from recsys.data.bad_rows import REASON_COLUMNS, REASON_LABEL, BlockReport
-from recsys.data.parse_criteo import ParsedBlock
-from recsys.data.read_blocks import Block, Layout
+from recsys.data.preprocess.bad_rows import REASON_COLUMNS, REASON_LABEL, BlockReport
+from recsys.data.preprocess.parse_criteo import ParsedBlock
+from recsys.data.preprocess.read_blocks import Block, Layout
 
 __all__ = ["AVAZU_COLUMNS", "AVAZU_SPARSE_NAMES", "avazu_hash", "parse_avazu_block"]
 

@@ -22,7 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
-from recsys.data.bad_rows import (
+from recsys.data.preprocess.bad_rows import (
     LINE_REASONS,
     REASON_COLUMNS,
     REASON_HEX,
@@ -32,7 +32,7 @@ from recsys.data.bad_rows import (
     REASON_NUL,
     BlockReport,
 )
-from recsys.data.read_blocks import Block, Layout
+from recsys.data.preprocess.read_blocks import Block, Layout
 
 __all__ = [
     "CRITEO_DENSE_NAMES", "CRITEO_SPARSE_NAMES", "CRITEO_COLUMNS", "ParsedBlock", "parse_criteo_block",
