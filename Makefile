@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat constraints.txt pyproject.toml setup.py recsys/optim/csrc/* | sha1sum | cut -c1-12)
 PIP := $(PY) -m pip install -q --disable-pip-version-check -c constraints.txt
 
-.PHONY: venv test-deps demo lint test test-unit test-system test-gpu test-stacks wheel ci bench clean
+.PHONY: venv test-deps demo lint test test-unit test-system test-gpu test-stacks wheel ci bench clean reference
 venv: $(STAMP)
 
 # Test-only dependencies: triton's interpreter (TRITON_INTERPRET=1) runs the CUDA CowClip kernel on
@@ -50,6 +50,10 @@ XDIST ?= -n 2 --dist loadfile
 
 # ruff (pyproject.toml [tool.ruff]): the lint rules (pycodestyle, pyflakes, bugbear) and the format.
 # `$(VENV)/bin/ruff format .` fixes the format; CI runs this first.
+# the generated reference pages (docs/reference/): rewrite them after changing a config key or a CLI option
+reference: venv
+	$(VENV)/bin/python tools/gen_reference.py
+
 lint: venv test-deps
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 

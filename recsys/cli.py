@@ -151,7 +151,7 @@ def _env_int(name: str, default: int) -> int:
 
 def _preprocess(args: argparse.Namespace) -> int:
     """Preprocess the config's raw files into its shard cache: all at once (`--tasks 1`), or as
-    task `--task` of `--tasks` (recsys/data/fanout.py), the last part to finish joining them all.
+    task `--task` of `--tasks` (recsys/data/preprocess/fanout.py), the last part to finish joining them all.
     `--procs P` splits this task into P parts, one process each (the files go to tasks x P parts)."""
     from recsys.data.errors import DataFileError
     from recsys.data.source import prepare_data, preprocess_tasks, shard_dir
@@ -176,10 +176,7 @@ def _preprocess(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    # The launcher's own messages (e.g. "rebuilding the shard cache: ...") are one plain line each.
-    # force: importing fbgemm_gpu calls logging.info(), which installs a "LEVEL:name:" root handler.
-    logging.basicConfig(level=logging.WARNING, format="%(message)s", force=True)
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="recsys", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="train a model (launches torchrun)")
@@ -203,7 +200,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-dir", required=True, help="the run directory (its config.yaml and checkpoints/)")
     p.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest complete one)")
     p.add_argument("--out", required=True, help="the file to write (torch.save; load it with recsys.load_exported)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    # The launcher's own messages (e.g. "rebuilding the shard cache: ...") are one plain line each.
+    # force: importing fbgemm_gpu calls logging.info(), which installs a "LEVEL:name:" root handler.
+    logging.basicConfig(level=logging.WARNING, format="%(message)s", force=True)
+    args = build_parser().parse_args(argv)
     if args.command == "train":
         return _train(args)
     if args.command == "preprocess":

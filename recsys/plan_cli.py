@@ -484,11 +484,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.95,
         help="with --data-sample: each UVM-cached table's load factor is the smallest reaching this hit rate",
     )
-    m.add_argument("--out", required=True)
+    m.add_argument("--out", required=True, help="the plan file to write (an existing one is replaced only when planning succeeds)")
     m.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
     m.set_defaults(fn=cmd_make)
     s = sub.add_parser("show", help="per-table placement and per-rank memory")
-    s.add_argument("plan")
+    s.add_argument("plan", help="a plan file (recsys-plan make, or save_plan)")
     s.add_argument(
         "--model",
         "--config",
@@ -508,21 +508,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="batch per rank for the modelled step (default: the plan file's; 512, said to be assumed, if it has none)",
     )
-    s.add_argument("--out")
+    s.add_argument("--out", help="write the report to this file instead of stdout")
     s.set_defaults(fn=cmd_show)
     d = sub.add_parser("diff", help="tables that moved or changed kernel; memory deltas per rank")
-    d.add_argument("a")
-    d.add_argument("b")
+    d.add_argument("a", help="the first plan file")
+    d.add_argument("b", help="the plan file to compare with it")
     d.add_argument("--format", choices=("text", "json"), default="text")
     d.add_argument("--topology", default="", help="also report modeled time deltas per rank on this topology")
-    d.add_argument("--out")
+    d.add_argument("--out", help="write the diff to this file instead of stdout")
     d.set_defaults(fn=cmd_diff)
     v = sub.add_parser(
         "validate",
         help="torchrec sharding types/kernels, shards tile each table, ranks in the world, "
         "every table once, fits memory; with --model: the plan is for that model",
     )
-    v.add_argument("plan")
+    v.add_argument("plan", help="a plan file")
     v.add_argument(
         "--model",
         "--config",
@@ -531,9 +531,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MODEL",
         help="experiment YAML or package.module:factory (optional: the plan file records its tables)",
     )
-    v.add_argument("--world-size", type=int, default=0)
-    v.add_argument("--hbm-gb", type=float, default=0.0)
-    v.add_argument("--ddr-gb", type=float, default=0.0)
+    v.add_argument("--world-size", type=int, default=0, help="the job's ranks; the plan must be for them (0: the plan's own)")
+    v.add_argument("--hbm-gb", type=float, default=0.0, help="HBM per rank the shards must fit in (0: not checked)")
+    v.add_argument("--ddr-gb", type=float, default=0.0, help="host memory per rank the shards must fit in (0: not checked)")
     v.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
     v.set_defaults(fn=cmd_validate)
     return p

@@ -26,12 +26,12 @@ class ModelConfig:
     """Model architecture. Defaults follow the CowClip paper (DNN 400-400-400) except the
     embedding dim: the paper uses 10, FBGEMM's fused kernels need dims divisible by 4, so 16."""
 
-    name: ModelName = "deepfm"
-    embedding_dim: int = 16
-    dnn: list[int] = field(default_factory=lambda: [400, 400, 400])
+    name: ModelName = "deepfm"  # the CTR model (recsys/models/ctr.py)
+    embedding_dim: int = 16  # every sparse feature's embedding width (FBGEMM kernels: a multiple of 4)
+    dnn: list[int] = field(default_factory=lambda: [400, 400, 400])  # hidden layer widths of the deep part
     cross_layers: int = 3  # dcn / dcnv2
     cross_low_rank: int = 0  # dcnv2: 0 = full-rank matrix cross layers
-    dropout: float = 0.0
+    dropout: float = 0.0  # dropout of the deep part's hidden layers, in [0, 1)
     # Embedding rows start uniform with this standard deviation (CowClip reference: 1e-2).
     embedding_init_std: float = 0.01
     # Tables get this many times the data's cardinality in rows; the ids stay in the first part
@@ -43,13 +43,13 @@ class ModelConfig:
 class DataConfig:
     """Where batches come from. `synthetic` is the embedded default (no files needed)."""
 
-    source: DataSource = "synthetic"
+    source: DataSource = "synthetic"  # synthetic (generated, no files) | criteo | avazu (raw files at data.path)
     # criteo/avazu: raw files (a file, a directory or a glob); preprocessed once into cache_dir.
     path: str = ""
     format: Literal["auto", "tsv", "csv"] = "auto"  # criteo
     cache_dir: str = ""  # default: data_cache/<source>-<name of path>-<hash of its absolute path> (docs/data.md)
     eval_fraction: float = 0.1  # criteo/avazu: the last fraction of rows is the eval split
-    max_bad_fraction: float = 0.01
+    max_bad_fraction: float = 0.01  # preprocessing stops, writing nothing, when more of a file's rows are malformed
     # How a shard cache that matches its inputs' names, sizes, mtimes and first/last MiB is checked
     # before reuse: full (every byte hashed again, ~0.7 s/GB) | quick (trust those; said in the log)
     verify: Literal["full", "quick"] = "full"
@@ -57,20 +57,20 @@ class DataConfig:
     # shuffle_block_rows consecutive rows permuted per epoch, rows permuted again inside windows
     # of shuffle_buffer_rows (0: blocks only). Eval always reads its split in order.
     shuffle: bool = True
-    shuffle_seed: int = 0
-    shuffle_block_rows: int = 256
-    shuffle_buffer_rows: int = 65536
+    shuffle_seed: int = 0  # the epoch order's seed
+    shuffle_block_rows: int = 256  # rows kept together (read sequentially) in the shuffled order
+    shuffle_buffer_rows: int = 65536  # window in which rows are permuted again; 0: blocks only
     # Table sizes: a preset name or an explicit list (raw ids are hashed into these sizes).
     cardinalities: Union[str, list[int]] = "criteo_kaggle_filtered"
     # synthetic source
     train_rows: int = 1_000_000  # rows per epoch
-    eval_rows: int = 100_000
-    seed: int = 0
-    zipf_exponent: float = 1.05
+    eval_rows: int = 100_000  # synthetic eval rows
+    seed: int = 0  # the generator's seed (the teacher and the rows)
+    zipf_exponent: float = 1.05  # id popularity ~ rank^-a per field: how skewed the lookups are
     teacher_head: int = 200  # ids (by popularity rank) per field that carry signal
-    teacher_dim: int = 4
-    teacher_scale: float = 1.0
-    positive_rate: float = 0.25
+    teacher_dim: int = 4  # width of the hidden teacher's pairwise (FM) factors
+    teacher_scale: float = 1.0  # scales the teacher's weights: more signal, a higher reachable AUC
+    positive_rate: float = 0.25  # share of clicks (label 1) the teacher is calibrated to
 
 
 @dataclass
@@ -80,26 +80,26 @@ class OptimConfig:
     # rowwise_adagrad | adagrad | sgd (FBGEMM fused); cowclip_adam | adam (our fused kernel,
     # recsys/optim/cowclip/sharder.py); fbgemm_cowclip (FBGEMM's native COWCLIP on rowwise Adagrad)
     embedding: EmbeddingOptimizer = "rowwise_adagrad"
-    embedding_lr: float = 0.005
-    embedding_eps: float = 1e-8
-    dense_lr: float = 1e-3
-    dense_weight_decay: float = 0.0
+    embedding_lr: float = 0.005  # learning rate of the embedding optimizer (applied inside the backward)
+    embedding_eps: float = 1e-8  # epsilon of the embedding optimizer (Adam / Adagrad)
+    dense_lr: float = 1e-3  # Adam learning rate of the dense parameters (and data_parallel tables)
+    dense_weight_decay: float = 0.0  # torch.optim.Adam weight_decay of the dense parameters
     # CowClip (paper: r=1, zeta=1e-5; the wide/linear tables unclipped; L2 lambda on embedding rows)
     cowclip_r: float = 1.0
-    cowclip_zeta: float = 1e-5
+    cowclip_zeta: float = 1e-5  # floor of the clip threshold: r * count * max(||w||, r * sqrt(dim) * zeta)
     cowclip_wide: bool = False  # also clip the wide/linear tables
     embedding_l2: float = 0.0  # Keras l2(lambda) (cowclip_adam/adam/fbgemm_cowclip)
     # auto (effective_l2_scope): catchup for cowclip_adam, batch otherwise | batch: rows of the batch
     # only (lazy) | all: every row, every step | catchup: as all, absent rows advanced when next read
     embedding_l2_scope: Literal["auto", "batch", "all", "catchup"] = "auto"
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
+    adam_beta1: float = 0.9  # Adam beta1 of the embedding kernels (cowclip_adam, adam)
+    adam_beta2: float = 0.999  # Adam beta2 of the embedding kernels
     adam_eps_mode: Literal["torch", "keras"] = "torch"  # torch.optim.Adam's eps | the paper's tf.keras Adam's
     # Scaling rule (recsys/optim/scaling.py): hyperparameters above are for batch `scale_from_batch`;
     # the run's train.batch_size scales them (0: off). cowclip: embedding lr x1, L2 x s, dense lr
     # x sqrt(s); sqrt / linear: every lr x sqrt(s) / x s.
     scale_from_batch: int = 0
-    scale_rule: Literal["cowclip", "sqrt", "linear"] = "cowclip"
+    scale_rule: Literal["cowclip", "sqrt", "linear"] = "cowclip"  # which rule scale_from_batch applies
     warmup_epochs: float = -1.0  # linear dense-lr warmup; -1: 1 epoch when scaling, else none
 
 
@@ -123,14 +123,14 @@ def effective_l2_scope(o: "OptimConfig") -> str:
 @dataclass
 class TrainConfig:
     batch_size: int = 1024  # global batch; each rank gets batch_size / world_size rows
-    epochs: int = 1
+    epochs: int = 1  # passes over the training split (unless max_steps is set)
     max_steps: int = 0  # 0: run `epochs` epochs
     eval_every: int = 0  # steps between evals; 0: only at the end
-    eval_batch_size: int = 8192
-    log_every: int = 20
-    nproc_per_node: int = 2
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    seed: int = 0
+    eval_batch_size: int = 8192  # global batch of the evals (a multiple of the world size)
+    log_every: int = 20  # steps between progress lines and metrics.jsonl records
+    nproc_per_node: int = 2  # processes (ranks) `recsys train` starts on this host
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when a GPU is visible (NCCL), else CPU (gloo)
+    seed: int = 0  # torch seed: model initialisation
     threads_per_rank: int = 0  # 0: cores / local ranks
     # The dense part of a training step (everything after the embedding lookups, and the loss) runs
     # in chunks of this many rows when a rank's batch is larger: same gradients, one embedding
@@ -150,7 +150,7 @@ class TrainConfig:
     # Outputs that need the [viz] extra (tensorboard, matplotlib): TensorBoard events in
     # <run_dir>/tb and the picture <run_dir>/curves.png. metrics.jsonl and summary.json are always written.
     tensorboard: bool = True
-    curves: bool = True
+    curves: bool = True  # write <run_dir>/curves.png at the end (needs matplotlib)
 
 
 @dataclass
@@ -164,20 +164,20 @@ class ShardingConfig:
     # UVM cache sizing from data (sharding/planner/cache_sizing.py): a JSON id histogram, a shard directory,
     # synthetic:N or data:N; each cached table gets the smallest load factor reaching target_hit_rate
     data_sample: str = ""
-    target_hit_rate: float = 0.95
+    target_hit_rate: float = 0.95  # the UVM cache hit rate data_sample sizing aims at, in (0, 1]
 
 
 @dataclass
 class CheckpointConfig:
     every_steps: int = 0  # 0: only at the end
-    keep: int = 2
+    keep: int = 2  # complete checkpoints kept; older ones are deleted after a new one commits
 
 
 @dataclass
 class ExperimentConfig:
-    name: str = "experiment"
+    name: str = "experiment"  # names the run; its directory defaults to runs/<name>
     run_dir: str = ""  # default: runs/<name>
-    resume: bool = False
+    resume: bool = False  # continue from the newest complete checkpoint in run_dir (RECSYS_RESUME=1 sets it)
     # Resume on other data than the checkpoint trained on (fine-tuning): its epochs count from the
     # checkpoint's step. Without it such a resume stops with one line saying what changed.
     resume_on_new_data: bool = False
