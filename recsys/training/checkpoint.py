@@ -52,14 +52,14 @@ import re
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from torchrec.optim.keyed import KeyedOptimizer
+if TYPE_CHECKING:  # the launcher imports this module for its errors; it needs no torchrec
+    from torchrec.optim.keyed import KeyedOptimizer
 
 from recsys.data.cache_key import file_sha256
 from recsys.data.identity import describe_data_change
@@ -418,6 +418,8 @@ class Checkpointer:
         # One file per tensor: FBGEMM keeps all tables of a kernel in one flat buffer, so DCP
         # clones each table view before writing it and, with one file per rank, keeps every
         # clone alive until the file is closed, doubling memory at raw-Criteo table sizes.
+        import torch.distributed.checkpoint as dcp  # here: the launcher imports this module for its errors
+
         g = self.groups
         if g is None:
             writer = dcp.FileSystemWriter(str(tmp), single_file_per_rank=False)
@@ -517,6 +519,8 @@ class Checkpointer:
     def load(self, path: Path, model: nn.Module, optimizer: KeyedOptimizer, dense_optimizer: KeyedOptimizer) -> dict[str, Any]:
         """Restores model, optimizer and this rank's RNG in place; returns the marker's `extra`
         with `step` and `rank_state` (what `save` got as rank_state, {} if none)."""
+        import torch.distributed.checkpoint as dcp
+
         marker = read_marker(path)
         shard_world = marker.get("ranks_per_host", marker["world_size"])
         if shard_world != self.shard_world and not reshardable(marker.get("shape", {})):
