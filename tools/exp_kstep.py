@@ -450,7 +450,7 @@ def _sync_head(sync: list[dict[str, Any]]) -> dict[str, Any] | None:
     return {"auc": round(r["auc"], 6), "epoch_s": round(r["epoch_s"], 2), "bytes_per_sample": round(r["cross_host_bytes_per_sample"], 1)}
 
 
-# -- the network experiment across invocations (one per rate): docs/results/kstep_network.json ------
+# -- the network experiment across invocations (one per rate): the --results JSON ---------------------
 def _row_key(r: dict[str, Any]) -> tuple:
     return (r.get("net", "loopback"), r.get("arm", "kstep"), r["k"], r["moments"], r.get("merge_route"), _rows_of(r))
 
