@@ -157,7 +157,7 @@ def _capacity(option: str, gb: float | None) -> None:
 
 
 def _load_cluster(name: str):
-    from sharding.topology.cluster import load_topology
+    from sharding.topology.topology_file import load_topology
 
     return load_topology(name)
 
@@ -167,7 +167,7 @@ def _topology_file(args: argparse.Namespace) -> str:
     the capacities given on the command line and written next to the plan as <out>.topology.yaml."""
     if not args.topology.endswith(".txt"):
         return args.topology
-    from sharding.topology.cluster import dump_topology
+    from sharding.topology.topology_file import dump_topology
     from sharding.topology.nvidia_smi import import_topo
 
     # the GPU's capacities: from --gpu's preset (or `nvidia-smi -L` lines in the file), each
@@ -304,7 +304,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     rep = plan_report.report(plan, header)
     topo = None
     if args.topology:
-        from sharding.topology.cluster import load_topology
+        from sharding.topology.topology_file import load_topology
 
         topo = load_topology(args.topology)  # a file or a shipped name; TopologyError is a ValueError
         if topo.world_size != header["world_size"]:
@@ -396,7 +396,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
 def _modeled_seconds(plan, header: dict, topology: str) -> tuple[list[float], float]:
     """Per-rank modelled seconds and the modelled step of a plan on a topology: the planner's
     model (sharding/planner/cost/plan_cost.py; the step includes the collectives' busiest links)."""
-    from sharding.topology.cluster import load_topology
+    from sharding.topology.topology_file import load_topology
 
     topo = load_topology(topology)
     if topo.world_size != header["world_size"]:

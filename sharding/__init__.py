@@ -25,7 +25,7 @@ _EXPORTS = {
     "TopologyAwarePlanner": "sharding.planner.topology_planner",
     "ModelDoesNotFitError": "sharding.planner.topology_planner",
     "ClusterTopology": "sharding.topology.cluster",
-    "load_topology": "sharding.topology.cluster",
+    "load_topology": "sharding.topology.topology_file",
     "save_plan": "sharding.plan.io",
     "load_plan": "sharding.plan.io",
 }

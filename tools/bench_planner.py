@@ -58,7 +58,7 @@ from sharding.planner.bounds import step_time_lower_bound  # noqa: E402
 from sharding.constants import MODEL_PARALLEL_TYPES  # noqa: E402
 from sharding.compat import estimator_sharders  # noqa: E402
 from sharding.planner.cost.model import TopologyCostModel  # noqa: E402
-from sharding.topology.cluster import load_topology, shipped_topologies  # noqa: E402
+from sharding.topology.topology_file import load_topology, shipped_topologies  # noqa: E402
 from sharding.planner.topology_planner import TopologyAwarePlanner, default_constraints  # noqa: E402
 
 KAGGLE = CARDINALITY_PRESETS["criteo_kaggle_raw"]

@@ -67,7 +67,7 @@ def _cluster(args, world: int):
     NUMA nodes and NICs as the file says)."""
     import dataclasses
 
-    from sharding.topology.cluster import load_topology
+    from sharding.topology.topology_file import load_topology
     from sharding.planner.topology_planner import cluster_for
 
     device = "cuda" if args.cuda else "cpu"

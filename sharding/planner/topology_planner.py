@@ -110,7 +110,8 @@ from sharding.planner.proposers import (
 from sharding.planner.ssd_tier import key_value_tables
 from sharding.plan.fit_report import TORCHREC_RESERVE, format_bytes, planner_said, reserve_exceeds_hbm
 from sharding.tables import table_configs
-from sharding.topology.cluster import ClusterTopology, load_topology
+from sharding.topology.cluster import ClusterTopology
+from sharding.topology.topology_file import load_topology
 from sharding.planner.torchrec_speedups import fast_planner_internals
 
 if TYPE_CHECKING:

@@ -53,8 +53,8 @@ from sharding.topology.cluster import (
     NvlinkSpec,
     PcieSwitch,
     TopologyError,
-    dump_topology,
 )
+from sharding.topology.topology_file import dump_topology
 
 __all__ = ["PCIE_X16_GB_S", "TopoMatrix", "import_topo", "main", "parse_topo_matrix", "resolve_gpus", "topology_from_matrix"]
 

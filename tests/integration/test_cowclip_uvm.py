@@ -174,7 +174,7 @@ def test_tight_hbm_plan_on_a_cuda_topology_puts_cowclip_tables_in_host_memory():
     tables of 1M x 64 (256 MB of weights, 768 MB with the moments, each) cannot stay in HBM, so
     the plan offloads them with fused_uvm, never fused_uvm_caching, and counts their weights and
     state in host memory."""
-    from sharding.topology.cluster import load_topology
+    from sharding.topology.topology_file import load_topology
     from sharding.planner.topology_planner import TopologyAwarePlanner
 
     logging.disable(logging.WARNING)

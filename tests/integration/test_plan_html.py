@@ -163,7 +163,7 @@ def test_traffic_row_wise_and_data_parallel_by_hand():
 
 
 def test_topology_bytes_by_link_on_two_cpu_ranks():
-    from sharding.topology.cluster import load_topology
+    from sharding.topology.topology_file import load_topology
 
     topo = load_topology("cpu-gloo")
     assert topo.world_size == 2

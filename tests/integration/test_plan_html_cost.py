@@ -24,7 +24,7 @@ import sharding.plan.report as plan_report
 import sharding.planner.cost.traffic as plan_traffic
 from sharding.planner.cost.plan_cost import modeled_step, plan_pooling, plan_tables, step_line
 from sharding.plan.html import render_html
-from sharding.topology.cluster import load_topology
+from sharding.topology.topology_file import load_topology
 
 REPO = Path(__file__).resolve().parents[2]
 W, B = 8, 512

@@ -14,7 +14,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from sharding.planner.cost.model import PlacedShard, TopologyCostModel
-from sharding.topology.cluster import load_topology
+from sharding.topology.topology_file import load_topology
 from sharding.planner.topology_planner import default_constraints, greedy_patience_for, torchrec_topology
 from sharding.planner.torchrec_speedups import fast_deepcopy, fast_planner_internals
 from tests.support.plan_models import meta_ebc as ebc

@@ -162,7 +162,7 @@ def test_plan_with_shipped_names_from_another_directory(installed):
             PY,
             "-c",
             "import recsys, sharding, torchx_components; "
-            "from sharding.topology.cluster import load_topology; "
+            "from sharding.topology.topology_file import load_topology; "
             "print(recsys.__file__, sharding.__file__, torchx_components.__file__, "
             "load_topology('dgx-a100-2host').world_size, load_topology('cpu-gloo').world_size)",
         ],

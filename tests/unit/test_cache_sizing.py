@@ -24,7 +24,7 @@ from sharding.planner.cache_sizing import (
 )
 from recsys.data.id_histogram import load_sample
 from sharding.planner.cost.model import PlacedShard, TopologyCostModel
-from sharding.topology.cluster import load_topology
+from sharding.topology.topology_file import load_topology
 
 
 def zipf_histogram(rows: int, a: float, scale: float = 1e6) -> np.ndarray:

@@ -21,7 +21,8 @@ from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
 from sharding.planner.cost.model import PlacedShard, TopologyCostModel
-from sharding.topology.cluster import GB, SsdSpec, TopologyError, dump_topology, load_topology, topology_to_dict
+from sharding.topology.cluster import GB, SsdSpec, TopologyError
+from sharding.topology.topology_file import dump_topology, load_topology, topology_to_dict
 from sharding.planner.topology_planner import ModelDoesNotFitError, TopologyAwarePlanner, torchrec_topology
 
 logging.disable(logging.WARNING)

@@ -14,7 +14,8 @@ from sharding.topology.bandwidth import (
     pair_bandwidth,
     shared_uplink_groups,
 )
-from sharding.topology.cluster import GB, TopologyError, dump_topology, load_topology, shipped_topologies
+from sharding.topology.cluster import GB, TopologyError
+from sharding.topology.topology_file import dump_topology, load_topology, shipped_topologies
 
 GBs = 1e9
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from sharding.topology.bandwidth import pair_bandwidth
-from sharding.topology.cluster import load_topology
+from sharding.topology.topology_file import load_topology
 from sharding.topology.links import build_links
 from sharding.topology.paths import route
 
