@@ -46,6 +46,10 @@ def run(cfg: ExperimentConfig, model_factory: ModelFactory | None = None) -> dic
 
 
 class Trainer:
+    """Runs one job on every rank: ``train()`` resumes (if asked), steps, logs, evaluates and
+    checkpoints, then writes the summary. Built from a ``Job`` (``setup(cfg)``), so a caller can
+    change the job's parts, e.g. add a hook, before training."""
+
     def __init__(self, job: Job) -> None:
         self.job = job
         self.cfg = job.cfg
