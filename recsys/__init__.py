@@ -26,7 +26,7 @@ _EXPORTS = {
     "tag_cowclip_adam": "recsys.optim.cowclip.sharder",
     "CowClipEmbeddingBagCollectionSharder": "recsys.optim.cowclip.sharder",
     "CowClipEmbeddingCollectionSharder": "recsys.optim.cowclip.sequence",
-    "KStepMergeHook": "recsys.training.kstep.merger",
+    "KStepMergeHook": "recsys.training.kstep.merge_hook",
     "KStepMerger": "recsys.training.kstep.merger",
     "export_model": "recsys.training.export",
     "load_exported": "recsys.training.export",
