@@ -95,6 +95,8 @@ def config_reference() -> str:
         prefix = "" if title == "top level" else f"{title}."
         out += [f"## {title if title == 'top level' else '`' + title + '`'}", ""]
         doc = inspect.getdoc(cls)
+        if doc and doc.startswith(f"{cls.__name__}("):  # dataclass's generated signature: no docstring written
+            doc = None
         if doc and title != "top level":
             out += [doc.replace("\n", " "), ""]
         out += ["| key | type | default | meaning |", "|---|---|---|---|"]

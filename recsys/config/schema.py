@@ -122,6 +122,9 @@ def effective_l2_scope(o: "OptimConfig") -> str:
 
 @dataclass
 class TrainConfig:
+    """The run: batch, length, processes, device, logging and evals, and hierarchical (k-step)
+    training across hosts."""
+
     batch_size: int = 1024  # global batch; each rank gets batch_size / world_size rows
     epochs: int = 1  # passes over the training split (unless max_steps is set)
     max_steps: int = 0  # 0: run `epochs` epochs
@@ -155,6 +158,9 @@ class TrainConfig:
 
 @dataclass
 class ShardingConfig:
+    """How the tables are placed on the ranks: the planner, the hardware it plans for, and what it
+    may use (docs/topology.md). `plan` (top level) skips planning."""
+
     # torchrec: torchrec's EmbeddingShardingPlanner; topology: sharding/planner/topology_planner.py
     planner: Literal["torchrec", "topology"] = "torchrec"
     topology: str = ""  # planner=topology: a topology file or shipped name (CPU runs default to cpu-gloo)
@@ -169,6 +175,9 @@ class ShardingConfig:
 
 @dataclass
 class CheckpointConfig:
+    """Atomic DCP checkpoints in <run_dir>/checkpoints (docs/run_integrity.md); the last step
+    always writes one."""
+
     every_steps: int = 0  # 0: only at the end
     keep: int = 2  # complete checkpoints kept; older ones are deleted after a new one commits
 
