@@ -41,6 +41,7 @@ from recsys.training.run_dir import (
     state_shape,
     total_steps,
 )
+import sharding.plan.file_format as plan_format
 import sharding.plan.io as plan_io
 from sharding.planner.build import allowed_sharding_types, build_planner, make_plan
 
@@ -170,7 +171,7 @@ def setup(cfg: ExperimentConfig, model_factory: ModelFactory | None = None) -> J
         )
         meta = {"planner": cfg.sharding.planner, "batch_size_per_rank": local_batch}
     # the plan this run used, as a reusable file and as torchrec's table
-    _on_rank0(env, lambda: _save_plan_files(run_dir, plan_io.plan_to_dict(plan, shard_world, env.device.type, tables, meta), str(plan)))
+    _on_rank0(env, lambda: _save_plan_files(run_dir, plan_format.plan_to_dict(plan, shard_world, env.device.type, tables, meta), str(plan)))
     sharding_env = {}
     if groups:  # DMP over the host's ranks, with the plan moved onto them
         plan = remap_plan_to_host(plan, groups, env.device.type)

@@ -1,5 +1,5 @@
-"""The plan-file error, in a module of its own so that ``plan_io`` (reading files) and
-``plan_validation`` (checking plans) can both raise it without importing each other."""
+"""The plan-file error, in a module of its own so that ``file_format`` and ``io`` (reading files)
+and ``validation`` (checking plans) can all raise it without importing each other."""
 
 from __future__ import annotations
 

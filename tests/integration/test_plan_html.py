@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+import sharding.plan.file_format as plan_format
 import sharding.plan.io as plan_io
 import sharding.plan.report as plan_report
 import sharding.planner.cost.traffic as plan_traffic
+from tests.support.cli import run_main
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = str(REPO / "configs" / "experiments" / "demo.yaml")
@@ -20,7 +21,8 @@ TOPO = "dgx-a100-2host"  # configs/topologies/dgx-a100-2host.yaml: 2 hosts x 8 G
 
 
 def tool(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "recsys.plan_cli", *args], capture_output=True, text=True, cwd=REPO, timeout=300)
+    """`recsys-plan ARGS`, run in this process (tests/support/cli.py)."""
+    return run_main("recsys.plan_cli", *args, cwd=REPO)
 
 
 @pytest.fixture(scope="module")
@@ -113,8 +115,8 @@ def _two_rank_plan(batch: int | None = 512) -> dict:
         }
 
     return {
-        "format": plan_io.FORMAT,
-        "version": plan_io.VERSION,
+        "format": plan_format.FORMAT,
+        "version": plan_format.VERSION,
         "world_size": 2,
         "compute_device": "cpu",
         "tables": {"a": {"num_embeddings": 1000, "embedding_dim": 16}, "b": {"num_embeddings": 100, "embedding_dim": 4}},
@@ -124,7 +126,7 @@ def _two_rank_plan(batch: int | None = 512) -> dict:
 
 
 def test_traffic_two_table_wise_tables_by_hand():
-    plan, header = plan_io.plan_from_dict(_two_rank_plan())
+    plan, header = plan_format.plan_from_dict(_two_rank_plan())
     tr = plan_traffic.traffic(plan_report.table_infos(plan, header), 2, plan_traffic.batch_size_of(header))
     B = 512
     # forward: a (dim 16, rank 0) sends rank 1's pooled rows, 512 x 16 x 4 B; rank 0 sends its 512
@@ -137,7 +139,7 @@ def test_traffic_two_table_wise_tables_by_hand():
     assert tr.lookups.tolist() == [1024, 1024]
     assert tr.compute_bytes.tolist() == [2 * 1024 * 16 * 4, 2 * 1024 * 4 * 4]
     # default batch when the plan does not say
-    plan, header = plan_io.plan_from_dict(_two_rank_plan(None))
+    plan, header = plan_format.plan_from_dict(_two_rank_plan(None))
     assert plan_traffic.batch_size_of(header) == plan_traffic.DEFAULT_BATCH_SIZE_PER_RANK == 512
 
 
@@ -153,7 +155,7 @@ def test_traffic_row_wise_and_data_parallel_by_hand():
         ],
     )
     p["b"].update(sharding_type="data_parallel", compute_kernel="dense", ranks=[0, 1], shards=None)
-    plan, header = plan_io.plan_from_dict(d)
+    plan, header = plan_format.plan_from_dict(d)
     tr = plan_traffic.traffic(plan_report.table_infos(plan, header), 2, 512)
     # rw: ids go to the row owner (1/4 of rank 0's ids to rank 1, 3/4 of rank 1's to rank 0),
     # partial sums 512 x 16 x 4 each way; dp: nothing forward
@@ -167,7 +169,7 @@ def test_topology_bytes_by_link_on_two_cpu_ranks():
 
     topo = load_topology("cpu-gloo")
     assert topo.world_size == 2
-    plan, header = plan_io.plan_from_dict(_two_rank_plan())
+    plan, header = plan_format.plan_from_dict(_two_rank_plan())
     infos = plan_report.table_infos(plan, header)
     rep = plan_report.report(plan, header)
     tr = plan_traffic.apply_topology(plan_traffic.traffic(infos, 2, 512), topo, infos, rep["ranks"])
@@ -187,7 +189,7 @@ def test_html_escapes_names():
     p = d["modules"]["m"]["params"]
     p["<b>&x"] = p.pop("a")
     d["tables"]["<b>&x"] = d["tables"].pop("a")
-    plan, header = plan_io.plan_from_dict(d)
+    plan, header = plan_format.plan_from_dict(d)
     from sharding.plan.html import render_html
 
     rep = plan_report.report(plan, header)

@@ -13,18 +13,18 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
 
-import sharding.plan.io as plan_io
+import sharding.plan.file_format as plan_format
 import sharding.plan.report as plan_report
 import sharding.planner.cost.traffic as plan_traffic
 from sharding.planner.cost.plan_cost import modeled_step, plan_pooling, plan_tables, step_line
 from sharding.plan.html import render_html
 from sharding.topology.topology_file import load_topology
+from tests.support.cli import run_main
 
 REPO = Path(__file__).resolve().parents[2]
 W, B = 8, 512
@@ -72,8 +72,8 @@ def plan_dict(ssd: bool = True) -> dict:
     if ssd:
         params["t_kv"] = _tw(KV_ROWS, KV_DIM, KV_RANK, "key_value", KV_LF)
     return {
-        "format": plan_io.FORMAT,
-        "version": plan_io.VERSION,
+        "format": plan_format.FORMAT,
+        "version": plan_format.VERSION,
         "world_size": W,
         "compute_device": "cuda",
         "tables": {
@@ -87,7 +87,7 @@ def plan_dict(ssd: bool = True) -> dict:
 def rendered(d: dict, topology: str):
     """(html, cost, traffic) as `recsys-plan show --format html --topology` makes them; the cost
     computed here with sharding.planner.cost.plan_cost.modeled_step, as the planner logs it."""
-    plan, header = plan_io.plan_from_dict(d)
+    plan, header = plan_format.plan_from_dict(d)
     topo = load_topology(topology)
     rep = plan_report.report(plan, header)
     infos = plan_report.table_infos(plan, header)
@@ -231,7 +231,7 @@ def test_plan_without_key_value_tables_has_no_ssd_column():
 
 def test_without_a_cost_the_report_has_bytes_and_no_times():
     d = plan_dict(ssd=True)
-    plan, header = plan_io.plan_from_dict(d)
+    plan, header = plan_format.plan_from_dict(d)
     rep = plan_report.report(plan, header)
     infos = plan_report.table_infos(plan, header)
     bare = plan_traffic.traffic(infos, W, B)
@@ -253,13 +253,7 @@ def test_show_html_prints_the_text_reports_step(tmp_path):
     out = tmp_path / "report.html"
 
     def show(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, "-m", "recsys.plan_cli", "show", str(path), "--topology", "dgx-a100-ssd", *args],
-            capture_output=True,
-            text=True,
-            cwd=REPO,
-            timeout=300,
-        )
+        return run_main("recsys.plan_cli", "show", str(path), "--topology", "dgx-a100-ssd", *args, cwd=REPO)
 
     text = show()
     assert text.returncode == 0, text.stderr

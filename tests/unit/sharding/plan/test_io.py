@@ -5,6 +5,7 @@ training job runs before using a saved plan."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -15,8 +16,15 @@ from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, Tr
 from recsys.config import CARDINALITY_PRESETS, ModelConfig, OptimConfig
 from recsys.models.ctr import TrainModule, build_model
 from recsys.optim.embedding import attach_embedding_optimizer
+import sharding.plan.file_format as plan_format
 import sharding.plan.io as plan_io
 from sharding.plan.io import PlanFileError
+
+
+def _exactly(line: str) -> str:
+    """A ``match=`` pattern for the whole message and nothing else."""
+    return f"^{re.escape(line)}$"
+
 
 NAMES = [f"C{i + 1}" for i in range(26)]
 
@@ -64,7 +72,7 @@ def test_round_trip_is_lossless(gpu_plan, tmp_path):
         "optimizer_state": {"kind": "rowwise_adagrad", "bytes_per_weight": 0, "bytes_per_row": 4},
     }
     # and again: the JSON is a fixed point
-    assert plan_io.plan_to_dict(back, 4, "cuda", tables, {"by": "test"}) == json.loads(path.read_text())
+    assert plan_format.plan_to_dict(back, 4, "cuda", tables, {"by": "test"}) == json.loads(path.read_text())
     assert not [p for p in tmp_path.iterdir() if p.name != "plan.json"]  # no temp file left
 
 
@@ -74,7 +82,7 @@ def test_version_1_files_still_load(gpu_plan, tmp_path):
     import sharding.plan.report as plan_report
 
     model, plan = gpu_plan
-    d = plan_io.plan_to_dict(
+    d = plan_format.plan_to_dict(
         plan, 4, "cuda", {n: {k: t[k] for k in ("num_embeddings", "embedding_dim")} for n, t in plan_io.model_tables(model).items()}
     )
     d["version"] = 1
@@ -130,11 +138,11 @@ def test_checks_for_another_model_or_world(gpu_plan):
 )
 def test_bad_files_give_one_line_errors(gpu_plan, tmp_path, mutate, needle):
     model, plan = gpu_plan
-    d = plan_io.plan_to_dict(plan, 4, "cuda", plan_io.model_tables(model))
+    d = plan_format.plan_to_dict(plan, 4, "cuda", plan_io.model_tables(model))
     mutate(d)
     p = tmp_path / "bad.json"
     p.write_text(json.dumps(d))
-    with pytest.raises(PlanFileError) as e:
+    with pytest.raises(PlanFileError, match=re.escape(needle)) as e:
         plan_io.read_plan_file(p)
     assert needle in str(e.value) and str(p) in str(e.value) and "\n" not in str(e.value)
 
@@ -148,9 +156,8 @@ def test_not_json_and_truncated(tmp_path):
         plan_io.load_plan(tmp_path / "missing.json")
     b = tmp_path / "binary.json"
     b.write_bytes(b'{"format": "\xff\xfe"}')
-    with pytest.raises(PlanFileError) as e:
+    with pytest.raises(PlanFileError, match=_exactly(f"{b}: not a text file (byte 12 is not UTF-8)")):
         plan_io.load_plan(b)
-    assert str(e.value) == f"{b}: not a text file (byte 12 is not UTF-8)"
 
 
 def test_save_is_atomic(gpu_plan, tmp_path, monkeypatch):
@@ -163,7 +170,7 @@ def test_save_is_atomic(gpu_plan, tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(plan_io.os, "fsync", boom)
-    with pytest.raises(OSError):
+    with pytest.raises(OSError, match="disk full"):
         plan_io.save_plan(plan, target, model)
     assert target.read_text() == "previous"
     assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]
@@ -223,3 +230,159 @@ def test_show_says_when_the_batch_for_the_modelled_step_is_assumed(gpu_plan, tmp
     assert main(["show", str(tmp_path / "none.json"), "--topology", "workstation-4gpu-nvlink-pairs", "--batch-size", "64"]) == 0
     out = capsys.readouterr().out
     assert "batch 64 per rank" in out and "assumed" not in out
+
+
+# -- a hand-made plan with every ParameterSharding field ------------------------------------------
+
+
+def _ebc():
+    from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    return EmbeddingBagCollection(
+        tables=[
+            EmbeddingBagConfig(name="a", embedding_dim=8, num_embeddings=100, feature_names=["fa"], data_type=DataType.FP16),
+            EmbeddingBagConfig(name="b", embedding_dim=4, num_embeddings=60, feature_names=["fb"]),
+        ],
+        device=torch.device("meta"),
+    )
+
+
+def _every_field_plan():
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode, CacheAlgorithm
+    from torch.distributed._shard.sharding_spec import EnumerableShardingSpec, ShardMetadata
+    from torchrec.distributed.types import CacheParams, EmbeddingModuleShardingPlan, KeyValueParams, ParameterSharding, ShardingPlan
+    from torchrec.types import DataType
+
+    mplan = EmbeddingModuleShardingPlan()
+    mplan["a"] = ParameterSharding(
+        sharding_type="table_wise",
+        compute_kernel="fused_uvm_caching",
+        ranks=[1],
+        sharding_spec=EnumerableShardingSpec([ShardMetadata(shard_offsets=[0, 0], shard_sizes=[100, 8], placement="rank:1/cuda:1")]),
+        cache_params=CacheParams(algorithm=CacheAlgorithm.LFU, load_factor=0.25, precision=DataType.FP16, prefetch_pipeline=True),
+        enforce_hbm=True,
+        stochastic_rounding=False,
+        bounds_check_mode=BoundsCheckMode.WARNING,
+        output_dtype=DataType.FP16,
+    )
+    mplan["b"] = ParameterSharding(
+        sharding_type="row_wise",
+        compute_kernel="key_value",
+        ranks=[0, 1],
+        sharding_spec=EnumerableShardingSpec(
+            [
+                ShardMetadata(shard_offsets=[0, 0], shard_sizes=[40, 4], placement="rank:0/cuda:0"),
+                ShardMetadata(shard_offsets=[40, 0], shard_sizes=[20, 4], placement="rank:1/cuda:1"),
+            ]
+        ),
+        key_value_params=KeyValueParams(ssd_storage_directory="/ssd/kv"),
+    )
+    return ShardingPlan({"sparse.ebc": mplan})
+
+
+def test_save_then_load_keeps_every_field_and_the_header(tmp_path):
+    plan = _every_field_plan()
+    path = plan_io.save_plan(
+        plan, tmp_path / "sub" / "p.json", _ebc(), optimizer={"a": "cowclip_adam", "b": "adam"}, meta={"by": "test"}, batch_size=1024
+    )
+    assert path == tmp_path / "sub" / "p.json"
+    back = plan_io.load_plan(path)
+    assert list(back.plan["sparse.ebc"]) == ["a", "b"]
+    for name in ("a", "b"):
+        assert back.plan["sparse.ebc"][name] == plan.plan["sparse.ebc"][name]
+    _, header = plan_io.read_plan_file(path)
+    assert header == {
+        "version": 2,
+        "world_size": 2,  # from the highest placement, rank 1
+        "compute_device": "cuda",  # from the placements
+        "tables": {
+            "a": {
+                "num_embeddings": 100,
+                "embedding_dim": 8,
+                "data_type": "FP16",
+                "optimizer_state": {"kind": "cowclip_adam", "bytes_per_weight": 8, "bytes_per_row": 8},
+            },
+            "b": {
+                "num_embeddings": 60,
+                "embedding_dim": 4,
+                "data_type": "FP32",
+                "optimizer_state": {"kind": "adam", "bytes_per_weight": 8, "bytes_per_row": 0},
+            },
+        },
+        "meta": {"by": "test", "batch_size_per_rank": 1024},
+    }
+
+
+def test_world_size_and_device_given_override_the_placements(tmp_path):
+    path = plan_io.save_plan(_every_field_plan(), tmp_path / "p.json", world_size=4, compute_device="cuda")
+    _, header = plan_io.read_plan_file(path)
+    assert (header["world_size"], header["compute_device"], header["tables"], header["meta"]) == (4, "cuda", {}, {})
+
+
+def test_model_tables_reads_tags_then_fused_params_then_fbgemms_default():
+    ebc = _ebc()
+    assert {n: t["optimizer_state"]["kind"] for n, t in plan_io.model_tables(ebc).items()} == {"a": "sgd", "b": "sgd"}
+    ebc.embedding_bags["a"].weight._optimizer_kwargs = [{"optimizer": "recsys.cowclip_adam"}]
+    tables = plan_io.model_tables(ebc, fused_params={"optimizer": "row_wise_adagrad"})
+    assert tables["a"]["optimizer_state"] == {"kind": "cowclip_adam", "bytes_per_weight": 8, "bytes_per_row": 8}
+    assert tables["b"]["optimizer_state"] == {"kind": "rowwise_adagrad", "bytes_per_weight": 0, "bytes_per_row": 4}
+    assert (tables["a"]["data_type"], tables["b"]["data_type"]) == ("FP16", "FP32")
+    ebc.embedding_bags["b"].weight._optimizer_kwargs = [{"optimizer": "shampoo"}]  # no known state layout
+    assert plan_io.model_tables(ebc)["b"]["optimizer_state"] is None
+
+
+def test_load_plan_of_a_wrong_version_or_a_missing_key_is_one_exact_line(tmp_path):
+    d = plan_format.plan_to_dict(_every_field_plan(), 2, "cuda", {})
+    p = tmp_path / "p.json"
+    p.write_text(json.dumps(dict(d, version=3)))
+    with pytest.raises(PlanFileError, match=_exactly(f"{p}: key 'version': unsupported plan format version 3 (this tool reads 1, 2)")):
+        plan_io.load_plan(p)
+    del d["modules"]
+    p.write_text(json.dumps(d))
+    with pytest.raises(PlanFileError, match=_exactly(f"{p}: key 'modules': expected dict, got None")):
+        plan_io.load_plan(p)
+
+
+def test_write_plan_file_is_indented_json_ending_in_a_newline(tmp_path):
+    path = plan_io.write_plan_file(tmp_path / "new" / "p.json", {"b": [1, 2], "a": None})
+    assert path.read_text() == '{\n "b": [\n  1,\n  2\n ],\n "a": null\n}\n'
+
+
+def _fits_tables():
+    return {"a": {"num_embeddings": 100, "embedding_dim": 8}, "b": {"num_embeddings": 60, "embedding_dim": 4}}
+
+
+@pytest.mark.parametrize(
+    "tables, world, line",
+    [
+        ({"a": {"num_embeddings": 100, "embedding_dim": 8}}, 2, "p.json: key 'tables': plan is for another model (unknown tables ['b'])"),
+        (
+            dict(_fits_tables(), c={"num_embeddings": 1, "embedding_dim": 1}),
+            2,
+            "p.json: key 'tables': plan is for another model (missing tables ['c'])",
+        ),
+    ],
+)
+def test_check_plan_fits_names_what_differs(tables, world, line):
+    header = {"world_size": 2, "tables": _fits_tables()}
+    with pytest.raises(PlanFileError, match=_exactly(line)):
+        plan_io.check_plan_fits(header, _every_field_plan(), tables, world, "p.json")
+
+
+def test_check_plan_fits_without_recorded_tables_checks_the_placements():
+    """A plan saved without a model records no tables: the placements are checked against the model's."""
+    plan = _every_field_plan()
+    header = {"world_size": 2, "tables": {}}
+    plan_io.check_plan_fits(header, plan, _fits_tables(), 2, "p.json")
+    with pytest.raises(PlanFileError, match=_exactly("p.json: key 'modules.sparse.ebc.b': the model has no table 'b'")):
+        plan_io.check_plan_fits(header, plan, {"a": _fits_tables()["a"]}, 2, "p.json")
+    with pytest.raises(PlanFileError, match=_exactly("p.json: key 'modules': no placement for tables ['c']")):
+        plan_io.check_plan_fits(header, plan, dict(_fits_tables(), c={}), 2, "p.json")
+    plan.plan["other"] = {"a": plan.plan["sparse.ebc"]["a"]}
+    with pytest.raises(PlanFileError, match=_exactly("p.json: key 'modules.other.a': table also planned in 'sparse.ebc'")):
+        plan_io.check_plan_fits(header, plan, _fits_tables(), 2, "p.json")
+    del plan.plan["other"]
+    plan.plan["sparse.ebc"]["a"].ranks = [5]
+    with pytest.raises(PlanFileError, match=_exactly("p.json: key 'modules.sparse.ebc.a.ranks': rank 5 >= world size 2")):
+        plan_io.check_plan_fits(header, plan, _fits_tables(), 2, "p.json")
