@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 
 from sharding import save_plan
 from sharding.planner.topology_planner import TopologyAwarePlanner
+from tests.support.cli import run_main
 from tests.support.plan_models import PLANNER_SPECS as SPECS, meta_ebc
 
 REPO = Path(__file__).resolve().parents[2]
@@ -61,23 +60,13 @@ def test_show_prints_the_step_the_planner_logged(tmp_path, topology):
         compute_device="cuda",
         meta={"batch_size_per_rank": 512, "pooling": planner.last_pooling},
     )
-    show = [sys.executable, "-m", "recsys.plan_cli", "show", str(path), "--topology", topology]
-    text = subprocess.run(show, capture_output=True, text=True, cwd=REPO, timeout=300)
+    show = ["show", str(path), "--topology", topology]
+    text = run_main("recsys.plan_cli", *show, cwd=REPO)
     assert text.returncode == 0, text.stderr
     assert step.group(0) in text.stdout  # the same line, to the printed digits
-    shown = json.loads(subprocess.run(show + ["--format", "json"], capture_output=True, text=True, cwd=REPO, timeout=300).stdout)[
-        "modeled_step"
-    ]
+    shown = json.loads(run_main("recsys.plan_cli", *show, "--format", "json", cwd=REPO).stdout)["modeled_step"]
     assert shown["step_time_ms"] == pytest.approx(planner.last_cost.step_time * 1e3, rel=1e-12)
     assert shown["rank_time_ms"] == [round(float(x) * 1e3, 4) for x in planner.last_cost.rank_time]
     # diff of the plan with itself: the same step on both sides, no delta
-    d = json.loads(
-        subprocess.run(
-            [sys.executable, "-m", "recsys.plan_cli", "diff", str(path), str(path), "--topology", topology, "--format", "json"],
-            capture_output=True,
-            text=True,
-            cwd=REPO,
-            timeout=300,
-        ).stdout
-    )
+    d = json.loads(run_main("recsys.plan_cli", "diff", str(path), str(path), "--topology", topology, "--format", "json", cwd=REPO).stdout)
     assert d["modeled_step_s"] == pytest.approx([planner.last_cost.step_time] * 2, rel=1e-12)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ import sharding.plan.report as plan_report
 from sharding.plan.io import PlanFileError
 from sharding.plan.validation import plan_problems, validate_plan
 from tests.support import plan_models
+from tests.support.cli import run_main
 
 REPO = Path(__file__).resolve().parents[2]
 SMOKE = str(REPO / "configs" / "experiments" / "smoke.yaml")
@@ -220,7 +220,9 @@ def test_optimizer_kind_from_sharder_fused_params_and_override():
 
 
 def _run(*args: str, module: str = "recsys.plan_cli", cwd: Path = REPO) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, cwd=cwd, timeout=600)
+    """`python -m MODULE ARGS`, run in this process (tests/support/cli.py); the console commands
+    themselves are run as processes in test_recsys_plan_tool.py and test_config_cli.py."""
+    return run_main(module, *args, cwd=cwd)
 
 
 def test_stock_dlrm_plan_validates_and_shows_with_or_without_model(tmp_path):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.cli import run_main
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = str(REPO / "configs" / "experiments" / "demo.yaml")
@@ -24,6 +25,12 @@ RAW_SIZES = [
 
 
 def tool(*args: str) -> subprocess.CompletedProcess:
+    """`recsys-plan ARGS`, run in this process (tests/support/cli.py)."""
+    return run_main("recsys.plan_cli", *args, cwd=REPO)
+
+
+def console(*args: str) -> subprocess.CompletedProcess:
+    """`recsys-plan ARGS` as a process of its own: the exit status and stderr a shell sees."""
     return subprocess.run([sys.executable, "-m", "recsys.plan_cli", *args], capture_output=True, text=True, cwd=REPO, timeout=300)
 
 
@@ -91,7 +98,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(plans, tmp_path):
         ["show", str(tmp_path / "none.json")],
         ["diff", str(roomy), str(bad), "--out", str(out)],
     ):
-        r = tool(*args)
+        r = (console if args[0] == "diff" else tool)(*args)
         assert r.returncode == 2, args
         assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("error: ")
         assert not out.exists()
