@@ -23,7 +23,7 @@ import sys
 
 from recsys.config import ConfigError, check_training_extras, load_config
 from recsys.training.checkpoint import CheckpointError, Checkpointer
-from recsys.training.process import die_with_parent
+from recsys.training.parent_death import die_with_parent
 from recsys.training.run_dir import (
     LAUNCHER_ENV,
     RunDirError,

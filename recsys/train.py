@@ -22,7 +22,7 @@ import sys
 from recsys.config import ConfigError, check_training_extras, load_config
 from recsys.library_warnings import quiet_known_library_warnings
 from recsys.training.distributed import shutdown
-from recsys.training.process import die_with_parent
+from recsys.training.parent_death import die_with_parent
 
 
 def main(argv: list[str] | None = None) -> int:

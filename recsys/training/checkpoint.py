@@ -1,13 +1,10 @@
-"""Atomic distributed checkpoints with torch.distributed.checkpoint (DCP).
+"""The DCP `Checkpointer`: when to checkpoint, which checkpoint to resume from, and the collective
+save and load of a run's state with torch.distributed.checkpoint (DCP).
 
-Layout: <root>/step_000000120/ holds DCP's files for the sharded model and the optimizer state
-(embedding shards stay sharded: each rank writes its own), plus one `rank<r>.pt` per rank with
-its RNG states, and `COMMITTED` (JSON: step, world size, extra state).
-
-Atomicity: everything is written into `step_XXXXXXXXX.tmp/`; only after every rank has
-finished (barrier) does rank 0 write COMMITTED, fsync, and rename the directory to its final
-name. A crash at any point leaves either a `.tmp` directory (ignored, removed by the next save)
-or a complete checkpoint; nothing half-written is ever found by `latest()`.
+The directory layout and its atomic commit are in `checkpoint_layout.py`, the completeness and
+hash checks in `checkpoint_integrity.py`, the state-shape comparison in `checkpoint_shape.py`,
+the one-line reasons for a failed write in `checkpoint_failure.py`; this module holds the
+decisions that use them.
 
 Hierarchical runs (hosts x ranks, k-step merges; docs/kstep.md), `Checkpointer(..., groups=)`:
 saves happen only at merge steps, when every host holds the same model. Host 0's ranks write the
@@ -21,21 +18,14 @@ model (and, if there is no `host<h>/`, the optimizer state) from host 0's files 
 into any run whose shard world matches (another host count, or a plain run of R ranks), and,
 with a reshardable optimizer state, into another number of ranks per host.
 
-Integrity (docs/run_integrity.md):
-- COMMITTED also records `shape`, the config that shapes the saved state (model, tables,
-  embedding optimizer, batch, shard world, merge settings; `run_dir.state_shape`); a resume
-  whose config differs stops with one line naming the keys (`check_compatible`). The world size
-  (for k-step runs: the ranks per host) may change with FBGEMM's fused optimizers and our Adam
-  kernels (`reshardable`): DCP reshards on load.
+Decisions (docs/run_integrity.md):
+- A resume whose config differs from the checkpoint's state shape stops with one line naming
+  the keys (`check_compatible`).
 - COMMITTED records `data`, the identity of the data trained on (recsys/data/identity.py), and
   `data_start_step`; a resume on other data stops with one line saying what changed
   (`check_data`), unless `resume_on_new_data=true`.
-- COMMITTED records the SHA-256 of every file (`sha256`: relative path -> hex), hashed by all
-  ranks in parallel after the write, before the commit.
-- `latest_complete()` checks the newest checkpoint's files against its DCP metadata (every
-  `.distcp` present and long enough, every `rank<r>.pt` present) and their bytes against the
-  recorded hashes, and falls back to the previous complete one with a one-line warning naming
-  the bad file.
+- `latest_complete()` falls back past a broken newest checkpoint to the previous complete one
+  with a one-line warning naming the bad file.
 - Pruning keeps the `keep` newest checkpoints of this run's lineage (`lineage` in COMMITTED,
   inherited on resume) by step, never the one just written and never another run's.
 - A failed write (a full disk) removes the `.tmp` directory on every rank and raises
@@ -44,11 +34,7 @@ Integrity (docs/run_integrity.md):
 
 from __future__ import annotations
 
-import errno
-import json
 import logging
-import os
-import re
 import shutil
 import uuid
 from pathlib import Path
@@ -61,185 +47,18 @@ from torch import nn
 if TYPE_CHECKING:  # the launcher imports this module for its errors; it needs no torchrec
     from torchrec.optim.keyed import KeyedOptimizer
 
-from recsys.data.cache_key import file_sha256
 from recsys.data.identity import describe_data_change
+from recsys.training.checkpoint_failure import describe_failure, disk_reason
+from recsys.training.checkpoint_integrity import hash_files, incomplete_reason
+from recsys.training.checkpoint_layout import commit_dir, committed, read_marker, step_dir_name, step_of
+from recsys.training.checkpoint_shape import incompatible_changes, reshardable
 from recsys.training.distributed import collective_device
 
 log = logging.getLogger(__name__)
-_NAME = re.compile(r"^step_(\d{9})$")
-MARKER = "COMMITTED"
 
 
 class CheckpointError(RuntimeError):
     """An expected, user-facing checkpoint failure; the message is one line."""
-
-
-def step_dir_name(step: int) -> str:
-    """`step_000000120`; a negative or oversized step has no name (resume could never find it)."""
-    if not 0 <= step < 10**9:
-        raise ValueError(f"checkpoint step {step} is outside [0, 1e9)")
-    return f"step_{step:09d}"
-
-
-def step_of(path: Path) -> int | None:
-    m = _NAME.match(Path(path).name)
-    return int(m.group(1)) if m else None
-
-
-def read_marker(path: Path) -> dict[str, Any]:
-    return json.loads((Path(path) / MARKER).read_text())
-
-
-def incomplete_reason(path: Path, verify_bytes: bool = True) -> str | None:
-    """Why the checkpoint at `path` cannot load (naming the bad file), or None if it looks complete:
-    a readable marker and DCP metadata, every storage file the metadata names present and long
-    enough, one rank<r>.pt per writing rank, and (`verify_bytes`) every file's SHA-256 equal to
-    the one COMMITTED recorded at save time (checkpoints written before hashes were recorded
-    are checked for presence and length only)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    path = Path(path)
-    try:
-        marker = read_marker(path)
-    except (OSError, ValueError):
-        return f"{path / MARKER} is unreadable"
-    try:
-        meta = FileSystemReader(str(path)).read_metadata()
-    except Exception:  # a missing or truncated .metadata fails in open() or in unpickling
-        return f"{path / '.metadata'} is missing or unreadable"
-    needed: dict[str, int] = {}
-    for info in meta.storage_data.values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    for name, size in sorted(needed.items()):
-        f = path / name
-        if not f.is_file():
-            return f"{f} is missing"
-        if f.stat().st_size < size:
-            return f"{f} is truncated ({f.stat().st_size} of {size} bytes)"
-    for r in range(int(marker.get("world_size", 1))):
-        f = path / f"rank{r}.pt"
-        if not f.is_file() or f.stat().st_size == 0:
-            return f"{f} is missing"
-    if verify_bytes:
-        for name, want in sorted((marker.get("sha256") or {}).items()):
-            f = path / name
-            try:
-                got = file_sha256(f)
-            except OSError as e:
-                return f"{f} is unreadable ({e.strerror or e})"
-            if got != want:
-                return f"{f} is corrupt (its SHA-256 differs from the one recorded when it was written)"
-    return None
-
-
-def checkpoint_files(tmp: Path) -> list[str]:
-    """Every file of a checkpoint being written (relative paths, sorted; COMMITTED excluded)."""
-    return sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file() and p.name != MARKER)
-
-
-# Optimizers whose state is per-row or per-element tensors laid out like the table's shards, which
-# DCP reshards by offset, so a checkpoint loads on another world size (a hierarchical one on
-# another number of ranks per host: its files, host 0's and each host<h>/, are DCP checkpoints of
-# one host's ranks): FBGEMM's fused ones, and our CowClip-Adam / Adam (moments per element, the row
-# step per row; in both update scopes). Tested 2 -> 1 -> 2 ranks, and 1 -> 2 -> 1 ranks per host
-# of a k-step run, with exact metrics (docs/run_integrity.md).
-RESHARDABLE_OPTIMIZERS = ("rowwise_adagrad", "adagrad", "sgd", "cowclip_adam", "adam")
-
-
-def reshardable(shape: dict[str, Any]) -> bool:
-    return shape.get("optim.embedding") in RESHARDABLE_OPTIMIZERS
-
-
-# State-shape keys added after checkpoints were first written, with the value those older
-# checkpoints had: a checkpoint without the key resumes when the run has this value.
-SHAPE_DEFAULTS = {"optim.embedding_l2_scope": "batch"}
-
-
-def shape_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """`key old -> new` for every key whose value differs (a key absent on one side counts)."""
-    out = []
-    for key in sorted(set(saved) | set(current)):
-        old, new = saved.get(key), current.get(key)
-        if old == new:
-            continue
-        if isinstance(old, dict) and isinstance(new, dict):  # e.g. data.tables: only the tables that differ
-            out.extend(f"{key}.{c}" for c in shape_changes(old, new))
-        else:
-            out.append(f"{key} {_short(old)} -> {_short(new)}")
-    return out
-
-
-def _short(value: Any) -> str:
-    text = json.dumps(value) if not isinstance(value, str) else value
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def describe_failure(e: BaseException) -> str:
-    """One line for an exception; DCP's CheckpointException is unwrapped to its first rank's error."""
-    failures = getattr(e, "failures", None)
-    if isinstance(failures, dict) and failures:
-        first = next(iter(failures.values()))
-        e = first[0] if isinstance(first, (list, tuple)) else first
-    text = (str(e).strip().splitlines() or [""])[0]
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
-
-
-# Below min(this, 1/16 of the file system) free, a failed write is put down to a full disk
-# (see `_disk_reason`).
-FULL_DISK_BYTES = 1 << 20
-
-
-def _disk_reason(e: BaseException, where: Path | None = None) -> str:
-    """One line for a failed write: the first OSError found in the exception (DCP wraps them).
-
-    torch.save (DCP's tensor writer) turns a failed write into `RuntimeError: [enforce fail at
-    inline_container.cc] unexpected pos`; whether the OSError survives as its `__context__` depends
-    on which write hit the end of the disk, so when no OSError is found, the file system of `where`
-    is asked directly: nearly nothing free (FULL_DISK_BYTES, or 1/16 of a smaller file system) means
-    the full disk is the reason. Call it before the
-    partial files are removed."""
-    seen: list[BaseException] = [e]
-    failures = getattr(e, "failures", None)  # torch.distributed.checkpoint's CheckpointException
-    if isinstance(failures, dict):
-        for v in failures.values():
-            seen.extend(v if isinstance(v, (list, tuple)) else [v])
-    for x in seen:  # (DCP's failures are (exception, stack) pairs)
-        while isinstance(x, BaseException):
-            if isinstance(x, OSError):
-                where_ = f" ({x.filename})" if x.filename else ""
-                return (os.strerror(x.errno) if x.errno else str(x)) + where_
-            x = x.__cause__ or x.__context__
-    if where is not None and _nearly_full(where):
-        return os.strerror(errno.ENOSPC)
-    return describe_failure(e)
-
-
-def _nearly_full(path: Path) -> bool:
-    """Whether the file system holding `path` (or its nearest existing parent) has (nearly) no room
-    left for this process."""
-    for p in (path, *path.parents):
-        try:
-            st = os.statvfs(p)
-        except OSError:
-            continue
-        return st.f_bavail * st.f_frsize < min(FULL_DISK_BYTES, st.f_blocks * st.f_frsize // 16)
-    return False
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(path: Path) -> None:
-    for f in path.iterdir():
-        if f.is_file():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-    _fsync_dir(path)
 
 
 class Checkpointer:
@@ -289,10 +108,7 @@ class Checkpointer:
 
     # -- discovery -----------------------------------------------------------------------------
     def committed(self) -> list[Path]:
-        if not self.root.is_dir():
-            return []
-        out = [p for p in self.root.iterdir() if _NAME.match(p.name) and (p / MARKER).is_file()]
-        return sorted(out, key=lambda p: p.name)
+        return committed(self.root)
 
     def latest(self) -> Path | None:
         found = self.committed()
@@ -311,18 +127,7 @@ class Checkpointer:
 
     def check_compatible(self, path: Path) -> None:
         """CheckpointError (one line) if the checkpoint was written under another state shape."""
-        marker = read_marker(path)
-        saved = marker.get("shape")
-        if saved is None:  # written before shapes were recorded: the world size is all we know
-            saved = {"train.world_size": marker.get("ranks_per_host", marker["world_size"])}
-            current = {"train.world_size": self.shape.get("train.world_size", self.shard_world)}
-        else:
-            current = self.shape
-            saved = {**{k: v for k, v in SHAPE_DEFAULTS.items() if k in current}, **saved}
-            if reshardable(saved) and reshardable(current):  # another world size is fine
-                saved = {k: v for k, v in saved.items() if k != "train.world_size"}
-                current = {k: v for k, v in current.items() if k != "train.world_size"}
-        changes = shape_changes(saved, current)
+        changes = incompatible_changes(read_marker(path), self.shape, self.shard_world)
         if changes:
             raise CheckpointError(
                 f"cannot resume from {path}: the config changed ({'; '.join(changes)}); restore these values, "
@@ -386,7 +191,7 @@ class Checkpointer:
         self._agree(err, tmp, final)
         hashes: dict[str, str] = {}
         try:
-            hashes = self._hash_files(tmp)
+            hashes = hash_files(tmp, self.rank, self.world_size)
         except OSError as e:
             err = e
         self._agree(err, tmp, final)
@@ -404,7 +209,7 @@ class Checkpointer:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if not flag.item():
             return
-        reason = _disk_reason(err, tmp) if err is not None else "another rank failed to write its part"
+        reason = disk_reason(err, tmp) if err is not None else "another rank failed to write its part"
         dist.barrier()  # every rank has looked at the disk before rank 0 frees it
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -437,29 +242,9 @@ class Checkpointer:
             dcp.save({"optim": optimizer.state_dict()}, storage_writer=writer, process_group=g.host_pg)
         torch.save({"torch_rng": torch.get_rng_state(), "state": rank_state or {}}, tmp / f"rank{self.rank}.pt")
 
-    def _hash_files(self, tmp: Path) -> dict[str, str]:
-        """Collective: the SHA-256 of every file of the checkpoint, the files dealt round-robin over
-        the ranks so each hashes its share (mostly still in its page cache); rank 0 gets them all."""
-        files = checkpoint_files(tmp) if self.rank == 0 else []
-        box = [files]
-        dist.broadcast_object_list(box, src=0)
-        failed: OSError | None = None
-        try:
-            mine = {name: file_sha256(tmp / name) for name in box[0][self.rank :: self.world_size]}
-        except OSError as e:  # raised after the gather, so no rank waits for this one
-            mine, failed = {}, e
-        parts: list[Any] = [None] * self.world_size
-        dist.all_gather_object(parts, mine)
-        if failed is not None:
-            raise failed
-        return {k: v for part in parts for k, v in part.items()}
-
     def _commit(self, step: int, tmp: Path, final: Path, extra: dict[str, Any], hashes: dict[str, str]) -> None:
-        """Rank 0, after every rank wrote its part: marker, fsync, rename, prune."""
+        """Rank 0, after every rank wrote its part: marker, fsync, rename (`commit_dir`), prune."""
         g = self.groups
-        for sub in tmp.glob("host*"):
-            _fsync_tree(sub)
-        _fsync_tree(tmp)
         marker = {
             "step": step,
             "world_size": self.world_size,
@@ -472,16 +257,7 @@ class Checkpointer:
             marker.update(data=self.data, data_start_step=self.data_start_step)
         if g is not None:
             marker.update(ranks_per_host=g.ranks_per_host, hosts=g.hosts, per_host_optim=self.per_host_optim)
-        with open(tmp / MARKER, "w") as f:
-            json.dump(marker, f)
-            f.flush()
-            os.fsync(f.fileno())
-        old = self.root / f"{final.name}.old.tmp"
-        if final.exists():  # a re-save of the same step (e.g. after resume): move it aside
-            os.replace(final, old)  # deleted only once the new one is in place
-        os.replace(tmp, final)
-        _fsync_dir(self.root)
-        shutil.rmtree(old, ignore_errors=True)
+        commit_dir(tmp, final, marker)
         self._prune(step)
 
     def _prune(self, step: int) -> None:

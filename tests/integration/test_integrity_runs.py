@@ -21,7 +21,11 @@ import numpy as np
 import pytest
 import torch
 
-from recsys.training.checkpoint import MARKER, Checkpointer, _disk_reason, incomplete_reason, shape_changes, step_dir_name
+from recsys.training.checkpoint import Checkpointer
+from recsys.training.checkpoint_failure import disk_reason
+from recsys.training.checkpoint_integrity import incomplete_reason
+from recsys.training.checkpoint_layout import MARKER, step_dir_name
+from recsys.training.checkpoint_shape import shape_changes
 from recsys.training.run_dir import RunDirError, RunLock, check_fresh
 from tests.integration.test_train_integration import _descendants  # the /proc walk over a process tree
 
@@ -371,14 +375,14 @@ def test_full_disk_is_named_when_torch_save_lost_the_oserror(tmp_path):
     with _tmpfs(tmp_path / "full", "64k") as mnt:
         step_tmp = mnt / "step_000000010.tmp"
         step_tmp.mkdir()
-        assert _disk_reason(wrapped, step_tmp) == "RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"
+        assert disk_reason(wrapped, step_tmp) == "RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"
         with pytest.raises(OSError):
             with open(step_tmp / "fill", "wb") as f:
                 f.write(bytes(128 << 10))
-        assert _disk_reason(wrapped, step_tmp) == "No space left on device"
+        assert disk_reason(wrapped, step_tmp) == "No space left on device"
         with_context = RuntimeError("unexpected pos")
         with_context.__context__ = OSError(28, "No space left on device")
-        assert _disk_reason(CheckpointException("x", {1: (with_context, None)})) == "No space left on device"
+        assert disk_reason(CheckpointException("x", {1: (with_context, None)})) == "No space left on device"
 
 
 def test_checkpoint_with_corrupt_bytes_falls_back_by_its_hashes(run30, tmp_path):
