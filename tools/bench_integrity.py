@@ -38,8 +38,8 @@ def checkpoint_costs(workdir: Path, dim: int) -> dict:
 
     from recsys.config import CARDINALITY_PRESETS
     from recsys.data.cache_key import file_sha256
-    from recsys.training.checkpoint_integrity import checkpoint_files, incomplete_reason
-    from recsys.training.checkpoint_layout import MARKER
+    from recsys.training.checkpoint.integrity import checkpoint_files, incomplete_reason
+    from recsys.training.checkpoint.layout import MARKER
 
     cards = CARDINALITY_PRESETS["criteo_kaggle_raw"]
     state = {}

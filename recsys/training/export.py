@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from recsys.training.checkpoint import CheckpointError, Checkpointer
-from recsys.training.checkpoint_integrity import incomplete_reason
-from recsys.training.checkpoint_layout import read_marker, step_dir_name
+from recsys.training.checkpoint.integrity import incomplete_reason
+from recsys.training.checkpoint.layout import read_marker, step_dir_name
 from recsys.training.run_dir import RunDirError
 
 FORMAT = "recsys-export"
@@ -115,6 +115,6 @@ def _load_whole(ckpt: Path, state: dict[str, torch.Tensor]) -> None:
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(wrapped, checkpoint_id=str(ckpt))
     except Exception as e:  # corrupt bytes behind complete-looking files, another model
-        from recsys.training.checkpoint_failure import describe_failure
+        from recsys.training.checkpoint.failure import describe_failure
 
         raise CheckpointError(f"cannot export {ckpt}: {describe_failure(e)}") from None

@@ -114,7 +114,7 @@ class RunLock:
 
 def committed_steps(ckpt_root: Path) -> list[int]:
     """Steps of the committed checkpoints under `ckpt_root` (complete or not), ascending."""
-    from recsys.training.checkpoint_layout import MARKER, step_of
+    from recsys.training.checkpoint.layout import MARKER, step_of
 
     if not ckpt_root.is_dir():
         return []
@@ -219,8 +219,8 @@ def preflight(cfg, source, shape: dict, warn: bool = True) -> ResumePoint | None
     weights under earlier step names). Returns where to resume (None: start from scratch).
     The caller holds the run lock."""
     from recsys.training.checkpoint import CheckpointError, Checkpointer
-    from recsys.training.checkpoint_integrity import incomplete_reason
-    from recsys.training.checkpoint_layout import step_of
+    from recsys.training.checkpoint.integrity import incomplete_reason
+    from recsys.training.checkpoint.layout import step_of
 
     run_dir = cfg.resolved_run_dir()
     resume = bool(cfg.resume)  # RECSYS_RESUME=1 is resolved into it when the config loads

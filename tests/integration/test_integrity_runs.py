@@ -22,10 +22,10 @@ import pytest
 import torch
 
 from recsys.training.checkpoint import Checkpointer
-from recsys.training.checkpoint_failure import disk_reason
-from recsys.training.checkpoint_integrity import incomplete_reason
-from recsys.training.checkpoint_layout import MARKER, step_dir_name
-from recsys.training.checkpoint_shape import shape_changes
+from recsys.training.checkpoint.failure import disk_reason
+from recsys.training.checkpoint.integrity import incomplete_reason
+from recsys.training.checkpoint.layout import MARKER, step_dir_name
+from recsys.training.checkpoint.shape import shape_changes
 from recsys.training.run_dir import RunDirError, RunLock, check_fresh
 from tests.integration.test_train_integration import _descendants  # the /proc walk over a process tree
 

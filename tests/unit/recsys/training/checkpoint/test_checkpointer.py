@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 
-import recsys.training.checkpoint as checkpoint_mod
+import recsys.training.checkpoint.checkpointer as checkpoint_mod
 from recsys.training.checkpoint import Checkpointer, CheckpointError
 
 
@@ -29,7 +29,7 @@ def exactly(text: str) -> str:
 
 
 def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "recsys.training.checkpoint"]
+    return [r.getMessage() for r in caplog.records if r.name == "recsys.training.checkpoint.checkpointer"]
 
 
 def _due_steps(ckpt: Checkpointer, total: int) -> list[int]:
@@ -187,7 +187,7 @@ def test_latest_complete_falls_back_past_corrupt_bytes_with_one_warning(tmp_path
     bad = _save(ckpt, 10)
     victim = sorted(bad.glob("*.distcp"))[0]
     victim.write_bytes(bytes(len(victim.read_bytes())))  # the same length, other bytes
-    with caplog.at_level(logging.WARNING, logger="recsys.training.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="recsys.training.checkpoint.checkpointer"):
         assert ckpt.latest_complete() == good
     assert _warnings(caplog) == [
         f"warning: checkpoint step_000000010 is incomplete ({victim} is corrupt (its SHA-256 differs from the one recorded "
@@ -238,7 +238,7 @@ def test_check_data_returns_where_the_epochs_count_from(tmp_path, caplog):
     )
     with pytest.raises(CheckpointError, match=exactly(message)):
         other.check_data(path, allow_new=False)
-    with caplog.at_level(logging.WARNING, logger="recsys.training.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="recsys.training.checkpoint.checkpointer"):
         assert other.check_data(path, allow_new=True) == 20
     assert _warnings(caplog) == [
         "resume_on_new_data=true: step 20's model goes on training on other data (data.train_rows 1000 -> 2000); "

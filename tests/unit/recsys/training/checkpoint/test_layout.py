@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from recsys.training.checkpoint_layout import MARKER, commit_dir, committed, read_marker, step_dir_name, step_of
+from recsys.training.checkpoint.layout import MARKER, commit_dir, committed, read_marker, step_dir_name, step_of
 
 
 def test_step_names_round_trip_and_refuse_steps_without_a_name():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from recsys.training.checkpoint_shape import RESHARDABLE_OPTIMIZERS, incompatible_changes, reshardable, shape_changes
+from recsys.training.checkpoint.shape import RESHARDABLE_OPTIMIZERS, incompatible_changes, reshardable, shape_changes
 
 
 def test_shape_changes_name_keys_old_and_new_and_tables_one_by_one():

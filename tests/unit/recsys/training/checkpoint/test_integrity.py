@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from recsys.training.checkpoint_integrity import checkpoint_files, hash_files, incomplete_reason
+from recsys.training.checkpoint.integrity import checkpoint_files, hash_files, incomplete_reason
 
 
 def _sha(path: Path) -> str:
@@ -93,7 +93,7 @@ def test_hash_files_gives_every_files_sha256(tmp_path, gloo_world_of_one):
 
 
 def test_hash_files_raises_a_files_oserror_after_the_exchange(tmp_path, gloo_world_of_one, monkeypatch):
-    import recsys.training.checkpoint_integrity as integrity
+    import recsys.training.checkpoint.integrity as integrity
 
     _tree(tmp_path)
 

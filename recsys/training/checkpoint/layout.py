@@ -10,7 +10,7 @@ finished (barrier) does rank 0 write COMMITTED, fsync, and rename the directory 
 name (`commit_dir`). A crash at any point leaves either a `.tmp` directory (ignored, removed by
 the next save) or a complete checkpoint; nothing half-written is ever listed by `committed`.
 
-Apart from the Checkpointer (recsys/training/checkpoint.py) because the run directory's checks,
+Apart from the Checkpointer (recsys/training/checkpoint/checkpointer.py) because the run directory's checks,
 the export and the tools read this layout without deciding anything about saving or resuming.
 """
 
@@ -45,7 +45,7 @@ def read_marker(path: Path) -> dict[str, Any]:
 
 def committed(root: Path) -> list[Path]:
     """The checkpoint directories under `root` that carry a marker, oldest step first (complete
-    or not: `checkpoint_integrity.incomplete_reason` tells)."""
+    or not: `integrity.incomplete_reason` tells)."""
     root = Path(root)
     if not root.is_dir():
         return []

@@ -1,9 +1,9 @@
 """The DCP `Checkpointer`: when to checkpoint, which checkpoint to resume from, and the collective
 save and load of a run's state with torch.distributed.checkpoint (DCP).
 
-The directory layout and its atomic commit are in `checkpoint_layout.py`, the completeness and
-hash checks in `checkpoint_integrity.py`, the state-shape comparison in `checkpoint_shape.py`,
-the one-line reasons for a failed write in `checkpoint_failure.py`; this module holds the
+The directory layout and its atomic commit are in `layout.py`, the completeness and
+hash checks in `integrity.py`, the state-shape comparison in `shape.py`,
+the one-line reasons for a failed write in `failure.py`; this module holds the
 decisions that use them.
 
 Hierarchical runs (hosts x ranks, k-step merges; docs/kstep.md), `Checkpointer(..., groups=)`:
@@ -48,10 +48,10 @@ if TYPE_CHECKING:  # the launcher imports this module for its errors; it needs n
     from torchrec.optim.keyed import KeyedOptimizer
 
 from recsys.data.identity import describe_data_change
-from recsys.training.checkpoint_failure import describe_failure, disk_reason
-from recsys.training.checkpoint_integrity import hash_files, incomplete_reason
-from recsys.training.checkpoint_layout import commit_dir, committed, read_marker, step_dir_name, step_of
-from recsys.training.checkpoint_shape import incompatible_changes, reshardable
+from recsys.training.checkpoint.failure import describe_failure, disk_reason
+from recsys.training.checkpoint.integrity import hash_files, incomplete_reason
+from recsys.training.checkpoint.layout import commit_dir, committed, read_marker, step_dir_name, step_of
+from recsys.training.checkpoint.shape import incompatible_changes, reshardable
 from recsys.training.distributed import collective_device
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from typing import Any
 import torch.distributed as dist
 
 from recsys.data.cache_key import file_sha256
-from recsys.training.checkpoint_layout import MARKER, read_marker
+from recsys.training.checkpoint.layout import MARKER, read_marker
 
 
 def incomplete_reason(path: Path, verify_bytes: bool = True) -> str | None:

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-import recsys.training.checkpoint_failure as failure
-from recsys.training.checkpoint_failure import FULL_DISK_BYTES, describe_failure, disk_reason
+import recsys.training.checkpoint.failure as failure
+from recsys.training.checkpoint.failure import FULL_DISK_BYTES, describe_failure, disk_reason
 
 
 def test_describe_failure_is_the_type_and_the_first_line():
