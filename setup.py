@@ -40,7 +40,7 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension
 SOURCE = "recsys/optim/csrc/cowclip_adam.cpp"
 EXT_NAME = "recsys.optim._cowclip_C"
 HASH_FILE = "_cowclip_C.sha256"
-# Keep in sync with recsys/optim/cowclip/kernels/cpp_op.py (CXX_FLAGS, LD_FLAGS); tests/integration/test_wheel.py checks.
+# Keep in sync with recsys/optim/cowclip/kernels/cpp_op.py (CXX_FLAGS, LD_FLAGS); tests/integration/packaging/test_wheel.py checks.
 # TORCH_TARGET_VERSION 2.11 (0x020b...): only stable-ABI calls that torch 2.11 already has.
 CXX_FLAGS = ["-O3", "-DNDEBUG", "-fno-math-errno", "-DTORCH_TARGET_VERSION=0x020b000000000000"]
 LD_FLAGS: list[str] = []

@@ -16,8 +16,8 @@
 #   3. `recsys train --config smoke` stops with one line naming the [viz] extra;
 #   4. the smoke config trains on 2 ranks with CowClip-Adam (catch-up) and k-step merges (2 hosts);
 #   5. recsys-plan make / show / validate a topology-aware plan (cpu-gloo, and dgx-a100-2host on meta);
-#   6. tests/integration/test_dropin_pipeline.py runs against the installed wheel (RECSYS_TEST_INSTALLED=1);
-#   7. tests/integration/test_cowclip_sequence.py (CowClip EmbeddingCollection sharding, which leans on torchrec
+#   6. tests/integration/training/test_dropin_pipeline.py runs against the installed wheel (RECSYS_TEST_INSTALLED=1);
+#   7. tests/integration/cowclip/test_cowclip_sequence.py (CowClip EmbeddingCollection sharding, which leans on torchrec
 #      internals that move between versions) runs against the installed wheel.
 # Each step prints its seconds; the last line is "stack-STACK: N passed, M failed".
 set -uo pipefail
@@ -147,12 +147,12 @@ plans() {
 
 dropin_test() {
     RECSYS_TEST_INSTALLED=1 "$PY" -m pytest -q -p no:cacheprovider -c /dev/null --rootdir "$WORK" \
-        "$REPO/tests/integration/test_dropin_pipeline.py" 2>&1 | tail -3
+        "$REPO/tests/integration/training/test_dropin_pipeline.py" 2>&1 | tail -3
 }
 
 sequence_test() {  # the tests directory is on sys.path (pytest's rootdir-less import), the repository is not
     "$PY" -m pytest -q -p no:cacheprovider -c /dev/null --rootdir "$WORK" \
-        "$REPO/tests/integration/test_cowclip_sequence.py" 2>&1 | tail -3
+        "$REPO/tests/integration/cowclip/test_cowclip_sequence.py" 2>&1 | tail -3
 }
 
 echo "[stack $STACK] Python $PYV ($BASE_PY), $CONSTRAINTS, venv $VENV"

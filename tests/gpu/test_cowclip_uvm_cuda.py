@@ -4,7 +4,7 @@ with ``uvm_host_mapped``) next to one in ``fused`` (HBM). Weights, both moments 
 of the UVM tables are unified memory (``torch.ops.fbgemm.is_uvm_tensor``), the HBM table's are
 not, training matches the per-table formula on CPU, and a DCP checkpoint restored into a fresh
 model (whose state is in host memory again) replays the remaining steps to the same weights.
-The same run on CPU with gloo is in tests/integration/test_cowclip_uvm.py."""
+The same run on CPU with gloo is in tests/integration/cowclip/test_cowclip_uvm.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Our Triton CowClip-Adam kernel compiled for real on the GPU, against the torch reference (the
-whole of tests/integration/test_cowclip_triton.py, which runs on CUDA tensors when a device is visible and
+whole of tests/integration/cowclip/test_cowclip_triton.py, which runs on CUDA tensors when a device is visible and
 under the interpreter elsewhere) and, inside ``CowClipAdamTBE``, against the C++ op on CPU."""
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_triton_kernel_suite_compiled_on_cuda(tmp_path):
-    """Every test of tests/integration/test_cowclip_triton.py, in a process that imports triton in compiled
+    """Every test of tests/integration/cowclip/test_cowclip_triton.py, in a process that imports triton in compiled
     mode (no TRITON_INTERPRET), so its kernel tests run on CUDA tensors: none may be skipped."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=os.pathsep.join([str(REPO), *sys.path]), TRITON_CACHE_DIR=str(tmp_path / "triton"))
     out = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/integration/test_cowclip_triton.py"],
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/integration/cowclip/test_cowclip_triton.py"],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -1,7 +1,7 @@
 """A DMP whose plan puts CowClip tables in ``fused_uvm`` (table-wise, row-wise, column-wise; one
 with ``uvm_host_mapped``) next to one in ``fused``, trained on the batches of
-tests/integration/test_cowclip_sharded.py, with a DCP checkpoint restored into a fresh model. Shared by
-tests/integration/test_cowclip_uvm.py (gloo, CPU: host memory through FBGEMM's CPU allocator) and
+tests/integration/cowclip/test_cowclip_sharded.py, with a DCP checkpoint restored into a fresh model. Shared by
+tests/integration/cowclip/test_cowclip_uvm.py (gloo, CPU: host memory through FBGEMM's CPU allocator) and
 tests/gpu/test_cowclip_uvm_cuda.py (NCCL, CUDA: unified memory)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tests.integration import test_cowclip_sharded as cs
+from tests.integration.cowclip import test_cowclip_sharded as cs
 
 STEPS, CKPT_AT = 5, 2
 # table -> (sharding type, compute kernel, host-mapped). t_hbm and t_uvm share fused params, so

@@ -1,6 +1,6 @@
 """torchrec's examples/golden_training/train_dlrm.py, on CPU/gloo, with the lines of docs/dropin.md.
 
-Run by tests/integration/test_dropin_pipeline.py under torchrun; every line of the doc's code block marked
+Run by tests/integration/training/test_dropin_pipeline.py under torchrun; every line of the doc's code block marked
 ``dropin:lines`` must appear here verbatim (test_doc_lines_are_the_tested_lines). What is not in
 the doc is the test's own checking: the plan DMP built, the tables that moved, the merge against
 an independent mean. Results go to ``<out>/rank<R>.json``.

@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.integration.test_kstep_merge import SMOKE, REPO, _free_port
-from tests.integration.test_train_integration import _descendants, _kill_tree, _wait_for
+from recsys.training.distributed import free_port
+from tests.integration.training.test_kstep_merge import SMOKE, REPO
+from tests.support.processes import descendants, kill_tree, wait_for
 
 
 COMMON = ["train.max_steps=48", "train.log_every=12", "train.merge_every=4", "checkpoint.every_steps=10"]
@@ -39,7 +40,7 @@ def _start(
     """Two torchrun nodes of 2 ranks. `net` (a tools/simnet.py SimNet, up): node i in host
     namespace i, gloo over the shaped link. `store_on_node0`: node 0's agent hosts the c10d
     rendezvous store (torchrun's default; started first so it binds the endpoint)."""
-    port = port or _free_port()
+    port = port or free_port()
     addr = net.bridge_addr if net is not None else "127.0.0.1"
     if store_on_node0 and net is not None:
         addr = net.host_addr(0)
@@ -127,7 +128,7 @@ def _finish(procs: list[subprocess.Popen], timeout: int = 400) -> None:
     finally:
         for p in procs:
             if p.poll() is None:
-                _kill_tree(p.pid)
+                kill_tree(p.pid)
     for p in procs:
         assert p.returncode == 0, p.log_path.read_text()[-4000:]
 
@@ -135,7 +136,7 @@ def _finish(procs: list[subprocess.Popen], timeout: int = 400) -> None:
 def _ranks_of(proc: subprocess.Popen) -> set[int]:
     """Global ranks of the workers under a torchrun launcher (RANK in their environment)."""
     out = set()
-    for pid in _descendants(proc.pid):
+    for pid in descendants(proc.pid):
         try:
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
@@ -150,7 +151,7 @@ def _freeze_and_wait(victim: subprocess.Popen, survivor: subprocess.Popen, timeo
     import signal
 
     t0 = time.monotonic()
-    for pid in _descendants(victim.pid):
+    for pid in descendants(victim.pid):
         try:
             os.kill(pid, signal.SIGSTOP)
         except ProcessLookupError:
@@ -190,11 +191,11 @@ def test_host_killed_between_merges_then_resume_matches(tmp_path, moments):
     procs = _start(killed, common)
     try:
         # checkpoint.every_steps=10 is rounded up to a merge step: 12, 24, 36
-        _wait_for(killed / "checkpoints" / "step_000000024" / "COMMITTED", procs[0], timeout=300)
+        wait_for(killed / "checkpoints" / "step_000000024" / "COMMITTED", procs[0], timeout=300)
         victim = next(p for p in procs if 2 in _ranks_of(p))  # the host of global ranks 2, 3
         survivor = next(p for p in procs if p is not victim)
         t0 = time.monotonic()
-        _kill_tree(victim.pid)
+        kill_tree(victim.pid)
         victim.wait(timeout=60)
         # the surviving host stops by itself, with an error, in bounded time
         survivor.wait(timeout=120)
@@ -202,7 +203,7 @@ def test_host_killed_between_merges_then_resume_matches(tmp_path, moments):
     finally:
         for p in procs:
             if p.poll() is None:
-                _kill_tree(p.pid)
+                kill_tree(p.pid)
     assert survivor.returncode != 0
     assert stopped_after < 120
     assert not (killed / "summary.json").exists()
@@ -252,7 +253,7 @@ def test_frozen_host_stops_the_job_after_the_pg_timeout(tmp_path):
     torchrun exits. The c10d rendezvous store runs outside both hosts (here: in this process;
     `is_host=false` on the agents): when the frozen host holds the store, torchrun's agent blocks
     in a store read that does not time out (docs/kstep.md); the next test covers that case."""
-    port = _free_port()
+    port = free_port()
     store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True, wait_for_workers=False)
     run_dir = tmp_path / "frozen"
     procs = _start(
@@ -263,14 +264,14 @@ def test_frozen_host_stops_the_job_after_the_pg_timeout(tmp_path):
         torchrun_extra=("--rdzv_conf", "is_host=false"),
     )
     try:
-        _wait_for(run_dir / "checkpoints" / "step_000000012" / "COMMITTED", procs[0], timeout=300)
+        wait_for(run_dir / "checkpoints" / "step_000000012" / "COMMITTED", procs[0], timeout=300)
         victim = next(p for p in procs if 0 in _ranks_of(p))  # global rank 0: the workers' store too
         survivor = next(p for p in procs if p is not victim)
         stopped_after = _freeze_and_wait(victim, survivor, timeout=120)
     finally:
         for p in procs:
             if p.poll() is None:
-                _kill_tree(p.pid)  # SIGKILL also ends stopped processes
+                kill_tree(p.pid)  # SIGKILL also ends stopped processes
         del store
     assert survivor.returncode != 0
     assert 10 <= stopped_after < 90, stopped_after
@@ -292,14 +293,14 @@ def test_frozen_host_holding_the_rendezvous_store_still_stops_the_job(tmp_path):
         store_on_node0=True,
     )
     try:
-        _wait_for(run_dir / "checkpoints" / "step_000000012" / "COMMITTED", procs[0], timeout=300)
+        wait_for(run_dir / "checkpoints" / "step_000000012" / "COMMITTED", procs[0], timeout=300)
         victim, survivor = procs  # node 0: the store's agent
         victim_host = min(_ranks_of(victim)) // 2  # the host its global ranks make it
         stopped_after = _freeze_and_wait(victim, survivor, timeout=150)
     finally:
         for p in procs:
             if p.poll() is None:
-                _kill_tree(p.pid)
+                kill_tree(p.pid)
     log = survivor.log_path.read_text()
     assert survivor.returncode != 0
     assert stopped_after < 15 + 5 + 45, stopped_after  # timeout + grace + the step in flight, start-up

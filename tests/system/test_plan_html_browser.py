@@ -1,4 +1,4 @@
-"""The HTML plan report (tests/integration/test_plan_html.py builds it) rendered by headless Chromium
+"""The HTML plan report (tests/integration/sharding/test_plan_html.py builds it) rendered by headless Chromium
 (Debian's `chromium`, which `.ci/run` installs): a screenshot of the page, not a blank one."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_plan_html import REPO, report16  # noqa: F401  (report16: the module-scoped fixture)
+from tests.integration.sharding.test_plan_html import REPO, report16  # noqa: F401  (report16: the module-scoped fixture)
 
 CHROMIUM = Path("/usr/bin/chromium")
 

@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from test_kstep_resume import _finish, _records, _start, lost_lines  # noqa: E402
-from tests.integration.test_train_integration import _kill_tree, _wait_for  # noqa: E402
+from tests.support.processes import kill_tree, wait_for  # noqa: E402
 from tools.simnet import LinkSpec, SimNet, probe  # noqa: E402
 
 _REASON = probe(LinkSpec(rate="1gbit"))
@@ -68,7 +68,7 @@ def _cut_after_first_checkpoint(net: SimNet, run_dir: Path, procs, seconds: floa
     (None: the caller restores it). The time of the cut goes to `thread.cut_at`."""
 
     def cut() -> None:
-        _wait_for(run_dir / "checkpoints" / "step_000000012" / "COMMITTED", procs[0], timeout=300)
+        wait_for(run_dir / "checkpoints" / "step_000000012" / "COMMITTED", procs[0], timeout=300)
         net.set_link(1, False)
         th.cut_at = time.monotonic()
         if seconds is not None:
@@ -114,7 +114,7 @@ def test_link_cut_longer_than_the_timeout_stops_both_hosts_then_resume_finishes(
         finally:
             for p in procs:
                 if p.poll() is None:
-                    _kill_tree(p.pid)
+                    kill_tree(p.pid)
             net.set_link(1, True)
         assert all(p.returncode != 0 for p in procs)
         assert stopped_after < 10 + 5 + 30, stopped_after

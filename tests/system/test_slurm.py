@@ -143,7 +143,7 @@ def test_preprocess_component_fans_out_as_slurm_tasks_and_joins(tmp_path):
     from recsys.config import load_config
     from recsys.data.shards import ShardedDataset
     from recsys.data.source import prepare_data
-    from tests.integration.test_preprocess_fanout import _criteo_lines
+    from tests.integration.data.test_preprocess_fanout import _criteo_lines
 
     raw, fan, submit = tmp_path / "raw", tmp_path / "fan", tmp_path / "submit"
     raw.mkdir()
@@ -208,7 +208,7 @@ def test_preprocess_as_a_plain_slurm_array(tmp_path):
     from recsys.config import load_config
     from recsys.data.shards import ShardedDataset
     from recsys.data.source import prepare_data
-    from tests.integration.test_preprocess_fanout import _criteo_lines
+    from tests.integration.data.test_preprocess_fanout import _criteo_lines
 
     raw, fan = tmp_path / "raw", tmp_path / "fan"
     raw.mkdir()

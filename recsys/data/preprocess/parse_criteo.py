@@ -8,7 +8,7 @@ line, a NUL or stray ``\\r``, ``1e3``, ``+7``, ``12.0``, a bad label or id, a sh
 handed to the *reference path*, the per-line parser that preprocessing used before, which decides
 whether the row is good and, if not, why. Both paths fill the same raw arrays in line order and
 the dense transform runs once on the merged result, so the shards and the bad-row report are
-exactly those of the reference path alone (``tests/integration/test_parse_blocks.py`` checks this on tricky
+exactly those of the reference path alone (``tests/integration/data/test_parse_blocks.py`` checks this on tricky
 input); only the speed differs.
 
 numpy releases the GIL in all the array work here, so blocks parse in parallel on threads.

@@ -27,7 +27,7 @@ block evaluations. Inside a block starting at (w, m, v):
   row that L2 pulls from far away (|w| of hundreds of lr, v fed by its own c^2 w^2) descends by
   about lr per step, and its v falls with it; freezing w in v had such rows descend too slowly,
   up to 0.7 lr per gap, errors that add up over a row's gaps (2.8 lr after 300 steps of
-  tests/integration/test_cowclip_catchup.py's training test, with blocks growing by sqrt(2); with the
+  tests/integration/cowclip/test_cowclip_catchup.py's training test, with blocks growing by sqrt(2); with the
   predicted path and doubling blocks 0.4 lr).
 * **One frozen step, raised to the k-th power.** With Adam's factor G frozen at its mean over the
   block (``g = lr * mean_j G_j``, G at the 2-node Gauss-Legendre points of [0.5, k+0.5] with v
@@ -56,7 +56,7 @@ block evaluations. Inside a block starting at (w, m, v):
 A block of one step is the exact step (explicit update, exact moments); gaps of 1 step are exact
 to float rounding.
 
-**Error bound (measured, tests/integration/test_cowclip_catchup.py).** Against the exact iteration (itself
+**Error bound (measured, tests/integration/cowclip/test_cowclip_catchup.py).** Against the exact iteration (itself
 equal to the project's dense formula ``cowclip_adam_step(update_scope="all", l2_scope="all")``
 with batches that contain no row) over gaps n = 1 .. 3000, lr in {1e-4, 1e-3, 1e-2}, l2 in
 {0, 1e-5, 1.28e-3}, both eps modes, gaps starting at global steps 1, 50 and 2000, and moments at
@@ -68,7 +68,7 @@ the L2 equilibrium or holding data gradients 100x the L2 gradient, every coordin
 
 (constants below; at most 57%, 43% and 54% of them is used). This is a measured bound, not a
 proof. Through training, against an independent float64 reference written from the paper code's
-semantics (tests/integration/test_cowclip_catchup_reference.py: lr 1e-4 to 1e-2, l2 1e-5 to 1e-2, zeta 1e-5
+semantics (tests/integration/cowclip/test_cowclip_catchup_reference.py: lr 1e-4 to 1e-2, l2 1e-5 to 1e-2, zeta 1e-5
 and 1e-2, 300 steps, rows absent for up to ~280 steps): every gap, started from the reference's
 state, ends within 0.31 lr of it, and the norm the next clip reads within 5% of the reference's
 (or within 0.13 lr for rows near 0); the trained tables end within 0.14-0.69 lr of the reference
@@ -109,7 +109,7 @@ __all__ = [
     "dense_l2_steps",
 ]
 
-# the bound of the module docstring (asserted by tests/integration/test_cowclip_catchup.py; the worst
+# the bound of the module docstring (asserted by tests/integration/cowclip/test_cowclip_catchup.py; the worst
 # coordinates use 57% (w), 43% (m) and 54% (v) of it)
 ERR_W_LR, ERR_W_REL = 1.5, 0.05
 ERR_M_CLR, ERR_M_REL = 0.5, 0.05
@@ -117,7 +117,7 @@ ERR_V_C2LR2, ERR_V_REL = 0.5, 0.1
 
 _GL = 1.0 / math.sqrt(3.0)  # 2-node Gauss-Legendre on [-1, 1]: nodes +-1/sqrt(3), weights 1
 # block sizes double (1, 2, 4, ...): about log2(n) + 1 blocks for a gap of n; growth sqrt(2) (twice
-# the blocks) measured within 0.2 lr on the per-gap grid of tests/integration/test_cowclip_catchup_reference.py,
+# the blocks) measured within 0.2 lr on the per-gap grid of tests/integration/cowclip/test_cowclip_catchup_reference.py,
 # growth 2 within 0.31 lr
 DEFAULT_GROWTH = 2.0
 

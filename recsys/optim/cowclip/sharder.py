@@ -42,8 +42,8 @@ process group, so every rank of the group must issue them in the same order):
   nodes. The only rank-dependent nodes are the kernels below a lookup; they start no collective,
   and the kernels that gate the exchange node were created after it (higher sequence number), so
   they always run before any node it could be reordered with. Hence every rank issues these
-  collectives in the same order (an argument, checked by tests/integration/test_cowclip_dropin.py under
-  ``TrainPipelineSparseDist``, and by tests/integration/test_cowclip_sharded.py with ranks that hold none of
+  collectives in the same order (an argument, checked by tests/integration/cowclip/test_cowclip_dropin.py under
+  ``TrainPipelineSparseDist``, and by tests/integration/cowclip/test_cowclip_sharded.py with ranks that hold none of
   a type's tables). On CUDA the nodes of one device likewise share one engine thread, and the
   exchange node lives on the features' device; not run on a GPU in this project.
 * ``TrainPipelineSparseDist`` starts the next batch's input dist before this backward, in the same
@@ -71,7 +71,7 @@ untagged tables of these EBCs get the same choice.
 
 Relies on private torchrec 1.8 attributes of the sharding objects (``_grouped_embedding_configs``,
 ``_grouped_embedding_configs_per_rank``, ``_rank``, ``_pg``, ``_env``, ``_device``);
-``tests/integration/test_cowclip_sharded.py`` guards them so an upgrade fails loudly.
+``tests/integration/cowclip/test_cowclip_sharded.py`` guards them so an upgrade fails loudly.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ Which embedding rows (``rows=``): ``touched`` (the default) averages only the ro
 looked up since the last merge, with their optimizer state, agreed in one all-gather of row lists
 or bitmaps (``recsys.training.kstep.touched_rows``: why every other row is equal on every host
 already); a shard whose union holds most of its rows goes whole. ``all``: whole shards. Both
-end at the same model (tests/integration/test_kstep_merge.py); the bytes of a touched-row merge follow the
+end at the same model (tests/integration/training/test_kstep_merge.py); the bytes of a touched-row merge follow the
 rows the batches touched, not the table sizes.
 
 The all-reduce works in place on the real storage: the embedding shards are the local shards of

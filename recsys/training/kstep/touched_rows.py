@@ -5,7 +5,7 @@ equal on every host after that merge (the merge made it so) and has not moved si
 This holds for every optimizer that updates only the rows of the batch (FBGEMM's fused ones,
 lazy Adam) and for CowClip's catch-up (``update_scope="catchup"``) when the moments are merged
 too: a row nobody looked up is advanced by the same deterministic catch-up from the same state
-over the same steps on every host, bit for bit (``tests/integration/test_kstep_merge.py`` checks both
+over the same steps on every host, bit for bit (``tests/integration/training/test_kstep_merge.py`` checks both
 against whole-shard merges). With unmerged moments an absent row's catch-up reads each host's
 own moments, so it moves differently on each host: such tables (``moves_when_absent``) are
 merged whole unless the moments are merged.

@@ -73,7 +73,7 @@ _PKG = "recsys.optim"
 _SOURCE = "csrc/cowclip_adam.cpp"  # package data of recsys.optim
 _INSTALLED = "recsys.optim._cowclip_C"  # built by setup.py
 _INSTALLED_HASH = "_cowclip_C.sha256"
-# The flags of both builds (setup.py keeps a copy; tests/integration/test_wheel.py checks they agree). The op uses
+# The flags of both builds (setup.py keeps a copy; tests/integration/packaging/test_wheel.py checks they agree). The op uses
 # LibTorch's stable ABI only, targeting torch 2.11: one build loads on every torch from 2.11 on.
 CXX_FLAGS = ["-O3", "-DNDEBUG", "-fno-math-errno", "-DTORCH_TARGET_VERSION=0x020b000000000000"]
 LD_FLAGS: list[str] = []

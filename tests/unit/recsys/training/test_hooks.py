@@ -2,7 +2,7 @@
 the dense-lr warmup, CowClip's hook (with and without statistics), and the merger's hook over a
 stand-in merger (merges at its steps and at the last, byte accounting across a resume) in a gloo
 group of one. The real merger's hook runs in the k-step integration tests
-(tests/integration/test_kstep_merge.py)."""
+(tests/integration/training/test_kstep_merge.py)."""
 
 from __future__ import annotations
 

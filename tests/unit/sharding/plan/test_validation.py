@@ -1,5 +1,5 @@
 """sharding/plan/validation.py: the exact line for each kind of unusable placement, on small
-hand-made plans (the full case list over a real model: tests/integration/test_plan_validation.py)."""
+hand-made plans (the full case list over a real model: tests/integration/sharding/test_plan_validation.py)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 merge steps in a hierarchical run), a save -> resume round trip through DCP, what an interrupted
 or failed save leaves, pruning by lineage, and the checks a resume makes (state shape, data,
 world size, corrupt bytes). Collectives run over an in-process gloo group of one rank; saves over
-several ranks are tested in tests/integration/test_integrity_runs.py."""
+several ranks are tested in tests/integration/training/test_integrity_runs.py."""
 
 from __future__ import annotations
 

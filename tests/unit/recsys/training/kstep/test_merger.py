@@ -2,7 +2,7 @@
 leaves the model as it is; the average of two replicas is checked through the packed buffers (the
 other replica's values written into the collective by hand, in the order the test spells out)
 against a hand-computed mean of every parameter and moment. The touched-row and hierarchical
-routes over real ranks run in tests/integration/test_kstep_merge.py."""
+routes over real ranks run in tests/integration/training/test_kstep_merge.py."""
 
 from __future__ import annotations
 
