@@ -52,7 +52,7 @@ XDIST ?= -n 2 --dist loadfile
 # `$(VENV)/bin/ruff format .` fixes the format; CI runs this first.
 # the generated reference pages (docs/reference/): rewrite them after changing a config key or a CLI option
 reference: venv
-	$(VENV)/bin/python tools/gen_reference.py
+	$(VENV)/bin/python tools/ci/gen_reference.py
 
 lint: venv test-deps
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
@@ -84,10 +84,10 @@ wheel: venv
 # The supported range's ends (CI): that wheel, installed with pip into a venv per stack
 # (constraints.txt, constraints-oldest.txt, constraints-newest.txt; built once, outside the
 # repository, in $$RECSYS_STACKS or ~/.cache/recsys/stacks), trains, plans and passes the drop-in
-# test there (tools/stack_tier.sh). Every stack runs even when one fails.
+# test there (tools/ci/stack_tier.sh). Every stack runs even when one fails.
 STACKS ?= default oldest newest
 test-stacks: wheel
-	@rc=0; for s in $(STACKS); do bash tools/stack_tier.sh $$s $(WHEEL_DIR)/*.whl || rc=1; done; exit $$rc
+	@rc=0; for s in $(STACKS); do bash tools/ci/stack_tier.sh $$s $(WHEEL_DIR)/*.whl || rc=1; done; exit $$rc
 
 # What CI runs (.ci/run): every tier, each with its time: `make lint`, `make test`,
 # `make test-system`, then `make test-stacks`.
@@ -100,7 +100,7 @@ ci:
 # The benchmark's reference, DeepCTR-Torch, is installed without its deps so it cannot replace torch.
 bench: venv
 	$(PIP) --no-deps deepctr-torch==0.3.0 && $(PIP) scikit-learn
-	$(PY) tools/bench_train.py --out runs/bench_train.json
+	$(PY) tools/bench/train.py --out runs/bench_train.json
 
 clean:
 	rm -rf $(VENV) runs data_cache

@@ -3,7 +3,7 @@
 The project supports torch 2.11-2.14 with FBGEMM 1.6-1.9 and torchrec 1.6-1.9 (docs/install.md).
 Where those versions behave differently, this module says which version needs what, and code
 elsewhere calls it instead of probing with ``hasattr``. tests/unit/sharding/test_compat.py has a test per
-branch; CI runs the oldest and newest stacks (tools/stack_tier.sh).
+branch; CI runs the oldest and newest stacks (tools/ci/stack_tier.sh).
 
 Differences handled here (versions checked against the installed sources of torchrec 1.6.1,
 1.7.0, 1.8.0, 1.9.2 and FBGEMM 1.6.0-1.9.0):

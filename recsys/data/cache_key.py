@@ -10,7 +10,7 @@ a file that keeps its size and mtime is caught by the second check, on every byt
 in the manifest records the SHA-256 of the whole file (:func:`content_sha256`, taken when the
 cache is built), and a cache whose key matches is verified against it before it is reused
 (``data.verify=full``, the default; 0.7 s per GB on one core, 3% of what parsing the same bytes
-takes: tools/bench_integrity.py).
+takes: tools/bench/integrity.py).
 ``data.verify=quick`` skips that pass and says, when the cache is reused, that it trusted size,
 mtime and the head and tail blocks.
 

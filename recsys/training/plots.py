@@ -1,6 +1,6 @@
 """Training curves as a picture: eval AUC against the oracle, train loss, throughput.
 
-Written at the end of every run (`<run_dir>/curves.png`) and by `tools/plot_run.py`.
+Written at the end of every run (`<run_dir>/curves.png`) and by `tools/experiments/plot_run.py`.
 """
 
 from __future__ import annotations

@@ -216,7 +216,7 @@ class Trainer:
 
 def dense_parameter_bytes(dmp: nn.Module) -> int:
     """Bytes of the trainable parameters outside the sharded embedding modules: what DDP
-    all-reduces every step. tools/exp_kstep.py models a synchronous run's dense traffic from it."""
+    all-reduces every step. tools/experiments/kstep.py models a synchronous run's dense traffic from it."""
     from torchrec.distributed.types import ShardedModule
 
     sharded = {id(p) for m in dmp.modules() if isinstance(m, ShardedModule) for p in m.parameters()}

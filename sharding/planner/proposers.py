@@ -12,7 +12,7 @@ from torchrec.distributed.planner.proposers import GreedyProposer, UniformPropos
 from torchrec.distributed.planner.types import Enumerator, Proposer, ShardingOption, Topology
 
 # Proposals one proposer may make in a search (BudgetedProposer). The default proposers stay far
-# below it on every model of tools/bench_planner.py (the greedy ones stop by patience: ~50 each on
+# below it on every model of tools/bench/planner.py (the greedy ones stop by patience: ~50 each on
 # 26 tables); what it bounds is torchrec's grid search, which walks up to 10,000 proposals on a
 # model with few tables and few options each.
 DEFAULT_MAX_PROPOSALS = 1000

@@ -19,7 +19,7 @@ the time in torchrec itself, not in our cost model:
   ``compute_perf`` on the context's field values (each shard gets its own copy of the Perf).
 
 ``fast_planner_internals()`` is a context manager; torchrec's functions are restored on exit, so
-torchrec's own planner (e.g. in ``tools/bench_planner.py``) runs unpatched outside it.
+torchrec's own planner (e.g. in ``tools/bench/planner.py``) runs unpatched outside it.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Loads the CowClip C++ op the way a training process does and compares three steps of it with
 the torch-ops reference. Run as a script against an installed distribution (tests/integration/packaging/test_wheel.py,
-tools/stack_tier.sh); prints ``MODULE <recsys.__file__>``, ``REASON <where the op came from>`` and
+tools/ci/stack_tier.sh); prints ``MODULE <recsys.__file__>``, ``REASON <where the op came from>`` and
 ``MATCH``, and exits non-zero on a mismatch."""
 
 import sys

@@ -37,7 +37,7 @@ def _start(
     net=None,
     store_on_node0: bool = False,
 ) -> list[subprocess.Popen]:
-    """Two torchrun nodes of 2 ranks. `net` (a tools/simnet.py SimNet, up): node i in host
+    """Two torchrun nodes of 2 ranks. `net` (a tools/experiments/simnet.py SimNet, up): node i in host
     namespace i, gloo over the shaped link. `store_on_node0`: node 0's agent hosts the c10d
     rendezvous store (torchrun's default; started first so it binds the endpoint)."""
     port = port or free_port()

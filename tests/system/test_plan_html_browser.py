@@ -30,7 +30,7 @@ def test_screenshot_in_headless_chromium(report16, tmp_path):  # noqa: F811 (the
     _, html_file = report16
     png = tmp_path / "report.png"
     r = subprocess.run(
-        ["bash", str(REPO / "tools" / "chromium_screenshot.sh"), str(html_file), str(png), "1280,2000"],
+        ["bash", str(REPO / "tools" / "ci" / "chromium_screenshot.sh"), str(html_file), str(png), "1280,2000"],
         capture_output=True,
         text=True,
         timeout=180,
@@ -41,7 +41,7 @@ def test_screenshot_in_headless_chromium(report16, tmp_path):  # noqa: F811 (the
     assert png.stat().st_size > 20_000  # a blank page compresses to a few KB
     # and the script fails when it cannot make one
     bad = subprocess.run(
-        ["bash", str(REPO / "tools" / "chromium_screenshot.sh"), str(tmp_path / "none.html"), str(tmp_path / "x.png")],
+        ["bash", str(REPO / "tools" / "ci" / "chromium_screenshot.sh"), str(tmp_path / "none.html"), str(tmp_path / "x.png")],
         capture_output=True,
         text=True,
         timeout=60,

@@ -1,8 +1,8 @@
-"""tools/simnet.py: simulated hosts (network namespaces) behind a tc-shaped link.
+"""tools/experiments/simnet.py: simulated hosts (network namespaces) behind a tc-shaped link.
 
 The parsing and refusal tests run everywhere. The namespace tests need root, `ip`, `tc`, netns
 and tbf; without them they are skipped with a loud `SIMNET NOT TESTED: <reason>` (and a warning
-in the summary), and tools/exp_kstep.py keeps its loopback launch. What they check on a real
+in the summary), and tools/experiments/kstep.py keeps its loopback launch. What they check on a real
 link: bytes sent between hosts appear on the veth counters (and bytes inside a host do not),
 the shaper throttles (tbf overlimits, not wall time), every object is deleted on exit, on
 SIGTERM/SIGINT and by `down`, and exp_kstep --net puts gloo's cross-host bytes on the link.
@@ -26,9 +26,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from tools.simnet import IFNAME, LinkSpec, SimNet, SimNetError, list_all, probe  # noqa: E402
+from tools.experiments.simnet import IFNAME, LinkSpec, SimNet, SimNetError, list_all, probe  # noqa: E402
 
-SIMNET = [sys.executable, str(REPO / "tools" / "simnet.py")]
+SIMNET = [sys.executable, str(REPO / "tools" / "experiments" / "simnet.py")]
 _REASON = probe()
 if _REASON is not None:
     warnings.warn(f"SIMNET NOT TESTED: {_REASON}", pytest.PytestWarning, stacklevel=1)
@@ -98,7 +98,7 @@ def test_refuses_without_root():
         [
             *drop,
             sys.executable,
-            str(REPO / "tools" / "exp_kstep.py"),
+            str(REPO / "tools" / "experiments" / "kstep.py"),
             "--quick",
             "--net",
             "rate=1gbit",
@@ -210,7 +210,9 @@ def test_loss_drops_that_share_of_wire_sized_packets():
 @needs_netns
 def test_up_fails_cleanly_when_the_name_exists():
     with SimNet("t2", 1):
-        with pytest.raises(SimNetError, match=r"^simnet: a network named 't2' exists already \(tools/simnet.py down --name t2\)$"):
+        with pytest.raises(
+            SimNetError, match=r"^simnet: a network named 't2' exists already \(tools/experiments/simnet.py down --name t2\)$"
+        ):
             SimNet("t2", 1).up()
         with pytest.raises(SimNetError, match="exists already"):
             with SimNet("t2", 1):
@@ -277,7 +279,7 @@ def test_exp_kstep_net_puts_cross_host_gloo_bytes_on_the_link(tmp_path):
     r = subprocess.run(
         [
             sys.executable,
-            "tools/exp_kstep.py",
+            "tools/experiments/kstep.py",
             "--quick",
             "--ks",
             "1,16",
@@ -331,7 +333,19 @@ def test_exp_kstep_net_sigterm_mid_run_leaves_no_network_and_no_process(tmp_path
     its namespaces, bridge and veths, then exits 143. Slow (~30 s)."""
     out = tmp_path / "exp"
     p = subprocess.Popen(
-        [sys.executable, "tools/exp_kstep.py", "--quick", "--ks", "1", "--moments", "off", "--net", "rate=100mbit", "--out", str(out)],
+        [
+            sys.executable,
+            "tools/experiments/kstep.py",
+            "--quick",
+            "--ks",
+            "1",
+            "--moments",
+            "off",
+            "--net",
+            "rate=100mbit",
+            "--out",
+            str(out),
+        ],
         cwd=REPO,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

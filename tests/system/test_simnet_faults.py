@@ -1,4 +1,4 @@
-"""Faults on a real, shaped link between two simulated hosts (tools/simnet.py).
+"""Faults on a real, shaped link between two simulated hosts (tools/experiments/simnet.py).
 
 2 hosts x 2 ranks on the smoke config, k=4, 48 steps, checkpoints at merge steps (12, 24, 36, 48),
 gloo between hosts over a 1 Gbit/s veth link. Each fault ends in one of the two allowed ways, and
@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 
 from test_kstep_resume import _finish, _records, _start, lost_lines  # noqa: E402
 from tests.support.processes import kill_tree, wait_for  # noqa: E402
-from tools.simnet import LinkSpec, SimNet, probe  # noqa: E402
+from tools.experiments.simnet import LinkSpec, SimNet, probe  # noqa: E402
 
 _REASON = probe(LinkSpec(rate="1gbit"))
 _LOSS_REASON = _REASON or probe(LinkSpec(rate="1gbit", loss_pct=1.0))

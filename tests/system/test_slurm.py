@@ -1,5 +1,5 @@
 """The train component on a real (single-node, localhost) Slurm cluster, submitted through
-torchx's Python API. Needs a running cluster: `tools/slurm_local.sh start` (root; .ci/run does
+torchx's Python API. Needs a running cluster: `tools/ci/slurm_local.sh start` (root; .ci/run does
 it) and RECSYS_SLURM=1; skipped otherwise.
 
 torchx's own status call (`squeue --json`) fails on Debian's Slurm 22.05 (KeyError
@@ -19,7 +19,7 @@ import pytest
 pytestmark = [
     pytest.mark.skipif(
         os.environ.get("RECSYS_SLURM") != "1",
-        reason="needs a local Slurm cluster: run `tools/slurm_local.sh start` and set RECSYS_SLURM=1",
+        reason="needs a local Slurm cluster: run `tools/ci/slurm_local.sh start` and set RECSYS_SLURM=1",
     ),
 ]
 

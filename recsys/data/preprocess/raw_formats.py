@@ -214,7 +214,7 @@ def _content_changes(manifest: dict[str, Any]) -> tuple[str | None, list[str]]:
 def _with_content_hashes(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each file's report with the SHA-256 of all its bytes (the reuse check of ``verify="full"``).
     Taken after parsing, from the page cache: 0.7 s per GB on one core, 3% of the 24 s per GB
-    the parse took on two (tools/bench_integrity.py)."""
+    the parse took on two (tools/bench/integrity.py)."""
     return [dict(r, sha256=content_sha256(r["path"])) for r in reports]
 
 

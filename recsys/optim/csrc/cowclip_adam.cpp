@@ -829,7 +829,7 @@ Piece make_piece(const CatchHyper& h, int64_t t_start, int64_t done, int64_t k_n
 // rebuilt when the hyper-parameters change); a row then needs b1^t_start and b2^t_start (two
 // exps) and, per piece, 3 square roots and a few divisions in double. make_piece's ~15 double
 // exp/log/pow per block took about a quarter of the op in the steady state of
-// tools/bench_catchup.py (about 2.4 of 8.7 ms at 1/4 size, measured by skipping the schedules;
+// tools/bench/catchup.py (about 2.4 of 8.7 ms at 1/4 size, measured by skipping the schedules;
 // about 6% of the op with these constants, profiled). A row's last,
 // cut piece still comes from make_piece. Same values as make_piece to double rounding (tested
 // through the op against the torch version).
@@ -936,7 +936,7 @@ inline float g_of(float vx, const float* f, float eps) {
 // binary doubling. Columns go in chunks so the doubling rounds (uniform: they follow the bits of k)
 // vectorize. In double: the power needs h to far below float's resolution of P = 1 + b1 - h(1-b1)
 // (h is ~1e-6 where v holds data gradients; in float, (1-h)^k came out wrong by 1e-4 relative and
-// more), and the double arithmetic cost no measurable time against float in tools/bench_catchup.py.
+// more), and the double arithmetic cost no measurable time against float in tools/bench/catchup.py.
 template <bool KERAS>
 inline __attribute__((always_inline)) void advance_block(const CatchHyper& h, const Piece& p, float* W, float* M,
                                                          float* V, int64_t D) {
@@ -1031,7 +1031,7 @@ constexpr int kCatchGroup = 8;  // rows advanced together, piece by piece
 // Advance a group of rows piece-major: piece i of every row, then piece i+1. A row's pieces form
 // one long dependency chain (sqrt, divide, exp, ...); the rows of a group are independent, so the
 // CPU overlaps their chains instead of waiting on one (13.6 -> 11.8 ms for the 24K rows behind of a
-// steady-state step in tools/bench_catchup.py, measured).
+// steady-state step in tools/bench/catchup.py, measured).
 // Compiled for AVX-512, AVX2 and baseline x86-64, picked at load time (target_clones): the
 // extension is otherwise built for baseline x86-64.
 template <bool KERAS>
@@ -1083,7 +1083,7 @@ constexpr int64_t kMaxCachedGap = int64_t(1) << 22;
 
 // Denormals off while rows are advanced (restored on scope exit, exceptions included): moments
 // decayed over long gaps reach 1e-38 and below, where every float op takes a microcode assist
-// (+40% op time measured in the steady state of tools/bench_catchup.py). Below 1.2e-38 they count
+// (+40% op time measured in the steady state of tools/bench/catchup.py). Below 1.2e-38 they count
 // as 0: no weight moves by them.
 struct NoDenormals {
 #if defined(__SSE__)

@@ -97,12 +97,12 @@ BYTES = BYTES_PER_WEIGHT
 # spans hosts adds the network's latency (topology ``network.latency_us``) and NIC/proxy overhead.
 COLLECTIVE_LATENCY_S = 15e-6
 CROSS_HOST_LATENCY_S = 10e-6
-# gloo over loopback TCP: tools/calibrate_cost_model.py measured 144-197 us for a tiny
+# gloo over loopback TCP: tools/bench/calibrate_cost_model.py measured 144-197 us for a tiny
 # all-to-all between 2 ranks on the 2-core CI VM
 CPU_COLLECTIVE_LATENCY_S = 170e-6
 # A looked-up row moves at least one memory access granule: a 32-byte sector on a GPU, a 64-byte
 # cache line on a CPU, so a 4-column fp32 shard (16 bytes a row) costs as much per lookup as an
-# 8- or 16-column one. Measured on CPU (tools/calibrate_cost_model.py, one rank, 26 dim-16 tables):
+# 8- or 16-column one. Measured on CPU (tools/bench/calibrate_cost_model.py, one rank, 26 dim-16 tables):
 # the same tables cut into 2 and 4 column shards took 2.1x and 4.0x the time of whole tables.
 GPU_ACCESS_GRANULE = 32
 CPU_ACCESS_GRANULE = 64
@@ -285,7 +285,7 @@ class TopologyCostModel:
         """Bytes of memory traffic per looked-up id of a ``cols``-wide shard in one training step:
         ``LOOKUP_PASSES`` passes over the row, plus the id handling of a CUDA TBE
         (``GPU_INDEX_BYTES_PER_LOOKUP``; FBGEMM's CPU kernels: counted in the row's passes, as
-        measured by tools/calibrate_cost_model.py)."""
+        measured by tools/bench/calibrate_cost_model.py)."""
         return LOOKUP_PASSES * self.row_bytes(cols) + (0 if self.cpu else GPU_INDEX_BYTES_PER_LOOKUP)
 
     def row_share(self, cols: int) -> float:

@@ -75,7 +75,7 @@ def test_cowclip_adam_in_hierarchical_training_merges_its_tables(tmp_path):
     out = tmp_path / "k"
     cmd = [
         sys.executable,
-        "tools/exp_kstep.py",
+        "tools/experiments/kstep.py",
         "--quick",
         "--ks",
         "4",

@@ -1,4 +1,4 @@
-"""tools/calibrate_cost_model.py: real gloo ranks, real sharded EBCs; the model against the machine.
+"""tools/bench/calibrate_cost_model.py: real gloo ranks, real sharded EBCs; the model against the machine.
 
 Logic only: which plans the tool measures, what the model says about them (checked against an
 independent computation), and that its summary statistics are those of its own rows. Whether
@@ -33,7 +33,7 @@ def test_one_rank_calibration_rows_and_model():
     model charges whole 64-byte cache lines per looked-up row, so 16- and 32-byte shards cost 2x and
     4x the whole table's lookup time (plus one sharding type's fixed collective latency)."""
     r = subprocess.run(
-        [sys.executable, str(ROOT / "tools/calibrate_cost_model.py"), "--nproc", "1", "--reps", "2", "--max-rows", "20000"],
+        [sys.executable, str(ROOT / "tools/bench/calibrate_cost_model.py"), "--nproc", "1", "--reps", "2", "--max-rows", "20000"],
         cwd=ROOT,
         capture_output=True,
         text=True,

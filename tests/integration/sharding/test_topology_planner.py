@@ -441,9 +441,9 @@ def test_planner_for_kstep_hosts_plans_one_host_and_remaps():
 
 
 def _torchrec_default_step(topo, specs, batch: int, constraints) -> float:
-    """torchrec's planner as the benchmark builds it (tools/bench_planner.py: the trainer's
+    """torchrec's planner as the benchmark builds it (tools/bench/planner.py: the trainer's
     `torchrec` choice, per-rank host memory, its own bandwidths), its plan scored by our model."""
-    from tools.bench_planner import default_planner
+    from tools.bench.planner import default_planner
 
     p = default_planner(topo, batch, constraints)
     p.plan(ebc(specs), [EmbeddingBagCollectionSharder()])
@@ -544,7 +544,7 @@ def test_data_parallel_rounds_start_from_other_kinds_of_plan_and_match_the_defau
     type: ours must not be worse than the default (it was 1.097x of it)."""
     from sharding.constants import MODEL_PARALLEL_TYPES
     from sharding.planner.constraints import default_constraints
-    from tools.bench_planner import CRITEO_1TB
+    from tools.bench.planner import CRITEO_1TB
 
     topo = load_topology("dgx-a100-16host")
     specs = [(n, 128) for n in CRITEO_1TB]
@@ -567,7 +567,7 @@ def test_data_parallel_candidates_are_the_tables_whose_all_reduce_costs_less_tha
     from sharding.constants import MODEL_PARALLEL_TYPES
     from sharding.planner.balance_proposer import BalanceProposer, BestPlanTracker
     from sharding.planner.constraints import default_constraints
-    from tools.bench_planner import CRITEO_1TB
+    from tools.bench.planner import CRITEO_1TB
 
     topo = load_topology("gb200-nvl72")
     batch = 4096

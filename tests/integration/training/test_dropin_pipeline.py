@@ -21,7 +21,7 @@ import torch
 from recsys.training.distributed import free_port
 
 REPO = Path(__file__).resolve().parents[3]
-# RECSYS_TEST_INSTALLED=1: test the installed distribution (a wheel; tools/stack_tier.sh), with its
+# RECSYS_TEST_INSTALLED=1: test the installed distribution (a wheel; tools/ci/stack_tier.sh), with its
 # compiled CowClip op, instead of this checkout
 INSTALLED = os.environ.get("RECSYS_TEST_INSTALLED", "") not in ("", "0")
 WORKER = REPO / "tests" / "support" / "dropin_worker.py"

@@ -1,4 +1,4 @@
-"""tools/exp_kstep.py --quick on a reduced grid: the script runs end to end (two torchrun
+"""tools/experiments/kstep.py --quick on a reduced grid: the script runs end to end (two torchrun
 launches per run, 2 hosts x 2 ranks), writes results.json and the plot, and ends stdout with
 one JSON object. Slow (~40 s)."""
 
@@ -19,7 +19,7 @@ def test_exp_kstep_quick(tmp_path):
     r = subprocess.run(
         [
             sys.executable,
-            "tools/exp_kstep.py",
+            "tools/experiments/kstep.py",
             "--quick",
             "--ks",
             "1,16",
@@ -99,8 +99,7 @@ def _row(net: str, k: int, epoch_s: float, auc: float, curve: list[tuple[float, 
 
 
 def test_network_summary_crossovers_and_results_merge(tmp_path):
-    sys.path.insert(0, str(REPO / "tools"))
-    import exp_kstep as E
+    import tools.experiments.kstep as E
 
     net = "rate=1gbit,delay=0"
     rows = [

@@ -12,16 +12,16 @@ fbgemm_gpu, and its CUDA wheel is far larger than what can be carried there, so 
 row-wise Adagrad / Adam (the named peers) cannot run beside it; the torch reference can.
 
 What is timed: the update alone (the backward's CowClip-Adam step of 26 tables, dim 16, batch 8K,
-one id per table and sample, Zipf 1.05 ranks hashed over each table as tools/bench_catchup.py
+one id per table and sample, Zipf 1.05 ranks hashed over each table as tools/bench/catchup.py
 does), with CUDA synchronisation around each step; both methods interleaved step by step on their
 own copies of the tables, medians of ``--iters`` rounds. Also checks, after the timed steps, that
 both methods' tables agree (the same batches, the same start).
 
-    python3 tools/bench_triton_cuda.py                     # 1M rows per table, batch 8K, on cuda
-    python3 tools/bench_triton_cuda.py --rows 1300000 --catchup   # 1.3M rows per table, + the catch-up
-    python3 tools/bench_triton_cuda.py --sizes raw --catchup --dense   # raw Criteo sizes (33.8M rows), + dense pass
-    python3 tools/bench_triton_cuda.py --host-time --rows 100000      # host time per call of the lookup's catch-up
-    TRITON_INTERPRET=1 python tools/bench_triton_cuda.py --device cpu --rows 2000 --batch 64 --iters 2   # smoke test
+    python3 tools/gpu/bench_triton_cuda.py                     # 1M rows per table, batch 8K, on cuda
+    python3 tools/gpu/bench_triton_cuda.py --rows 1300000 --catchup   # 1.3M rows per table, + the catch-up
+    python3 tools/gpu/bench_triton_cuda.py --sizes raw --catchup --dense   # raw Criteo sizes (33.8M rows), + dense pass
+    python3 tools/gpu/bench_triton_cuda.py --host-time --rows 100000      # host time per call of the lookup's catch-up
+    TRITON_INTERPRET=1 python tools/gpu/bench_triton_cuda.py --device cpu --rows 2000 --batch 64 --iters 2   # smoke test
 
 The last line of stdout is one JSON object.
 """
@@ -37,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 TABLES, DIM, ZIPF = 26, 16, 1.05
 HP = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, r=1.0, l2=1e-5 * 8)
@@ -51,7 +51,7 @@ def _batches(cards: list[int], batch: int, steps: int, device, seed: int = 0):
     import torch
 
     from recsys.data.synthetic import zipf_ranks
-    from tools.bench_catchup import _mult
+    from tools.bench.catchup import _mult
 
     rng = np.random.default_rng(seed)
     g = torch.Generator().manual_seed(seed + 1)
@@ -68,7 +68,7 @@ def _batches(cards: list[int], batch: int, steps: int, device, seed: int = 0):
 
 def table_rows(args) -> list[int]:
     """Rows of each of the 26 tables: ``--rows`` each (uniform), or the raw Criteo-Kaggle sizes
-    (``criteo_kaggle_raw``, 33.8M rows in all) times ``--fraction``, as tools/bench_catchup.py."""
+    (``criteo_kaggle_raw``, 33.8M rows in all) times ``--fraction``, as tools/bench/catchup.py."""
     if args.sizes == "uniform":
         return [args.rows] * TABLES
     from recsys.config import CARDINALITY_PRESETS
@@ -134,7 +134,7 @@ def run(args) -> dict:
     if args.catchup:  # the reference semantics on the GPU: rows behind caught up, then the same kernel
         from recsys.optim.cowclip.catchup import catch_up
         from recsys.optim.cowclip.kernels.triton_catchup import triton_catch_up_lookup, triton_catch_up_rows
-        from tools.bench_catchup import steady_state_row_step
+        from tools.bench.catchup import steady_state_row_step
 
         rs0 = steady_state_row_step(cards, B, args.trained_steps).to(dev)
         starts = torch.tensor(cum[:-1], device=dev)

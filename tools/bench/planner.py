@@ -8,9 +8,9 @@ default planner's topology, max over ranks of the shards' perf, as torchrec's No
 and a lower bound on the modeled step time of any plan (``sharding/planner/bounds.py``): ``bound /
 default`` is the lowest ratio any planner could reach on that row, by our model.
 
-    .venv/bin/python tools/bench_planner.py --quick      # 3 topologies x 2 models
-    .venv/bin/python tools/bench_planner.py              # everything
-    .venv/bin/python tools/bench_planner.py --data-parallel --topologies dgx-a100-2host
+    .venv/bin/python tools/bench/planner.py --quick      # 3 topologies x 2 models
+    .venv/bin/python tools/bench/planner.py              # everything
+    .venv/bin/python tools/bench/planner.py --data-parallel --topologies dgx-a100-2host
 
 ``--data-parallel`` allows ``data_parallel`` next to the model-parallel types, for both planners
 (the trainer's ``sharding.sharding_types`` opt-in): the same constraints for both, so a row
@@ -42,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder  # noqa: E402

@@ -1,22 +1,22 @@
 """The GPU checks in one run, each in its own process with its own time limit, written into one
 JSON (``$OUT/gpu_check.json``; ``docs/results/gpu_check.json`` keeps the last full run).
 
-Run by ``tools/gpu_check.sh`` on a GPU machine after it has put TorchRec and CUDA FBGEMM on
+Run by ``tools/gpu/check.sh`` on a GPU machine after it has put TorchRec and CUDA FBGEMM on
 ``PYTHONPATH``; runnable anywhere (on a machine without CUDA every GPU test skips and the record
 says so). The checks, in this order (the short, decisive figures first):
 
   env        the machine (nvidia-smi), versions, and the C++ CowClip op (built on first use)
-  bench      tools/bench_cowclip.py --device cuda: our CowClip-Adam step vs FBGEMM's CUDA
+  bench      tools/bench/cowclip.py --device cuda: our CowClip-Adam step vs FBGEMM's CUDA
              EXACT_ROWWISE_ADAGRAD and ADAM (1M rows x batch 8K x 26 tables x dim 16)
   tests      pytest tests/gpu (``make test-gpu``): NCCL, FBGEMM's fused / fused_uvm /
              fused_uvm_caching tables through DMP, CowClip tables in UVM with a DCP round trip,
              the Triton kernels against the CPU op, the 200-step DeepFM on CUDA with checkpoint,
              resume and the CPU run of the same seed
-  calibrate  tools/calibrate_cost_model.py --nproc 1: the cost model's HBM / UVM lookup times
+  calibrate  tools/bench/calibrate_cost_model.py --nproc 1: the cost model's HBM / UVM lookup times
              against measured ones
 
-    python3 tools/gpu_check.py --out DIR [--only env,bench] [--budget-s 520]
-    GPU_TESTS="tests/gpu/test_triton_cuda.py" python3 tools/gpu_check.py --only env,tests   # some tests only
+    python3 tools/gpu/check.py --out DIR [--only env,bench] [--budget-s 520]
+    GPU_TESTS="tests/gpu/test_triton_cuda.py" python3 tools/gpu/check.py --only env,tests   # some tests only
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STEPS = ("env", "bench", "tests", "calibrate")
 # seconds each step may take at most (the whole run must end inside one device command, 600 s)
 LIMITS = {"env": 90, "bench": 90, "tests": 330, "calibrate": 120}
@@ -115,7 +115,7 @@ print(json.dumps(res))
 
 def step_bench(out: Path, limit: float) -> dict:
     r = _run(
-        [sys.executable, "tools/bench_cowclip.py", "--device", "cuda", "--iters", "30", "--warmup", "5", "--profile", "5"],
+        [sys.executable, "tools/bench/cowclip.py", "--device", "cuda", "--iters", "30", "--warmup", "5", "--profile", "5"],
         out / "bench.log",
         limit,
     )
@@ -167,7 +167,7 @@ def _num(v: str | None):
 
 def step_calibrate(out: Path, limit: float) -> dict:
     r = _run(
-        [sys.executable, "tools/calibrate_cost_model.py", "--nproc", "1", "--topology", "dgx-h100", "--reps", "20"],
+        [sys.executable, "tools/bench/calibrate_cost_model.py", "--nproc", "1", "--topology", "dgx-h100", "--reps", "20"],
         out / "calibrate.log",
         limit,
     )

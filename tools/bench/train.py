@@ -14,8 +14,8 @@ Each configuration runs in its own subprocess (so its memory is its own, and a c
 costs only that row), one at a time, with a timeout. Peak memory is measured from outside by
 polling /proc every 0.2 s over the whole process tree (launcher, torchrun agent and ranks).
 
-    .venv/bin/python tools/bench_train.py --quick            # ~2 minutes: checks the script
-    .venv/bin/python tools/bench_train.py --out bench.json   # the full grid (see --help)
+    .venv/bin/python tools/bench/train.py --quick            # ~2 minutes: checks the script
+    .venv/bin/python tools/bench/train.py --out bench.json   # the full grid (see --help)
 
 The last line of stdout is one JSON object with the headline figures.
 """
@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "experiments" / "demo.yaml"
 SETTINGS = ("criteo_kaggle_filtered", "criteo_kaggle_raw")
 SHORT = {"criteo_kaggle_filtered": "filtered", "criteo_kaggle_raw": "raw"}

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # A single-node Slurm cluster on localhost, for tests/system/test_slurm.py (see docs/launch.md).
 #
-#   tools/slurm_local.sh start    # installs Debian's munge + Slurm if missing, writes
+#   tools/ci/slurm_local.sh start    # installs Debian's munge + Slurm if missing, writes
 #                                 # /etc/slurm/slurm.conf, starts munged, slurmctld, slurmd and
 #                                 # waits until the node is idle (needs root)
-#   tools/slurm_local.sh stop     # stops the three daemons by the PIDs in their pid files
-#   tools/slurm_local.sh status
+#   tools/ci/slurm_local.sh stop     # stops the three daemons by the PIDs in their pid files
+#   tools/ci/slurm_local.sh status
 #
 # Both are idempotent: `start` leaves running daemons alone, `stop` ignores stopped ones.
 # Daemons are only ever stopped by the PID in their own pid file (checked against the
@@ -54,7 +54,7 @@ write_conf() {
     mkdir -p /etc/slurm /var/spool/slurmctld /var/spool/slurmd /var/log/slurm "$RUN_DIR" /run/munge
     chown munge:munge /run/munge
     cat >"$CONF.tmp" <<EOF
-# Written by tools/slurm_local.sh: a single-node test cluster on localhost.
+# Written by tools/ci/slurm_local.sh: a single-node test cluster on localhost.
 ClusterName=recsys-local
 SlurmctldHost=$host(127.0.0.1)
 SlurmUser=root

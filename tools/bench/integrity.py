@@ -13,7 +13,7 @@
   what a cache build costs, whole-file hashes included) and hashed alone (`hash_s`, what
   `data.verify=full` adds to every reuse of the cache). Ratio: hash/parse.
 
-    PYTHONPATH=. .venv/bin/python tools/bench_integrity.py --dim 16 --data-mb 256
+    PYTHONPATH=. .venv/bin/python tools/bench/integrity.py --dim 16 --data-mb 256
 
 The last line is one JSON object. Everything is written under `--workdir` and deleted.
 """
@@ -129,7 +129,7 @@ def main() -> None:
     ap.add_argument("--data-mb", type=int, default=256)
     ap.add_argument("--skip-checkpoint", action="store_true")
     ap.add_argument("--workdir", default=None)
-    ap.add_argument("--shared", default=str(Path(__file__).resolve().parents[2] / "shared" / "data"))
+    ap.add_argument("--shared", default=str(Path(__file__).resolve().parents[3] / "shared" / "data"))
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench_integrity_", dir=args.workdir))
     try:

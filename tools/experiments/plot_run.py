@@ -1,4 +1,4 @@
-"""Plot a run's curves: `python tools/plot_run.py runs/demo [--out curves.png]`."""
+"""Plot a run's curves: `python tools/experiments/plot_run.py runs/demo [--out curves.png]`."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One stack tier of CI: the project's wheel on one end of the supported version range.
 #
-#   tools/stack_tier.sh STACK WHEEL        (make test-stacks runs it for default, oldest and newest)
+#   tools/ci/stack_tier.sh STACK WHEEL        (make test-stacks runs it for default, oldest and newest)
 #
 # STACK names constraints.txt (default), constraints-oldest.txt or constraints-newest.txt; its first
 # line, "# python: X.Y", names the Python. The venv lives outside the repository, in
@@ -22,9 +22,9 @@
 # Each step prints its seconds; the last line is "stack-STACK: N passed, M failed".
 set -uo pipefail
 
-STACK=${1:?usage: tools/stack_tier.sh STACK WHEEL}
-WHEEL=$(readlink -f "${2:?usage: tools/stack_tier.sh STACK WHEEL}")
-REPO=$(cd "$(dirname "$0")/.." && pwd)
+STACK=${1:?usage: tools/ci/stack_tier.sh STACK WHEEL}
+WHEEL=$(readlink -f "${2:?usage: tools/ci/stack_tier.sh STACK WHEEL}")
+REPO=$(cd "$(dirname "$0")/../.." && pwd)
 case "$STACK" in
     default) CONSTRAINTS=$REPO/constraints.txt ;;
     *) CONSTRAINTS=$REPO/constraints-$STACK.txt ;;

@@ -15,8 +15,8 @@ Prints each plan's measured and modeled ms, their ratio, a least-squares fit mea
 modeled, and the Spearman rank correlation (does the model order the plans as the machine does?).
 Last line: one JSON object.
 
-    .venv/bin/python tools/calibrate_cost_model.py                 # 2 CPU ranks, ~2 min
-    .venv/bin/python tools/calibrate_cost_model.py --nproc 8 --topology dgx-a100   # on a GPU host
+    .venv/bin/python tools/bench/calibrate_cost_model.py                 # 2 CPU ranks, ~2 min
+    .venv/bin/python tools/bench/calibrate_cost_model.py --nproc 8 --topology dgx-a100   # on a GPU host
 
 With one GPU (``--nproc 1``) there is no communication to measure; the plans then calibrate the
 lookup and host-memory terms (HBM, UVM, UVM caching) of that GPU.
@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402

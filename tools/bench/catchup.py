@@ -6,7 +6,7 @@ One process, one ``CowClipAdamTBE`` per method (inline mode, the C++ multi-table
 update), interleaved step by step (round i: one forward + backward of each method on the same
 batch), so machine load hits them alike; ratios are of medians taken in the same rounds. Ids: one
 per table and sample, Zipf 1.05 ranks scattered over the table by a multiplicative hash (as
-tools/bench_cowclip.py and recsys/data/synthetic.py).
+tools/bench/cowclip.py and recsys/data/synthetic.py).
 
 Steady state: the catch-up's cost depends on how long each row of a batch has been absent. Before
 timing, the catch-up table is put in the state ``--trained-steps`` S steps of such batches leave:
@@ -20,14 +20,14 @@ one) and says so in the JSON. The lazy and catch-up costs depend on the batch an
 hardly on the table size; the dense pass is O(rows) and its figure is also reported scaled by
 1/f (``dense_ms_full_estimate``).
 
-    python tools/bench_catchup.py                      # fraction 0.25, batch 8K, 1 thread
-    python tools/bench_catchup.py --fraction 1.0 --methods batch catchup   # full size, no dense
+    python tools/bench/catchup.py                      # fraction 0.25, batch 8K, 1 thread
+    python tools/bench/catchup.py --fraction 1.0 --methods batch catchup   # full size, no dense
 
 ``--all-rows``: instead of training steps, time ``catch_up_all`` (what a checkpoint, an export or a
 merge runs first: every row brought to the global step) from the same steady state, for the
 catch-up methods only, the state restored before each call (not timed).
 
-    python tools/bench_catchup.py --all-rows --batch 65536 --trained-steps 183   # a 64K run's epoch
+    python tools/bench/catchup.py --all-rows --batch 65536 --trained-steps 183   # a 64K run's epoch
 
 Methods: ``batch`` (lazy), ``catchup`` (the fused C++ catch-up op, what CPU runs use),
 ``catchup_torch`` (the same scheme as torch ops: the peer the op replaced), ``all`` (dense pass).
@@ -46,7 +46,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 DIM = 16
 ZIPF = 1.05

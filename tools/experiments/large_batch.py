@@ -39,12 +39,12 @@ them; a report written again on the same date replaces that date's files. The la
 one JSON object with the headline figures. The user guide and the current results are
 docs/large_batch.md.
 
-    .venv/bin/python tools/exp_large_batch.py --reuse      # the paper grid: many hours, one run at a time
-    .venv/bin/python tools/exp_large_batch.py --report     # a record of the runs finished so far (no training)
-    .venv/bin/python tools/exp_large_batch.py --reuse --only 8192:cowclip   # one planned cell (fits the time left)
-    .venv/bin/python tools/exp_large_batch.py --seeds 0 1 2 --reuse   # a third seed for the decisive cells
-    .venv/bin/python tools/exp_large_batch.py --quick --no-record   # tiny, for a smoke test
-    .venv/bin/python tools/exp_large_batch.py --config configs/experiments/large_batch.yaml \\
+    .venv/bin/python tools/experiments/large_batch.py --reuse      # the paper grid: many hours, one run at a time
+    .venv/bin/python tools/experiments/large_batch.py --report     # a record of the runs finished so far (no training)
+    .venv/bin/python tools/experiments/large_batch.py --reuse --only 8192:cowclip   # one planned cell (fits the time left)
+    .venv/bin/python tools/experiments/large_batch.py --seeds 0 1 2 --reuse   # a third seed for the decisive cells
+    .venv/bin/python tools/experiments/large_batch.py --quick --no-record   # tiny, for a smoke test
+    .venv/bin/python tools/experiments/large_batch.py --config configs/experiments/large_batch.yaml \\
         --arms a a_all b c --batches 1024 8192 65536 --marker results --out runs/exp_large_batch   # the 2026-11-22 grid
 """
 
@@ -66,7 +66,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from recsys.config import load_config  # noqa: E402
@@ -322,7 +322,7 @@ def _record(
     command, tables), its JSON and plot linked beside it."""
     over = f" with `{' '.join(extra)}`" if extra else ""
     what = (
-        f"What: `tools/exp_large_batch.py` on `{_config_key(config)}`{over}: batches {', '.join(map(str, batches))} "
+        f"What: `tools/experiments/large_batch.py` on `{_config_key(config)}`{over}: batches {', '.join(map(str, batches))} "
         f"(base {base}), arms {', '.join(arms)}, seeds {', '.join(map(str, seeds))}; every run a real training job, "
         "the same epochs at every batch. Per run: the final eval AUC, its change against the same arm's and seed's "
         "base-batch run (vs base) and the best eval's, logloss, the share of updated rows CowClip clipped per epoch, "
@@ -337,14 +337,14 @@ def _record(
         textwrap.fill(f"Machine: {_machine()}; load average {os.getloadavg()[0]:.1f} when this was written.", 100),
         "",
         "```bash",
-        ".venv/bin/python tools/exp_large_batch.py " + shlex.join(argv),
+        ".venv/bin/python tools/experiments/large_batch.py " + shlex.join(argv),
         "```",
         "",
     ]
     if finished < planned:
         lines += [
             f"**Partial: {finished} of the {planned} planned runs have finished** (the grid continues with "
-            "`tools/exp_large_batch.py --reuse`; this table has the runs finished so far).",
+            "`tools/experiments/large_batch.py --reuse`; this table has the runs finished so far).",
             "",
         ]
     lines += [table, ""]

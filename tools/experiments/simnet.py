@@ -19,14 +19,14 @@ simnet bridge):
 
 Only these addresses are used; nothing is routed anywhere else (no forwarding or NAT is set up).
 
-    python tools/simnet.py check                          # root? ip? tc? netns? tbf? netem? nft?
-    python tools/simnet.py up --name demo --hosts 2 --net rate=100mbit,delay=1ms
+    python tools/experiments/simnet.py check                          # root? ip? tc? netns? tbf? netem? nft?
+    python tools/experiments/simnet.py up --name demo --hosts 2 --net rate=100mbit,delay=1ms
                                                           # holds until Ctrl-C / SIGTERM, then deletes
-    python tools/simnet.py up --name demo --detach ...    # leaves it up (then: down --name demo)
-    python tools/simnet.py list                           # every simnet namespace/link, with byte counters
-    python tools/simnet.py down [--name NAME]             # delete one, or every leftover by prefix
+    python tools/experiments/simnet.py up --name demo --detach ...    # leaves it up (then: down --name demo)
+    python tools/experiments/simnet.py list                           # every simnet namespace/link, with byte counters
+    python tools/experiments/simnet.py down [--name NAME]             # delete one, or every leftover by prefix
 
-Library use (tools/exp_kstep.py --net): ``with SimNet("k123", 2, LinkSpec.parse("rate=1gbit")) as net:``
+Library use (tools/experiments/kstep.py --net): ``with SimNet("k123", 2, LinkSpec.parse("rate=1gbit")) as net:``
 then prefix commands with ``net.exec_prefix(i)`` and read ``net.counters()``.
 """
 
@@ -283,7 +283,7 @@ class SimNet:
     def up(self) -> "SimNet":
         require_support()
         if _run(["ip", "netns", "list"]).stdout.find(f"{PREFIX}-{self.name}-h") >= 0 or Path(f"/sys/class/net/{self.bridge}").exists():
-            raise SimNetError(f"simnet: a network named {self.name!r} exists already (tools/simnet.py down --name {self.name})")
+            raise SimNetError(f"simnet: a network named {self.name!r} exists already (tools/experiments/simnet.py down --name {self.name})")
         self._is_up = True  # from here on, down() deletes what this object made
         try:
             with open(LOCK, "a") as lock:  # two networks made at once must not pick the same subnet

@@ -7,13 +7,13 @@ one epoch, so every run sees the same rows). Per run: final eval AUC and logloss
 (the data's teacher), cross-host bytes per training sample (the merger's model of the traffic,
 summed over all ranks; docs/kstep.md), and wall time (launch to exit, start-up and eval included).
 
-    .venv/bin/python tools/exp_kstep.py                 # the full grid, ~15 minutes on 2 cores
-    .venv/bin/python tools/exp_kstep.py --quick         # tiny data, to check the script (~2 min)
-    .venv/bin/python tools/exp_kstep.py --ks 1,16 --moments on --set train.max_steps=100
-    .venv/bin/python tools/exp_kstep.py --quick --ks 1,16 --net rate=100mbit   # root: a real, shaped link
+    .venv/bin/python tools/experiments/kstep.py                 # the full grid, ~15 minutes on 2 cores
+    .venv/bin/python tools/experiments/kstep.py --quick         # tiny data, to check the script (~2 min)
+    .venv/bin/python tools/experiments/kstep.py --ks 1,16 --moments on --set train.max_steps=100
+    .venv/bin/python tools/experiments/kstep.py --quick --ks 1,16 --net rate=100mbit   # root: a real, shaped link
 
 `--net rate=R[,delay=D][,loss=P%]` runs each host in its own network namespace behind a tc-shaped
-veth (tools/simnet.py; root, `ip` and `tc` needed, refused in one line otherwise): gloo between
+veth (tools/experiments/simnet.py; root, `ip` and `tc` needed, refused in one line otherwise): gloo between
 hosts goes over the link, inside a host over that host's loopback, and each row also gets the
 bytes the hosts sent into the link (veth counters, launch to exit) next to the modelled bytes,
 plus training time and samples/s. Without --net both hosts share loopback (the default).
@@ -25,7 +25,7 @@ no merges; its cross-host bytes are modelled from its plan, `sync_cross_host_byt
 invocation per rate, all merged into one file with a per-link summary (epoch time per k,
 speed-ups vs k=1 and vs sync, crossovers) and a time-vs-k plot:
 
-    .venv/bin/python tools/exp_kstep.py --ks 1,4,16,64 --moments off --sync --eval-every 64 \
+    .venv/bin/python tools/experiments/kstep.py --ks 1,4,16,64 --moments off --sync --eval-every 64 \
         --net rate=1gbit --results benchmarks/results/DATE-kstep-network.json \
         --network-plot benchmarks/results/DATE-kstep-network.png \
         --dmpcollection
@@ -54,7 +54,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "experiments" / "kstep.yaml"
 QUICK_CONFIG = REPO / "configs" / "experiments" / "kstep_quick.yaml"
 TARGET_AUC_GAP = 0.001  # k=16 vs k=1 (the target; do not weaken)
@@ -117,7 +117,7 @@ def run_one(
 ) -> dict[str, Any]:
     """One 2 x 2 run; returns its summary plus the wall time. Raises on failure.
 
-    `net` (a tools/simnet.py SimNet, up): node i runs in host namespace i, gloo on its veth
+    `net` (a tools/experiments/simnet.py SimNet, up): node i runs in host namespace i, gloo on its veth
     (GLOO_SOCKET_IFNAME), the workers' store on host 0's veth address (`--local_addr`), the
     rendezvous store here on the bridge address; the row gets the bytes the hosts sent into the
     link (veth counters) next to the merger's model. None: both nodes on loopback."""
@@ -628,7 +628,7 @@ def plot_network(doc: dict[str, Any], path: Path) -> None:
     ax1.set_title("time per epoch vs k, per cross-host rate")
     ax2.set_ylabel("final eval AUC")
     ax2.set_title("AUC vs k (dotted: synchronous DMP)")
-    fig.suptitle("2 simulated hosts x 2 ranks behind a tc-shaped veth link (tools/simnet.py)", fontsize=9)
+    fig.suptitle("2 simulated hosts x 2 ranks behind a tc-shaped veth link (tools/experiments/simnet.py)", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -652,7 +652,10 @@ def main(argv: list[str] | None = None) -> int:
         "--net",
         default=None,
         metavar="rate=1gbit,delay=1ms",
-        help="run each host in a network namespace behind a shaped link (tools/simnet.py; root, ip, tc); default: both hosts on loopback",
+        help=(
+            "run each host in a network namespace behind a shaped link (tools/experiments/simnet.py; root, ip, tc); "
+            "default: both hosts on loopback"
+        ),
     )
     ap.add_argument(
         "--sync", action="store_true", help="add the synchronous baseline: one DMP sharded over all 4 ranks (train.hosts=1, no merges)"
@@ -691,7 +694,7 @@ def main(argv: list[str] | None = None) -> int:
     net = None
     if a.net is not None:
         try:
-            from tools.simnet import LinkSpec, SimNet, SimNetError
+            from tools.experiments.simnet import LinkSpec, SimNet, SimNetError
         except ImportError:  # run as a script: tools/ is on sys.path
             from simnet import LinkSpec, SimNet, SimNetError  # type: ignore[no-redef]
         try:

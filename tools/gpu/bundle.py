@@ -1,5 +1,5 @@
 """Pack TorchRec + CUDA FBGEMM for a GPU machine that has torch but no network and takes at most
-64 MiB per command: a few carry folders (``.gpu/p0``, ``.gpu/p1``, ...) that ``tools/gpu_check.sh``
+64 MiB per command: a few carry folders (``.gpu/p0``, ``.gpu/p1``, ...) that ``tools/gpu/check.sh``
 reassembles there.
 
 What goes in: the registry's ``fbgemm-gpu==1.6.0`` (the CUDA 13 build for torch 2.11: 465 MB
@@ -20,10 +20,10 @@ layout, and the zeros compress to nothing. That takes the archive from ~465 MB t
 carried folders. On a GPU of another architecture keep its cubins instead (``--keep-arch 80``),
 or none (``--keep-arch all``).
 
-    python tools/gpu_bundle.py                       # download (pip, into ~/.cache/recsys/gpu-wheels), pack into .gpu/
-    python tools/gpu_bundle.py --verify              # reassemble .gpu/ into a scratch dir and check every hash
-    python tools/gpu_bundle.py --verify --target DIR # ... into DIR, kept (what tools/gpu_check.sh does)
-    python tools/gpu_bundle.py --verify --import-with PY   # ... and import fbgemm_gpu and torchrec with that Python
+    python tools/gpu/bundle.py                       # download (pip, into ~/.cache/recsys/gpu-wheels), pack into .gpu/
+    python tools/gpu/bundle.py --verify              # reassemble .gpu/ into a scratch dir and check every hash
+    python tools/gpu/bundle.py --verify --target DIR # ... into DIR, kept (what tools/gpu/check.sh does)
+    python tools/gpu/bundle.py --verify --import-with PY   # ... and import fbgemm_gpu and torchrec with that Python
 
 The last line of stdout is one JSON object (sizes, hashes, what was zeroed).
 """
@@ -45,7 +45,7 @@ import time
 import zipfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # name==version: the stack of constraints-oldest.txt, for the machine's torch 2.11 / Python 3.12
 PACKAGES = ["fbgemm-gpu==1.6.0", "torchrec==1.6.1", "tensordict==0.15.3", "pyvers==0.2.3", "iopath==0.1.10", "torchmetrics==1.0.3"]
 PYTHON = "3.12"

@@ -39,11 +39,11 @@ reported as ``scratch_mb`` estimate instead.
 Targets: ours <= 1.3x fbgemm step time; ours >= 5x faster than dense at 1M rows; ours'
 step_peak_mb not growing with the number of rows.
 
-    python tools/bench_cowclip.py                     # rows 100K/1M x batch 8K/64K, 1 thread
-    python tools/bench_cowclip.py --threads 2         # same, 2 threads for every method
-    python tools/bench_cowclip.py --thp               # same, all tables on 2 MB pages (ours and FBGEMM)
-    python tools/bench_cowclip.py --quick             # 100K rows, batch 8K, few iterations
-    python tools/bench_cowclip.py --device cuda       # on a GPU: 1M rows x batch 8K (see below)
+    python tools/bench/cowclip.py                     # rows 100K/1M x batch 8K/64K, 1 thread
+    python tools/bench/cowclip.py --threads 2         # same, 2 threads for every method
+    python tools/bench/cowclip.py --thp               # same, all tables on 2 MB pages (ours and FBGEMM)
+    python tools/bench/cowclip.py --quick             # 100K rows, batch 8K, few iterations
+    python tools/bench/cowclip.py --device cuda       # on a GPU: 1M rows x batch 8K (see below)
 
 On a GPU (``--device cuda``) the methods are ``ours`` (CowClipAdamTBE on the GPU with the default
 ``update_scope="catchup"``: the lookup first brings the batch's rows up to date with the steps
@@ -70,7 +70,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 METHODS = ("ours", "pertable", "fbgemm", "torchref", "dense")
 NUM_TABLES, DIM = 26, 16

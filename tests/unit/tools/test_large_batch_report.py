@@ -1,4 +1,4 @@
-"""`tools/exp_large_batch.py --report`: the dated record of a grid that is still running (or was
+"""`tools/experiments/large_batch.py --report`: the dated record of a grid that is still running (or was
 stopped), from the runs finished so far, without training anything. The tool writes only under
 --out and --bench, here both in tmp_path."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tools import exp_large_batch as exp
+from tools.experiments import large_batch as exp
 
 DATE = "2026-01-02"  # --date of every report here: the record's name does not depend on the day the tests run
 

@@ -1,4 +1,4 @@
-"""The generated reference pages match the code they are generated from (tools/gen_reference.py):
+"""The generated reference pages match the code they are generated from (tools/ci/gen_reference.py):
 a config key, a CLI option or a default that changes without the page failing here would leave the
 reference wrong."""
 
@@ -9,13 +9,13 @@ import dataclasses
 import pytest
 
 from recsys.config import ExperimentConfig
-from tools import gen_reference
+from tools.ci import gen_reference
 
 
 @pytest.mark.parametrize("page", sorted(gen_reference.PAGES))
 def test_reference_page_is_current(page):
     path = gen_reference.PAGES[page]
-    assert path.read_text() == gen_reference.render()[page], f"{path.name} is stale: run python tools/gen_reference.py"
+    assert path.read_text() == gen_reference.render()[page], f"{path.name} is stale: run python tools/ci/gen_reference.py"
 
 
 def test_every_config_key_is_in_the_reference_with_its_meaning():

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Screenshot an HTML file with headless Chromium (Debian's `chromium`), for tests and for looking
 # at `recsys-plan show --format html` reports:
-#     tools/chromium_screenshot.sh report.html report.png [WIDTH,HEIGHT]
+#     tools/ci/chromium_screenshot.sh report.html report.png [WIDTH,HEIGHT]
 # Uses the flags this machine needs (no sandbox as root, no GPU, no background networking) and a
 # fresh temporary profile. Exits non-zero if Chromium is missing or no PNG was made.
 # Env: CHROMIUM (default: /usr/bin/chromium, else `chromium` on PATH), SCREENSHOT_TIMEOUT (s, 90).

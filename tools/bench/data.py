@@ -22,7 +22,7 @@ pyarrow and pandas are optional (not project dependencies): install them outside
 ``.venv/bin/pip install --target /tmp/parser-site pyarrow pandas`` and run with
 ``PYTHONPATH=.:/tmp/parser-site``; without them their rows say ``null``.
 
-    PYTHONPATH=. .venv/bin/python tools/bench_data.py --rows 2000000 --repeats 3
+    PYTHONPATH=. .venv/bin/python tools/bench/data.py --rows 2000000 --repeats 3
 
 Rates are rows/s of wall time (the file is in the page cache after the first pass), and rows per
 CPU-second of this process (all its threads): on a machine shared with other work the CPU
@@ -48,7 +48,7 @@ from typing import Callable
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from recsys.data.preprocess.bad_rows import FileReport  # noqa: E402
 from recsys.data.preprocess.parse_criteo import CRITEO_COLUMNS, CRITEO_DENSE_NAMES, CRITEO_SPARSE_NAMES, parse_criteo_block  # noqa: E402
@@ -58,7 +58,7 @@ from recsys.data.preprocess.read_blocks import BlockReader  # noqa: E402
 from recsys.data.shards import ShardedDataset, ShardWriter  # noqa: E402
 
 SAMPLE = (
-    Path(os.environ.get("RECSYS_SHARED_DIR") or Path(__file__).resolve().parents[2] / "shared") / "data" / "criteo_kaggle_sample_1k.tsv"
+    Path(os.environ.get("RECSYS_SHARED_DIR") or Path(__file__).resolve().parents[3] / "shared") / "data" / "criteo_kaggle_sample_1k.tsv"
 )
 
 
