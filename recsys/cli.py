@@ -15,6 +15,7 @@ also dies with its torchrun. The run directory's lock is held until the launcher
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -69,6 +70,14 @@ def _check_topology(cfg) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
+    """Checks everything a worker would refuse, under the run directory's lock, then launches.
+    The lock is held until the job ends and released on every way out, so `main()` can be called
+    more than once in one process (as the tests do)."""
+    with contextlib.ExitStack() as held:
+        return _checked_launch(args, held)
+
+
+def _checked_launch(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         check_training_extras(cfg, args.config)
@@ -79,7 +88,7 @@ def _train(args: argparse.Namespace) -> int:
             _check_saved_plan(cfg)
         elif cfg.sharding.planner == "topology":
             _check_topology(cfg)
-        RunLock(cfg.resolved_run_dir()).acquire()  # held until this process exits
+        held.enter_context(RunLock(cfg.resolved_run_dir()))  # until the job ends
         source = build_source(cfg)
         world = shard_world_size(cfg, cfg.train.nproc_per_node)
         preflight(

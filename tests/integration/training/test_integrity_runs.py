@@ -27,6 +27,7 @@ from recsys.training.checkpoint.integrity import incomplete_reason
 from recsys.training.checkpoint.layout import MARKER, step_dir_name
 from recsys.training.checkpoint.shape import shape_changes
 from recsys.training.run_dir import RunDirError, RunLock, check_fresh
+from tests.support.cli import run_main
 from tests.support.processes import descendants  # the /proc walk over a process tree
 
 REPO = Path(__file__).resolve().parents[3]
@@ -37,6 +38,13 @@ ENV = dict(os.environ, PYTHONPATH=str(REPO))
 
 def _recsys(args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
     return subprocess.run(RECSYS + args, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=ENV)
+
+
+def _checked(args: list[str]) -> subprocess.CompletedProcess:
+    """`recsys train ARGS` where the launcher's own checks answer before any worker starts, run in
+    this process (tests/support/cli.py); the tests about processes, signals and locks between
+    processes launch the real command (`_recsys`)."""
+    return run_main("recsys.cli", "train", "--config", str(SMOKE), *args, cwd=REPO)
 
 
 def _ok(args: list[str]) -> subprocess.CompletedProcess:
@@ -144,7 +152,7 @@ def run30(tmp_path_factory):
 
 def test_fresh_run_into_a_finished_run_dir_stops(run30):
     before = (run30 / "metrics.jsonl").read_text()
-    r = _recsys([f"run_dir={run30}", "train.max_steps=30"])
+    r = _checked([f"run_dir={run30}", "train.max_steps=30"])
     assert r.returncode == 2
     assert _last_line(r) == (
         f"error: run_dir {run30} holds checkpoints of an earlier run (newest step 30); pass "
@@ -158,7 +166,7 @@ def test_resuming_a_finished_run_says_so_and_writes_nothing(run30):
         return {str(p): (p.stat().st_mtime_ns, p.stat().st_size) for p in run30.rglob("*") if p.name != ".lock"}
 
     before = snapshot()
-    r = _recsys([f"run_dir={run30}", "train.max_steps=30", "resume=true"])
+    r = _checked([f"run_dir={run30}", "train.max_steps=30", "resume=true"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert _last_line(r) == (
         f"the run in {run30} already finished at step 30 (step_000000030, summary.json); nothing "
@@ -179,7 +187,7 @@ def test_resuming_a_finished_run_says_so_and_writes_nothing(run30):
     ],
 )
 def test_resume_with_changed_state_shape_names_the_keys(run30, override, change):
-    r = _recsys([f"run_dir={run30}", "train.max_steps=40", "resume=true", override])
+    r = _checked([f"run_dir={run30}", "train.max_steps=40", "resume=true", override])
     assert r.returncode == 2
     assert _last_line(r) == (
         f"error: cannot resume from {run30}/checkpoints/step_000000030: the config changed "
@@ -650,7 +658,7 @@ def test_a_resume_past_max_steps_refuses_and_writes_nothing(run30, tmp_path):
     shutil.copytree(run30, run)
     (run / "summary.json").unlink()  # not finished as far as the resume can tell
     before = _snapshot(run)
-    r = _recsys([f"run_dir={run}", "train.max_steps=20", "resume=true"])
+    r = _checked([f"run_dir={run}", "train.max_steps=20", "resume=true"])
     assert r.returncode == 2
     assert _last_line(r) == (
         f"error: cannot resume from {run}/checkpoints/step_000000030: the run is already at step "
@@ -664,7 +672,7 @@ def test_a_resume_on_other_data_refuses_unless_asked_and_then_counts_new_epochs(
     run = tmp_path / "run"
     shutil.copytree(run30, run)
     before = _snapshot(run)
-    r = _recsys([f"run_dir={run}", "train.max_steps=40", "resume=true", "data.seed=1", "data.train_rows=150000"])
+    r = _checked([f"run_dir={run}", "train.max_steps=40", "resume=true", "data.seed=1", "data.train_rows=150000"])
     assert r.returncode == 2
     assert _last_line(r) == (
         f"error: cannot resume from {run}/checkpoints/step_000000030: it trained on other data "
@@ -759,7 +767,7 @@ def test_run_dir_on_a_read_only_file_system_is_one_line(tmp_path, sub):
     """A new run_dir inside a read-only file system, or the read-only mount itself."""
     with _tmpfs(tmp_path / "ro", "1m", ",ro") as ro:
         run = ro / sub if sub else ro
-        r = _recsys([f"run_dir={run}", "train.max_steps=2"])
+        r = _checked([f"run_dir={run}", "train.max_steps=2"])
         assert r.returncode == 2
         expected = (
             f"error: cannot create run_dir {run}: Read-only file system; choose a writable run_dir"
@@ -776,7 +784,7 @@ def test_resume_when_no_checkpoint_is_complete_stops_and_keeps_them(run30, tmp_p
     for meta in (run / "checkpoints").glob("*/.metadata"):
         meta.unlink()
     before = _snapshot(run)
-    r = _recsys([f"run_dir={run}", "train.max_steps=40", "resume=true"])
+    r = _checked([f"run_dir={run}", "train.max_steps=40", "resume=true"])
     assert r.returncode == 2
     assert _last_line(r) == (
         f"error: resume=true, but none of the 3 checkpoints in {run}/checkpoints is complete (newest: "

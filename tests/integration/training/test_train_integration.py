@@ -4,6 +4,7 @@ FBGEMM kernels. Slow (tens of seconds each); CI runs them."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.cli import run_main
 from tests.support.processes import kill_tree, wait_for
 
 REPO = Path(__file__).resolve().parents[3]
@@ -92,10 +94,18 @@ def test_sigkill_and_resume_matches_uninterrupted_run(tmp_path):
     assert losses(killed) == pytest.approx(losses(straight), abs=1e-6)
 
 
-def test_half_written_checkpoint_is_ignored(tmp_path):
+@pytest.fixture(scope="module")
+def run40(tmp_path_factory):
+    """A finished 2-rank run of 40 steps with checkpoints at 20 and 40 (tests change copies of it)."""
+    run_dir = tmp_path_factory.mktemp("run40") / "run"
+    _run([f"run_dir={run_dir}", "train.max_steps=40", "checkpoint.every_steps=20"])
+    return run_dir
+
+
+def test_half_written_checkpoint_is_ignored(run40, tmp_path):
     """A crash mid-save leaves only a .tmp directory; resume never picks it up."""
     run_dir = tmp_path / "run"
-    _run([f"run_dir={run_dir}", "train.max_steps=40", "checkpoint.every_steps=20"])
+    shutil.copytree(run40, run_dir)
     ckpts = run_dir / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_000000020", "step_000000040"]
     # fake a crash while writing step 60: a .tmp dir with partial content and no marker
@@ -156,11 +166,10 @@ def test_too_many_bad_rows_stops_before_launch(tmp_path):
     assert not (tmp_path / "c").exists() and not (tmp_path / "run").exists()
 
 
-def test_saved_plan_is_reused_and_checked(tmp_path):
+def test_saved_plan_is_reused_and_checked(run40, tmp_path):
     """A run writes the plan it used; a second run given that file uses it unchanged; a plan for
     another world size or model is refused before any process starts."""
-    first, second = tmp_path / "first", tmp_path / "second"
-    _run([f"run_dir={first}", "train.max_steps=20"])
+    first, second = run40, tmp_path / "second"
     plan_file = first / "plan.json"
     saved = json.loads(plan_file.read_text())
     assert saved["format"] == "recsys-sharding-plan" and saved["world_size"] == 2
@@ -174,13 +183,7 @@ def test_saved_plan_is_reused_and_checked(tmp_path):
         (["train.nproc_per_node=1"], "key 'world_size': plan is for 2 ranks, this job has 1"),
         (["model.embedding_dim=12"], "key 'tables': plan is for another model"),
     ]:
-        r = subprocess.run(
-            RECSYS + [f"run_dir={tmp_path / 'x'}", f"plan={plan_file}", *extra],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            cwd=REPO,
-        )
+        r = run_main("recsys.cli", *RECSYS[3:], f"run_dir={tmp_path / 'x'}", f"plan={plan_file}", *extra, cwd=REPO)  # in this process
         assert r.returncode == 2, r.stderr[-2000:]
         lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
         assert len(lines) == 1 and needle in lines[0] and str(plan_file) in lines[0]
