@@ -34,7 +34,8 @@ import numpy as np
 from torchrec.distributed.planner.types import ShardingOption
 
 from sharding.constants import A2A_TYPES as _A2A, SSD_KERNELS, UVM_KERNELS
-from sharding.planner.cost.model import TopologyCostModel, placed_from_option, with_all_ranks
+from sharding.planner.cost.model import TopologyCostModel
+from sharding.planner.cost.placement import placed_from_option, with_all_ranks
 
 
 def step_time_lower_bound(model: TopologyCostModel, search_space: list[ShardingOption]) -> float:

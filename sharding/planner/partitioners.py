@@ -22,8 +22,10 @@ from torchrec.distributed.planner.types import (
 )
 
 from sharding.constants import A2A_TYPES, SSD_KERNELS, UNIFORM_TYPES, UVM_KERNELS
-from sharding.planner.cost.model import CostState, PlacedShard, TopologyCostModel, placed_from_option
-from sharding.planner.cost.model import with_all_ranks as _with_all_ranks
+from sharding.planner.cost.model import TopologyCostModel
+from sharding.planner.cost.placement import PlacedShard, placed_from_option
+from sharding.planner.cost.state import CostState
+from sharding.planner.cost.placement import with_all_ranks as _with_all_ranks
 
 UNIFORM = UNIFORM_TYPES
 

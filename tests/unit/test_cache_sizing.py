@@ -23,7 +23,8 @@ from sharding.planner.cache_sizing import (
     load_histogram,
 )
 from recsys.data.id_histogram import load_sample
-from sharding.planner.cost.model import PlacedShard, TopologyCostModel
+from sharding.planner.cost.model import TopologyCostModel
+from sharding.planner.cost.placement import PlacedShard
 from sharding.topology.topology_file import load_topology
 
 

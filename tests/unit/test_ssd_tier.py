@@ -20,7 +20,8 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
-from sharding.planner.cost.model import PlacedShard, TopologyCostModel
+from sharding.planner.cost.model import TopologyCostModel
+from sharding.planner.cost.placement import PlacedShard
 from sharding.topology.cluster import GB, SsdSpec, TopologyError
 from sharding.topology.topology_file import dump_topology, load_topology, topology_to_dict
 from sharding.planner.topology_planner import ModelDoesNotFitError, TopologyAwarePlanner, torchrec_topology

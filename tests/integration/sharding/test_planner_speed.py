@@ -13,7 +13,8 @@ from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from sharding.planner.cost.model import PlacedShard, TopologyCostModel
+from sharding.planner.cost.model import TopologyCostModel
+from sharding.planner.cost.placement import PlacedShard
 from sharding.topology.topology_file import load_topology
 from sharding.planner.topology_planner import default_constraints, greedy_patience_for, torchrec_topology
 from sharding.planner.torchrec_speedups import fast_deepcopy, fast_planner_internals

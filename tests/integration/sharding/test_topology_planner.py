@@ -13,7 +13,8 @@ import pytest
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 
 from recsys.config import CARDINALITY_PRESETS
-from sharding.planner.cost.model import PlacedShard, TopologyCostModel
+from sharding.planner.cost.model import TopologyCostModel
+from sharding.planner.cost.placement import PlacedShard
 from sharding.topology.topology_file import load_topology
 from sharding.planner.topology_planner import ModelDoesNotFitError, TopologyAwarePlanner
 from tests.support.plan_models import PLANNER_SPECS as SPECS, meta_ebc as ebc
