@@ -23,7 +23,7 @@ import sharding  # noqa: F401  - installs the version-compatibility log filters 
 
 # public name -> module that defines it
 _EXPORTS = {
-    "tag_cowclip_adam": "recsys.optim.cowclip.sharder",
+    "tag_cowclip_adam": "recsys.optim.cowclip.tables",
     "CowClipEmbeddingBagCollectionSharder": "recsys.optim.cowclip.sharder",
     "CowClipEmbeddingCollectionSharder": "recsys.optim.cowclip.sequence",
     "KStepMergeHook": "recsys.training.kstep.merge_hook",

@@ -28,7 +28,7 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 
 from recsys.config import OptimConfig, effective_l2_scope
 from recsys.optim.cowclip.sharder import CowClipEmbeddingBagCollectionSharder, tag_cowclip_adam
-from recsys.optim.cowclip.tbe import CowClipHyper
+from recsys.optim.cowclip.hyper import CowClipHyper
 
 OUR_KERNEL = ("cowclip_adam", "adam")
 

@@ -34,7 +34,8 @@ def test_triton_kernel_suite_compiled_on_cuda(tmp_path):
 
 
 def _tbe(device: torch.device):
-    from recsys.optim.cowclip.tbe import CowClipAdamTBE, CowClipHyper
+    from recsys.optim.cowclip.tbe import CowClipAdamTBE
+    from recsys.optim.cowclip.hyper import CowClipHyper
 
     hp = CowClipHyper(learning_rate=0.05, l2=1e-3, cowclip_zeta=0.05, update_scope="batch")  # the update op alone
     specs = [(500, 16), (40, 8), (3000, 32)]

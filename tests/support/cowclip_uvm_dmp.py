@@ -40,7 +40,7 @@ def build(world: int, device: torch.device):
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
     from recsys.optim.cowclip.sharder import CowClipEmbeddingBagCollectionSharder
-    from recsys.optim.cowclip.tbe import CowClipHyper, cowclip_fused_params
+    from recsys.optim.cowclip.hyper import CowClipHyper, cowclip_fused_params
 
     ebc = EmbeddingBagCollection(
         tables=[EmbeddingBagConfig(name=n, embedding_dim=DIMS[n], num_embeddings=ROWS[n], feature_names=[n]) for n in NAMES],

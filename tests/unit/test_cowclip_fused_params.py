@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from recsys import CowClipEmbeddingBagCollectionSharder
-from recsys.optim.cowclip.tbe import COWCLIP_ADAM, CowClipHyper, cowclip_fused_params, other_fused_param_keys
+from recsys.optim.cowclip.hyper import COWCLIP_ADAM, CowClipHyper, cowclip_fused_params, other_fused_param_keys
 
 
 def test_sharder_fused_params_lr_is_the_learning_rate():

@@ -113,7 +113,8 @@ def run(args) -> dict:
     import torch
 
     from recsys.config import CARDINALITY_PRESETS
-    from recsys.optim.cowclip.tbe import CowClipAdamTBE, CowClipHyper
+    from recsys.optim.cowclip.tbe import CowClipAdamTBE
+    from recsys.optim.cowclip.hyper import CowClipHyper
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -206,7 +207,8 @@ def run_all_rows(args) -> dict:
     import torch
 
     from recsys.config import CARDINALITY_PRESETS
-    from recsys.optim.cowclip.tbe import CowClipAdamTBE, CowClipHyper
+    from recsys.optim.cowclip.tbe import CowClipAdamTBE
+    from recsys.optim.cowclip.hyper import CowClipHyper
 
     torch.set_num_threads(args.threads)
     full = CARDINALITY_PRESETS["criteo_kaggle_raw"]

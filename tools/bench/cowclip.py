@@ -170,7 +170,8 @@ def _run_sparse(methods, rows, batch, iters, warmup, threads, thp=False, nsteps_
 
         from recsys.optim.cowclip.reference import cowclip_adam_step
         from recsys.optim.cowclip.kernels.cpp_op import fused_available, fused_cowclip_adam_step
-        from recsys.optim.cowclip.tbe import CowClipAdamTBE, CowClipHyper
+        from recsys.optim.cowclip.tbe import CowClipAdamTBE
+        from recsys.optim.cowclip.hyper import CowClipHyper
 
         if not fused_available():
             raise RuntimeError("C++ extension unavailable")
@@ -332,7 +333,8 @@ def run_gpu(rows: int, batch: int, iters: int, warmup: int, device: str, profile
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen
 
-    from recsys.optim.cowclip.tbe import CowClipAdamTBE, CowClipHyper
+    from recsys.optim.cowclip.tbe import CowClipAdamTBE
+    from recsys.optim.cowclip.hyper import CowClipHyper
 
     dev = torch.device(device)
     torch.manual_seed(0)

@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from recsys.optim.cowclip.tbe import CowClipAdamTBE, StagedRows
+from recsys.optim.cowclip.tbe import CowClipAdamTBE
+from recsys.optim.cowclip.staging import StagedRows
 
 
 @dataclass(frozen=True)

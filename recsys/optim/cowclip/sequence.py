@@ -43,22 +43,19 @@ from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.optim.fused import FusedOptimizerModule
 
 from recsys.optim.cowclip.exchange import ExchangeTable
+from recsys.optim.cowclip.embedding_kernel import CowClipKernel
+from recsys.optim.cowclip.lookups import CowClipLookup, ExchangeLookup
 from recsys.optim.cowclip.sharder import (
-    CowClipKernel,
-    CowClipLookup,
     CowClipShardedModule,
-    ExchangeLookup,
     forget_dense_steps,
     is_cowclip_dp_lookup,
     cowclip_compute_kernels,
     cowclip_tables_by_sharding_type,
     init_data_parallel,
-    is_cowclip,
     module_tables,
-    split_by_location,
-    state_location,
 )
-from recsys.optim.cowclip.tbe import COWCLIP_ADAM, check_fused_params
+from recsys.optim.cowclip.tables import is_cowclip, split_by_location, state_location
+from recsys.optim.cowclip.hyper import COWCLIP_ADAM, check_fused_params
 from sharding.compat import ddp_wrap_skipping
 
 __all__ = ["CowClipEmbedding", "CowClipEmbeddingCollectionSharder", "ShardedCowClipEmbeddingCollection"]

@@ -16,7 +16,7 @@ Two update modes, chosen by the sharding type (docs/design/cowclip.md section 3)
 * ``deferred`` (column-wise, data-parallel): backward only stages per-row gradients and counts;
   the cross-rank exchange (norms of column shards, union of replicas' rows) and the update run
   later in the same backward, in one autograd node of the lookup that runs after every kernel of
-  it (``recsys.optim.cowclip.sharder.CowClipExchangeLookup``, ``recsys.optim.cowclip.exchange``).
+  it (``recsys.optim.cowclip.lookups.CowClipExchangeLookup``, ``recsys.optim.cowclip.exchange``).
   The lookup hands that node's output to the kernels as ``autograd_anchor``; staged rows still
   present at the next forward mean an update was missed, and the forward raises.
 
@@ -40,7 +40,6 @@ would stay uncached anyway.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -50,120 +49,16 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import DenseTableBat
 from torch import Tensor
 
 from recsys.optim.cowclip.reference import CowClipAdamState, _adam_rows, _clip_scale, batch_row_gradients
-from recsys.optim.cowclip.catchup import DEFAULT_GROWTH, catch_up, check_catchup_hyper
-from recsys.optim.cowclip.kernels.cpp_op import advise_huge_pages, fused_catch_up_tables
-from recsys.optim.cowclip.kernels.dispatch import catchup_backend, catchup_kwargs, table_update_op, tables_update_op, update_kwargs
+from recsys.optim.cowclip.catchup import DEFAULT_GROWTH, check_catchup_hyper
+from recsys.optim.cowclip.kernels.cpp_op import advise_huge_pages
+from recsys.optim.cowclip.hyper import FUSED_PARAM_KEYS, CowClipHyper
+from recsys.optim.cowclip.staging import StagedRows, UpdateStats, mean_pooling_weights, unpooled_as_bags
+from recsys.optim.cowclip.tbe_catchup import CatchUpMixin
+from recsys.optim.cowclip.kernels.dispatch import table_update_op, tables_update_op, update_kwargs
 
 HUGE_PAGE_MIN_BYTES = 64 << 20  # tables smaller than this stay on whatever pages they got
 # where weights + optimizer state live; the values the sharder maps the plan's kernels to
 STATE_LOCATIONS = ("device", "managed", "host_mapped")
-COWCLIP_ADAM = "recsys.cowclip_adam"  # value of fused_params["optimizer"] that selects our kernel
-
-# fused_params keys of ours; everything else torchrec/FBGEMM may add (cache_precision, ...) is ignored
-_OUR_KEYS = {
-    "optimizer",
-    "learning_rate",
-    "beta1",
-    "beta2",
-    "eps",
-    "eps_mode",
-    "cowclip",
-    "cowclip_r",
-    "cowclip_zeta",
-    "l2",
-    "update_scope",
-}
-
-
-@dataclass(frozen=True)
-class CowClipHyper:
-    """Hyperparameters of one group of CowClip-Adam tables (they enter torchrec's table-grouping key
-    as fused params, so tables in one kernel share them)."""
-
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    eps_mode: str = "torch"  # "torch" (torch.optim.Adam) or "keras" (the paper's tf.keras Adam)
-    cowclip: bool = True  # False: plain lazy Adam (e.g. the wide/linear tables, as the paper does)
-    cowclip_r: float = 1.0
-    cowclip_zeta: float = 1e-5
-    l2: float = 0.0  # lambda of a Keras l2(lambda) regulariser
-    # "catchup" (the default): the reference's dense semantics in O(batch): rows absent for n steps
-    # are advanced by n dense steps when next read (recsys/optim/cowclip/catchup.py; every sharding
-    # type, docs/cowclip.md); the better of the two in the paper-scale grid (docs/large_batch.md).
-    # "batch": lazy Adam, only the batch's rows move (L2 on them only; bit-identical rows outside
-    # the batch). "all": the dense semantics as a pass over the whole table each step (O(table)
-    # per step, table-wise / row-wise shards only): the reference the catch-up is tested against.
-    update_scope: str = "catchup"
-
-    @classmethod
-    def from_fused_params(cls, fp: dict[str, Any] | None) -> "CowClipHyper":
-        fp = dict(fp or {})
-        if fp.get("optimizer") != COWCLIP_ADAM:
-            raise ValueError(f"fused_params do not select CowClip-Adam: optimizer={fp.get('optimizer')!r}")
-        unknown = sorted(k for k in fp if (k.startswith("cowclip") or k in ("beta", "betas")) and k not in _OUR_KEYS)
-        if unknown:
-            raise ValueError(f"unknown CowClip fused_params key(s): {', '.join(unknown)}")
-        if "lr" in fp:  # sharder-level fused_params are not renamed as apply_optimizer_in_backward's kwargs are
-            lr = fp.pop("lr")
-            if "learning_rate" in fp and fp["learning_rate"] != lr:
-                raise ValueError(f"CowClip fused_params: lr={lr!r} and learning_rate={fp['learning_rate']!r} differ")
-            fp["learning_rate"] = lr
-        kw = {k: fp[k] for k in _OUR_KEYS - {"optimizer"} if k in fp}
-        hp = cls(**kw)
-        if hp.eps_mode not in ("torch", "keras"):
-            raise ValueError(f"CowClip fused_params eps_mode must be torch|keras, got {hp.eps_mode!r}")
-        if hp.update_scope not in ("batch", "all", "catchup"):
-            raise ValueError(f"CowClip fused_params update_scope must be batch|all|catchup, got {hp.update_scope!r}")
-        return hp
-
-
-def other_fused_param_keys() -> set[str]:
-    """The fused_params keys that belong to torchrec and FBGEMM rather than to CowClip-Adam: the
-    keyword arguments of FBGEMM's ``SplitTableBatchedEmbeddingBagsCodegen`` and torchrec's
-    ``FUSED_PARAM_*`` keys, read from the installed versions."""
-    import inspect
-
-    import torchrec.distributed.fused_params as trec_fused
-    from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
-
-    keys = set(inspect.signature(SplitTableBatchedEmbeddingBagsCodegen.__init__).parameters) - {"self"}
-    keys |= {v for n, v in vars(trec_fused).items() if n.startswith("FUSED_PARAM_") and isinstance(v, str)}
-    return keys
-
-
-def check_fused_params(fp: dict[str, Any] | None, where: str) -> None:
-    """A user's CowClip fused_params (a sharder's): every key is CowClip-Adam's (``lr`` for
-    ``learning_rate`` included) or torchrec's/FBGEMM's; anything else is one line naming it, the
-    closest accepted key and CowClip-Adam's keys, instead of a silently ignored setting."""
-    import difflib
-
-    if not fp:
-        return
-    ours = _OUR_KEYS | {"lr"}
-    unknown = sorted(k for k in fp if k not in ours and k not in other_fused_param_keys())
-    if unknown:
-        close = difflib.get_close_matches(unknown[0], sorted(ours | other_fused_param_keys()), n=1)
-        hint = f" (did you mean '{close[0]}'?)" if close else ""
-        raise ValueError(
-            f"{where}: unknown fused_params key(s) {', '.join(repr(k) for k in unknown)}{hint}; "
-            f"CowClip-Adam takes {', '.join(sorted(ours))}, besides the keyword arguments of "
-            "FBGEMM's SplitTableBatchedEmbeddingBagsCodegen and torchrec's FUSED_PARAM_* keys"
-        )
-    if is_cowclip_optimizer(fp):
-        CowClipHyper.from_fused_params(fp)  # values: eps_mode, update_scope, lr vs learning_rate
-
-
-def is_cowclip_optimizer(fp: dict[str, Any] | None) -> bool:
-    return bool(fp) and fp.get("optimizer") == COWCLIP_ADAM
-
-
-def cowclip_fused_params(hp: CowClipHyper) -> dict[str, Any]:
-    """The per-table optimizer kwargs (``apply_optimizer_in_backward``) that select our kernel.
-    ``lr`` is the name torchrec renames to ``learning_rate``."""
-    d = {k: getattr(hp, k) for k in _OUR_KEYS - {"optimizer", "learning_rate"}}
-    return {"optimizer": COWCLIP_ADAM, "lr": hp.learning_rate, **d}
 
 
 def unified_zeros(numel: int, dtype: torch.dtype, device: torch.device, host_mapped: bool) -> Tensor:
@@ -179,96 +74,6 @@ def unified_zeros(numel: int, dtype: torch.dtype, device: torch.device, host_map
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise RuntimeError(f"CowClip-Adam UVM table: this fbgemm_gpu cannot allocate unified memory on {device} ({first[:160]})") from None
     return torch.zeros(numel, device=device, dtype=dtype, out=unified)
-
-
-@dataclass
-class StagedRows:
-    """What the deferred backward leaves for the exchange: one local table shard's batch rows."""
-
-    table: int  # local table index in the TBE
-    rows: Tensor  # [U] int64, sorted local row ids
-    grads: Tensor  # [U, local_cols] (L2 term already added for column shards)
-    counts: Tensor  # [U] int64 distinct samples
-
-
-@dataclass
-class UpdateStats:
-    """Rows touched and clipped since the last ``take`` (for logging; summed over tables).
-
-    Counts that a kernel returns as a device tensor are added on the device (``add_counts``) and
-    read when the fields are: a training step does not wait for the GPU to learn them."""
-
-    calls: int = 0
-    _unique: int = 0
-    _clipped: int = 0
-    _pending: Tensor | None = None  # [2] int64 on the kernel's device, not yet read
-
-    def add(self, unique: int, clipped: int) -> None:
-        self._unique += unique
-        self._clipped += clipped
-        self.calls += 1
-
-    def add_counts(self, per_feature: Tensor) -> None:
-        """``per_feature`` [F, 2] (unique rows, clipped rows), on any device."""
-        total = per_feature.sum(0)
-        self._pending = total if self._pending is None else self._pending + total
-        self.calls += 1
-
-    def _fold(self) -> None:
-        if self._pending is not None:
-            u, c = self._pending.tolist()
-            self._unique += int(u)
-            self._clipped += int(c)
-            self._pending = None
-
-    @property
-    def unique_rows(self) -> int:
-        self._fold()
-        return self._unique
-
-    @property
-    def clipped_rows(self) -> int:
-        self._fold()
-        return self._clipped
-
-    def take(self) -> tuple[int, int]:
-        """(unique rows, clipped rows) since the last ``take``; resets the counters."""
-        self._fold()
-        out = (self._unique, self._clipped)
-        self._unique = self._clipped = self.calls = 0
-        return out
-
-
-def mean_pooling_weights(offsets: Tensor, n: int, psw: Tensor | None = None) -> Tensor:
-    """Per-occurrence weights that make a SUM bag a MEAN one: ``1 / len(bag)`` (times ``psw``)."""
-    lengths = offsets[1:] - offsets[:-1]
-    inv = 1.0 / lengths.clamp(min=1).to(torch.float32)
-    w = torch.repeat_interleave(inv, lengths, output_size=n)
-    return w if psw is None else w * psw.to(torch.float32)
-
-
-def unpooled_as_bags(grad_out: Tensor, offsets: Tensor, num_features: int) -> tuple[Tensor, Tensor]:
-    """An unpooled lookup's gradient ([ids, D], one row per id, feature-major as FBGEMM returns
-    it) in the pooled layout every update path reads: each id its own bag of one, so the batch's
-    row gradient (sum over the id's occurrences) and count (its occurrences) are what the pooled
-    kernels compute. Features hold different numbers of ids, the pooled layout one bag count B
-    for all: feature f fills bags 0..n_f-1 and leaves the rest empty (B = max n_f; the zero
-    padding costs (B*F - ids) * D floats, none when one feature is looked up)."""
-    F = num_features
-    B = (offsets.numel() - 1) // F if F else 0
-    D = grad_out.shape[1] if grad_out.dim() == 2 else 0
-    bounds = offsets[::B].long() if B > 0 else offsets.new_zeros(F + 1, dtype=torch.long)
-    n = bounds[1:] - bounds[:-1]  # ids per feature
-    nb = int(n.max()) if F else 0
-    j = torch.arange(nb + 1, device=offsets.device)
-    # bag j of feature f starts at id min(j, n_f) of the feature
-    bag_offsets = (bounds[:-1, None] + torch.minimum(j[None, :nb], n[:, None])).reshape(-1)
-    bag_offsets = torch.cat([bag_offsets, bounds[-1:]]).to(offsets.dtype)
-    bags = grad_out.new_zeros(nb, F * D)
-    for f in range(F):
-        lo, hi = int(bounds[f]), int(bounds[f + 1])
-        bags[: hi - lo, f * D : (f + 1) * D] = grad_out[lo:hi]
-    return bags, bag_offsets
 
 
 class _CowClipLookup(torch.autograd.Function):
@@ -302,7 +107,7 @@ class _CowClipLookup(torch.autograd.Function):
         return torch.zeros(shape, dtype=dtype, device=device), None, None, None, None
 
 
-class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
+class CowClipAdamTBE(CatchUpMixin, DenseTableBatchedEmbeddingBagsCodegen):
     """T local table (shards) in one flat buffer, with Adam moments of the same layout and a
     per-row update counter (lazy Adam's bias-correction step, see ``recsys.optim.cowclip.reference``).
 
@@ -451,7 +256,7 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
             self._dense_step = int(step)
 
     def update_hyper_parameters(self, params_dict: dict[str, Any]) -> None:
-        kw = {k: v for k, v in params_dict.items() if k in _OUR_KEYS and k != "optimizer"}
+        kw = {k: v for k, v in params_dict.items() if k in FUSED_PARAM_KEYS and k != "optimizer"}
         if "lr" in params_dict:
             kw["learning_rate"] = params_dict["lr"]
         self.hyper = CowClipHyper(**{**self.hyper.__dict__, **kw})
@@ -644,189 +449,6 @@ class CowClipAdamTBE(DenseTableBatchedEmbeddingBagsCodegen):
                 x.index_copy_(0, rows, old)
             st.row_step.index_fill_(0, rows, step - 1)
             self.apply_rows(t, rows, g, cnt, add_l2=True)
-
-    # ---- update_scope="catchup" (recsys/optim/cowclip/catchup.py) ------------------------------
-    def dense_step(self, cache: bool = True) -> int:
-        """Global step (updates done) of the catch-up mode; first derived from ``row_step``.
-        ``cache=False`` derives it without keeping it: what a state_dict taken before a checkpoint
-        is loaded in place (DCP's pattern) must use, or the fresh model's step 0 would stick."""
-        if self._dense_step is not None:
-            return self._dense_step
-        step = int(self.row_step.max()) if self.row_step.numel() else 0
-        if cache:
-            self._dense_step = step
-        return step
-
-    def forget_dense_step(self) -> None:
-        """The tables were loaded in place (a checkpoint): derive the global step from the loaded
-        ``row_step`` again at the next use (the sharded EBC's load_state_dict post-hook calls this)."""
-        self._dense_step = None
-
-    def _resolve_catchup_op(self) -> None:
-        """``catchup_op="auto"`` becomes what this device runs, on first use (loading the op may build it)."""
-        if self.catchup_op == "auto":
-            self.catchup_op = catchup_backend(self.weights.device)
-
-    @torch.no_grad()
-    def catch_up_lookup(self, indices: Tensor, offsets: Tensor) -> None:
-        """Bring the rows a lookup reads to the current global step (before the forward reads them)."""
-        if indices.numel() == 0:
-            return
-        step = self.dense_step()
-        self._resolve_catchup_op()
-        if self.catchup_op == "fused":  # find, read and advance each row once, in C++
-            hp = self.hyper
-            fused_catch_up_tables(
-                self.weights,
-                self.momentum1,
-                self.momentum2,
-                self.row_step,
-                self._fused_feature_meta()[0],
-                indices,
-                offsets,
-                step,
-                **catchup_kwargs(hp, self.lr, self.catchup_growth),
-            )
-            return
-        if self.catchup_op == "triton":  # the same in one launch, no host synchronisation
-            from recsys.optim.cowclip.kernels.triton_catchup import triton_catch_up_lookup
-
-            hp = self.hyper
-            triton_catch_up_lookup(
-                self.weights,
-                self.momentum1,
-                self.momentum2,
-                self.row_step,
-                self._device_feature_meta(),
-                indices,
-                offsets,
-                step,
-                max_dim=max(d for _, d in self.embedding_specs),
-                **catchup_kwargs(hp, self.lr, self.catchup_growth),
-            )
-            return
-        grows = self.global_rows(indices, offsets)
-        behind = grows[self.row_step.index_select(0, grows) < step]
-        if behind.numel():
-            self._catch_up_rows(torch.unique(behind), step)
-
-    @torch.no_grad()
-    def catch_up_all(self, chunk_rows: int = 1 << 20) -> int:
-        """Bring every row to the current global step (before a checkpoint, an export or a merge
-        reads the tables; eval lookups catch up their own rows). Returns the rows advanced."""
-        if self.hyper.update_scope != "catchup":
-            return 0
-        step, done = self.dense_step(cache=False), 0
-        for lo in range(0, self.row_step.numel(), chunk_rows):
-            rows = lo + torch.nonzero(self.row_step[lo : lo + chunk_rows] < step).flatten()
-            if rows.numel():
-                self._catch_up_rows(rows, step)
-                done += rows.numel()
-        return done
-
-    def _fused_catch_up_rows(self, grows: Tensor, table: Tensor, starts: Tensor, step: int) -> None:
-        """``_catch_up_rows`` by the C++ op the CPU lookups use: the rows, ascending, as one bag per
-        table of a lookup over a table-by-table meta (why: the torch version took about 60 s per
-        checkpoint of the raw Criteo tables on 2 ranks, most of a checkpoint's time; the op reads
-        and writes each row once, without the torch version's gathers and per-block passes)."""
-        hp = self.hyper
-        T = len(self.embedding_specs)
-        bounds = torch.searchsorted(table, torch.arange(T + 1))  # ascending rows: each table's stretch
-        meta = torch.tensor(
-            [[self.weights_physical_offsets[t], rows, dim, 0, self.row_starts[t], 0] for t, (rows, dim) in enumerate(self.embedding_specs)],
-            dtype=torch.long,
-        )
-        advanced = fused_catch_up_tables(
-            self.weights,
-            self.momentum1,
-            self.momentum2,
-            self.row_step,
-            meta,
-            grows - starts[table],
-            bounds,
-            step,
-            **catchup_kwargs(hp, self.lr, self.catchup_growth),
-        )
-        if int(advanced.sum()) != grows.numel():  # every row given is behind: each must move once
-            raise RuntimeError(f"catch-up advanced {int(advanced.sum())} of {grows.numel()} rows behind step {step}")
-
-    def _catch_up_rows(self, grows: Tensor, step: int) -> None:
-        """Advance unique global rows ``grows`` (ascending, all behind ``step``) to ``step``: the C++
-        op (``catchup_op="fused"``), one launch of the Triton kernel (``"triton"``), else the torch
-        version grouped by dim."""
-        hp = self.hyper
-        dev = grows.device
-        self._resolve_catchup_op()
-        starts = torch.tensor(self.row_starts, dtype=torch.long, device=dev)
-        table = torch.searchsorted(starts, grows, right=True) - 1
-        if self.catchup_op == "fused":
-            self._fused_catch_up_rows(grows, table, starts, step)
-            return
-        dims = torch.tensor([d for _, d in self.embedding_specs], dtype=torch.long, device=dev)
-        phys = torch.tensor(self.weights_physical_offsets[: len(self.embedding_specs)], dtype=torch.long, device=dev)
-        row_dim = dims[table]
-        if self.catchup_op == "triton":
-            from recsys.optim.cowclip.kernels.triton_catchup import triton_catch_up_rows
-
-            triton_catch_up_rows(
-                self.weights,
-                self.momentum1,
-                self.momentum2,
-                self.row_step,
-                phys[table] + (grows - starts[table]) * row_dim,
-                grows,
-                row_dim,
-                step,
-                max_dim=max(d for _, d in self.embedding_specs),
-                **catchup_kwargs(hp, self.lr, self.catchup_growth),
-            )
-            return
-        dim_set = sorted({d for _, d in self.embedding_specs})
-        for dim in dim_set:
-            if len(dim_set) == 1:
-                g, t = grows, table
-            else:
-                mask = row_dim == dim
-                g, t = grows[mask], table[mask]
-                if g.numel() == 0:
-                    continue
-            rs = self.row_step.index_select(0, g)
-            rs, order = torch.sort(rs, stable=True)  # longest gaps first: catch_up's prefixes
-            g, t = g[order], t[order]
-            bufs = (self.weights, self.momentum1, self.momentum2)
-            if (
-                len(dim_set) == 1
-                and self.weights.numel() % dim == 0
-                and all(o % dim == 0 for o in self.weights_physical_offsets[: len(self.embedding_specs)])
-            ):  # whole rows
-                pos = phys[t] // dim + (g - starts[t])
-                bufs = tuple(x.view(-1, dim) for x in bufs)
-                w, m, v = (x.index_select(0, pos) for x in bufs)
-            else:  # element positions in the flat buffers
-                pos = ((phys[t] + (g - starts[t]) * dim).unsqueeze(1) + torch.arange(dim, device=dev)).reshape(-1)
-                w, m, v = (x.index_select(0, pos).view(-1, dim) for x in bufs)
-            w, m, v = catch_up(
-                w,
-                m,
-                v,
-                rs,
-                step,
-                presorted=True,
-                **catchup_kwargs(hp, self.lr, self.catchup_growth),
-            )
-            for x, new in zip(bufs, (w, m, v)):
-                x.index_copy_(0, pos, new.reshape((-1,) + tuple(x.shape[1:])))
-        self.row_step.index_fill_(0, grows, step)
-
-    @torch.no_grad()
-    def backward_update_catchup(self, grad_out: Tensor, indices: Tensor, offsets: Tensor, psw: Tensor | None) -> None:
-        """The batch's rows, caught up to step S-1 by the forward, get the lazy kernel's update
-        (L2 + clip with their count + Adam); its ``t = row_step + 1`` is then the global step S,
-        as in the dense reference. No second catch-up here: between this lookup's forward and
-        its backward the step does not move (an eval forward in between catches up to the same
-        step)."""
-        self._dense_step = self.dense_step() + 1
-        self.backward_update(grad_out, indices, offsets, psw)
 
     def _zeta_for_full_dim(self, t: int) -> float:
         """The fused op computes zeta' = r * sqrt(local D) * zeta; a table-wise/row-wise shard has

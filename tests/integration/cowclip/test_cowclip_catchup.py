@@ -21,7 +21,8 @@ from recsys.optim.cowclip.catchup import (
     catch_up,
     dense_l2_steps,
 )
-from recsys.optim.cowclip.tbe import CowClipAdamTBE, CowClipHyper
+from recsys.optim.cowclip.tbe import CowClipAdamTBE
+from recsys.optim.cowclip.hyper import CowClipHyper
 
 B1, B2 = 0.9, 0.999
 D = 8

@@ -30,7 +30,8 @@ import math
 import pytest
 import torch
 
-from recsys.optim.cowclip.tbe import CowClipAdamTBE, CowClipHyper
+from recsys.optim.cowclip.tbe import CowClipAdamTBE
+from recsys.optim.cowclip.hyper import CowClipHyper
 from test_cowclip_catchup import _sh_local  # ((row, col) offset, tensor) of each local shard
 
 TABLES = [(60, 16), (30, 8)]

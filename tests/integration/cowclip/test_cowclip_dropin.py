@@ -266,7 +266,8 @@ def test_stock_dlrm_pipeline_with_dense_optimizer_only_trains_every_sharding_typ
 def test_forward_after_a_missed_update_raises():
     """A deferred kernel whose staged rows never reached an exchange (here: called outside its
     lookup) refuses the next forward, eval included, instead of reading stale weights."""
-    from recsys.optim.cowclip.tbe import CowClipAdamTBE, CowClipHyper
+    from recsys.optim.cowclip.tbe import CowClipAdamTBE
+    from recsys.optim.cowclip.hyper import CowClipHyper
 
     tbe = CowClipAdamTBE([(10, 8)], [0], CowClipHyper(), full_dims=[8], mode="deferred")
     tbe.table_names = ["t_cw"]

@@ -426,10 +426,11 @@ def test_tbe_inline_backward_uses_tables_op(ext):
     """CowClipAdamTBE inline backward (one multi-table call) == its per-table fallback loop
     (``tables_op=None``); the op is injected through the constructor."""
     import recsys.optim.cowclip.tbe as ct
+    from recsys.optim.cowclip.hyper import CowClipHyper
 
     gen = torch.Generator().manual_seed(11)
     specs = [(40, 8), (25, 16), (30, 4)]
-    hyper = ct.CowClipHyper(learning_rate=1e-2, l2=1e-3, cowclip_zeta=1e-3)
+    hyper = CowClipHyper(learning_rate=1e-2, l2=1e-3, cowclip_zeta=1e-3)
     calls = []
     real = ck.fused_cowclip_adam_tables
     ops = [lambda *a, **k: calls.append(1) or real(*a, **k), None]
@@ -478,7 +479,8 @@ def test_tbe_mean_pooling_is_sum_pooling_with_weights_one_over_the_bag(ext, scop
     import torch.nn.functional as F
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 
-    from recsys.optim.cowclip.tbe import CowClipAdamTBE, CowClipHyper
+    from recsys.optim.cowclip.tbe import CowClipAdamTBE
+    from recsys.optim.cowclip.hyper import CowClipHyper
 
     hp = CowClipHyper(learning_rate=0.05, l2=1e-3, cowclip_zeta=0.05, update_scope=scope)
     specs = [(60, 8), (25, 4)]  # features read tables 1, 0

@@ -264,7 +264,8 @@ def test_unpooled_kernel_matches_formula_for_every_update_scope(scope):
     the catch-up within 0.2 lr, its bound in docs/cowclip.md)."""
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 
-    from recsys.optim.cowclip.tbe import CowClipAdamTBE, CowClipHyper
+    from recsys.optim.cowclip.tbe import CowClipAdamTBE
+    from recsys.optim.cowclip.hyper import CowClipHyper
 
     lr, l2 = 0.01, 1e-3
     hp = CowClipHyper(learning_rate=lr, l2=l2, cowclip_zeta=ZETA, update_scope=scope)

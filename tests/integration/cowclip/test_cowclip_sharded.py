@@ -434,7 +434,8 @@ def test_fbgemm_native_cowclip_is_clip_by_lifetime_count_then_rowwise_adagrad():
 def test_all_rows_scope_equals_the_dense_reference():
     """embedding_l2_scope=all (the TF reference's dense L2 + Adam on every row) in the kernel's
     in-place form equals the reference formula's dense mode over several steps."""
-    from recsys.optim.cowclip.tbe import CowClipAdamTBE, CowClipHyper
+    from recsys.optim.cowclip.tbe import CowClipAdamTBE
+    from recsys.optim.cowclip.hyper import CowClipHyper
 
     hp = CowClipHyper(learning_rate=0.01, l2=0.05, cowclip_r=1.0, cowclip_zeta=0.05, update_scope="all")
     tbe = CowClipAdamTBE([(30, 8), (20, 8)], [0, 1], hp, full_dims=[8, 8], mode="inline")

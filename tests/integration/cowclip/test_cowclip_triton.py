@@ -514,7 +514,8 @@ def test_catch_up_kernel_in_the_tbe_equals_the_torch_catch_up():
     with long gaps (two tables of dims 8 and 4), every lookup, then ``catch_up_all`` and every
     weight and moment."""
     pytest.importorskip("fbgemm_gpu")
-    from recsys.optim.cowclip.tbe import CowClipAdamTBE, CowClipHyper
+    from recsys.optim.cowclip.tbe import CowClipAdamTBE
+    from recsys.optim.cowclip.hyper import CowClipHyper
 
     def tbe(op):
         hp = CowClipHyper(learning_rate=0.01, l2=0.05, cowclip_r=1.0, cowclip_zeta=0.05, update_scope="catchup")

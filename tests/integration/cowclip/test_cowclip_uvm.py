@@ -20,13 +20,10 @@ from torchrec.distributed.planner import Topology
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.modules.embedding_configs import DataType, PoolingType
 
-from recsys.optim.cowclip.sharder import (
-    CowClipEmbeddingBagCollectionSharder,
-    split_by_location,
-    state_location,
-    tag_cowclip_adam,
-)
-from recsys.optim.cowclip.tbe import CowClipAdamTBE, CowClipHyper, unified_zeros
+from recsys.optim.cowclip.sharder import CowClipEmbeddingBagCollectionSharder, tag_cowclip_adam
+from recsys.optim.cowclip.tables import split_by_location, state_location
+from recsys.optim.cowclip.tbe import CowClipAdamTBE, unified_zeros
+from recsys.optim.cowclip.hyper import CowClipHyper
 
 SPECS = [(50, 8), (30, 4), (20, 8)]
 FEATURE_TABLE = [2, 0, 1]  # features read the tables in another order than they are stored

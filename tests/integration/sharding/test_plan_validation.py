@@ -394,7 +394,7 @@ def test_make_for_a_model_factory_records_its_optimizers(tmp_path):
 
 def test_cowclip_tag_matches_the_kernels():
     """sharding/ never imports recsys/: the CowClip fused-param value is duplicated; keep them equal."""
-    from recsys.optim.cowclip.tbe import COWCLIP_ADAM
+    from recsys.optim.cowclip.hyper import COWCLIP_ADAM
     from sharding.optimizer_state import COWCLIP_ADAM_TAG
 
     assert COWCLIP_ADAM_TAG == COWCLIP_ADAM

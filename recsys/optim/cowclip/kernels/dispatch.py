@@ -22,7 +22,7 @@ import torch
 
 if TYPE_CHECKING:
     from recsys.optim.cowclip.reference import CowClipStats
-    from recsys.optim.cowclip.tbe import CowClipHyper
+    from recsys.optim.cowclip.hyper import CowClipHyper
 
 CatchupBackend = Literal["fused", "triton", "torch"]
 
