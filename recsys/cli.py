@@ -59,7 +59,7 @@ def _check_topology(cfg) -> None:
     """sharding.planner=topology: the topology must be for this run's device and world size,
     checked here with one line naming the key rather than in every worker after it started."""
     from recsys.training.distributed import device_type
-    from sharding.planner.topology_planner import cluster_for
+    from sharding.planner.job_topology import cluster_for
 
     t = cfg.train
     world = shard_world_size(cfg, t.nproc_per_node)

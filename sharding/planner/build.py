@@ -27,7 +27,8 @@ from typing import Protocol, Sequence
 from sharding.planner.cache_sizing import DEFAULT_TARGET_HIT_RATE, apply_cache_stats
 from sharding.constants import MODEL_PARALLEL_TYPES as _MODEL_PARALLEL_TYPES
 from sharding.tables import table_configs
-from sharding.planner.topology_planner import TopologyAwarePlanner, cluster_for, default_constraints
+from sharding.planner.job_topology import cluster_for
+from sharding.planner.topology_planner import TopologyAwarePlanner, default_constraints
 
 
 class PlannerSettings(Protocol):

@@ -56,7 +56,6 @@ closed form and memoizes option -> shards.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 import math
@@ -69,8 +68,6 @@ from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterCons
 from torchrec.distributed.planner.constants import POOLING_FACTOR
 from torchrec.distributed.planner.types import (
     Enumerator,
-    HardwareConfig,
-    KernelConfig,
     Partitioner,
     PerfModel,
     PlannerError,
@@ -80,15 +77,11 @@ from torchrec.distributed.planner.types import (
     Storage,
     StorageReservation,
     Topology,
-    TopologyFactory,
-    TrainerConfig,
 )
 from torchrec.distributed.types import CacheStatistics, ModuleSharder, ShardingPlan
 
 from sharding.planner.balance_proposer import BalanceProposer
-from sharding.topology.bandwidth import host_to_gpu_bandwidth
 from sharding.planner.cache_sizing import DEFAULT_TARGET_HIT_RATE, apply_cache_stats, saturation_load_factor
-from sharding.compat import keep_zero_capacities
 from sharding.constants import DEFAULT_LOAD_FACTOR, MAX_CACHE_LOAD_FACTOR, MODEL_PARALLEL_TYPES, SSD_KERNELS
 from sharding.planner.cost.model import TopologyCostModel
 from sharding.optimizer_state import check_cowclip_sharders, table_bytes
@@ -108,11 +101,12 @@ from sharding.planner.proposers import (
     greedy_patience_for,
 )
 from sharding.planner.ssd_tier import key_value_tables
-from sharding.plan.fit_report import TORCHREC_RESERVE, format_bytes, planner_said, reserve_exceeds_hbm
 from sharding.tables import table_configs
 from sharding.topology.cluster import ClusterTopology
 from sharding.topology.topology_file import load_topology
 from sharding.planner.torchrec_speedups import fast_planner_internals
+from sharding.planner.job_topology import cluster_for, cluster_to_plan, cpu_topology_like, remap_plan_to_host, torchrec_topology
+from sharding.planner.does_not_fit import ModelDoesNotFitError, fit_message
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -143,53 +137,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 GIB = 1024**3
-
-
-class ModelDoesNotFitError(PlannerError):
-    def __init__(self, message: str) -> None:
-        super().__init__(message=message, error_type=PlannerErrorType.INSUFFICIENT_STORAGE)
-
-
-def torchrec_topology(topo: ClusterTopology, hbm_bytes: int | None = None, ddr_bytes: int | None = None) -> Topology:
-    """A torchrec ``Topology`` for the cluster: capacities per rank (host memory and SSD are the
-    host's divided by its ranks, the smallest host's), bandwidths (bytes/ms, as torchrec wants)
-    from the path model; ``ssd_mem_bw`` is a host's SSD read bandwidth per rank. Without an SSD
-    tier on every host ``ssd_cap`` is 0 (torchrec's default would be 2 TB per rank), so torchrec
-    offers no key_value option either."""
-    from sharding.topology.bandwidth import bandwidth_matrix
-
-    cpu = topo.compute_device == "cpu"
-    w, lw = topo.world_size, topo.local_world_size
-    bw = bandwidth_matrix(topo, shared=False)
-    same = np.equal.outer(np.arange(w) // lw, np.arange(w) // lw)
-    off = ~np.eye(w, dtype=bool)
-    intra = float(bw[same & off].min()) if (same & off).any() else None
-    inter = float(bw[~same].min()) if (~same).any() else None
-    ddr = min(h.ddr_bytes for h in topo.hosts) // lw
-    hbm = None if cpu else min(g.hbm_bytes for h in topo.hosts for g in h.gpus)
-    ssd = min(h.ssd_bytes for h in topo.hosts) // lw
-    ssd_bw = min(h.ssd.read_bw for h in topo.hosts) / lw if ssd else None
-    hardware = HardwareConfig(
-        hbm_cap_bytes=hbm_bytes if hbm_bytes is not None else hbm,
-        ddr_cap_bytes=ddr_bytes if ddr_bytes is not None else ddr,
-        ssd_cap_bytes=ssd,
-        ssd_mem_bw=None if ssd_bw is None else ssd_bw / 1e3,
-        intra_host_bw=None if intra is None else intra / 1e3,
-        inter_host_bw=None if inter is None else inter / 1e3,
-        hbm_mem_bw=None if cpu else min(g.hbm_bw for h in topo.hosts for g in h.gpus) / 1e3,
-        ddr_mem_bw=min(n.ddr_bw for h in topo.hosts for n in h.numa_nodes) / 1e3,
-        hbm_to_ddr_mem_bw=None if cpu else min(host_to_gpu_bandwidth(topo, r) for r in range(w)) / 1e3,
-    )
-    topology = TopologyFactory.create_topology(
-        # pod_size: torchrec then cuts table-row-wise tables over an NVLink domain's ranks, as our
-        # partitioner and cost model place them (cost_model.twrw_groups)
-        trainer_config=TrainerConfig(
-            world_size=w, local_world_size=lw, pod_size=topo.network.nvlink_domain_hosts if topo.network.nvlink_domain_hosts > 1 else None
-        ),
-        hardware_config=hardware,
-        kernel_config=KernelConfig(compute_device=topo.compute_device, use_hardware_based_bandwidth=True),
-    )
-    return keep_zero_capacities(topology, hardware.hbm_cap_bytes, hardware.ddr_cap_bytes, ssd)
 
 
 class TopologyAwarePlanner(EmbeddingShardingPlanner):
@@ -270,11 +217,11 @@ class TopologyAwarePlanner(EmbeddingShardingPlanner):
                 )
             from sharding.topology.from_torchrec import cluster_from_torchrec
 
-            self.cluster = _cluster_to_plan(cluster_from_torchrec(topology), self.hosts, None, from_job=False)
+            self.cluster = cluster_to_plan(cluster_from_torchrec(topology), self.hosts, None, from_job=False)
         elif isinstance(topology, ClusterTopology):  # used as given (the caller sized it), unless world_size
-            self.cluster = _cluster_to_plan(topology, self.hosts, world_size, from_job=False)
+            self.cluster = cluster_to_plan(topology, self.hosts, world_size, from_job=False)
         else:
-            self.cluster = _cluster_to_plan(load_topology(topology), self.hosts, world_size, from_job=True)
+            self.cluster = cluster_to_plan(load_topology(topology), self.hosts, world_size, from_job=True)
         if given_topology is not None and self.hosts > 1:
             raise ValueError(
                 "TopologyAwarePlanner(torchrec Topology, hosts > 1): give one host's Topology and "
@@ -478,116 +425,3 @@ class TopologyAwarePlanner(EmbeddingShardingPlanner):
 
             so.cache_params = dataclasses.replace(cp, load_factor=new) if cp is not None else CacheParams(load_factor=new)
         return plan
-
-
-def remap_plan_to_host(plan: ShardingPlan, host: int, ranks_per_host: int, device_type: str) -> ShardingPlan:
-    """A copy of a plan made for ranks 0..R-1 with the shard placements moved to ``host``'s
-    global ranks (ShardedTensor placements name global ranks, even on a subgroup); ``ranks`` stay
-    host-local because the sharders index per-rank lists of the group with them (DMPCollection
-    remaps both and translates back with ShardingEnv2D.remap_rank, which is CUDA-only)."""
-    from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
-    from torch.distributed.remote_device import _remote_device
-
-    plan = copy.deepcopy(plan)
-    offset = host * ranks_per_host
-    for module_plan in plan.plan.values():
-        for ps in module_plan.values():
-            spec = ps.sharding_spec
-            if isinstance(spec, EnumerableShardingSpec) and spec.shards:
-                for shard in spec.shards:
-                    r = shard.placement.rank() + offset
-                    dev = "cpu" if device_type == "cpu" else f"{device_type}:{r % ranks_per_host}"
-                    shard.placement = _remote_device(f"rank:{r}/{dev}")
-    return plan
-
-
-def _cluster_to_plan(cluster: ClusterTopology, hosts: int, world_size: int | None, from_job: bool) -> ClusterTopology:
-    """The cluster one plan is for: with ``hosts`` > 1 (k-step replicas) one host of it; a CPU
-    topology with one host resized to ``world_size`` ranks (if None and ``from_job``: the
-    initialised process group's world size / ``hosts``)."""
-    if hosts > 1 and len(cluster.hosts) > 1:
-        if len(cluster.hosts) != hosts:
-            raise ValueError(f"topology {cluster.name or cluster.source}: {len(cluster.hosts)} hosts, the planner was given hosts={hosts}")
-        cluster = dataclasses.replace(cluster, hosts=cluster.hosts[:1], name=f"{cluster.name}-1host")
-    if world_size is None and from_job:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            world_size = dist.get_world_size() // hosts
-    if world_size is not None and cluster.compute_device == "cpu" and len(cluster.hosts) == 1 and world_size != cluster.world_size:
-        cluster = cpu_topology_like(cluster, world_size)
-    return cluster
-
-
-def fit_message(
-    cluster: ClusterTopology, module: nn.Module, topo: Topology, err: Exception, sharders: list[ModuleSharder[nn.Module]] | None = None
-) -> str:
-    """One line: what the model needs (weights plus each table's real optimizer state), what the
-    cluster has (its SSD tier too), the largest tables, what would fit."""
-    tables = table_bytes(module, sharders)
-    need = sum(tables.values())
-    top = sorted(tables.items(), key=lambda kv: (-kv[1], kv[0]))[:3]
-    w = cluster.world_size
-    cpu = cluster.compute_device == "cpu"
-    # the capacities planned with: torchrec's topology carries --hbm-gb / --ddr-gb overrides
-    hbm_dev = 0 if cpu else min(d.storage.hbm for d in topo.devices)
-    host = min(d.storage.ddr for d in topo.devices) * cluster.local_world_size
-    ssd = 0 if cpu else min(h.ssd_bytes for h in cluster.hosts)
-    avail_hbm, avail_host, avail_ssd = hbm_dev * w, host * len(cluster.hosts), ssd * len(cluster.hosts)
-    per_rank = hbm_dev + host / cluster.local_world_size
-    if need > 0.85 * (avail_hbm + avail_host) + avail_ssd:
-        per = 0.85 * per_rank + ssd / cluster.local_world_size  # what a rank brings, its share of SSD too
-        ranks_needed = math.ceil(need / per) if per else 0
-        fix = (
-            f"about {ranks_needed} ranks ({math.ceil(ranks_needed / cluster.local_world_size)} hosts like these), "
-            + ("or more SSD per host, " if ssd else "")
-            + "or smaller embedding_dim / fewer rows for the largest tables"
-        )
-    elif ssd and key_value_tables(tables, topo):  # key_value was offered to them: the SSD tier is too small
-        fix = (
-            f"more SSD per host or more hosts (a key_value table lives on its hosts' SSD; the largest needs "
-            f"{format_bytes(top[0][1])}), or smaller embedding_dim / fewer rows for the largest tables"
-        )
-    else:
-        fix = "allow fused_uvm_caching / fused_uvm and row_wise sharding for the largest tables, or smaller embedding_dim for them"
-    if reserve_exceeds_hbm(err):
-        fix = (
-            f"more HBM per rank (each rank's {format_bytes(hbm_dev)} is less than what torchrec reserves before placing any "
-            f"table: {TORCHREC_RESERVE:.0%} of it, the dense modules and the input buffers)"
-        )
-    ssd_part = f" and {format_bytes(ssd)} SSD per host ({format_bytes(avail_ssd)} in all)" if ssd else ""
-    first = planner_said(err)
-    return (
-        f"model does not fit {cluster.name or 'topology'} ({w} ranks, {len(cluster.hosts)} "
-        f"host{'s' if len(cluster.hosts) != 1 else ''}): "
-        f"embeddings need {format_bytes(need)} (weights + optimizer state), available {format_bytes(hbm_dev)} HBM per device "
-        f"({format_bytes(avail_hbm)} in all) and {format_bytes(host)} host memory per host ({format_bytes(avail_host)} in all){ssd_part}; "
-        f"largest tables: " + ", ".join(f"{n} {format_bytes(b)}" for n, b in top) + f"; to fit: {fix}; planner said: {first}"
-    )
-
-
-def cpu_topology_like(template: ClusterTopology, world_size: int) -> ClusterTopology:
-    """A single-host CPU topology with ``world_size`` ranks, from a CPU template's first host."""
-    h = template.hosts[0]
-    g0 = h.gpus[0]
-    gpus = tuple(dataclasses.replace(g0, index=i) for i in range(world_size))
-    return dataclasses.replace(template, hosts=(dataclasses.replace(h, gpus=gpus),), name=f"{template.name}-{world_size}")
-
-
-def cluster_for(topology: str, compute_device: str, world_size: int, local_world_size: int) -> ClusterTopology:
-    """The cluster a training run plans for: ``topology`` (a file or shipped name), or the shipped
-    ``cpu-gloo`` one for CPU runs. CPU topologies are resized to the run's world size."""
-    name = topology or ("cpu-gloo" if compute_device == "cpu" else "")
-    if not name:
-        raise ValueError("sharding.planner=topology on cuda needs sharding.topology (a topology file or shipped name)")
-    cluster = load_topology(name)
-    if cluster.compute_device != compute_device:
-        raise ValueError(f"topology {name} is for {cluster.compute_device}, the run is on {compute_device}")
-    if cluster.world_size != world_size:
-        if compute_device == "cpu" and world_size == local_world_size:
-            return cpu_topology_like(cluster, world_size)
-        raise ValueError(
-            f"topology {name} has {cluster.world_size} ranks ({cluster.local_world_size} per host), "
-            f"the run has {world_size} ({local_world_size} per host)"
-        )
-    return cluster

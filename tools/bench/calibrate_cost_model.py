@@ -68,7 +68,7 @@ def _cluster(args, world: int):
     import dataclasses
 
     from sharding.topology.topology_file import load_topology
-    from sharding.planner.topology_planner import cluster_for
+    from sharding.planner.job_topology import cluster_for
 
     device = "cuda" if args.cuda else "cpu"
     name = args.topology if args.cuda else (args.topology or "cpu-gloo")

@@ -95,6 +95,6 @@ def remap_plan_to_host(plan: Any, groups: HostGroups, device_type: str) -> Any:
     """A copy of a plan made for ranks 0..R-1 with the shard placements moved to this host's
     global ranks (``sharding.planner.topology_planner.remap_plan_to_host``; ``TopologyAwarePlanner(hosts=H)``
     does this itself in ``collective_plan``)."""
-    from sharding.planner.topology_planner import remap_plan_to_host as remap
+    from sharding.planner.job_topology import remap_plan_to_host as remap
 
     return remap(plan, groups.host, groups.ranks_per_host, device_type)
