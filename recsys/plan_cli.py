@@ -167,7 +167,7 @@ def _topology_file(args: argparse.Namespace) -> str:
     the capacities given on the command line and written next to the plan as <out>.topology.yaml."""
     if not args.topology.endswith(".txt"):
         return args.topology
-    from sharding.topology.topology_file import dump_topology
+    from sharding.topology.topology_dump import dump_topology
     from sharding.topology.nvidia_smi import import_topo
 
     # the GPU's capacities: from --gpu's preset (or `nvidia-smi -L` lines in the file), each

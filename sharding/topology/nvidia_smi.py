@@ -54,7 +54,7 @@ from sharding.topology.cluster import (
     PcieSwitch,
     TopologyError,
 )
-from sharding.topology.topology_file import dump_topology
+from sharding.topology.topology_dump import dump_topology
 
 __all__ = ["PCIE_X16_GB_S", "TopoMatrix", "import_topo", "main", "parse_topo_matrix", "resolve_gpus", "topology_from_matrix"]
 

@@ -23,7 +23,8 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from sharding.planner.cost.model import TopologyCostModel
 from sharding.planner.cost.placement import PlacedShard
 from sharding.topology.cluster import GB, SsdSpec, TopologyError
-from sharding.topology.topology_file import dump_topology, load_topology, topology_to_dict
+from sharding.topology.topology_dump import dump_topology, topology_to_dict
+from sharding.topology.topology_file import load_topology
 from sharding.planner.topology_planner import ModelDoesNotFitError, TopologyAwarePlanner, torchrec_topology
 
 logging.disable(logging.WARNING)

@@ -15,7 +15,8 @@ from sharding.topology.bandwidth import (
     shared_uplink_groups,
 )
 from sharding.topology.cluster import GB, TopologyError
-from sharding.topology.topology_file import dump_topology, load_topology, shipped_topologies
+from sharding.topology.topology_dump import dump_topology
+from sharding.topology.topology_file import load_topology, shipped_topologies
 
 GBs = 1e9
 

@@ -19,7 +19,8 @@ import pytest
 from sharding.topology.bandwidth import bandwidth_matrix, host_to_gpu_bandwidth, nearest_nic, pair_bandwidth, shared_uplink_groups
 from sharding.topology.gpu_presets import PRESETS, find_preset, normalize
 from sharding.topology.cluster import GB, TopologyError
-from sharding.topology.topology_file import dump_topology, load_topology
+from sharding.topology.topology_dump import dump_topology
+from sharding.topology.topology_file import load_topology
 from sharding.topology.nvidia_smi import import_topo, main as import_main, parse_topo_matrix
 
 GBs = 1e9
