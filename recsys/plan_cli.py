@@ -24,188 +24,24 @@ is left as it was).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
-from pathlib import Path
 
-from recsys.config import ConfigError, load_config
-
-
-class UsageError(ValueError):
-    pass
-
-
-def _model_and_tables(config: str, overrides: list[str]):
-    import torch
-
-    from recsys.data.source import build_source
-    from recsys.models.ctr import TrainModule
-    from recsys.optim.embedding import attach_embedding_optimizer
-    from recsys.training.job import default_model
-    import sharding.plan.io as plan_io
-
-    cfg = load_config(config, overrides)
-    model = TrainModule(default_model(cfg, build_source(cfg), torch.device("cpu")))
-    attach_embedding_optimizer(model, cfg.optim)
-    return cfg, model, plan_io.model_tables(model)
-
-
-def is_factory(spec: str) -> bool:
-    """``package.module:factory`` (a Python factory), not a YAML path."""
-    return ":" in spec and not spec.lower().endswith((".yaml", ".yml"))
-
-
-def factory_model(spec: str):
-    """Import ``package.module`` and call ``factory()``, on the meta device when it builds there."""
-    import importlib
-
-    import torch
-    from torch import nn
-
-    mod_name, _, fn_name = spec.partition(":")
-    if os.getcwd() not in sys.path and "" not in sys.path:  # console script: find the user's modules as `python -m` does
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(mod_name)
-    except Exception as e:
-        raise UsageError(
-            f"--model {spec}: cannot import '{mod_name}' ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-        ) from None
-    factory = getattr(module, fn_name, None)
-    if not callable(factory):
-        raise UsageError(f"--model {spec}: module '{mod_name}' has no function '{fn_name}'")
-    try:
-        with torch.device("meta"):
-            model = factory()
-    except Exception:  # some models cannot be built on meta (e.g. they read their weights): build on CPU
-        try:
-            model = factory()
-        except Exception as e:
-            raise UsageError(f"--model {spec}: {fn_name}() raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
-    if not isinstance(model, nn.Module):
-        raise UsageError(f"--model {spec}: {fn_name}() returned {type(model).__name__}, not an nn.Module")
-    return model
-
-
-def _tables_of(spec: str, overrides: list[str]) -> dict[str, dict]:
-    """The tables (shapes, data types, optimizer state) of a model given as YAML or module:factory."""
-    import sharding.plan.io as plan_io
-
-    if is_factory(spec):
-        tables = plan_io.model_tables(factory_model(spec))
-        if not tables:
-            raise UsageError(f"--model {spec}: the model has no EmbeddingBagCollection / EmbeddingCollection tables")
-        return tables
-    return _model_and_tables(spec, overrides)[2]
-
-
-def _read_valid(path: str, model: str | None = None, overrides: list[str] | None = None):
-    """A plan file, validated (PlanFileError on the first problem); with a model, checked to be
-    for it and reported with its tables' data types and optimizer state."""
-    import sharding.plan.io as plan_io
-    from sharding.plan.validation import validate_plan
-
-    plan, header = plan_io.read_plan_file(path)
-    validate_plan(plan, header, str(path))
-    if model:
-        tables = _tables_of(model, overrides or [])
-        plan_io.check_plan_fits(header, plan, tables, header["world_size"], str(path))
-        header["tables"] = tables
-    return plan, header
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    """Temp file + rename; on any failure (a full disk) the temp file is removed."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def _emit(text: str, out: str | None) -> None:
-    if out:
-        with _writing(out):
-            _write_atomic(Path(out), text if text.endswith("\n") else text + "\n")
-    else:
-        print(text)
-
-
-@contextlib.contextmanager
-def _writing(out: str):
-    """A failed write of --out (a directory, a full disk, no permission) as one line; the atomic
-    writers leave the previous file as it was and no temp file behind."""
-    if Path(out).is_dir():
-        raise UsageError(f"--out {out} is a directory; give a file name, e.g. {Path(out) / 'plan.json'}")
-    existed = Path(out).exists()
-    try:
-        yield
-    except OSError as e:
-        kept = "the previous file is unchanged" if existed else "nothing was written"
-        raise UsageError(f"cannot write --out {out}: {e.strerror or e}; {kept}") from None
-
-
-def _capacity(option: str, gb: float | None) -> None:
-    """--hbm-gb / --ddr-gb: 0 (or absent) means the default; a negative size is a typo."""
-    if gb is not None and (gb < 0 or gb != gb):
-        raise UsageError(f"{option} {gb:g}: expected a size in GiB > 0 (leave it out for the default)")
-
-
-def _load_cluster(name: str):
-    from sharding.topology.topology_file import load_topology
-
-    return load_topology(name)
-
-
-def _topology_file(args: argparse.Namespace) -> str:
-    """A topology YAML or shipped name as is; an `nvidia-smi topo -m` text (.txt) is imported with
-    the capacities given on the command line and written next to the plan as <out>.topology.yaml."""
-    if not args.topology.endswith(".txt"):
-        return args.topology
-    from sharding.topology.topology_dump import dump_topology
-    from sharding.topology.nvidia_smi import import_topo
-
-    # the GPU's capacities: from --gpu's preset (or `nvidia-smi -L` lines in the file), each
-    # overridden by an explicit --hbm-gb / --hbm-bw-gb-s; an unknown GPU without them is an error
-    caps: dict = {"gpu_model": args.gpu} if args.gpu else {}
-    if args.hbm_gb:
-        caps["hbm_gb"] = args.hbm_gb
-    if args.hbm_bw_gb_s:
-        caps["hbm_bw_gb_s"] = args.hbm_bw_gb_s
-    if args.ddr_gb:
-        caps["ddr_gb"] = args.ddr_gb
-    topo = import_topo(args.topology, **caps)
-    path = Path(args.out).with_suffix(".topology.yaml")
-    _write_atomic(path, dump_topology(topo, header=f"imported from {Path(args.topology).name} by recsys-plan make"))
-    return str(path)
-
-
-def _factory_inputs(args: argparse.Namespace, overrides: list[str]):
-    """Config defaults, the user's model and the sharders its tables need (CowClip-Adam tables:
-    the project's sharder; others: torchrec's)."""
-    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-
-    from recsys.config import ExperimentConfig
-    from recsys.optim.cowclip.sharder import CowClipEmbeddingBagCollectionSharder
-    from sharding.optimizer_state import table_optimizers
-
-    if args.overrides or args.data_sample:
-        raise UsageError(f"--model {args.config}: --set and --data-sample need an experiment config (--config FILE.yaml)")
-    cfg = ExperimentConfig()
-    for o in overrides:  # only the topology-aware planner's, set by --topology
-        key, _, value = o.partition("=")
-        setattr(cfg.sharding, key.split(".", 1)[1], value)
-    model = factory_model(args.config)
-    kinds = set(table_optimizers(model).values())
-    if not kinds:
-        raise UsageError(f"--model {args.config}: the model has no EmbeddingBagCollection / EmbeddingCollection tables")
-    sharder = CowClipEmbeddingBagCollectionSharder() if "cowclip_adam" in kinds else EmbeddingBagCollectionSharder()
-    return cfg, model, [sharder]
+from recsys.config import ConfigError
+from recsys.plan_inputs import (
+    UsageError,
+    check_capacity,
+    emit,
+    factory_inputs,
+    is_factory,
+    load_cluster,
+    model_and_tables,
+    read_valid,
+    tables_of,
+    topology_file_of,
+    writing,
+)
 
 
 def cmd_make(args: argparse.Namespace) -> int:
@@ -214,17 +50,17 @@ def cmd_make(args: argparse.Namespace) -> int:
     from sharding.planner.build import build_planner
 
     for option, gb in (("--hbm-gb", args.hbm_gb), ("--ddr-gb", args.ddr_gb), ("--hbm-bw-gb-s", args.hbm_bw_gb_s)):
-        _capacity(option, gb)
+        check_capacity(option, gb)
     overrides = list(args.overrides)
     cluster = None
     if args.topology:  # the topology-aware planner on this hardware description
-        cluster_file = _topology_file(args)
-        cluster = _load_cluster(cluster_file)
+        cluster_file = topology_file_of(args)
+        cluster = load_cluster(cluster_file)
         overrides += ["sharding.planner=topology", f"sharding.topology={cluster_file}"]
     if is_factory(args.config):  # a user's model: no experiment config, so no --set / --data-sample
-        cfg, model, sharders = _factory_inputs(args, overrides)
+        cfg, model, sharders = factory_inputs(args, overrides)
     else:
-        cfg, model, _ = _model_and_tables(args.config, overrides)
+        cfg, model, _ = model_and_tables(args.config, overrides)
         sharders = embedding_sharders(cfg.optim)
     world = args.world_size or (cluster.world_size if cluster else cfg.train.nproc_per_node)
     local = args.local_world_size or (cluster.local_world_size if cluster else min(world, 8))
@@ -288,7 +124,7 @@ def cmd_make(args: argparse.Namespace) -> int:
             target_hit_rate=args.target_hit_rate,
             cache_sizing=summary(stats, lfs, args.target_hit_rate, MAX_CACHE_LOAD_FACTOR),
         )
-    with _writing(args.out):
+    with writing(args.out):
         plan_io.save_plan(plan, args.out, model, world_size=world, compute_device=args.compute_device, meta=meta)
     print(f"wrote {args.out}: {sum(len(m) for m in plan.plan.values())} tables on {world} ranks")
     return 0
@@ -300,7 +136,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
     if args.format == "html" and not args.out:
         raise UsageError("--format html needs --out FILE.html")
-    plan, header = _read_valid(args.plan, args.config, args.overrides)
+    plan, header = read_valid(args.plan, args.config, args.overrides)
     rep = plan_report.report(plan, header)
     topo = None
     if args.topology:
@@ -320,7 +156,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     if args.format == "html":
         import sharding.plan.html as plan_html
 
-        _emit(plan_html.render_html(rep, tr, topo, cost), args.out)  # times: the planner's model, as the text report
+        emit(plan_html.render_html(rep, tr, topo, cost), args.out)  # times: the planner's model, as the text report
     elif args.format == "json":
         if topo is not None:
             rep["modeled_step"] = {
@@ -330,7 +166,7 @@ def cmd_show(args: argparse.Namespace) -> int:
                 "model": "sharding/planner/cost/model.py",
             }
             rep["traffic"] = tr.to_dict()
-        _emit(json.dumps(rep, indent=1), args.out)
+        emit(json.dumps(rep, indent=1), args.out)
     else:
         text = plan_report.format_text(rep)
         if topo is not None:
@@ -342,7 +178,7 @@ def cmd_show(args: argparse.Namespace) -> int:
                     f"\nbatch per rank: {batch} assumed (the plan file records none: save_plan(..., planner=...) "
                     "records it); --batch-size sets it"
                 )
-        _emit(text, args.out)
+        emit(text, args.out)
     return 0
 
 
@@ -374,8 +210,8 @@ def _batch_per_rank(args: argparse.Namespace, header: dict) -> tuple[int, bool]:
 def cmd_diff(args: argparse.Namespace) -> int:
     import sharding.plan.report as plan_report
 
-    a, ha = _read_valid(args.a)
-    b, hb = _read_valid(args.b)
+    a, ha = read_valid(args.a)
+    b, hb = read_valid(args.b)
     d = plan_report.diff(a, ha, b, hb)
     text = plan_report.format_diff(d)
     if args.topology:  # modeled time per rank on this hardware, b - a
@@ -389,7 +225,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
             sa * 1e3,
             sb * 1e3,
         )
-    _emit(json.dumps(d, indent=1) if args.format == "json" else text, args.out)
+    emit(json.dumps(d, indent=1) if args.format == "json" else text, args.out)
     return 0
 
 
@@ -412,13 +248,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from sharding.plan.validation import plan_problems
 
     for option, gb in (("--hbm-gb", args.hbm_gb), ("--ddr-gb", args.ddr_gb)):
-        _capacity(option, gb)
+        check_capacity(option, gb)
 
     plan, header = plan_io.read_plan_file(args.plan)  # a file that is not a plan: exit 2
     world = args.world_size or header["world_size"]
     problems = plan_problems(plan, header, str(args.plan))
     if args.config:  # the plan must be for this model
-        tables = _tables_of(args.config, args.overrides)
+        tables = tables_of(args.config, args.overrides)
         try:
             plan_io.check_plan_fits(header, plan, tables, world, str(args.plan))
             header["tables"] = tables  # memory with the model's optimizer state (version-1 files record none)
