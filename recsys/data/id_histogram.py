@@ -6,7 +6,7 @@ histogram file; this adapter reads the samples that only the trainer knows how t
 - ``synthetic:N`` -- N rows drawn from the configured Criteo-like generator
   (``recsys/data/synthetic.py``), ``data:N`` -- the first N training rows of the configured data
   source (generated, or preprocessed Criteo/Avazu shards);
-- a preprocessed shard directory (``recsys/data/shards.py``), optionally ``DIR:N`` for the first
+- a preprocessed shard directory (``recsys/data/shard_format.py``), optionally ``DIR:N`` for the first
   N rows;
 - anything else is a JSON histogram file (``sharding.planner.cache_sizing.load_histogram``).
 """
@@ -58,7 +58,7 @@ def load_sample(spec: str, module, cfg=None, batch: int = 0) -> dict[str, IdFreq
             path_text, n = head, _parse_rows(spec, tail)
             p = Path(head)
     if p.is_dir():
-        from recsys.data.shards import ShardedDataset
+        from recsys.data.shard_reader import ShardedDataset
 
         try:
             ds = ShardedDataset.open(p)

@@ -85,7 +85,7 @@ class ShardSource(DataSource):
     (Criteo and Avazu are time-ordered, so this is the usual 'train on the past' split)."""
 
     def __init__(self, cfg: ExperimentConfig, shard_dir: Path) -> None:
-        from recsys.data.shards import ShardedDataset
+        from recsys.data.shard_reader import ShardedDataset
 
         self.ds = ShardedDataset.open(shard_dir)
         self.dense_names = list(self.ds.dense_names)

@@ -141,7 +141,7 @@ def test_preprocess_component_fans_out_as_slurm_tasks_and_joins(tmp_path):
     from torchx.specs import parse_app_handle
 
     from recsys.config import load_config
-    from recsys.data.shards import ShardedDataset
+    from recsys.data.shard_reader import ShardedDataset
     from recsys.data.source import prepare_data
     from tests.integration.data.test_preprocess_fanout import _criteo_lines
 
@@ -206,7 +206,7 @@ def test_preprocess_as_a_plain_slurm_array(tmp_path):
     import numpy as np
 
     from recsys.config import load_config
-    from recsys.data.shards import ShardedDataset
+    from recsys.data.shard_reader import ShardedDataset
     from recsys.data.source import prepare_data
     from tests.integration.data.test_preprocess_fanout import _criteo_lines
 

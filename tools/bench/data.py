@@ -55,7 +55,8 @@ from recsys.data.preprocess.parse_criteo import CRITEO_COLUMNS, CRITEO_DENSE_NAM
 from recsys.data.preprocess.pipeline import Progress, run_file  # noqa: E402
 from recsys.data.preprocess.raw_formats import preprocess_criteo  # noqa: E402
 from recsys.data.preprocess.read_blocks import BlockReader  # noqa: E402
-from recsys.data.shards import ShardedDataset, ShardWriter  # noqa: E402
+from recsys.data.shard_reader import ShardedDataset  # noqa: E402
+from recsys.data.shard_writer import ShardWriter  # noqa: E402
 
 SAMPLE = (
     Path(os.environ.get("RECSYS_SHARED_DIR") or Path(__file__).resolve().parents[3] / "shared") / "data" / "criteo_kaggle_sample_1k.tsv"

@@ -24,7 +24,9 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from recsys.data.shards import InvalidShardDirError, ShardedDataset, replace_manifest
+from recsys.data.durable_writes import replace_manifest
+from recsys.data.shard_format import InvalidShardDirError
+from recsys.data.shard_reader import ShardedDataset
 
 __all__ = ["task_files", "part_dir", "run_task", "join_parts", "JOINED_BY"]
 

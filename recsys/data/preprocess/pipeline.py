@@ -2,7 +2,7 @@
 
 Why threads: the Criteo block parser spends its time in numpy, which releases the GIL, so
 ``workers`` threads parse ``workers`` blocks at once while the calling thread reads the next
-blocks and appends finished ones, in file order, to the :class:`~recsys.data.shards.ShardWriter`
+blocks and appends finished ones, in file order, to the :class:`~recsys.data.shard_writer.ShardWriter`
 (with one worker, reading and writing still overlap the parsing).
 Results are therefore identical for any number of workers. At most ``2 * workers`` blocks are in
 flight, which bounds memory (a block is a few MiB of text).
@@ -32,7 +32,8 @@ from recsys.data.preprocess.bad_rows import FileReport, check_bad_fraction
 from recsys.data.errors import CacheWriteError
 from recsys.data.preprocess.parse_criteo import ParsedBlock
 from recsys.data.preprocess.read_blocks import Block, BlockReader, Layout
-from recsys.data.shards import ShardedDataset, ShardWriter
+from recsys.data.shard_reader import ShardedDataset
+from recsys.data.shard_writer import ShardWriter
 
 __all__ = ["default_workers", "Progress", "run_file", "run_files_in_processes"]
 

@@ -3,7 +3,7 @@
 Why this module exists: the raw files are huge (a Criteo 1TB day file has ~200M rows), contain
 occasional malformed lines, and come in several layouts (Kaggle/1TB TSV, CSV with a header,
 Avazu CSV). Parsing happens once, in bounded memory, and the result is a memory-mapped shard
-directory (:mod:`recsys.data.shards`) that training reads.
+directory (:mod:`recsys.data.shard_format`) that training reads.
 
 The work goes one way through small modules, one per stage:
 
@@ -11,7 +11,7 @@ The work goes one way through small modules, one per stage:
    settles its layout (header, column order);
 2. :mod:`recsys.data.preprocess.parse_criteo` / :mod:`recsys.data.preprocess.parse_avazu` turn a block into arrays and
    its bad-row report (:mod:`recsys.data.preprocess.bad_rows`), on a pool of threads;
-3. :class:`recsys.data.shards.ShardWriter` appends them in file order and publishes atomically;
+3. :class:`recsys.data.shard_writer.ShardWriter` appends them in file order and publishes atomically;
 
 :mod:`recsys.data.preprocess.pipeline` connects them (with a progress line). This module only checks the
 arguments, decides whether the cache is up to date (:mod:`recsys.data.cache_key`), and runs the
@@ -63,7 +63,9 @@ from recsys.data.preprocess.parse_criteo import (  # noqa: F401
 )
 from recsys.data.preprocess.pipeline import Progress, default_workers, run_file, run_files_in_processes
 from recsys.data.preprocess.read_blocks import DEFAULT_BLOCK_BYTES, Block, BlockReader, Layout, first_line, header_names
-from recsys.data.shards import FORMAT_VERSION, InvalidShardDirError, ShardedDataset, ShardWriter
+from recsys.data.shard_format import FORMAT_VERSION, InvalidShardDirError
+from recsys.data.shard_reader import ShardedDataset
+from recsys.data.shard_writer import ShardWriter
 
 logger = logging.getLogger(__name__)
 

@@ -31,7 +31,8 @@ from recsys.data.preprocess import raw_formats as rf  # noqa: E402
 from recsys.data.batching import steps_per_epoch  # noqa: E402
 from recsys.data.cache_key import describe_change, make_key  # noqa: E402
 from recsys.data.errors import CacheWriteError, DataFileError  # noqa: E402
-from recsys.data.shards import MANIFEST_NAME, ShardedDataset  # noqa: E402
+from recsys.data.shard_format import MANIFEST_NAME  # noqa: E402
+from recsys.data.shard_reader import ShardedDataset  # noqa: E402
 from recsys.data.source import TRAIN, ShardSource, prepare_data, shard_dir  # noqa: E402
 
 SMOKE = REPO / "configs" / "experiments" / "smoke.yaml"

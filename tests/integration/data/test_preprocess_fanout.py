@@ -17,7 +17,7 @@ import pytest
 
 from recsys.config import load_config
 from recsys.data.preprocess.fanout import task_files
-from recsys.data.shards import ShardedDataset
+from recsys.data.shard_reader import ShardedDataset
 from recsys.data.source import build_source, prepare_data, preprocess_task
 
 REPO = Path(__file__).resolve().parents[3]
@@ -209,7 +209,7 @@ def test_torchx_component_on_local_cwd_gives_the_single_process_dataset(raw_dir,
 
 
 def test_a_joined_manifest_may_only_point_into_its_parts(raw_dir, tmp_path):
-    from recsys.data.shards import InvalidShardDirError
+    from recsys.data.shard_format import InvalidShardDirError
 
     fan = tmp_path / "fan"
     cfg = _cfg(raw_dir, fan)

@@ -34,7 +34,9 @@ from recsys.data.preprocess.raw_formats import (  # noqa: E402
     preprocess_avazu,
     preprocess_criteo,
 )
-from recsys.data.shards import MANIFEST_NAME, ShardedDataset, ShardWriter  # noqa: E402
+from recsys.data.shard_format import MANIFEST_NAME  # noqa: E402
+from recsys.data.shard_reader import ShardedDataset  # noqa: E402
+from recsys.data.shard_writer import ShardWriter  # noqa: E402
 
 # ../shared next to the checkout; RECSYS_SHARED_DIR points elsewhere (e.g. from a git worktree)
 SHARED = Path(os.environ.get("RECSYS_SHARED_DIR") or Path(__file__).resolve().parents[4] / "shared") / "data"
@@ -392,7 +394,7 @@ def test_directory_without_manifest_or_corrupt_manifest_is_invalid(tmp_path):
 CRASH_SCRIPT = """
 import os, sys, numpy as np
 sys.path.insert(0, sys.argv[1])
-from recsys.data.shards import ShardWriter
+from recsys.data.shard_writer import ShardWriter
 w = ShardWriter(sys.argv[2], kind="criteo", dense_names=["I1"], sparse_names=["C1"], rows_per_shard=2)
 w.append(np.zeros((5, 1), np.float32), np.zeros((5, 1), np.int64), np.zeros(5, np.float32))
 print(w.tmp, flush=True)
@@ -419,12 +421,12 @@ def test_crash_mid_write_leaves_nothing_that_opens(tmp_path):
 
 
 def test_failure_before_publish_cleans_up(tmp_path, monkeypatch):
-    import recsys.data.shards as shards
+    import recsys.data.shard_writer as shard_writer
 
     def boom(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(shards, "_write_json", boom)
+    monkeypatch.setattr(shard_writer, "write_json", boom)
     with pytest.raises(OSError, match="disk full"):
         preprocess_criteo(sample(CSV), tmp_path / "ds", rows_per_shard=64)
     assert list(tmp_path.iterdir()) == []

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from recsys.config import CARDINALITY_PRESETS
-from recsys.data.synthetic import EVAL, TRAIN, CriteoLikeGenerator, zipf_ranks
+from recsys.data.synthetic import EVAL, TRAIN, CriteoLikeGenerator, RowBlock, zipf_ranks
 from recsys.training.metrics import auc
 
 CARDS = CARDINALITY_PRESETS["criteo_kaggle_filtered"]
@@ -67,3 +67,24 @@ def test_oracle_auc_is_criteo_like_and_beats_noise(gen):
     assert 0.78 < oracle < 0.83
     noisy = auc(torch.from_numpy(b.probs) + torch.randn(50_000) * 0.3, labels)
     assert noisy < oracle
+
+
+def test_row_blocks_take_and_concatenate_every_field():
+    a = RowBlock(
+        np.arange(6, dtype=np.float32).reshape(3, 2),
+        np.arange(3)[:, None],
+        np.array([0, 1, 0], np.float32),
+        np.array([0.1, 0.2, 0.3], np.float32),
+    )
+    b = RowBlock(np.full((1, 2), 9, np.float32), np.array([[7]]), np.array([1], np.float32), np.array([0.9], np.float32))
+    both = RowBlock.concat([a, b])
+    assert len(both) == 4 and both.sparse[:, 0].tolist() == [0, 1, 2, 7] and both.probs.tolist() == pytest.approx([0.1, 0.2, 0.3, 0.9])
+    assert RowBlock.concat([a]) is a
+    picked = both.take(np.array([3, 0]))
+    assert (
+        picked.dense.tolist() == [[9, 9], [0, 1]]
+        and picked.labels.tolist() == [1, 0]
+        and picked.probs.tolist() == pytest.approx([0.9, 0.1])
+    )
+    real = RowBlock(a.dense, a.sparse, a.labels)  # real data has no teacher probabilities
+    assert RowBlock.concat([real, real]).probs is None and real.take(slice(1, 3)).sparse[:, 0].tolist() == [1, 2]

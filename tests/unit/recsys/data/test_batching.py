@@ -3,12 +3,16 @@ makes resumed and differently-sized runs see the same data."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
+import pytest
 import torch
 
 from recsys.config import ExperimentConfig
-from recsys.data.batching import eval_blocks, rank_rows, to_batch, train_batches
-from recsys.data.source import SyntheticSource
+from recsys.data.batching import eval_blocks, rank_rows, steps_per_epoch, to_batch, train_batches
+from recsys.data.order import EpochOrder
+from recsys.data.source import EVAL, TRAIN, SyntheticSource
 from recsys.data.synthetic import RowBlock
 
 
@@ -61,3 +65,13 @@ def test_eval_covers_every_row_once():
         blocks = [b for r in range(world) for b in eval_blocks(src, 128, r, world)]
         # 301 rows = 128 + 128 + 45; the last block is cut to a multiple of the world size
         assert sum(len(b) for b in blocks) == 301 - 45 % world
+
+
+def test_a_split_smaller_than_one_batch_is_refused_with_its_counts():
+    src = _source()
+    assert steps_per_epoch(src, TRAIN, 128) == 7 and steps_per_epoch(src, EVAL, 100) == 3
+    with pytest.raises(ValueError, match=re.escape("the eval split has 301 rows, fewer than one global batch of 512")):
+        steps_per_epoch(src, EVAL, 512)
+    order = EpochOrder(999, shuffle=False)
+    with pytest.raises(ValueError, match=re.escape("the epoch order covers 999 rows, the training split has 1000")):
+        next(train_batches(src, 128, 0, 1, 0, 1, order))

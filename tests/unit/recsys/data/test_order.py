@@ -4,6 +4,7 @@ recorded so that a resume under another order is refused."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,7 @@ from recsys.data.source import EVAL, TRAIN, DataSource, epoch_order
 from recsys.data.synthetic import RowBlock
 from recsys.training.run_dir import state_shape
 
-SMOKE = Path(__file__).resolve().parents[2] / "configs" / "experiments" / "smoke.yaml"
+SMOKE = Path(__file__).resolve().parents[4] / "configs" / "experiments" / "smoke.yaml"
 
 
 class IndexSource(DataSource):
@@ -138,7 +139,30 @@ def test_config_default_shuffles_and_checkpoints_record_the_order():
         ("data.shuffle_buffer_rows=-1", "must be >= 0 (0: shuffle blocks only)"),
         ("data.shuffle_seed=-2", "must be >= 0"),
     ]:
-        with pytest.raises(ConfigError) as e:
+        with pytest.raises(ConfigError, match=re.escape(why)) as e:
             load_config(SMOKE, [override])
         assert str(e.value) == f"{SMOKE}: key '{override.split('=')[0]}': {why}"
     assert ExperimentConfig().data.shuffle
+
+
+def test_the_order_label_and_bad_orders():
+    order = EpochOrder(1000, True, seed=7, block_rows=100, buffer_rows=250)
+    assert order.describe() == "shuffle seed=7 block=100 buffer=250" and order.blocks_per_window == 2
+    assert EpochOrder(1000, shuffle=False).describe() is None  # file order: what checkpoints without an order hold
+    assert EpochOrder(1000, True, block_rows=100, buffer_rows=0).blocks_per_window == 1
+    for args, msg in [
+        ((0,), "bad epoch order: 0 rows, blocks of 256, buffer 65536"),
+        ((10, True, 0, 0), "bad epoch order: 10 rows, blocks of 0, buffer 65536"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(msg)):
+            EpochOrder(*args)
+
+
+def test_windows_split_a_position_range_at_window_ends():
+    order = EpochOrder(1000, True, seed=1, block_rows=100, buffer_rows=300)  # windows of 300, 300, 300, 100 rows
+    assert order.windows(0, 250, 700) == [(0, 250, 300), (1, 0, 300), (2, 0, 100)]
+    rows = order.rows(0, 0, 1000)
+    for w in range(4):  # a window holds whole blocks: the rows of its blocks, permuted
+        mine = rows[300 * w : 300 * (w + 1)]
+        blocks = sorted(set((mine // 100).tolist()))
+        assert sorted(mine.tolist()) == [r for b in blocks for r in range(100 * b, 100 * b + 100)]
