@@ -1,8 +1,8 @@
 """Hardware description of a training cluster: hosts, GPUs, NVLink, the PCIe tree, NUMA memory, NICs.
 
 The dataclasses here hold bytes and bytes/s; bandwidths are one direction. The YAML file format,
-in the units people write (GB, GB/s, Gb/s), is read and written by
-``sharding/topology/topology_file.py`` (``load_topology``, ``dump_topology``).
+in the units people write (GB, GB/s, Gb/s), is read by ``sharding/topology/topology_file.py``
+(``load_topology``) and written by ``sharding/topology/topology_dump.py`` (``dump_topology``).
 
 Ranks are numbered host-major: host ``h``, local GPU ``i`` -> rank ``h * local_world_size + i``.
 

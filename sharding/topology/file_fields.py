@@ -1,7 +1,7 @@
 """Typed readers for the fields of a topology file: each takes the file's context and the key it
-reads, and a wrong type, a missing or unknown key, or an impossible value raises one
-``TopologyFileError`` line naming the file, the line and the key (with the closest known key for
-a misspelt one)."""
+reads, and a wrong type, a missing or unknown key, or an impossible value raises a one-line
+``TopologyError`` naming the file and the key (with the closest known key for a misspelt one).
+Apart from the readers of the file's sections, which all share them."""
 
 from __future__ import annotations
 
@@ -9,10 +9,7 @@ import difflib
 import math
 from typing import Any, Iterable
 
-
-from sharding.topology.cluster import (
-    TopologyError,
-)
+from sharding.topology.cluster import TopologyError
 
 
 class _Ctx:

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from sharding.topology.bandwidth import pair_bandwidth
-from sharding.topology.topology_file import load_topology
+from sharding.topology.cluster import ClusterTopology, Gpu, Host, NumaNode, NvlinkSpec, PcieSwitch
 from sharding.topology.links import build_links
-from sharding.topology.paths import route
+from sharding.topology.paths import Hop, host_label, host_memory_route, nearest_nic, nic_users, route
+from sharding.topology.topology_file import load_topology
 
 GBs = 1e9
 
@@ -122,3 +123,100 @@ def test_shipped_routes_are_full_duplex(name):
     for a in range(min(t.world_size, 40)):
         for b in range(min(t.world_size, 40)):
             assert sorted(h.link for h in route(t, a, b)) == sorted(h.link for h in route(t, b, a)), (a, b)
+
+
+# --- the rules one by one ------------------------------------------------------------------------
+
+
+def test_a_rank_to_itself_crosses_nothing_and_hosts_are_labelled_by_index():
+    t = _tree()
+    assert route(t, 3, 3) == []
+    assert [host_label(t, h) for h in range(2)] == ["h-0#0", "h-1#1"]
+
+
+def test_hops_carry_kind_bandwidth_sharers_and_switch():
+    t = _tree()
+    assert route(t, 0, 6)[:5] == [
+        Hop("h-0#0/l0.port.gpu0>up", "h-0#0/l0.port.gpu0", "pcie_port", 25 * GBs, 1, 0, "l0"),
+        Hop("h-0#0/l0.uplink>up", "h-0#0/l0.uplink", "pcie_uplink", 20 * GBs, 2, 0, "l0"),
+        Hop("h-0#0/g0.uplink>up", "h-0#0/g0.uplink", "pcie_uplink", 32 * GBs, 4, 0, "g0"),
+        Hop("h-0#0/socket0>1", "h-0#0/inter_socket", "socket", 64 * GBs, 4, 0),
+        Hop("h-0#0/g1.uplink>down", "h-0#0/g1.uplink", "pcie_uplink", 32 * GBs, 4, 0, "g1"),
+    ]
+
+
+def test_cpu_ranks_exchange_through_memory():
+    """Rule 1: the DDR of each side's NUMA node, the socket link between sockets."""
+    t = _tree("cpu")
+    assert route(t, 0, 1) == [Hop("c-0#0/numa0.ddr", "c-0#0/numa0.ddr", "memory", 100 * GBs, 2, 0)]
+    assert [(h.name, h.sharers) for h in route(t, 0, 2)] == [("c-0#0/numa0.ddr", 2), ("c-0#0/socket0>1", 2), ("c-0#0/numa1.ddr", 2)]
+
+
+def test_cpu_ranks_reach_another_host_through_the_nic_socket():
+    """Rule 6 for CPU ranks: memory and the socket link to the NIC's socket, the NIC, the fabric;
+    the way down on the other host is the same links crossed the other way."""
+    t = _tree("cpu")
+    assert [h.name for h in route(t, 0, 4)] == [
+        "c-0#0/numa0.ddr", "c-0#0/socket0>1", "c-0#0/eth0>out", "network/c-0#0/eth0>out",
+        "network/c-1#1/eth0>in", "c-1#1/eth0>in", "c-1#1/socket1>0", "c-1#1/numa0.ddr",
+    ]  # fmt: skip
+    nic = [h for h in route(t, 0, 4) if h.kind in ("nic", "fabric")]
+    assert {(h.bw, h.sharers) for h in nic} == {(100 * GBs / 8, 4)}  # 100 Gb/s, all 4 ranks of a host use eth0
+
+
+def _host(name: str, nvlink: NvlinkSpec) -> Host:
+    """Two GPUs on one switch, one NUMA node, no NIC."""
+    gpus = tuple(Gpu(i, 80 * 2**30, 2e12, "sw", 0) for i in range(2))
+    return Host(name, gpus, nvlink, (PcieSwitch("sw", 0, 25 * GBs, 25 * GBs, (0, 1)),), (NumaNode(0, 2**30, 1e11),), float("inf"))
+
+
+def test_nvlink_inside_a_host_replaces_pcie():
+    """Rule 2: a point-to-point link for NVLink pairs (one link both ways), each GPU's port into
+    the NVSwitch otherwise."""
+    pairs = ClusterTopology((_host("p", NvlinkSpec("pairs", 25 * GBs, pairs=((0, 1, 4),))),))
+    assert route(pairs, 0, 1) == [Hop("p#0/nvlink0>1", "p#0/nvlink(0,1)", "nvlink", 100 * GBs, 1, 0)]
+    assert route(pairs, 1, 0) == [Hop("p#0/nvlink1>0", "p#0/nvlink(0,1)", "nvlink", 100 * GBs, 1, 0)]
+    switch = ClusterTopology((_host("s", NvlinkSpec("nvswitch", 25 * GBs, 12)),))
+    assert route(switch, 1, 0) == [
+        Hop("s#0/gpu1.nvlink>out", "s#0/gpu1.nvlink", "nvlink", 300 * GBs, 1, 0),
+        Hop("s#0/gpu0.nvlink>in", "s#0/gpu0.nvlink", "nvlink", 300 * GBs, 1, 0),
+    ]
+
+
+def test_hosts_without_nics_cannot_reach_each_other():
+    none = NvlinkSpec()
+    t = ClusterTopology((_host("a", none), _host("b", none)), source="two.yaml")
+    assert [h.kind for h in route(t, 0, 1)] == ["pcie_port", "pcie_port"]
+    with pytest.raises(ValueError, match=r"^two\.yaml: a host without NICs in a multi-host topology$"):
+        route(t, 0, 2)
+
+
+def test_host_memory_route_climbs_to_the_root_complex():
+    t = _tree()
+    assert _names(host_memory_route(t, 0, 0)) == ["l0.port.gpu0>up", "l0.uplink>up", "g0.uplink>up", "numa0.ddr"]
+    assert _names(host_memory_route(t, 0, 1)) == ["l0.port.gpu0>up", "l0.uplink>up", "g0.uplink>up", "socket0>1", "numa1.ddr"]
+    assert _names(host_memory_route(_tree("cpu"), 2, 0)) == ["socket1>0", "numa0.ddr"]
+
+
+def test_nearest_nic_prefers_the_switch_then_the_group_then_the_socket():
+    t = _tree()
+    h = t.hosts[0]
+    # GPUs 0-1: ib0 on their own leaf; 2-3: ib0 under the same group switch; 4-7: ib1 likewise
+    assert [nearest_nic(h, i).name for i in range(8)] == ["ib0"] * 4 + ["ib1"] * 4
+    assert nic_users(h, h.nic("ib0")) == 4 and nic_users(h, h.nic("ib1")) == 4
+    cpu = _tree("cpu").hosts[0]  # one NIC on socket 1: socket 0's ranks take it too
+    assert [nearest_nic(cpu, i).name for i in range(4)] == ["eth0"] * 4 and nic_users(cpu, cpu.nic("eth0")) == 4
+    assert nearest_nic(_host("x", NvlinkSpec()), 0) is None
+
+
+def test_nearest_nic_spreads_ties():
+    """Two NICs on a socket, no PCIe tree: the k-th rank of the socket takes NIC k mod 2."""
+    text = CPU_HOSTS.replace(
+        "[{name: eth0, speed_gbit_s: 100, numa: 1}]", "[{name: e0, speed_gbit_s: 100, numa: 0}, {name: e1, speed_gbit_s: 100, numa: 0}]"
+    )
+    with tempfile.TemporaryDirectory() as d:
+        p = Path(d) / "t.yaml"
+        p.write_text(text)
+        h = load_topology(p).hosts[0]
+    assert [nearest_nic(h, i).name for i in range(4)] == ["e0", "e1", "e0", "e1"]
+    assert nic_users(h, h.nic("e0")) == 2

@@ -1,4 +1,5 @@
-"""The `nvidia-smi topo -m` importer and the GPU presets (fast: no torch).
+"""The `nvidia-smi topo -m` importer (sharding/topology/nvidia_smi.py): the matrix plus capacities
+read into a host, GPU models and their presets, the command line (fast: no torch).
 
 Every sample in ../shared/data/topo/ (RECSYS_SHARED_DIR overrides ../shared) is imported as posted
 and in variants made here (tabs as nvidia-smi prints them, spaces at other widths, empty affinity
@@ -9,22 +10,25 @@ not by running the importer.
 
 from __future__ import annotations
 
+import io
 import os
 import re
 from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 from sharding.topology.bandwidth import bandwidth_matrix, host_to_gpu_bandwidth, nearest_nic, pair_bandwidth, shared_uplink_groups
-from sharding.topology.gpu_presets import PRESETS, find_preset, normalize
-from sharding.topology.cluster import GB, TopologyError
+from sharding.topology.cluster import GB, ClusterTopology, Gpu, Host, Network, Nic, NumaNode, NvlinkSpec, PcieSwitch, TopologyError
+from sharding.topology.gpu_presets import PRESETS
+from sharding.topology.nvidia_smi import GpuSpecs, import_topo, parse_topo_matrix, resolve_gpus, topology_from_matrix, yaml_header
+from sharding.topology.nvidia_smi import main as import_main
 from sharding.topology.topology_dump import dump_topology
 from sharding.topology.topology_file import load_topology
-from sharding.topology.nvidia_smi import import_topo, main as import_main, parse_topo_matrix
 
 GBs = 1e9
-TOPO_DATA = Path(os.environ.get("RECSYS_SHARED_DIR") or Path(__file__).resolve().parents[3] / "shared") / "data" / "topo"
+TOPO_DATA = Path(os.environ.get("RECSYS_SHARED_DIR") or Path(__file__).resolve().parents[5] / "shared") / "data" / "topo"
 CAPS = dict(hbm_gb=80, hbm_bw_gb_s=2000, ddr_gb=512, ddr_bw_gb_s=150, nic_gbit_s=200, pcie_gen=4)
 
 
@@ -468,37 +472,6 @@ def test_gpu_model_errors(tmp_path, capsys, args, text, needle):
     assert not out.exists()
 
 
-def test_presets_are_distinct_and_named_as_nvidia_smi_prints():
-    keys = {}
-    for p in PRESETS:
-        for alias in (p.name, *p.aliases):
-            assert keys.setdefault(normalize(alias), p.name) == p.name, alias
-    printed = {  # nvidia-smi --query-gpu=name as printed on these GPUs -> (GB, GB/s), spec sheets
-        "NVIDIA A100-SXM4-40GB": (40, 1555),
-        "NVIDIA A100-SXM4-80GB": (80, 2039),
-        "NVIDIA A100-PCIE-40GB": (40, 1555),
-        "NVIDIA A100 80GB PCIe": (80, 1935),
-        "NVIDIA H100 80GB HBM3": (80, 3350),
-        "NVIDIA H100 PCIe": (80, 2000),
-        "NVIDIA H200": (141, 4800),
-        "NVIDIA GB200": (186, 8000),
-        "NVIDIA L40S": (48, 864),
-        "NVIDIA RTX A6000": (48, 768),
-        "NVIDIA GeForce RTX 3090": (24, 936),
-        "NVIDIA GeForce RTX 4090": (24, 1008),
-        "NVIDIA GeForce RTX 5090": (32, 1792),
-        "Tesla V100-SXM2-16GB": (16, 900),
-        "Tesla V100-SXM2-32GB": (32, 900),
-        "Tesla V100-PCIE-32GB": (32, 900),
-        "Tesla P100-SXM2-16GB": (16, 732),
-        "Tesla P100-PCIE-12GB": (12, 549),
-        "Tesla T4": (16, 320),
-    }
-    for name, (gb, bw) in printed.items():
-        p = find_preset(name)
-        assert p is not None and (p.hbm_gb, p.hbm_bw_gb_s) == (gb, bw), name
-
-
 def test_list_gpus(capsys):
     assert import_main(["--list-gpus"]) == 0
     out = capsys.readouterr().out.splitlines()
@@ -568,98 +541,6 @@ def test_a100_nic_pair_inside_the_gpu_group():
     assert nearest_nic(h, 0).name == "mlx5_6" and nearest_nic(h, 1).name == "mlx5_7"
 
 
-@pytest.mark.parametrize(
-    "edit, needle",
-    [
-        ("parent: sw0", "key 'hosts[0].pcie.switches[1].parent': 'nope' is not a switch listed before 'sw1'"),
-        ("numa: 1", "key 'hosts[0].pcie.switches[1].numa': NUMA 1 disagrees with its parent switch 'sw0' (NUMA 0)"),
-    ],
-)
-def test_parent_switch_errors(tmp_path, edit, needle):
-    text = """name: t
-hosts:
-  - name: h
-    gpus: {count: 2, hbm_gb: 80, hbm_bw_gb_s: 2000}
-    pcie:
-      port_gb_s: 25
-      switches:
-        - {name: sw0, numa: 0, uplink_gb_s: 25, gpus: [0]}
-        - {name: sw1, numa: 0, uplink_gb_s: 25, gpus: [1], parent: sw0}
-    numa_nodes: [{index: 0, ddr_gb: 64, ddr_bw_gb_s: 100}, {index: 1, ddr_gb: 64, ddr_bw_gb_s: 100}]
-    inter_socket_gb_s: 50
-"""
-    p = tmp_path / "t.yaml"
-    p.write_text(text)
-    assert load_topology(p).hosts[0].switch("sw1").parent == "sw0"
-    bad = (
-        text.replace("parent: sw0", "parent: nope") if edit == "parent: sw0" else text.replace("{name: sw1, numa: 0", "{name: sw1, numa: 1")
-    )
-    p.write_text(bad)
-    with pytest.raises(TopologyError) as e:
-        load_topology(p)
-    assert str(e.value) == f"t.yaml: {needle}"
-
-
-# --- broken input: one line, the line and the column ---------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "text, needle",
-    [
-        (SMALL.replace("NV4\t0-7", "NVX\t0-7", 1), "topo.txt: line 2, column 10: unknown token 'NVX' (GPU0 to GPU1)"),
-        (
-            SMALL.replace("\t", "    ").replace("NV4    0-7", "NVX    0-7", 1),
-            "topo.txt: line 2, column 16: unknown token 'NVX' (GPU0 to GPU1)",
-        ),
-        (
-            SMALL.replace("GPU1\tNV4\t X \t0-7\t0", "GPU1\tNV4\t0-7\t0"),
-            "topo.txt: line 3: 1 matrix cells after 'GPU1', expected 2 (one per device in the header)",
-        ),
-        (SMALL.replace("GPU1\tNV4\t X ", "GPU1\tNV4\t X \tSYS"), "topo.txt: line 3: 3 matrix cells after 'GPU1', expected 2"),
-        (SMALL.replace("GPU1\tNV4", "GPU1\tPIX"), "topo.txt: line 3, column 6: GPU1 to GPU0 is 'PIX' but GPU0 to GPU1 (line 2) is 'NV4'"),
-        (
-            SMALL.replace("GPU1\tNV4\t X ", "GPU1\tX\t X "),
-            "topo.txt: line 3, column 6: got 'X' for GPU1 to GPU0, expected 'X' only on the diagonal",
-        ),
-        (SMALL.replace("GPU1\tNV4\t X ", "GPU9\tNV4\t X "), "topo.txt: line 3, column 1: unknown row 'GPU9' (header names GPU0, GPU1)"),
-        (
-            SMALL.replace("\t0-7\t0\nGPU1", "\t0-7\t0\t1\t5\nGPU1"),
-            "topo.txt: line 2: 4 values after the matrix of 'GPU0', expected at most 2 (CPU Affinity, NUMA Affinity)",
-        ),
-        (SMALL.replace("\tGPU1\t", "\tGPU0\t", 1), "topo.txt: line 1: device 'GPU0' is named twice in the header"),
-        ("hello\n", "topo.txt: no header row naming GPU0 (is this `nvidia-smi topo -m` output?)"),
-        (SMALL.split("GPU1\tNV4")[0], "topo.txt: no row for GPU1 (the header names 2 devices)"),
-        (SMALL + SMALL.splitlines()[2] + "\n", "topo.txt: line 4: row 'GPU1' appears twice"),
-        (
-            SMALL + "\nGPU 0: NVIDIA L40S (UUID: a)\nGPU 5: NVIDIA L40S (UUID: b)\n",
-            "topo.txt: line 6: names GPU 5 but the matrix has 2 GPUs",
-        ),
-        (
-            SMALL + "\nGPU 0: NVIDIA L40S (UUID: a)\n",
-            "topo.txt: the `nvidia-smi -L` lines name 1 GPUs, the matrix has 2 (no line for GPU 1)",
-        ),
-        (SMALL + "\nNVIDIA L40S\nNVIDIA L40S\nNVIDIA T4\n", "topo.txt: line 5: 3 GPU model lines for 2 GPUs"),
-    ],
-)
-def test_bad_topo_text(text, needle):
-    with pytest.raises(TopologyError) as e:
-        parse_topo_matrix(text, "topo.txt")
-    msg = str(e.value)
-    assert "\n" not in msg and msg.startswith(needle), msg
-
-
-def test_value_under_no_clear_column():
-    head = "        GPU0    GPU1    CPU Affinity    NUMA Affinity   GPU NUMA ID\n"
-    # two values both under 'CPU Affinity', the third cell empty: which is which cannot be told
-    text = head + "GPU0     X      NV4     0-7 1\nGPU1    NV4      X      0-7     0\n"
-    with pytest.raises(TopologyError) as e:
-        parse_topo_matrix(text, "topo.txt")
-    assert str(e.value) == (
-        "topo.txt: line 2, column 29: cannot tell which column '1' is under (CPU Affinity, NUMA Affinity, GPU NUMA ID); "
-        "align it under its header"
-    )
-
-
 def test_cli_errors_are_one_line_and_write_nothing(tmp_path, capsys):
     f = tmp_path / "bad.txt"
     f.write_text(SMALL.replace("NV4\t0-7", "NVX\t0-7", 1))
@@ -670,3 +551,101 @@ def test_cli_errors_are_one_line_and_write_nothing(tmp_path, capsys):
     assert not out.exists() and list(tmp_path.iterdir()) == [f]
     assert import_main([str(tmp_path / "missing.txt"), "--gpu", "t4"]) == 2
     assert capsys.readouterr().err == "error: missing.txt: cannot read: No such file or directory\n"
+
+
+# --- the pieces: capacities, the host built from a matrix, the command line ----------------------
+
+
+def test_resolve_gpus_from_a_preset_or_the_command_line():
+    mx = parse_topo_matrix(SMALL, "t.txt")
+    assert resolve_gpus(mx, gpu_model="rtx3090", source="t.txt") == GpuSpecs(
+        ("RTX 3090", "RTX 3090"), (24, 24), (936, 936), 14.0625, 4, "GPU capacities from the preset RTX 3090 (24 GB, 936 GB/s)"
+    )
+    # both capacities given: the name is only a label, NVLink and PCIe take the defaults
+    assert resolve_gpus(mx, gpu_model="Mystery", hbm_gb=12, hbm_bw_gb_s=300) == GpuSpecs(
+        ("Mystery", "Mystery"), (12, 12), (300, 300), 25.0, 4, "GPU capacities from the command line"
+    )
+    # an NVLink speed given explicitly is not checked against the model
+    assert resolve_gpus(mx, gpu_model="l40s", nvlink_link_gb_s=10).nvlink_link_gb_s == 10
+    with pytest.raises(TopologyError, match=r"^t\.txt: pcie_gen 7: expected one of \[3, 4, 5, 6\]$"):
+        resolve_gpus(mx, gpu_model="rtx3090", pcie_gen=7, source="t.txt")
+
+
+def _matrix(cells: dict[tuple[str, str], str], devices: list[str], affinity: dict[str, str]) -> str:
+    lines = ["\t" + "\t".join(devices) + "\tCPU Affinity"]
+    for a in devices:
+        row = [" X " if a == b else cells.get((a, b)) or cells[(b, a)] for b in devices]
+        lines.append("\t".join([a, *row] + ([affinity[a]] if a in affinity else [])))
+    return "\n".join(lines) + "\n"
+
+
+def test_topology_from_matrix_worked_by_hand():
+    """Four GPUs, NV2 between every pair (one NVSwitch domain), each on its own root port, two
+    sockets by CPU Affinity; a NIC SYS to every GPU: on no switch, a NUMA node of its own."""
+    gpus = [f"GPU{i}" for i in range(4)]
+    cells = {(a, b): "NV2" for a in gpus for b in gpus if a != b} | {(g, "NIC0"): "SYS" for g in gpus}
+    text = _matrix(cells, gpus + ["NIC0"], {"GPU0": "0-7", "GPU1": "0-7", "GPU2": "8-15", "GPU3": "8-15"})
+    caps = dict(ddr_gb=64, ddr_bw_gb_s=40, nic_gbit_s=100, pcie_gen=3, nvlink_link_gb_s=20, inter_socket_gb_s=30)
+    t = topology_from_matrix(parse_topo_matrix(text), hbm_gb=16, hbm_bw_gb_s=500, host_name="box", name="mine", source="m.txt", **caps)
+    numa = [0, 0, 1, 1]
+    port = 12.5 * GBs  # Gen3 x16
+    assert t == ClusterTopology(
+        (
+            Host(
+                "box",
+                tuple(Gpu(i, 16 * GB, 500 * GBs, f"rp{i}", numa[i], "") for i in range(4)),
+                NvlinkSpec("nvswitch", 20 * GBs, 2),
+                tuple(PcieSwitch(f"rp{i}", numa[i], port, port, (i,)) for i in range(4)),
+                tuple(NumaNode(i, 64 * GB, 40 * GBs) for i in range(3)),
+                30 * GBs,
+                (Nic("NIC0", 12.5 * GBs, None, 2),),
+            ),
+        ),
+        Network(),
+        "cuda",
+        "mine",
+        "m.txt",
+    )
+
+
+def test_gpus_must_be_numbered_from_zero():
+    text = "\tGPU0\tGPU2\nGPU0\t X \tPIX\nGPU2\tPIX\t X \n"
+    with pytest.raises(TopologyError, match=r"^g\.txt: GPUs must be numbered 0\.\.1, got GPU0, GPU2$"):
+        topology_from_matrix(parse_topo_matrix(text, "g.txt"), gpu_model="t4", source="g.txt")
+
+
+def test_import_topo_refuses_unknown_arguments(tmp_path):
+    f = tmp_path / "r.txt"
+    f.write_text(SMALL)
+    t = import_topo(f, gpu_model="rtx3090", ddr_gb=32)
+    assert (t.name, t.source, t.hosts[0].name, t.hosts[0].numa_nodes[0].ddr_bytes) == ("r", "r.txt", "host", 32 * GB)
+    with pytest.raises(TypeError, match=r"^import_topo\(\) got unexpected keyword arguments: colour, size$"):
+        import_topo(f, gpu_model="rtx3090", size=1, colour="red")
+
+
+def test_yaml_header_names_the_file_not_its_path():
+    assert yaml_header("/home/me/topo.txt", "GPU capacities from the command line") == (
+        "imported from topo.txt by sharding.topology.nvidia_smi; GPU capacities from the command line"
+    )
+
+
+def test_cli_writes_yaml_to_stdout_and_reads_stdin(capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO(SMALL))
+    assert import_main(["-", "--gpu", "rtx3090", "--host-name", "ws", "--name", "desk"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        out.splitlines()[0]
+        == "# imported from <stdin> by sharding.topology.nvidia_smi; GPU capacities from the preset RTX 3090 (24 GB, 936 GB/s)"
+    )
+    d = yaml.safe_load(out)
+    assert (d["name"], d["hosts"][0]["name"], d["hosts"][0]["nvlink"]) == (
+        "desk",
+        "ws",
+        {"kind": "pairs", "link_gb_s": 14.0625, "pairs": [[0, 1, 4]]},
+    )
+
+
+def test_cli_needs_a_file(capsys):
+    with pytest.raises(SystemExit, match="^2$"):
+        import_main([])
+    assert capsys.readouterr().err.endswith("error: the topo file is required (or --list-gpus)\n")
