@@ -5,7 +5,6 @@ would fit."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 from torch import nn
 from torchrec.distributed.planner.types import (
@@ -20,11 +19,10 @@ from sharding.planner.ssd_tier import key_value_tables
 from sharding.plan.fit_report import TORCHREC_RESERVE, format_bytes, planner_said, reserve_exceeds_hbm
 from sharding.topology.cluster import ClusterTopology
 
-if TYPE_CHECKING:
-    pass
-
 
 class ModelDoesNotFitError(PlannerError):
+    """torchrec's "insufficient storage" ``PlannerError`` with ``fit_message``'s one line as its message."""
+
     def __init__(self, message: str) -> None:
         super().__init__(message=message, error_type=PlannerErrorType.INSUFFICIENT_STORAGE)
 

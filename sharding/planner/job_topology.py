@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import TYPE_CHECKING
 
 import numpy as np
 from torchrec.distributed.planner.types import (
@@ -24,9 +23,6 @@ from sharding.topology.bandwidth import host_to_gpu_bandwidth
 from sharding.compat import keep_zero_capacities
 from sharding.topology.cluster import ClusterTopology
 from sharding.topology.topology_file import load_topology
-
-if TYPE_CHECKING:
-    pass
 
 
 def torchrec_topology(topo: ClusterTopology, hbm_bytes: int | None = None, ddr_bytes: int | None = None) -> Topology:

@@ -32,11 +32,12 @@ rows live on the host's SSD behind an HBM cache, the partitioner checks SSD capa
 the cost model charges the cache misses' SSD reads and write-backs.
 
 After the search, a callback raises the cache load factor of ``fused_uvm_caching`` and
-``key_value`` tables into the HBM left free on their ranks. With ``cache_stats`` (per-table id frequencies measured from
-data, ``sharding/planner/cache_sizing.py``) each such table starts at the smallest load factor reaching
-``target_hit_rate``, the cost model charges its measured miss rate, and the callback stops where
-its hit-rate curve stops rising. A model that cannot fit raises :class:`ModelDoesNotFitError`
-(a torchrec ``PlannerError``) with a one-line message.
+``key_value`` tables into the HBM left free on their ranks (``sharding/planner/load_factor_tuning.py``).
+With ``cache_stats`` (per-table id frequencies measured from data, ``sharding/planner/cache_sizing.py``)
+each such table starts at the smallest load factor reaching ``target_hit_rate``, the cost model
+charges its measured miss rate, and the callback stops where its hit-rate curve stops rising.
+A model that cannot fit raises :class:`ModelDoesNotFitError` (a torchrec ``PlannerError``) with a
+one-line message.
 
 Deterministic: the same inputs give the same plan on an idle or a loaded machine. Nothing in the
 search reads a clock: the greedy proposers stop after ``greedy_patience_for(tables)`` fitting
@@ -56,13 +57,10 @@ closed form and memoizes option -> shards.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
 import os
 from typing import TYPE_CHECKING, Mapping
 
-import numpy as np
 from torch import nn
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
 from torchrec.distributed.planner.constants import POOLING_FACTOR
@@ -74,15 +72,14 @@ from torchrec.distributed.planner.types import (
     PlannerErrorType,
     ShardingOption,
     Stats,
-    Storage,
     StorageReservation,
     Topology,
 )
 from torchrec.distributed.types import CacheStatistics, ModuleSharder, ShardingPlan
 
 from sharding.planner.balance_proposer import BalanceProposer
-from sharding.planner.cache_sizing import DEFAULT_TARGET_HIT_RATE, apply_cache_stats, saturation_load_factor
-from sharding.constants import DEFAULT_LOAD_FACTOR, MAX_CACHE_LOAD_FACTOR, MODEL_PARALLEL_TYPES, SSD_KERNELS
+from sharding.planner.cache_sizing import DEFAULT_TARGET_HIT_RATE, apply_cache_stats
+from sharding.constants import MODEL_PARALLEL_TYPES
 from sharding.planner.cost.model import TopologyCostModel
 from sharding.optimizer_state import check_cowclip_sharders, table_bytes
 from sharding.planner.constraints import default_constraints, merge_constraints
@@ -105,8 +102,9 @@ from sharding.tables import table_configs
 from sharding.topology.cluster import ClusterTopology
 from sharding.topology.topology_file import load_topology
 from sharding.planner.torchrec_speedups import fast_planner_internals
-from sharding.planner.job_topology import cluster_for, cluster_to_plan, cpu_topology_like, remap_plan_to_host, torchrec_topology
+from sharding.planner.job_topology import cluster_to_plan, remap_plan_to_host, torchrec_topology
 from sharding.planner.does_not_fit import ModelDoesNotFitError, fit_message
+from sharding.planner.load_factor_tuning import grow_cache_load_factors
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -114,11 +112,6 @@ if TYPE_CHECKING:
 __all__ = [
     "TopologyAwarePlanner",
     "ModelDoesNotFitError",
-    "torchrec_topology",
-    "remap_plan_to_host",
-    "fit_message",
-    "cpu_topology_like",
-    "cluster_for",
     # the roles, each in its own module (the torchrec planner package's layout), re-exported here
     "TopologyPartitioner",
     "refine_placement",
@@ -376,52 +369,6 @@ class TopologyAwarePlanner(EmbeddingShardingPlanner):
         return remap_plan_to_host(plan, dist.get_rank() // per_host, per_host, self.cluster.compute_device)
 
     def _tune_load_factors(self, plan: list[ShardingOption]) -> list[ShardingOption]:
-        """Raise each UVM-caching and key_value (SSD) table's load factor into the HBM still free on its ranks
-        (largest tables first), up to ``MAX_CACHE_LOAD_FACTOR``. Tables with measured cache
-        statistics go first, by modeled miss traffic (lookups x dim x miss rate), and never past
-        the load factor where their hit-rate curve stops rising (``saturation_load_factor``)."""
-        sc = self.partitioner.last_storage_constraint
-        if sc is None:
-            return plan
-        free = np.array([float(d.storage.hbm) for d in sc.devices])
-        for so in plan:
-            for sh in so.shards:
-                free[sh.rank] -= sh.storage.hbm
-        caching = [so for so in plan if so.compute_kernel in ("fused_uvm_caching",) + SSD_KERNELS]
-
-        def stats_of(so):
-            return None if so.cache_params is None else so.cache_params.stats
-
-        def order(so):
-            st = stats_of(so)
-            if st is None:
-                return (1, -so.tensor.shape[0] * so.tensor.shape[1], 0.0, so.name)
-            lf0 = so.cache_params.load_factor if so.cache_params.load_factor is not None else DEFAULT_LOAD_FACTOR
-            pooling = float(sum(so.input_lengths)) if so.input_lengths else 1.0
-            return (0, -pooling * so.tensor.shape[1] * st.expected_miss_rate(lf0), 0.0, so.name)
-
-        caching.sort(key=order)
-        for so in caching:
-            cp = so.cache_params
-            lf = cp.load_factor if cp is not None and cp.load_factor is not None else DEFAULT_LOAD_FACTOR
-            cap = MAX_CACHE_LOAD_FACTOR
-            st = stats_of(so)
-            if st is not None:
-                cap = min(cap, saturation_load_factor(st))
-            if lf >= cap:
-                continue
-            # extra HBM per shard for each +1.0 of load factor
-            per = [(sh, sh.size[0] * sh.size[1] * 4) for sh in so.shards]
-            room = min((free[sh.rank] / b if b else math.inf) for sh, b in per)
-            new = min(cap, lf + 0.95 * room)
-            new = math.floor(new * 100) / 100
-            if new <= lf + 0.01:
-                continue
-            for sh, b in per:
-                extra = b * (new - lf)
-                free[sh.rank] -= extra
-                sh.storage = Storage(hbm=int(sh.storage.hbm + extra), ddr=sh.storage.ddr, ssd=sh.storage.ssd)
-            from torchrec.distributed.types import CacheParams
-
-            so.cache_params = dataclasses.replace(cp, load_factor=new) if cp is not None else CacheParams(load_factor=new)
-        return plan
+        """Grow the chosen plan's cache load factors into the HBM it leaves free on the storage our
+        partitioner placed it in (``grow_cache_load_factors``)."""
+        return grow_cache_load_factors(plan, self.partitioner.last_storage_constraint)

@@ -93,7 +93,7 @@ def build_host_groups(hosts: int, timeout: timedelta | None = None) -> HostGroup
 
 def remap_plan_to_host(plan: Any, groups: HostGroups, device_type: str) -> Any:
     """A copy of a plan made for ranks 0..R-1 with the shard placements moved to this host's
-    global ranks (``sharding.planner.topology_planner.remap_plan_to_host``; ``TopologyAwarePlanner(hosts=H)``
+    global ranks (``sharding.planner.job_topology.remap_plan_to_host``; ``TopologyAwarePlanner(hosts=H)``
     does this itself in ``collective_plan``)."""
     from sharding.planner.job_topology import remap_plan_to_host as remap
 

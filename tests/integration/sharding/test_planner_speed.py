@@ -16,7 +16,8 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from sharding.planner.cost.model import TopologyCostModel
 from sharding.planner.cost.placement import PlacedShard
 from sharding.topology.topology_file import load_topology
-from sharding.planner.topology_planner import default_constraints, greedy_patience_for, torchrec_topology
+from sharding.planner.job_topology import torchrec_topology
+from sharding.planner.topology_planner import default_constraints, greedy_patience_for
 from sharding.planner.torchrec_speedups import fast_deepcopy, fast_planner_internals
 from tests.support.plan_models import meta_ebc as ebc
 
@@ -154,7 +155,8 @@ def test_candidate_scores_equal_trial_adds():
 
 def test_one_rank_plans_without_links():
     """A one-rank CPU topology has no rank pairs: no link carries anything, the plan still comes."""
-    from sharding.planner.topology_planner import TopologyAwarePlanner, cpu_topology_like
+    from sharding.planner.job_topology import cpu_topology_like
+    from sharding.planner.topology_planner import TopologyAwarePlanner
 
     topo = cpu_topology_like(load_topology("cpu-gloo"), 1)
     tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=100 * (i + 1), feature_names=[f"f{i}"]) for i in range(4)]

@@ -425,7 +425,7 @@ def test_planner_takes_a_name_a_path_or_a_cluster_topology():
 def test_planner_for_kstep_hosts_plans_one_host_and_remaps():
     """hosts=2: the plan is for one host (8 ranks of dgx-a100-2host) and the remap moves every
     placement to host 1's global ranks 8..15, ranks unchanged (host-local)."""
-    from sharding.planner.topology_planner import remap_plan_to_host
+    from sharding.planner.job_topology import remap_plan_to_host
 
     planner = TopologyAwarePlanner("dgx-a100-2host", batch_size=512, hosts=2)
     assert planner.cluster.world_size == 8

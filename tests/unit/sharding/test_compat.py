@@ -117,7 +117,7 @@ def test_zero_capacities_kept_on_old_torchrec(monkeypatch, torchrec, zeroed):
 def test_zero_ssd_on_the_installed_torchrec_is_no_ssd():
     """End to end with the installed torchrec: a cluster without SSD gives ranks no SSD capacity."""
     from sharding.topology.topology_file import load_topology
-    from sharding.planner.topology_planner import torchrec_topology
+    from sharding.planner.job_topology import torchrec_topology
 
     topo = torchrec_topology(load_topology("cpu-gloo"))
     assert [d.storage.ssd for d in topo.devices] == [0, 0]

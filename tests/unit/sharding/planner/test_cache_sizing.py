@@ -228,3 +228,57 @@ def test_load_histogram_takes_table_features_without_a_module(tmp_path):
     assert sorted(stats) == ["t_A", "w_A"] and stats["t_A"].total == 5 and stats["w_A"].rows == 1000
     with pytest.raises(SampleError, match="no such file"):
         load_histogram(tmp_path / "nope.json", table_features(ebc()))
+
+
+class _LinearUpToHalf:
+    """torchrec ``CacheStatistics`` of a table whose hit rate is 1.6 x the load factor up to 0.5
+    (80% of the lookups), flat after: no id histogram behind it."""
+
+    expected_lookups = 0.0
+    cacheability = 0.0
+
+    def expected_miss_rate(self, clf: float) -> float:
+        return 1.0 - 1.6 * min(clf, 0.5)
+
+
+def test_load_factors_of_statistics_without_a_histogram_by_their_miss_rate():
+    from sharding.planner.cache_sizing import saturation_load_factor
+
+    st = _LinearUpToHalf()
+    # 1.6 x lf >= 0.4: lf = 0.25, the first point of the 0.01 grid there
+    assert choose_load_factor(st, 0.4, 0.8) == 0.25
+    assert choose_load_factor(st, 0.4, 0.2) == 0.2  # capped
+    assert choose_load_factor(st, 0.0, 0.8) == 0.01  # at least MIN_LOAD_FACTOR
+    assert choose_load_factor(st, 0.9, 0.8) == 0.8  # never reached: the cap
+    # the curve stops rising at 0.5: 1.6 x lf within 1e-3 of a full cache's 0.8 from lf = 0.50 on the grid
+    assert saturation_load_factor(st) == 0.5
+    # a histogram: half the rows seen, twice each, the rest never: full hit rate at half the rows
+    assert saturation_load_factor(IdFrequencyStats([2] * 50, 100)) == 0.5
+
+
+def test_summary_per_table_hit_rates_target_and_plan():
+    from sharding.planner.cache_sizing import summary
+
+    st = IdFrequencyStats([4] * 20 + [2] * 30, 100)  # 50 of 100 rows seen: 80 + 60 = 140 lookups
+    got = summary({"t": st}, load_factors={"t": 0.3}, target_hit_rate=0.5)
+    # the 20 ids seen 4 times first: 1 row 4/140, 5 rows 20/140, 10 rows 40/140, 20 rows 80/140,
+    # 50 rows all; a target of 50%: 18 rows (72/140 = 0.514); 30 rows: 80 + 10 x 2 = 100/140
+    assert got == {
+        "t": {
+            "lookups": 140,
+            "distinct_ids": 50,
+            "rows": 100,
+            "hit_rate_at": {
+                "0.01": round(4 / 140, 4),
+                "0.05": round(20 / 140, 4),
+                "0.1": round(40 / 140, 4),
+                "0.2": round(80 / 140, 4),
+                "0.5": 1.0,
+            },
+            "target_load_factor": 0.18,
+            "target_hit": round(72 / 140, 4),
+            "load_factor": 0.3,
+            "hit_rate": round(100 / 140, 4),
+        }
+    }
+    assert summary({"t": st}) == {"t": {k: got["t"][k] for k in ("lookups", "distinct_ids", "rows", "hit_rate_at")}}

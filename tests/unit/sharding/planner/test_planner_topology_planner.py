@@ -1,7 +1,9 @@
-"""TopologyAwarePlanner takes what torchrec's EmbeddingShardingPlanner takes: a torchrec
-Topology, and its roles (storage reservation, enumerator, partitioner, performance model,
-stats, callbacks) with torchrec's meaning; and every plan torchrec's planner makes under a set of
-constraints, ours can make under the same constraints."""
+"""sharding/planner/topology_planner.py: TopologyAwarePlanner takes what torchrec's
+EmbeddingShardingPlanner takes: a torchrec Topology, and its roles (storage reservation,
+enumerator, partitioner, performance model, stats, callbacks) with torchrec's meaning; every plan
+torchrec's planner makes under a set of constraints, ours can make under the same constraints.
+Its own arguments are checked, its constraints merged per table, its search bounded and
+reported, and the same inputs give the same plan."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from torchrec.distributed.planner.types import (
 
 from tests.support import plan_models
 from sharding import TopologyAwarePlanner
+from sharding.constants import MODEL_PARALLEL_TYPES
 
 TABLES = ("t_cowclip", "t_adagrad", "t_sgd")
 
@@ -211,3 +214,85 @@ def test_cowclip_tagged_ebc_under_the_stock_sharder_names_ours():
         "tagged for CowClip-Adam, but its sharder EmbeddingBagCollectionSharder does not train CowClip-Adam; "
         "CowClip-Adam trains EmbeddingBagCollection tables: add CowClipEmbeddingBagCollectionSharder() to the sharders"
     )
+
+
+def test_its_own_arguments_are_checked():
+    with pytest.raises(ValueError, match=r"^hosts must be >= 1, got 0$"):
+        TopologyAwarePlanner("cpu-gloo", batch_size=64, hosts=0)
+    with pytest.raises(ValueError, match=r"^target_hit_rate must be in \(0, 1\], got 1.5$"):
+        TopologyAwarePlanner("cpu-gloo", batch_size=64, target_hit_rate=1.5)
+    with pytest.raises(ValueError, match=r"^TopologyAwarePlanner\(torchrec Topology, hosts > 1\): give one host's Topology and hosts=1, "):
+        TopologyAwarePlanner(_topology(2, "cpu"), batch_size=64, hosts=2)
+
+
+def test_the_constraints_of_a_plan_are_the_defaults_merged_per_table_with_the_users():
+    user = {"t_adagrad": ParameterConstraints(sharding_types=["column_wise"])}
+    planner = TopologyAwarePlanner("cpu-gloo", batch_size=64, constraints=user)
+    got = {t: (c.sharding_types, c.compute_kernels) for t, c in planner.constraints_for(_model(), SHARDERS).items()}
+    assert got == {
+        "t_cowclip": (list(MODEL_PARALLEL_TYPES), ["fused"]),
+        "t_adagrad": (["column_wise"], ["fused"]),
+        "t_sgd": (list(MODEL_PARALLEL_TYPES), ["fused"]),
+    }
+    # k-step replicas on several hosts: no table-row-wise (a replica lives on one host)
+    replicas = TopologyAwarePlanner("cpu-gloo", batch_size=64, hosts=2).constraints_for(_model(), SHARDERS)
+    assert replicas["t_sgd"].sharding_types == [t for t in MODEL_PARALLEL_TYPES if t != "table_row_wise"]
+
+
+def test_the_same_inputs_give_the_same_plan():
+    plans = [TopologyAwarePlanner("cpu-gloo", batch_size=64).plan(_model(), SHARDERS) for _ in range(2)]
+    placements = [
+        {
+            t: (ps.sharding_type, ps.compute_kernel, ps.ranks, [s.shard_sizes for s in ps.sharding_spec.shards])
+            for m in p.plan.values()
+            for t, ps in m.items()
+        }
+        for p in plans
+    ]
+    assert placements[0] == placements[1]
+
+
+def test_a_search_the_budget_cut_reports_its_distance_from_the_lower_bound():
+    from sharding.planner.bounds import step_time_lower_bound
+
+    planner = TopologyAwarePlanner("cpu-gloo", batch_size=64, max_proposals=1)
+    planner.plan(_model(), SHARDERS)
+    report = planner.last_search
+    # each of the four default proposers and the balance proposer made its one proposal
+    assert report.proposals == {
+        "GridSearchProposer#0": 1,
+        "PatientGreedyProposer#1": 1,
+        "PatientGreedyProposer#2": 1,
+        "PerTableUniformProposer#3": 1,
+        "BalanceProposer#4": 1,
+    }
+    assert report.budget_cut[:2] == ["GridSearchProposer#0", "PatientGreedyProposer#1"] and not report.timeout_cut
+    assert report.step_s == planner.last_cost.step_time
+    assert report.lower_bound_s == step_time_lower_bound(planner.cost_model, planner.search_space) <= report.step_s
+    assert report.line().startswith(
+        f"planner search cut: the budget of 1 proposals per proposer stopped {', '.join(report.budget_cut)} after 5 proposals; plan "
+    )
+    # without a cut: no bound computed
+    free = TopologyAwarePlanner("cpu-gloo", batch_size=64)
+    free.plan(_model(), SHARDERS)
+    assert not free.last_search.cut and free.last_search.lower_bound_s is None
+
+
+def test_a_model_that_cannot_fit_is_one_line():
+    from sharding import ModelDoesNotFitError
+
+    planner = TopologyAwarePlanner("cpu-gloo", batch_size=64, ddr_bytes=64 << 10)  # 64 KiB of host memory per rank
+    with pytest.raises(ModelDoesNotFitError, match=r"^model does not fit cpu-gloo \(2 ranks, 1 host\): embeddings need [^\n]*$"):
+        planner.plan(_model(), SHARDERS)
+
+
+def test_on_gpus_the_caches_grow_into_the_hbm_the_plan_leaves_free():
+    caching = {t: ParameterConstraints(sharding_types=["table_wise"], compute_kernels=["fused_uvm_caching"]) for t in TABLES}
+    topo = _topology(2, "cuda", hbm_cap_bytes=8 << 20)  # 8 MiB per rank, the tables ~60 KB: room for whole caches
+
+    def load_factors(**kw) -> dict[str, float | None]:
+        plan = TopologyAwarePlanner(topo, batch_size=64, constraints=caching, **kw).plan(_model(), SHARDERS)
+        return {t: ps.cache_params.load_factor if ps.cache_params else None for m in plan.plan.values() for t, ps in m.items()}
+
+    assert load_factors() == {t: 0.8 for t in TABLES}  # MAX_CACHE_LOAD_FACTOR
+    assert load_factors(tune_cache_load_factor=False) == {t: None for t in TABLES}  # torchrec's default when run

@@ -25,7 +25,8 @@ from sharding.planner.cost.placement import PlacedShard
 from sharding.topology.cluster import GB, SsdSpec, TopologyError
 from sharding.topology.topology_dump import dump_topology, topology_to_dict
 from sharding.topology.topology_file import load_topology
-from sharding.planner.topology_planner import ModelDoesNotFitError, TopologyAwarePlanner, torchrec_topology
+from sharding.planner.job_topology import torchrec_topology
+from sharding.planner.topology_planner import ModelDoesNotFitError, TopologyAwarePlanner
 
 logging.disable(logging.WARNING)
 GIB = 1024**3
@@ -453,3 +454,54 @@ def test_ssd_tier_is_offered_to_a_cowclip_table_whose_state_does_not_fit():
     cow = planner.constraints_for(_tagged_ebc({"big": (rows, dim, "cowclip"), "small": (1000, 16, "rowwise")}))
     assert "key_value" not in ada["big"].compute_kernels
     assert "key_value" in cow["big"].compute_kernels and "key_value" not in cow["small"].compute_kernels
+
+
+# -- the storage of a key_value shard ---------------------------------------------------------
+
+
+def test_ssd_tier_needs_cuda_ranks_each_with_ssd_capacity():
+    from sharding.planner.ssd_tier import has_ssd_tier
+
+    assert has_ssd_tier(torchrec_topology(load_topology("dgx-a100-ssd")))
+    assert not has_ssd_tier(torchrec_topology(load_topology("dgx-a100")))
+    assert not has_ssd_tier(torchrec_topology(load_topology("cpu-gloo")))
+
+
+def _key_value_option(opt: str):
+    """The table-wise key_value option of a 1000 x 16 fp32 table trained by ``opt``."""
+    from torchrec.distributed.planner import ParameterConstraints
+
+    from sharding.planner.enumerators import TopologyEnumerator
+
+    topo = torchrec_topology(load_topology("dgx-a100-ssd"))
+    cons = {"t": ParameterConstraints(sharding_types=["table_wise"], compute_kernels=["key_value"])}
+    space = TopologyEnumerator(topo, 64, (), cons).enumerate(_tagged_ebc({"t": (1000, 16, opt)}), [EmbeddingBagCollectionSharder()])
+    (so,) = space
+    return so
+
+
+def test_key_value_storage_is_weights_and_state_on_ssd_and_a_cache_in_hbm():
+    from torchrec.distributed.planner.types import Storage
+    from torchrec.distributed.types import CacheParams
+
+    from sharding.constants import KEY_VALUE_START_LOAD_FACTOR
+    from sharding.planner.ssd_tier import key_value_storage
+
+    so = _key_value_option("rowwise")
+    so.cache_params = None
+    so.shards[0].storage = Storage(hbm=1000, ddr=5, ssd=9)  # as if torchrec's estimate
+    key_value_storage(so)
+    # ssd: 1000 x 16 x 4 B of weights + 1000 x 4 B of row-wise Adagrad state; hbm: torchrec's
+    # buffers + the start cache, 0.01 of the weights; nothing in host memory
+    assert so.cache_params.load_factor == KEY_VALUE_START_LOAD_FACTOR == 0.01
+    assert so.shards[0].storage == Storage(hbm=1000 + 640, ddr=0, ssd=64_000 + 4_000)
+    # a load factor the user gave is kept, and sizes the cache
+    so.cache_params = given = CacheParams(load_factor=0.5)
+    so.shards[0].storage = Storage(hbm=1000, ddr=5, ssd=9)
+    key_value_storage(so)
+    assert so.cache_params is given and so.shards[0].storage == Storage(hbm=1000 + 32_000, ddr=0, ssd=68_000)
+    # plain SGD keeps no state
+    sgd = _key_value_option("none")
+    sgd.shards[0].storage = Storage(hbm=1000, ddr=5, ssd=9)
+    key_value_storage(sgd)
+    assert sgd.shards[0].storage.ssd == 64_000
