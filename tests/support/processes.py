@@ -1,14 +1,22 @@
 """Process helpers the multi-process tests share: the tree of processes a launch started (from
-/proc), killing that tree at once, and waiting for a file a running job writes. (A free port for a
-rendezvous is `recsys.training.distributed.free_port`.)"""
+/proc), killing that tree at once, waiting for a file a running job writes, and the output of the
+processes a launcher running in the test process starts. (A free port for a rendezvous is
+`recsys.training.distributed.free_port`.)"""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import signal
 import subprocess
+import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+
+from tests.support.cli import run_main
 
 
 def descendants(pid: int) -> list[int]:
@@ -47,3 +55,59 @@ def wait_for(path: Path, proc: subprocess.Popen, timeout: float) -> None:
         if time.time() - t0 > timeout:
             raise AssertionError(f"{path} did not appear in {timeout} s")
         time.sleep(0.05)
+
+
+@dataclasses.dataclass
+class ChildOutput:
+    """What the processes started inside a `child_output` block wrote to their stdout and stderr."""
+
+    stdout: str = ""
+    stderr: str = ""
+
+
+@contextlib.contextmanager
+def child_output() -> Iterator[ChildOutput]:
+    """For the block, file descriptors 1 and 2 of this process (which the processes it starts
+    inherit) write to temporary files; afterwards the returned object holds what was written.
+    Python's own `sys.stdout` / `sys.stderr` are not touched (`tests/support/cli.py` redirects
+    those), so a launcher called in this process gives its own lines there and its torchrun's and
+    workers' lines here."""
+    got = ChildOutput()
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        saved = os.dup(1), os.dup(2)
+        try:
+            os.dup2(out.fileno(), 1)
+            os.dup2(err.fileno(), 2)
+            yield got
+        finally:
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+            for f, field in ((out, "stdout"), (err, "stderr")):
+                f.seek(0)
+                setattr(got, field, f.read().decode(errors="replace"))
+
+
+def run_main_and_children(module: str, *args: str, cwd: str | Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`tests/support/cli.py`'s `run_main` for a command that starts processes (`recsys train`
+    starts torchrun and its workers): what `subprocess.run` would return, with the command's own
+    lines first and then those of the processes it started. After `timeout` seconds every process
+    this one started is killed (`subprocess.run`'s timeout kills the command itself), so a hung job
+    fails the test instead of stopping the suite."""
+    me = os.getpid()
+
+    def kill_children() -> None:
+        for p in descendants(me)[1:]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
+
+    watchdog = threading.Timer(timeout, kill_children)
+    watchdog.daemon = True
+    with child_output() as children:
+        watchdog.start()
+        try:
+            r = run_main(module, *args, cwd=cwd)
+        finally:
+            watchdog.cancel()
+    return subprocess.CompletedProcess(r.args, r.returncode, r.stdout + children.stdout, r.stderr + children.stderr)

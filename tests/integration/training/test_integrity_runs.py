@@ -1,7 +1,14 @@
 """Run integrity: run directories own their runs, no orphaned workers, resume only what
 is compatible, broken checkpoints and full disks. Real `recsys train` launches (torchrun, gloo,
 DMP, FBGEMM) on configs/experiments/smoke.yaml with tiny step counts; the unit tests at the top
-need no processes."""
+need no processes.
+
+A launch costs ~13 s of CPU, nearly all of it process start-up (the launcher, torchrun and each
+worker importing torch, torchrec and fbgemm), so runs that several tests read are module fixtures
+(tests change copies of them), and most launchers run in this process (`_launched`, `_ok`; their
+torchrun and workers are real processes). The launches whose launcher is signalled or killed, a
+second launch into a locked run_dir, and the run a worker stops mid-training (the diverging run)
+start the real command (`_recsys`): there the exit status a shell sees is the point."""
 
 from __future__ import annotations
 
@@ -28,7 +35,7 @@ from recsys.training.checkpoint.layout import MARKER, step_dir_name
 from recsys.training.checkpoint.shape import shape_changes
 from recsys.training.run_dir import RunDirError, RunLock, check_fresh
 from tests.support.cli import run_main
-from tests.support.processes import descendants  # the /proc walk over a process tree
+from tests.support.processes import descendants, run_main_and_children
 
 REPO = Path(__file__).resolve().parents[3]
 SMOKE = REPO / "configs" / "experiments" / "smoke.yaml"
@@ -47,8 +54,14 @@ def _checked(args: list[str]) -> subprocess.CompletedProcess:
     return run_main("recsys.cli", "train", "--config", str(SMOKE), *args, cwd=REPO)
 
 
+def _launched(args: list[str]) -> subprocess.CompletedProcess:
+    """`recsys train ARGS` with its launcher in this process (its torchrun and workers are real
+    processes): the launcher's ~3 s of CPU starting up saved."""
+    return run_main_and_children("recsys.cli", "train", "--config", str(SMOKE), *args, cwd=REPO)
+
+
 def _ok(args: list[str]) -> subprocess.CompletedProcess:
-    r = _recsys(args)
+    r = _launched(args)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r
 
@@ -311,13 +324,16 @@ def test_torchrun_killed_alone_is_said_by_the_launcher(tmp_path):
 def test_killing_the_launcher_stops_every_worker(tmp_path, sig):
     """A second run on the same dir stops at once naming the holder; the launcher alone killed
     (Ctrl-C, SIGTERM, SIGKILL) takes torchrun and every worker with it; SIGINT/SIGTERM print one
-    line, and the last complete checkpoint resumes."""
+    line, and the last complete checkpoint resumes. Under SIGINT the second run is the real command
+    (the exit status a shell sees); under the other signals its launcher runs in this process,
+    which does not hold the lock either, so the refusal is the same and is over before the running
+    workers have burnt seconds of CPU."""
     run_dir = tmp_path / "run"
     launcher = _launch_until_a_checkpoint(run_dir)
     try:
         tree = descendants(launcher.pid)
         assert len(tree) >= 4  # launcher, torchrun, 2 workers
-        second = _recsys([f"run_dir={run_dir}", "train.max_steps=20", "resume=true"])
+        second = (_recsys if sig == signal.SIGINT else _checked)([f"run_dir={run_dir}", "train.max_steps=20", "resume=true"])
         assert second.returncode == 2
         assert _last_line(second) == (
             f"error: run_dir {run_dir} is in use by another run (pid {launcher.pid}); "
@@ -363,7 +379,7 @@ def test_full_disk_during_a_checkpoint(tmp_path):
     """A tmpfs too small for the first checkpoint: one line, no `.tmp` directory or plan temp file."""
     with _tmpfs(tmp_path / "small", "700k") as mnt:
         run_dir = mnt / "run"
-        r = _recsys([f"run_dir={run_dir}", "train.max_steps=20", "checkpoint.every_steps=10"])
+        r = _launched([f"run_dir={run_dir}", "train.max_steps=20", "checkpoint.every_steps=10"])
         assert r.returncode == 2
         assert _last_line(r) == (
             f"error: checkpoint {run_dir}/checkpoints/step_000000010 not written: No space left on device; no earlier checkpoint"
@@ -432,7 +448,7 @@ def test_corrupt_bytes_in_a_checkpoint_without_hashes_is_one_line(run30, tmp_pat
     data[100:400] = bytes(300)
     victim.write_bytes(bytes(data))
     before = (broken / "metrics.jsonl").read_text()
-    r = _recsys([f"run_dir={broken}", "train.max_steps=40", "resume=true"])
+    r = _launched([f"run_dir={broken}", "train.max_steps=40", "resume=true"])
     assert r.returncode == 2
     line = _last_line(r)
     assert line.startswith(f"error: cannot load checkpoint {newest}: ") and line.endswith(
@@ -478,16 +494,32 @@ def test_world_size_change_reshards_model_and_optimizer_exactly(run30, tmp_path)
         assert s[key] == pytest.approx(ref[key], abs=1e-6), (key, s[key], ref[key])
 
 
+COWCLIP = ["optim.embedding=cowclip_adam", "optim.embedding_lr=0.002"]
+
+
+def _cowclip30(run_dir: Path, extra: list[str]) -> Path:
+    """A finished 2-rank CowClip-Adam run: 30 steps, checkpoints at 10, 20, 30 (keep 3)."""
+    _ok([f"run_dir={run_dir}", "train.max_steps=30", "checkpoint.every_steps=10", "checkpoint.keep=3", *COWCLIP, *extra])
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def cowclip30(tmp_path_factory):
+    """`_cowclip30` with the defaults (catch-up), which the resharding and the export tests both
+    read (tests change copies of it)."""
+    return _cowclip30(tmp_path_factory.mktemp("cowclip30") / "run", [])
+
+
 @pytest.mark.parametrize(
     "extra", [[], ["sharding.sharding_types=[row_wise]", "optim.embedding_l2_scope=batch"]], ids=["catchup", "row_wise-lazy"]
 )
-def test_cowclip_adam_reshards_2_1_2_exactly(tmp_path, extra):
+def test_cowclip_adam_reshards_2_1_2_exactly(request, tmp_path, extra):
     """CowClip-Adam's state (moments per element, each row's step) through 2 -> 1 -> 2 ranks: the
     2-rank checkpoint of step 20 is loaded and saved again by 1 rank, then 2 ranks train steps
     21..30; the end equals the uninterrupted 2-rank run to the last digit."""
-    opts = ["optim.embedding=cowclip_adam", "optim.embedding_lr=0.002", *extra]
-    ref, run = tmp_path / "ref", tmp_path / "run"
-    _ok([f"run_dir={ref}", "train.max_steps=30", "checkpoint.every_steps=10", "checkpoint.keep=3", *opts])
+    opts = [*COWCLIP, *extra]
+    ref = _cowclip30(tmp_path / "ref", extra) if extra else request.getfixturevalue("cowclip30")
+    run = tmp_path / "run"
     shutil.copytree(ref, run)
     shutil.rmtree(run / "checkpoints" / "step_000000030")
     (run / "summary.json").unlink()
@@ -804,30 +836,30 @@ def test_checkpoint_interval_rounded_to_merge_steps_is_said(tmp_path):
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000000010"]
 
 
+def _export(args: list[str], real: bool) -> subprocess.CompletedProcess:
+    """`recsys export ARGS`: the real command, or (~5 s of CPU less) its `main` in this process."""
+    if not real:
+        return run_main("recsys.cli", "export", *args, cwd=REPO)
+    cmd = [sys.executable, "-m", "recsys.cli", "export", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=ENV, timeout=300)
+
+
 @pytest.mark.parametrize("optim", ["rowwise_adagrad", "cowclip_adam"])
-def test_export_gives_the_plain_model_the_sharded_run_evaluated(run30, tmp_path, optim):
+def test_export_gives_the_plain_model_the_sharded_run_evaluated(request, tmp_path, optim):
     """`recsys export`: the run's last checkpoint as one unsharded state_dict; the plain model on
     one device (no DMP, no process group) loaded from it evaluates the eval split to the 2-rank
     sharded run's own AUC and logloss. CowClip-Adam with catch-up: rows are current at the
     checkpoint. (Before the models read their pooled embeddings by feature name, the 2-rank
-    FBGEMM plan fed the dense layers a permuted feature order, and this failed in the 4th digit.)"""
+    FBGEMM plan fed the dense layers a permuted feature order, and this failed in the 4th digit.)
+    The real command exports the rowwise Adagrad run; the CowClip-Adam run is exported in this process."""
     from recsys.config import load_config
     from recsys.training.export import load_exported
 
-    run = run30
-    if optim != "rowwise_adagrad":
-        run = tmp_path / "run"
-        _ok([f"run_dir={run}", "train.max_steps=30", f"optim.embedding={optim}", "optim.embedding_lr=0.002"])
+    real = optim == "rowwise_adagrad"
+    run = request.getfixturevalue("run30" if real else "cowclip30")
     want = _summary(run)
     out = tmp_path / "model.pt"
-    r = subprocess.run(
-        [sys.executable, "-m", "recsys.cli", "export", "--run-dir", str(run), "--out", str(out)],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env=ENV,
-        timeout=300,
-    )
+    r = _export(["--run-dir", str(run), "--out", str(out)], real)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip().startswith(f"wrote {out}: deepfm at step 30 (26 sparse features, ")
     model = load_exported(out)
@@ -835,14 +867,7 @@ def test_export_gives_the_plain_model_the_sharded_run_evaluated(run30, tmp_path,
     got = _evaluate_all(model, load_config(run / "config.yaml"))
     assert got["rows"] == want["eval_rows"]
     assert got["auc"] == pytest.approx(want["auc"], abs=1e-6) and got["logloss"] == pytest.approx(want["logloss"], abs=1e-6)
-    bad = subprocess.run(
-        [sys.executable, "-m", "recsys.cli", "export", "--run-dir", str(run), "--step", "7", "--out", str(tmp_path / "x.pt")],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env=ENV,
-        timeout=300,
-    )
+    bad = _export(["--run-dir", str(run), "--step", "7", "--out", str(tmp_path / "x.pt")], real)
     assert bad.returncode == 2 and _last_line(bad) == (
         f"error: cannot export step 7 of {run}: {run}/checkpoints/step_000000007 does not exist"
     )

@@ -1,5 +1,9 @@
 """Multi-process integration: real torchrun, gloo process groups, DistributedModelParallel and
-FBGEMM kernels. Slow (tens of seconds each); CI runs them."""
+FBGEMM kernels. Slow (tens of seconds each); CI runs them.
+
+Nearly all of a launch's CPU is process start-up, so the launcher of a run that must succeed, and
+of one the launcher itself refuses, runs in this process (its torchrun and workers are real
+processes); the run that is killed is the real command."""
 
 from __future__ import annotations
 
@@ -13,15 +17,16 @@ from pathlib import Path
 import pytest
 
 from tests.support.cli import run_main
-from tests.support.processes import kill_tree, wait_for
+from tests.support.processes import kill_tree, run_main_and_children, wait_for
 
 REPO = Path(__file__).resolve().parents[3]
 SMOKE = REPO / "configs" / "experiments" / "smoke.yaml"
 RECSYS = [sys.executable, "-m", "recsys.cli", "train", "--config", str(SMOKE)]
 
 
-def _run(args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
-    r = subprocess.run(RECSYS + args, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+def _run(args: list[str]) -> subprocess.CompletedProcess:
+    """`recsys train ARGS`, which must succeed, with its launcher in this process."""
+    r = run_main_and_children("recsys.cli", *RECSYS[3:], *args, cwd=REPO)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r
 
@@ -154,13 +159,15 @@ def test_too_many_bad_rows_stops_before_launch(tmp_path):
         lines[i] = lines[i].replace(",", ";", 5)  # wrong column count
     bad = tmp_path / "bad.csv"
     bad.write_text("\n".join(lines) + "\n")
-    r = subprocess.run(
-        RECSYS + [f"run_dir={tmp_path / 'run'}", "data.source=criteo", f"data.path={bad}", f"data.cache_dir={tmp_path / 'c'}"],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    r = run_main(
+        "recsys.cli",
+        *RECSYS[3:],
+        f"run_dir={tmp_path / 'run'}",
+        "data.source=criteo",
+        f"data.path={bad}",
+        f"data.cache_dir={tmp_path / 'c'}",
         cwd=REPO,
-    )
+    )  # in this process
     assert r.returncode == 2
     assert str(bad) in r.stderr and "first bad lines: 4, 11, 21" in r.stderr
     assert not (tmp_path / "c").exists() and not (tmp_path / "run").exists()
