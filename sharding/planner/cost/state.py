@@ -7,15 +7,13 @@ rings, link matrices) stay in :class:`~sharding.planner.cost.model.TopologyCostM
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from sharding.constants import A2A_TYPES, DEFAULT_LOAD_FACTOR, LENGTH_BYTES, SSD_KERNELS, UVM_KERNELS
-from sharding.planner.cost.model import (
-    BYTES,
-    PlanCost,
-    TopologyCostModel,
-)
+from sharding.constants import BYTES_PER_WEIGHT as BYTES
+from sharding.planner.cost.result import PlanCost
 from sharding.planner.cost.placement import PlacedShard, with_rank
 
 _A2A = A2A_TYPES
@@ -26,7 +24,7 @@ class CostState:
     """Per-rank lookup and host-traffic accumulators, per-phase directed-link loads (seconds) of
     the collectives, for scoring and for incremental (greedy) placement."""
 
-    model: TopologyCostModel
+    model: Any  # the TopologyCostModel (sharding/planner/cost/model.py) whose inputs this state reads
     lookup: np.ndarray = field(init=False)
     loads: dict[str, np.ndarray] = field(init=False)  # phase -> seconds on each directed link
     latency: float = field(init=False)  # the collectives' latency of the sharding types present
