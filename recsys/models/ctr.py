@@ -148,7 +148,7 @@ def factorization_machine(emb: torch.Tensor) -> torch.Tensor:
     Not torchrec.modules.deepfm.FactorizationMachine: that module flattens the input to
     [B, F*D] before the square-of-sum trick, so it also multiplies different dimensions of
     different fields (and dimensions within one field) with each other, which is not the FM
-    of the DeepFM paper (tests/unit/test_models.py checks this one against explicit dot products).
+    of the DeepFM paper (tests/unit/recsys/models/test_ctr.py checks this one against explicit dot products).
     """
     s = emb.sum(dim=1)
     return 0.5 * (s.pow(2).sum(dim=1) - emb.pow(2).sum(dim=(1, 2)))

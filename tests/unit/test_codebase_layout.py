@@ -25,14 +25,6 @@ LONG_MODULES: dict[str, str] = {
 # modules with logic that have no test module of their own name yet: the test module that
 # exercises them (through their callers where the module is a part of a larger path)
 TESTED_ELSEWHERE: dict[str, str] = {
-    "recsys/cli.py": "tests/integration/training/test_integrity_runs.py",
-    "recsys/train.py": "tests/integration/training/test_train_integration.py",
-    "recsys/plan_cli.py": "tests/integration/sharding/test_recsys_plan_tool.py",
-    "recsys/plan_inputs.py": "tests/integration/sharding/test_recsys_plan_tool.py",
-    "recsys/config/checks.py": "tests/unit/test_config.py",
-    "recsys/config/loading.py": "tests/unit/test_config.py",
-    "recsys/config/schema.py": "tests/unit/test_config.py",
-    "recsys/models/ctr.py": "tests/unit/test_models.py",
     "recsys/optim/dense.py": "tests/unit/recsys/training/test_hooks.py",
     "recsys/optim/embedding.py": "tests/integration/cowclip/test_cowclip_training.py",
     "recsys/optim/cowclip/reference.py": "tests/unit/test_cowclip_math.py",

@@ -1,5 +1,5 @@
 """The launcher refuses a bad config before torchrun starts: exit 2, one line naming the key
-(the config's own checks are in tests/unit/test_config.py)."""
+(the config's own checks are in tests/unit/recsys/config/)."""
 
 from __future__ import annotations
 

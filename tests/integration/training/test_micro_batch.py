@@ -17,7 +17,7 @@ from torch import nn
 from recsys.config import ModelConfig
 from recsys.models.ctr import TrainModule, build_model
 from recsys.models.micro_batch import SplitCTRModel, chunked_loss
-from tests.unit.test_models import CARDS, CPU, NAMES, _kjt
+from tests.support.models import CARDS, CPU, NAMES, kjt
 
 
 def _batch(n: int, seed: int = 1):
@@ -25,7 +25,7 @@ def _batch(n: int, seed: int = 1):
     ids = torch.stack([torch.randint(0, c, (n,), generator=g) for c in CARDS], dim=1)
     ids[torch.rand(ids.shape, generator=g) < 0.1] = -1  # some missing fields
     return SimpleNamespace(
-        dense_features=torch.randn(n, 4, generator=g), sparse_features=_kjt(ids), labels=(torch.rand(n, generator=g) < 0.3).float()
+        dense_features=torch.randn(n, 4, generator=g), sparse_features=kjt(ids), labels=(torch.rand(n, generator=g) < 0.3).float()
     )
 
 
