@@ -1,8 +1,8 @@
 """The docs as a manual: every relative link in README.md, docs/ and benchmarks/ resolves (the
 file exists and, for `file.md#anchor` in README.md and docs/, the heading does: GitHub's anchors,
-lower case, punctuation dropped, spaces to hyphens, -1/-2 for repeats), and no page of docs/ grows
-past 20 KB. A dated record under benchmarks/ is never edited, so only its files are checked: the
-sections of a living doc it points at may move."""
+lower case, punctuation dropped, spaces to hyphens, -1/-2 for repeats), no page of docs/ grows
+past 20 KB, nor the hand-written pages past 150 KB in all. A dated record under benchmarks/ is
+never edited, so only its files are checked: the sections of a living doc it points at may move."""
 
 from __future__ import annotations
 
@@ -71,3 +71,14 @@ def test_every_doc_page_stays_under_20_kb(page):
     """A guide that grows past this is turning back into a lab notebook: measured history goes to
     a dated record under benchmarks/, and the page keeps the current figures."""
     assert page.stat().st_size <= 20 * 1024, f"{page.relative_to(REPO)}: {page.stat().st_size:,} bytes"
+
+
+def test_the_hand_written_docs_stay_under_150_kb_in_all():
+    """The generated reference (docs/reference/) is as long as the config and the CLI are; the
+    rest is read as a manual, and a manual that keeps growing is read by nobody."""
+    pages = [p for p in (REPO / "docs").rglob("*.md") if "reference" not in p.relative_to(REPO / "docs").parts]
+    total = sum(p.stat().st_size for p in pages)
+    biggest = sorted(pages, key=lambda p: -p.stat().st_size)[:3]
+    assert total < 150_000, f"docs/ without docs/reference/: {total:,} bytes; the largest: " + ", ".join(
+        f"{p.relative_to(REPO)} {p.stat().st_size:,}" for p in biggest
+    )
