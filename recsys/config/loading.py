@@ -19,19 +19,32 @@ from recsys.config.schema import ConfigError, ExperimentConfig
 
 
 def _type_name(tp: Any) -> str:
+    """A type as the error lines say it: "a string or a list of integers", not "Union"."""
+    words = {str: "a string", int: "an integer", float: "a number", bool: "true or false", type(None): "null"}
+    if tp in words:
+        return words[tp]
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(t) for t in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_plural(typing.get_args(tp)[0])}"
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _plural(tp: Any) -> str:
+    return {str: "strings", int: "integers", float: "numbers", bool: "true/false values"}.get(tp) or _type_name(tp)
 
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     """Checks `value` against the annotation `tp`; ints are accepted where floats are expected."""
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
-        errors = []
         for option in typing.get_args(tp):
             try:
                 return _coerce(value, option, where)
             except ConfigError as e:
-                errors.append(str(e))
+                if isinstance(value, list) and typing.get_origin(option) is list:
+                    raise e from None  # a list with a bad item: the item's own line, e.g. key[3]
         raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
     if origin is Literal:
         allowed = typing.get_args(tp)
@@ -41,8 +54,10 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if origin is list:
         (item_tp,) = typing.get_args(tp)
         if not isinstance(value, list):
-            raise ConfigError(f"{where}: expected a list of {_type_name(item_tp)}, got {value!r}")
-        return [_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
+            raise ConfigError(f"{where}: expected a list of {_plural(item_tp)}, got {value!r}")
+        # "key 'model.dnn'" -> "key 'model.dnn[1]'": the index inside the quoted key
+        item = (lambda i: f"{where[:-1]}[{i}]'") if where.endswith("'") else (lambda i: f"{where}[{i}]")
+        return [_coerce(v, item_tp, item(i)) for i, v in enumerate(value)]
     if tp is bool:
         if isinstance(value, bool):
             return value
