@@ -60,10 +60,10 @@ def _enc(value: Any, where: str) -> Any:
     """Plain JSON for the values a ParameterSharding holds; enums as {"enum": T, "name": N}."""
     import enum
 
+    if isinstance(value, enum.Enum):  # first: FBGEMM's BoundsCheckMode is an IntEnum, so an int too
+        return {"enum": type(value).__name__, "name": value.name}
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
-    if isinstance(value, enum.Enum):
-        return {"enum": type(value).__name__, "name": value.name}
     if isinstance(value, (list, tuple)):
         return [_enc(v, f"{where}[{i}]") for i, v in enumerate(value)]
     if isinstance(value, dict):
@@ -168,6 +168,8 @@ def param_from_dict(d: Any, where: str) -> ParameterSharding:
     if d.get("shards") is not None:
         if not isinstance(d["shards"], list):
             raise PlanFileError(f"{where}.shards: expected a list of shards, got {d['shards']!r}")
+        if not d["shards"]:  # torch's EnumerableShardingSpec would fail on an empty list with an IndexError
+            raise PlanFileError(f"{where}.shards: empty (a sharded table has at least one shard; null if unsharded)")
         shards = []
         for i, s in enumerate(d["shards"]):
             w = f"{where}.shards[{i}]"

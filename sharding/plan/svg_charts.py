@@ -18,7 +18,6 @@ from sharding.planner.cost.traffic import Traffic
 WIDTH = 1200  # drawing width inside a 1280 px window
 
 HBM_COLOR, HOST_COLOR, CAP_COLOR = "#3b6fb6", "#e69f00", "#b3261e"
-KIND_COLORS = {"nvlink": "#76b900", "pcie": "#3b6fb6", "network": "#b3261e", "shm": "#888888"}
 
 
 def esc(x: Any) -> str:

@@ -127,6 +127,8 @@ def test_the_stored_dict_is_plain_json_with_enums_by_name():
         "multipass_prefetch_config": None,
     }
     assert a["output_dtype"] == {"enum": "DataType", "name": "FP16"} and a["enforce_hbm"] is True and a["stochastic_rounding"] is False
+    # FBGEMM's BoundsCheckMode is an IntEnum: by name like every enum, not as the bare int 1
+    assert a["bounds_check_mode"] == {"enum": "BoundsCheckMode", "name": "WARNING"}
     b = d["modules"]["model.sparse.ebc"]["params"]["b"]
     assert b["key_value_params"]["ssd_storage_directory"] == "/ssd/kv" and b["cache_params"] is None
     assert [s["offsets"] for s in b["shards"]] == [[0, 0], [40, 0]]
@@ -173,6 +175,14 @@ def test_version_1_tables_get_the_defaults_and_may_carry_extra_keys():
     _, header = file_format.plan_from_dict(d, "v1.json")
     assert header["version"] == 1
     assert header["tables"] == {"t": {"num_embeddings": 10, "embedding_dim": 4, "data_type": "FP32", "optimizer_state": None}}
+
+
+def test_a_bounds_check_mode_stored_as_an_int_still_reads():
+    """A version 2 file may hold FBGEMM's int value (1: WARNING) instead of the name."""
+    d = file_format.plan_to_dict(_every_field_plan(), 2, "cuda", TABLES)
+    d["modules"]["model.sparse.ebc"]["params"]["a"]["bounds_check_mode"] = 1
+    back, _ = file_format.plan_from_dict(d, "p.json")
+    assert back.plan["model.sparse.ebc"]["a"].bounds_check_mode == BoundsCheckMode.WARNING
 
 
 def test_missing_optional_keys_read_as_none():
@@ -247,6 +257,7 @@ def test_an_unknown_data_type_lists_the_known_ones():
         ({"compute_kernel": 3}, "p.json: modules.m.t.compute_kernel: expected a string, got 3"),
         ({"ranks": [0, -1]}, "p.json: modules.m.t.ranks: expected a list of ranks, got [0, -1]"),
         ({"shards": "all"}, "p.json: modules.m.t.shards: expected a list of shards, got 'all'"),
+        ({"shards": []}, "p.json: modules.m.t.shards: empty (a sharded table has at least one shard; null if unsharded)"),
         (
             {"shards": [{"offsets": [0], "sizes": [10, 4], "placement": "rank:0/cpu"}]},
             "p.json: modules.m.t.shards[0].offsets: expected [rows, columns] of non-negative integers, got [0]",
