@@ -167,6 +167,7 @@ class TopologyCostModel:
         self._ring_cache: dict[tuple[int, ...], np.ndarray] = {}
         self._group_cache: dict[tuple[int, ...], tuple] = {}
         self._off_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+        self._rows_cache: dict[bytes, dict[str, np.ndarray]] = {}
         self._norm2 = {"in": (links.in_inv**2).sum(axis=1), "out": (links.out_inv**2).sum(axis=1)}
         # host-memory resources: per GPU port, per switch uplink, per NUMA DDR, per socket link
         self.res_bw: list[float] = []
@@ -305,6 +306,21 @@ class TopologyCostModel:
                     out += L.pair_inv(rank, c)
                     inn += L.pair_inv(c, rank)
             hit = self._off_cache[key] = (out, inn)
+        return hit
+
+    def link_rows(self, cand: np.ndarray) -> dict[str, np.ndarray]:
+        """``in_inv`` and ``out_inv`` restricted to the candidate ranks, for the greedy placement's
+        vectorized scores: the same candidate list comes back shard after shard, and copying two
+        [ranks, links] matrices was a large part of a big search's time. Read-only views."""
+        key = cand.tobytes()
+        hit = self._rows_cache.get(key)
+        if hit is None:
+            L = self.links
+            if len(self._rows_cache) >= 8:
+                self._rows_cache.clear()
+            hit = self._rows_cache[key] = {"in": L.in_inv[cand], "out": L.out_inv[cand]}
+            for a in hit.values():
+                a.flags.writeable = False
         return hit
 
     def group_sums(self, group: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -422,7 +422,6 @@ class CostState:
         cand = np.asarray(candidates)
         hf = self._host_fraction(proto)
         if hf == 0.0 and proto.sharding_type in _A2A and proto.kernel not in SSD_KERNELS:
-            L = m.links
             base = self.local_time()
             lb = self._lookup_bytes(proto)
             own = base[cand] + lb / m.mem_bw[cand]
@@ -431,7 +430,7 @@ class CostState:
             comm = np.full(len(cand), self.comm_time() + self.new_type_latency(proto.sharding_type))
             b = m.batch * proto.cols * BYTES
             t = proto.sharding_type
-            rows = {"in": L.in_inv[cand], "out": L.out_inv[cand]}
+            rows = m.link_rows(cand)
             for phase, coef, which in ((f"{t}:ids", m.ids_bytes(proto.pooling), "in"), (f"{t}:fwd", b, "out"), (f"{t}:bwd", b, "in")):
                 cur = self.load(phase)
                 mat = rows[which]

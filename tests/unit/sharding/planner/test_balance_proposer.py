@@ -127,3 +127,29 @@ def test_a_better_proposal_becomes_the_plan_to_walk_from():
     proposer.propose()
     proposer.feedback(partitionable=False, plan=None, perf_rating=0.1)
     assert (proposer.current, proposer.rating, proposer.misses) == (second, 0.5, 1)
+
+
+def test_makespan_places_runs_of_equal_widths_as_lpt_does_one_by_one():
+    """The bulk placement of equal widths against LPT written out shard by shard with a scan for
+    the least loaded rank: many shards of few widths (more shards than ranks, ties everywhere),
+    width 0, one rank, no shards."""
+    import random
+
+    from sharding.planner.balance_proposer import _makespan
+
+    def lpt(widths, world):
+        load = [0] * world
+        for w in sorted(widths, reverse=True):
+            i = min(range(world), key=load.__getitem__)
+            load[i] += w
+        return max(load)
+
+    rng = random.Random(7)
+    for _ in range(300):
+        widths = [rng.choice([0, 1, 3, 4, 8, 16, 32, 64, 128]) for _ in range(rng.randint(0, 400))]
+        world = rng.randint(1, 48)
+        assert _makespan(widths, world) == lpt(widths, world), (world, sorted(widths))
+    assert _makespan([], 8) == 0 and _makespan([0, 0], 3) == 0
+    assert _makespan([16] * 1000, 128) == 16 * 8  # 1000 = 7 x 128 + 104: the busiest ranks get 8
+    # loads 5|0, 5|4, 5|7, 8|7, 8|10: LPT's 10, not the optimum 9 (5+4 | 3+3+3)
+    assert _makespan([5, 4, 3, 3, 3], 2) == 10
