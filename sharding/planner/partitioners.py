@@ -105,6 +105,10 @@ class TopologyPartitioner(Partitioner):
             h = host_of[rank]
             return s.hbm <= hbm_free[rank] and s.ddr <= host_free[h] and s.ssd <= ssd_free[h]
 
+        def fitting(s: Storage) -> np.ndarray:
+            """The ranks ``fits`` admits, for all ranks at once (the greedy asks for every shard)."""
+            return (s.hbm <= hbm_free) & (s.ddr <= host_free[host_of]) & (s.ssd <= ssd_free[host_of])
+
         def take(rank: int, s: Storage) -> None:
             hbm_free[rank] -= s.hbm
             host_free[host_of[rank]] -= s.ddr
@@ -190,7 +194,10 @@ class TopologyPartitioner(Partitioner):
             protos = placed_from_option(_with_all_ranks(so, 0))
             host_lock = None
             for sh, proto in zip(so.shards, protos):
-                cands = [r for r in range(w) if fits(r, sh.storage) and (host_lock is None or host_of[r] == host_lock)]
+                ok = fitting(sh.storage)
+                if host_lock is not None:
+                    ok &= host_of == host_lock
+                cands = np.flatnonzero(ok).tolist()
                 if not cands:
                     raise fail(so, f"a shard needing {sh.storage} fits on no rank")
                 r = _pick(st, proto, cands)
