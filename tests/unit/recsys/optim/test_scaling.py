@@ -109,8 +109,8 @@ def test_bad_base_and_warmup_inputs():
         with pytest.raises(ValueError, match=match) as exc:
             scale_hyperparameters(base, K, K)
         assert "\n" not in str(exc.value)
-    for args in ((-1, 10), (0, -1), (1.5, 10)):
-        with pytest.raises(ValueError):
+    for args, name in (((-1, 10), "step"), ((0, -1), "warmup_steps"), ((1.5, 10), "step")):
+        with pytest.raises(ValueError, match=rf"^{name} must be a non-negative integer, got "):
             warmup_factor(*args)
 
 
@@ -127,3 +127,43 @@ def test_effective_optim_applies_the_rule_once_with_one_epoch_warmup():
     lin, _ = effective_optim(dataclasses.replace(base, scale_rule="linear", warmup_epochs=0.5), 8192, 122)
     assert math.isclose(lin.embedding_lr, 8e-4) and math.isclose(lin.dense_lr, 6.4e-3) and lin.embedding_l2 == 1e-5
     assert effective_optim(dataclasses.replace(base, warmup_epochs=0.5), 8192, 122)[1] == 61
+
+
+def test_error_messages_are_exact():
+    cases = [
+        (lambda: scale_factors(K, True), r"^batch must be a positive integer, got True$"),
+        (lambda: scale_factors(K, K, "cubic"), r"^unknown scaling rule 'cubic'; expected one of cowclip\|sqrt\|linear$"),
+        (lambda: scale_hyperparameters(CRITEO_BASE, K, K, steps_per_epoch=True), r"^steps_per_epoch must be a positive integer, got True$"),
+        (lambda: scale_hyperparameters(CRITEO_BASE, K, K, warmup_epochs=-0.5), r"^warmup_epochs must be >= 0, got -0.5$"),
+        (lambda: scale_hyperparameters({"l2": "1e-5"}, K, K), r"^l2 must be a non-negative number, got '1e-5'$"),
+        (lambda: scale_hyperparameters({"dense_lr": True}, K, K), r"^dense_lr must be a non-negative number, got True$"),
+        (lambda: scale_hyperparameters((1.0,), K, K), r"^base must be a mapping or a dataclass instance, got tuple$"),
+        (lambda: scale_hyperparameters({"x": 1}, K, K), r"^base has none of embedding_lr, dense_lr, l2, embedding_l2$"),
+        (lambda: warmup_factor(0, 2.0), r"^warmup_steps must be a non-negative integer, got 2.0$"),
+    ]
+    for call, match in cases:
+        with pytest.raises(ValueError, match=match):
+            call()
+
+
+def test_both_l2_keys_scale_and_a_dataclass_without_warmup_steps_gains_none():
+    out = scale_hyperparameters({"l2": 1e-5, "embedding_l2": 2e-5}, K, 4 * K)
+    assert (out["l2"], out["embedding_l2"]) == pytest.approx((4e-5, 8e-5), rel=1e-12)
+
+    @dataclasses.dataclass
+    class NoWarmup:
+        dense_lr: float = 1e-3
+
+    out = scale_hyperparameters(NoWarmup(), K, 9 * K, steps_per_epoch=100)
+    assert out == NoWarmup(dense_lr=pytest.approx(3e-3, rel=1e-12))
+    assert not hasattr(out, "warmup_steps")
+
+
+def test_effective_optim_without_scaling_keeps_the_config_and_warms_up_only_when_asked():
+    from recsys.config import OptimConfig
+    from recsys.optim.scaling import effective_optim
+
+    base = OptimConfig(dense_lr=8e-4)
+    assert effective_optim(base, 8192, steps_per_epoch=122) == (base, 0)  # warmup_epochs -1, no scaling: none
+    cfg = dataclasses.replace(base, warmup_epochs=2.5)
+    assert effective_optim(cfg, 8192, steps_per_epoch=122) == (cfg, 305)  # int(2.5 * 122)

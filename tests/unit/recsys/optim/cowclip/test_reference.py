@@ -419,3 +419,109 @@ def test_clip_false_lazy_global_keras_equals_sparse_adam():
         opt.step()
         cowclip_adam_step(ours, st, idx, off, go, psw, lr=lr, clip=False, bias_correction="global", eps_mode="keras")
     torch.testing.assert_close(ours, param.detach(), rtol=1e-10, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------- by hand
+
+
+def test_one_step_by_hand_three_rows_width_two():
+    """Two bags over a 3-row table of width 2, every term written out: the row gradients and
+    counts, the L2 term, the threshold r * cnt * max(||w||, r * sqrt(2) * zeta), the clip, Adam's
+    first moments and the t = 1 bias correction. Row 2 is not in the batch."""
+    r, zeta, l2, lr, eps = 0.5, 1e-5, 0.05, 0.1, 1e-8
+    b1, b2 = 0.9, 0.999
+    w0 = [[3.0, 4.0], [0.6, 0.8], [1.0, -1.0]]
+    weight = torch.tensor(w0, dtype=torch.float64)
+    state = CowClipAdamState.zeros_like(weight)
+    # bag 0 = {0, 1}, bag 1 = {0}; grad_output rows (1, 0) and (0, 2)
+    idx, off = torch.tensor([0, 1, 0]), torch.tensor([0, 2, 3])
+    go = torch.tensor([[1.0, 0.0], [0.0, 2.0]], dtype=torch.float64)
+    stats = cowclip_adam_step(weight, state, idx, off, go, lr=lr, betas=(b1, b2), eps=eps, r=r, zeta=zeta, l2=l2)
+
+    g = {0: [1.0 + 2 * l2 * 3.0, 2.0 + 2 * l2 * 4.0], 1: [1.0 + 2 * l2 * 0.6, 0.0 + 2 * l2 * 0.8]}  # (1.3, 2.4), (1.06, 0.08)
+    clip = {0: r * 2 * 5.0, 1: r * 1 * 1.0}  # cnt 2 and 1; ||w|| 5 and 1 are above zeta'
+    clipped = []
+    for k in (0, 1):
+        gn = math.hypot(*g[k])
+        if gn > clip[k]:
+            clipped.append(k)
+            g[k] = [x * clip[k] / gn for x in g[k]]
+    assert clipped == [1]  # ||g_0|| = 2.73 < 5, ||g_1|| = 1.063 > 0.5
+    for k in (0, 1):
+        for d in range(2):
+            m = (1 - b1) * g[k][d]
+            v = (1 - b2) * g[k][d] ** 2
+            w = w0[k][d] - lr * (m / (1 - b1)) / (math.sqrt(v) / math.sqrt(1 - b2) + eps)
+            assert state.exp_avg[k, d].item() == pytest.approx(m, rel=1e-12)
+            assert state.exp_avg_sq[k, d].item() == pytest.approx(v, rel=1e-12)
+            assert weight[k, d].item() == pytest.approx(w, rel=1e-12)
+    assert weight[2].tolist() == w0[2] and state.exp_avg[2].tolist() == [0.0, 0.0]
+    assert state.row_step.tolist() == [1, 1, 0] and int(state.step) == 1
+    assert (stats.unique_rows, int(stats.clipped_rows), float(stats.clipped_fraction)) == (2, 1, 0.5)
+
+
+def test_second_step_by_hand_keras_eps_and_row_bias_correction():
+    """Row 0 updated twice, row 1 once (at the second call): each uses its own t in the keras
+    form lr * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps). No clip, width 3."""
+    lr, eps, b1, b2 = 0.01, 1e-3, 0.9, 0.99
+    w = [[0.5, -0.25, 1.0], [2.0, 0.0, -1.0]]
+    weight = torch.tensor(w, dtype=torch.float64)
+    state = CowClipAdamState.zeros_like(weight)
+    grads = [[(0, [0.2, -0.4, 0.1])], [(0, [0.3, 0.1, -0.2]), (1, [-1.0, 0.5, 0.25])]]
+    m = [[0.0] * 3 for _ in range(2)]
+    v = [[0.0] * 3 for _ in range(2)]
+    t = [0, 0]
+    for batch in grads:
+        idx = torch.tensor([k for k, _ in batch])
+        off = torch.arange(len(batch) + 1)
+        go = torch.tensor([gk for _, gk in batch], dtype=torch.float64)
+        cowclip_adam_step(weight, state, idx, off, go, lr=lr, betas=(b1, b2), eps=eps, clip=False, eps_mode="keras")
+        for k, gk in batch:
+            t[k] += 1
+            for d in range(3):
+                m[k][d] = b1 * m[k][d] + (1 - b1) * gk[d]
+                v[k][d] = b2 * v[k][d] + (1 - b2) * gk[d] ** 2
+                w[k][d] -= lr * math.sqrt(1 - b2 ** t[k]) / (1 - b1 ** t[k]) * m[k][d] / (math.sqrt(v[k][d]) + eps)
+    torch.testing.assert_close(weight, torch.tensor(w, dtype=torch.float64), rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(state.exp_avg, torch.tensor(m, dtype=torch.float64), rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(state.exp_avg_sq, torch.tensor(v, dtype=torch.float64), rtol=1e-12, atol=1e-15)
+    assert state.row_step.tolist() == [2, 1] and int(state.step) == 2
+
+
+def test_threshold_by_hand_norm_above_and_below_the_floor():
+    """zeta' = r * sqrt(4) * zeta = 0.03 with r = 1.5, zeta = 0.01: row 0 (||w|| = 0.5) uses its
+    norm, row 1 (||w|| = 0.02) the floor."""
+    w = torch.tensor([[0.25, 0.25, 0.25, 0.25], [0.01, 0.01, 0.01, 0.01]], dtype=torch.float64)
+    got = cowclip_threshold(w, torch.tensor([3, 2]), r=1.5, zeta=0.01)
+    torch.testing.assert_close(got, torch.tensor([1.5 * 3 * 0.5, 1.5 * 2 * 0.03], dtype=torch.float64), rtol=1e-12, atol=0)
+
+
+def test_state_dict_holds_the_live_tensors():
+    w = torch.zeros(3, 2)
+    st = CowClipAdamState.zeros_like(w)
+    sd = st.state_dict()
+    assert list(sd) == ["exp_avg", "exp_avg_sq", "row_step", "step"]
+    assert sd["exp_avg"] is st.exp_avg and sd["row_step"] is st.row_step and sd["step"] is st.step
+    assert (sd["row_step"].dtype, tuple(sd["row_step"].shape), sd["step"].dtype, sd["step"].dim()) == (torch.long, (3,), torch.long, 0)
+
+
+def test_input_shape_errors_name_the_problem():
+    off, go = torch.tensor([0, 1]), torch.ones(1, 2)
+    with pytest.raises(ValueError, match=r"^indices and offsets must be 1-D$"):
+        batch_row_gradients(torch.tensor([[0]]), off, go)
+    with pytest.raises(ValueError, match=r"^grad_output must be \[num_bags, D\], got shape \(2,\)$"):
+        batch_row_gradients(torch.tensor([0]), off, torch.ones(2))
+    with pytest.raises(ValueError, match=r"^offsets has 1 bags \(\+1 entries\) but grad_output has 2 rows$"):
+        batch_row_gradients(torch.tensor([0]), off, torch.ones(2, 2))
+    with pytest.raises(ValueError, match=r"^per_sample_weights must have one weight per index$"):
+        batch_row_gradients(torch.tensor([0]), off, go, torch.ones(2))
+    with pytest.raises(ValueError, match=r"^embedding ids out of range \[0, 4\)$"):
+        batch_row_gradients(torch.tensor([-1]), off, go, num_rows=4)
+    with pytest.raises(ValueError, match=r"^row_grads \(2, 3\) and weights_rows \(2, 2\) differ$"):
+        cowclip_clip(torch.ones(2, 3), torch.ones(2, 2), torch.ones(2, dtype=torch.long))
+    w = torch.zeros(3, 2)
+    bad = CowClipAdamState.zeros_like(torch.zeros(4, 2))
+    with pytest.raises(ValueError, match=r"^optimizer state shape does not match weight$"):
+        cowclip_adam_step(w, bad, torch.tensor([0]), off, go)
+    with pytest.raises(ValueError, match=r"^eps_mode must be one of torch\|keras, got 'tf'$"):
+        cowclip_adam_step(w, CowClipAdamState.zeros_like(w), torch.tensor([0]), off, go, eps_mode="tf")
