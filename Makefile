@@ -13,7 +13,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check -c constraints.txt
 venv: $(STAMP)
 
 # Test-only dependencies: triton's interpreter (TRITON_INTERPRET=1) runs the CUDA CowClip kernel on
-# CPU tensors in tests/integration/cowclip/test_cowclip_triton.py (a ~290 MB wheel, 1 GB installed, so not
+# CPU tensors in tests/integration/cowclip/kernels/test_triton_*.py (a ~290 MB wheel, 1 GB installed, so not
 # part of `make demo`), and ruff for `make lint`.
 TEST_STAMP := $(VENV)/.test-deps-$(shell grep -E '^(triton|ruff)=' constraints.txt | sha1sum | cut -c1-8)
 test-deps: $(TEST_STAMP)

@@ -1,6 +1,6 @@
 """Our Triton CowClip-Adam kernel compiled for real on the GPU, against the torch reference (the
-whole of tests/integration/cowclip/test_cowclip_triton.py, which runs on CUDA tensors when a device is visible and
-under the interpreter elsewhere) and, inside ``CowClipAdamTBE``, against the C++ op on CPU."""
+whole of the Triton and dispatch tests in tests/integration/cowclip/kernels/, which run on CUDA tensors when a device is
+visible and under the interpreter elsewhere) and, inside ``CowClipAdamTBE``, against the C++ op on CPU."""
 
 from __future__ import annotations
 
@@ -12,15 +12,19 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
+KERNEL_TESTS = [
+    f"tests/integration/cowclip/kernels/{name}.py"
+    for name in ("test_triton_update", "test_triton_catchup", "test_triton_catchup_kernel", "test_dispatch")
+]
 
 
 def test_triton_kernel_suite_compiled_on_cuda(tmp_path):
-    """Every test of tests/integration/cowclip/test_cowclip_triton.py, in a process that imports triton in compiled
+    """Every test of ``KERNEL_TESTS``, in a process that imports triton in compiled
     mode (no TRITON_INTERPRET), so its kernel tests run on CUDA tensors: none may be skipped."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=os.pathsep.join([str(REPO), *sys.path]), TRITON_CACHE_DIR=str(tmp_path / "triton"))
     out = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/integration/cowclip/test_cowclip_triton.py"],
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *KERNEL_TESTS],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -25,22 +25,6 @@ LONG_MODULES: dict[str, str] = {
 # modules with logic that have no test module of their own name yet: the test module that
 # exercises them (through their callers where the module is a part of a larger path)
 TESTED_ELSEWHERE: dict[str, str] = {
-    "recsys/optim/dense.py": "tests/unit/recsys/training/test_hooks.py",
-    "recsys/optim/embedding.py": "tests/integration/cowclip/test_cowclip_training.py",
-    "recsys/optim/cowclip/reference.py": "tests/unit/test_cowclip_math.py",
-    "recsys/optim/cowclip/hyper.py": "tests/unit/test_cowclip_fused_params.py",
-    "recsys/optim/cowclip/tbe.py": "tests/integration/cowclip/test_cowclip_kernel.py",
-    "recsys/optim/cowclip/tbe_catchup.py": "tests/integration/cowclip/test_cowclip_catchup.py",
-    "recsys/optim/cowclip/staging.py": "tests/integration/cowclip/test_cowclip_sharded.py",
-    "recsys/optim/cowclip/exchange.py": "tests/integration/cowclip/test_cowclip_sharded.py",
-    "recsys/optim/cowclip/embedding_kernel.py": "tests/integration/cowclip/test_cowclip_sharded.py",
-    "recsys/optim/cowclip/lookups.py": "tests/integration/cowclip/test_cowclip_sharded.py",
-    "recsys/optim/cowclip/sharder.py": "tests/integration/cowclip/test_cowclip_dropin.py",
-    "recsys/optim/cowclip/kernels/cpp_op.py": "tests/integration/cowclip/test_cowclip_kernel.py",
-    "recsys/optim/cowclip/kernels/dispatch.py": "tests/integration/cowclip/test_cowclip_triton.py",
-    "recsys/optim/cowclip/kernels/triton_update.py": "tests/integration/cowclip/test_cowclip_triton.py",
-    "recsys/optim/cowclip/kernels/triton_catchup.py": "tests/integration/cowclip/test_cowclip_triton.py",
-    "recsys/optim/cowclip/kernels/triton_catchup_kernel.py": "tests/integration/cowclip/test_cowclip_triton.py",
     "sharding/planner/cost/model.py": "tests/integration/sharding/test_topology_planner.py",
     "sharding/planner/cost/placement.py": "tests/unit/sharding/planner/test_partitioners.py",
     "sharding/planner/cost/state.py": "tests/unit/sharding/planner/test_partitioners.py",

@@ -1,7 +1,7 @@
 """Catch-up of absent rows (recsys/optim/cowclip/catchup.py, CowClipAdamTBE update_scope="catchup")
 against the reference's dense semantics: the project's dense formula
 (``cowclip_adam_step(update_scope="all", l2_scope="all")``, itself tested against a per-row loop in
-test_cowclip_math.py) and the TBE's dense pass (``update_scope="all"``)."""
+tests/unit/recsys/optim/cowclip/test_reference.py) and the TBE's dense pass (``update_scope="all"``)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """CowClip-Adam inside TorchRec sharding: the sharded kernel against the plain per-table formula
 (``recsys.optim.cowclip.reference.cowclip_adam_step``, itself tested against a per-row loop in
-test_cowclip_math.py), for every sharding type, 1 process vs 2 processes on the same global
+tests/unit/recsys/optim/cowclip/test_reference.py), for every sharding type, 1 process vs 2 processes on the same global
 batch, the DCP checkpoint round trip of the optimizer state, and the planner's storage count."""
 
 from __future__ import annotations

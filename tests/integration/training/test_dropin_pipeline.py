@@ -102,7 +102,7 @@ def _env() -> dict[str, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if INSTALLED:
         return env
-    # the CowClip C++ op is covered by tests/integration/cowclip/test_cowclip_kernel.py; the reference keeps this
+    # the CowClip C++ op is covered by tests/integration/cowclip/kernels/test_cpp_op.py; the reference keeps this
     # test free of a first-use build on every new checkout
     env["RECSYS_NO_CPP"] = "1"
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])

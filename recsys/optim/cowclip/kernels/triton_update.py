@@ -38,7 +38,7 @@ Triton is optional and imported on first use: without it this module imports,
 ``triton_available()`` is False and ``dispatch.tables_update_op`` never returns the Triton op.
 With ``TRITON_INTERPRET=1`` (set before triton
 is imported) the same kernel runs on CPU tensors through Triton's interpreter: that is how CI checks
-it against the torch reference (``tests/integration/cowclip/test_cowclip_triton.py``).
+it against the torch reference (``tests/integration/cowclip/kernels/test_triton_update.py``).
 """
 
 from __future__ import annotations
