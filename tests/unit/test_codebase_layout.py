@@ -24,13 +24,7 @@ LONG_MODULES: dict[str, str] = {
 
 # modules with logic that have no test module of their own name yet: the test module that
 # exercises them (through their callers where the module is a part of a larger path)
-TESTED_ELSEWHERE: dict[str, str] = {
-    "sharding/planner/cost/model.py": "tests/integration/sharding/test_topology_planner.py",
-    "sharding/planner/cost/placement.py": "tests/unit/sharding/planner/test_partitioners.py",
-    "sharding/planner/cost/state.py": "tests/unit/sharding/planner/test_partitioners.py",
-    "sharding/planner/cost/perf_model.py": "tests/integration/sharding/test_topology_planner.py",
-    "sharding/planner/cost/traffic.py": "tests/integration/sharding/test_plan_html.py",
-}
+TESTED_ELSEWHERE: dict[str, str] = {}
 
 
 def _modules() -> list[Path]:
