@@ -439,9 +439,8 @@ class CostState:
                 comm += new.max(axis=1) - cur.max(initial=0.0)
                 # |cur + c M|^2 - |cur|^2 = 2 c M.cur + c^2 |M|^2
                 spread += 2 * coef * (mat @ cur) + coef * coef * m._norm2[which][cand]
-            for phase, v in self.loads.items():
-                if not phase.startswith(f"{t}:"):
-                    spread += float((v * v).sum())
+            for v in self.loads.values():  # every phase's squares; the three above add their change
+                spread += float((v * v).sum())
             return lk_max + comm, spread
         steps, spreads = np.empty(len(cand)), np.empty(len(cand))
         for k, r in enumerate(cand):
