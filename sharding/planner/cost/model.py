@@ -311,7 +311,7 @@ class TopologyCostModel:
     def link_rows(self, cand: np.ndarray) -> dict[str, np.ndarray]:
         """``in_inv`` and ``out_inv`` restricted to the candidate ranks, for the greedy placement's
         vectorized scores: the same candidate list comes back shard after shard, and copying two
-        [ranks, links] matrices was a large part of a big search's time. Read-only views."""
+        [ranks, links] matrices was a large part of a big search's time. Read-only copies."""
         key = cand.tobytes()
         hit = self._rows_cache.get(key)
         if hit is None:
