@@ -7,25 +7,20 @@ the weights kept away from outside optimizers. Two tables of 8 rows x 8, two ste
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensor
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from torchrec import KeyedJaggedTensor
 from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, data_parallel, row_wise, table_wise
-from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.distributed.sharding_plan import column_wise, data_parallel, row_wise, table_wise
 from torchrec.optim.fused import EmptyFusedOptimizer
 
 from recsys.optim.cowclip.embedding_kernel import CowClipEmbeddingBag, CowClipFusedOptimizer, ReplicatedCowClipFusedOptimizer
 from recsys.optim.cowclip.reference import CowClipAdamState, cowclip_adam_step
-from recsys.optim.cowclip.sharder import CowClipEmbeddingBagCollectionSharder, tag_cowclip_adam
+from tests.support.cowclip_one_rank import DIM, L2, LR, NAMES, ROWS, ZETA, initial, initial_dmp
 
-NAMES = ("a", "b")
-ROWS, DIM = 8, 8  # 8 columns: torchrec cuts column shards of 4 columns or more
-LR, L2, ZETA = 0.1, 0.01, 0.05
 BAGS = [  # per step, per feature (f_a, f_b): 3 bags with repeats and an empty one
     ([[1, 2], [2], [5, 1]], [[3], [], [0, 7, 3]]),
     ([[2], [6, 6], [1]], [[7], [3, 4], []]),
@@ -38,38 +33,9 @@ PLANS = {
 }
 
 
-@pytest.fixture
-def gloo_world_of_one() -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def _dmp(sharding: str, update_scope: str = "batch") -> DistributedModelParallel:
-    """Both tables tagged, both sharded ``sharding``, weights set to ``_initial``."""
-    tables = [EmbeddingBagConfig(name=n, embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f"f_{n}"]) for n in NAMES]
-    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
-    tag_cowclip_adam(ebc.parameters(), lr=LR, l2=L2, cowclip_zeta=ZETA, update_scope=update_scope)
-    sharder = CowClipEmbeddingBagCollectionSharder()
-    plan = construct_module_sharding_plan(
-        ebc, {n: PLANS[sharding]() for n in NAMES}, local_size=1, world_size=1, device_type="cpu", sharder=sharder
-    )
-    env = ShardingEnv.from_process_group(dist.GroupMember.WORLD)
-    dmp = DistributedModelParallel(ebc, env=env, plan=ShardingPlan({"": plan}), sharders=[sharder], device=torch.device("cpu"))
-    for key, v in dmp.state_dict().items():
-        full = _initial(key.split(".")[-2])
-        for s in v.local_shards() if isinstance(v, ShardedTensor) else []:
-            r0, c0 = s.metadata.shard_offsets
-            s.tensor.copy_(full[r0 : r0 + s.tensor.shape[0], c0 : c0 + s.tensor.shape[1]])
-        if not isinstance(v, ShardedTensor):
-            v.copy_(full)
-    return dmp
-
-
-def _initial(name: str) -> torch.Tensor:
-    return torch.rand(ROWS, DIM, generator=torch.Generator().manual_seed(NAMES.index(name) + 1)) * 0.2 - 0.1
+    """Both tables tagged, both sharded ``sharding``, weights set to ``initial``."""
+    return initial_dmp({n: PLANS[sharding] for n in NAMES}, update_scope=update_scope)
 
 
 def _assembled(v: torch.Tensor | ShardedTensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -100,7 +66,7 @@ def _train_step(dmp: DistributedModelParallel, step: int) -> None:
 
 
 def _reference(steps: int, lrs: tuple[float, ...] = (LR, LR), **kw: Any) -> tuple[dict[str, torch.Tensor], dict[str, CowClipAdamState]]:
-    w = {n: _initial(n) for n in NAMES}
+    w = {n: initial(n) for n in NAMES}
     st = {n: CowClipAdamState.zeros_like(t) for n, t in w.items()}
     for step in range(steps):
         grad = _grad(step)
@@ -198,10 +164,10 @@ def test_weights_are_fused_parameters_that_outside_optimizers_skip(gloo_world_of
     for t, (n, p) in enumerate(params.items()):
         assert not p.requires_grad
         assert [type(o) for o in p._in_backward_optimizers] == [EmptyFusedOptimizer]
-        assert torch.equal(p, _initial(n.split(".")[0])) and p.data_ptr() == tbe.split_embedding_weights()[t].data_ptr()
+        assert torch.equal(p, initial(n.split(".")[0])) and p.data_ptr() == tbe.split_embedding_weights()[t].data_ptr()
     assert list(kernel.named_buffers()) == []
     assert [n for n, p in dmp.named_parameters() if p.requires_grad] == []
     per_table = kernel._param_per_table
     assert list(per_table) == ["a", "b"]
     for n in NAMES:
-        assert torch.equal(per_table[n], _initial(n))
+        assert torch.equal(per_table[n], initial(n))

@@ -7,32 +7,24 @@ optimizers hold. Two tables of 8 rows x 8, per-sample weights."""
 
 from __future__ import annotations
 
-from typing import Iterator
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed._shard.sharded_tensor import ShardedTensor
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from torchrec import KeyedJaggedTensor
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import (
     column_wise,
-    construct_module_sharding_plan,
     data_parallel,
     row_wise,
     table_row_wise,
     table_wise,
 )
-from torchrec.distributed.types import ShardingEnv, ShardingPlan
 
 from recsys.optim.cowclip.exchange import ExchangeTable
 from recsys.optim.cowclip.lookups import CowClipExchangeLookup, CowClipGroupedPooledEmbeddingsLookup, ExchangeLookup
 from recsys.optim.cowclip.reference import CowClipAdamState, cowclip_adam_step
-from recsys.optim.cowclip.sharder import CowClipEmbeddingBagCollectionSharder, tag_cowclip_adam
+from tests.support.cowclip_one_rank import DIM, L2, LR, NAMES, ROWS, ZETA, initial, initial_dmp, tables
 
-NAMES = ("a", "b")
-ROWS, DIM = 8, 8  # 8 columns: torchrec cuts column shards of 4 columns or more
-LR, L2, ZETA = 0.1, 0.01, 0.05
 # 3 samples, per feature (f_a, f_b): repeats inside and across bags, an empty bag
 BAGS = ([[1, 2, 1], [2], [5]], [[3], [], [0, 7, 3]])
 PSW = ([[0.5, 2.0, 1.5], [3.0], [0.25]], [[1.0], [], [2.0, 0.5, 4.0]])
@@ -46,49 +38,9 @@ PLANS = {
 EXCHANGED = ("column_wise", "data_parallel")  # updated by the lookup's exchange node in backward
 
 
-@pytest.fixture
-def gloo_world_of_one() -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-def _initial(name: str) -> torch.Tensor:
-    return torch.rand(ROWS, DIM, generator=torch.Generator().manual_seed(NAMES.index(name) + 1)) * 0.2 - 0.1
-
-
 def _dmp(sharding: str) -> DistributedModelParallel:
-    """A weighted EBC, both tables tagged and sharded ``sharding``, weights set to ``_initial``."""
-    tables = [EmbeddingBagConfig(name=n, embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f"f_{n}"]) for n in NAMES]
-    ebc = EmbeddingBagCollection(tables=tables, is_weighted=True, device=torch.device("meta"))
-    tag_cowclip_adam(ebc.parameters(), lr=LR, l2=L2, cowclip_zeta=ZETA, update_scope="batch")
-    sharder = CowClipEmbeddingBagCollectionSharder()
-    plan = construct_module_sharding_plan(
-        ebc, {n: PLANS[sharding]() for n in NAMES}, local_size=1, world_size=1, device_type="cpu", sharder=sharder
-    )
-    env = ShardingEnv.from_process_group(dist.GroupMember.WORLD)
-    dmp = DistributedModelParallel(ebc, env=env, plan=ShardingPlan({"": plan}), sharders=[sharder], device=torch.device("cpu"))
-    for key, v in dmp.state_dict().items():
-        full = _initial(key.split(".")[-2])
-        for s in v.local_shards() if isinstance(v, ShardedTensor) else []:
-            r0, c0 = s.metadata.shard_offsets
-            s.tensor.copy_(full[r0 : r0 + s.tensor.shape[0], c0 : c0 + s.tensor.shape[1]])
-        if not isinstance(v, ShardedTensor):
-            v.copy_(full)
-    return dmp
-
-
-def _tables(dmp: DistributedModelParallel) -> dict[str, torch.Tensor]:
-    out = {}
-    for key, v in dmp.state_dict().items():
-        table = v.clone() if not isinstance(v, ShardedTensor) else torch.full((ROWS, DIM), float("nan"))
-        for s in v.local_shards() if isinstance(v, ShardedTensor) else []:
-            r0, c0 = s.metadata.shard_offsets
-            table[r0 : r0 + s.tensor.shape[0], c0 : c0 + s.tensor.shape[1]] = s.tensor
-        out[key.split(".")[-2]] = table
-    return out
+    """A weighted EBC, both tables tagged and sharded ``sharding``, weights set to ``initial``."""
+    return initial_dmp({n: PLANS[sharding] for n in NAMES}, weighted=True)
 
 
 def _kjt() -> KeyedJaggedTensor:
@@ -128,7 +80,7 @@ def test_each_sharding_type_pools_the_hand_sum_of_weighted_rows(gloo_world_of_on
     assert [k.emb_module.mode for k in lookup.cowclip_kernels()] == [lookup.cowclip_update_mode]
     want = {}
     for i, n in enumerate(NAMES):
-        w = _initial(n)
+        w = initial(n)
         want[f"f_{n}"] = torch.stack([sum((p * w[k] for k, p in zip(bag, psw)), torch.zeros(DIM)) for bag, psw in zip(BAGS[i], PSW[i])])
     for grad_enabled in (True, False):
         with torch.set_grad_enabled(grad_enabled):
@@ -154,10 +106,10 @@ def test_exchange_lookup_updates_in_backward_with_its_kernels_lr(gloo_world_of_o
     pooled = _pooled(dmp)
     grad = _grad()
     sum((pooled[f"f_{n}"] * grad[:, i * DIM : (i + 1) * DIM]).sum() for i, n in enumerate(NAMES)).backward()
-    got = _tables(dmp)
+    got = tables(dmp)
     clipped = 0
     for i, n in enumerate(NAMES):
-        want, st = _initial(n), CowClipAdamState.zeros_like(_initial(n))
+        want, st = initial(n), CowClipAdamState.zeros_like(initial(n))
         idx = torch.tensor([k for b in BAGS[i] for k in b])
         off = torch.tensor([0] + [len(b) for b in BAGS[i]]).cumsum(0)
         psw = torch.tensor([x for b in PSW[i] for x in b])
@@ -174,12 +126,12 @@ def test_a_loss_on_one_feature_still_runs_the_exchange_for_every_table(gloo_worl
     pooled = _pooled(dmp)
     grad = _grad()[:, DIM:]
     (pooled["f_b"] * grad).sum().backward()
-    got = _tables(dmp)
+    got = tables(dmp)
     for i, (n, go) in enumerate((("a", torch.zeros(3, DIM)), ("b", grad.contiguous()))):
-        want, st = _initial(n), CowClipAdamState.zeros_like(_initial(n))
+        want, st = initial(n), CowClipAdamState.zeros_like(initial(n))
         idx = torch.tensor([k for b in BAGS[i] for k in b])
         off = torch.tensor([0] + [len(b) for b in BAGS[i]]).cumsum(0)
         psw = torch.tensor([x for b in PSW[i] for x in b])
         cowclip_adam_step(want, st, idx, off, go, psw, lr=LR, l2=L2, zeta=ZETA)
         torch.testing.assert_close(got[n], want, rtol=1e-5, atol=1e-6)
-        assert not torch.equal(got[n], _initial(n))
+        assert not torch.equal(got[n], initial(n))

@@ -8,23 +8,21 @@ of every row."""
 from __future__ import annotations
 
 import re
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import (
     column_wise,
-    construct_module_sharding_plan,
     data_parallel,
     row_wise,
     table_row_wise,
     table_wise,
 )
-from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingPlan
+from torchrec.distributed.types import ParameterSharding
 
 from recsys.optim.cowclip.embedding_kernel import CowClipEmbeddingBag
 from recsys.optim.cowclip.exchange import ExchangeTable
@@ -39,10 +37,9 @@ from recsys.optim.cowclip.sharder import (
     tag_cowclip_adam,
     take_update_stats,
 )
+from tests.support.cowclip_one_rank import DIM, L2, LR, NAMES, ROWS, ZETA, initial, sharded, tables, tagged_ebc
 
-NAMES = ("a", "b")
-ROWS, DIM = 8, 8  # 8 columns: torchrec cuts column shards of 4 columns or more
-LR, L2, ZETA = 0.1, 0.01, 0.05  # zeta' = sqrt(8) * 0.05 = 0.14: the floor of rows of norm ~0.16
+# zeta' = sqrt(8) * 0.05 = 0.14: the floor of rows of norm ~0.16
 # two steps of 3 samples; bags per feature (f_a, f_b): repeats inside and across bags, empty bags
 BAGS = [
     ([[1, 2], [2], [5, 1]], [[3], [], [0, 7, 3]]),
@@ -56,55 +53,6 @@ PLANS = {
     "table_row_wise": lambda: table_row_wise(host_index=0),
     "data_parallel": lambda: data_parallel(),
 }
-
-
-@pytest.fixture
-def gloo_world_of_one() -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-def _ebc(tagged: tuple[str, ...], update_scope: str = "batch") -> EmbeddingBagCollection:
-    tables = [EmbeddingBagConfig(name=n, embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f"f_{n}"]) for n in NAMES]
-    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
-    for n in tagged:
-        tag_cowclip_adam([ebc.embedding_bags[n].weight], lr=LR, l2=L2, cowclip_zeta=ZETA, update_scope=update_scope)
-    return ebc
-
-
-def _dmp(ebc: EmbeddingBagCollection, plans: dict[str, Any]) -> DistributedModelParallel:
-    sharder = CowClipEmbeddingBagCollectionSharder()
-    per_param = {n: plans[n]() for n in NAMES}
-    plan = construct_module_sharding_plan(ebc, per_param, local_size=1, world_size=1, device_type="cpu", sharder=sharder)
-    env = ShardingEnv.from_process_group(dist.GroupMember.WORLD)
-    return DistributedModelParallel(ebc, env=env, plan=ShardingPlan({"": plan}), sharders=[sharder], device=torch.device("cpu"))
-
-
-def _initial(name: str) -> torch.Tensor:
-    return torch.rand(ROWS, DIM, generator=torch.Generator().manual_seed(NAMES.index(name) + 1)) * 0.2 - 0.1
-
-
-def _tables(dmp: DistributedModelParallel, full: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """Every table assembled from this rank's shards; with ``full``, first writes it into them."""
-    out = {}
-    for key, v in dmp.state_dict().items():
-        n = key.split(".")[-2]
-        table = torch.full((ROWS, DIM), float("nan"))
-        for s in v.local_shards() if hasattr(v, "local_shards") else []:
-            r0, c0 = s.metadata.shard_offsets
-            piece = (slice(r0, r0 + s.tensor.shape[0]), slice(c0, c0 + s.tensor.shape[1]))
-            if full is not None:
-                s.tensor.copy_(full[n][piece])
-            table[piece] = s.tensor
-        if not hasattr(v, "local_shards"):
-            if full is not None:
-                v.copy_(full[n])
-            table = v.clone()
-        out[n] = table
-    return out
 
 
 def _batch(step: int) -> tuple[KeyedJaggedTensor, torch.Tensor]:
@@ -210,7 +158,7 @@ def test_unknown_sharding_is_refused_by_name():
 
 
 def test_tagged_tables_get_cowclip_kernels_with_their_fused_params(gloo_world_of_one):
-    dmp = _dmp(_ebc(tagged=("a",)), {n: PLANS["table_wise"] for n in NAMES})
+    dmp = sharded(tagged_ebc(tagged=("a",)), {n: PLANS["table_wise"] for n in NAMES})
     assert type(dmp.module) is ShardedCowClipEmbeddingBagCollection
     kernels = [k for lk in dmp.module._lookups for k in lk._emb_modules]
     ours = [k for k in kernels if isinstance(k, CowClipEmbeddingBag)]
@@ -240,7 +188,7 @@ def test_a_cowclip_table_on_the_uvm_cache_is_refused(gloo_world_of_one):
         "coherent with the CowClip update); use fused_uvm or fused"
     )
     with pytest.raises(ValueError, match=f"^{re.escape(msg)}$"):
-        _dmp(_ebc(tagged=NAMES), plans)
+        sharded(tagged_ebc(tagged=NAMES), plans)
 
 
 def test_data_parallel_tables_must_all_be_cowclip_or_none(gloo_world_of_one):
@@ -249,7 +197,7 @@ def test_data_parallel_tables_must_all_be_cowclip_or_none(gloo_world_of_one):
         "or none (found 1 other data-parallel kernel(s))"
     )
     with pytest.raises(NotImplementedError, match=f"^{re.escape(msg)}$"):
-        _dmp(_ebc(tagged=("a",)), {n: PLANS["data_parallel"] for n in NAMES})
+        sharded(tagged_ebc(tagged=("a",)), {n: PLANS["data_parallel"] for n in NAMES})
 
 
 @pytest.mark.parametrize("sharding", list(PLANS))
@@ -257,9 +205,9 @@ def test_two_steps_of_each_sharding_type_equal_the_reference(gloo_world_of_one, 
     """Weights after two steps equal the reference's on whole tables, rows the batches skip
     included; the update counters are the reference's (rows updated, rows clipped), per column
     shard for column-wise tables, and reset when taken."""
-    dmp = _dmp(_ebc(tagged=NAMES), {n: PLANS[sharding] for n in NAMES})
-    start = {n: _initial(n) for n in NAMES}
-    _tables(dmp, start)
+    dmp = sharded(tagged_ebc(tagged=NAMES), {n: PLANS[sharding] for n in NAMES})
+    start = {n: initial(n) for n in NAMES}
+    tables(dmp, start)
     want = {n: t.clone() for n, t in start.items()}
     st = {n: CowClipAdamState.zeros_like(t) for n, t in want.items()}
     for step in range(2):
@@ -270,7 +218,7 @@ def test_two_steps_of_each_sharding_type_equal_the_reference(gloo_world_of_one, 
         shards = 2 if sharding == "column_wise" else 1
         assert take_update_stats(dmp) == (shards * counts[0], shards * counts[1])
         assert take_update_stats(dmp) == (0, 0)
-    got = _tables(dmp)
+    got = tables(dmp)
     for n in NAMES:
         torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{sharding} table {n}: {m}")
         skipped = {"a": [0, 3, 4, 7], "b": [1, 2, 5, 6]}[n]  # ids in neither batch
@@ -281,15 +229,15 @@ def test_catch_up_all_advances_every_row_behind_to_the_dense_reference(gloo_worl
     """``update_scope="catchup"``: after one step the rows absent from it are one step behind;
     ``catch_up_all`` advances them (8 rows less the 3 distinct ids of each table), once, to the
     dense reference (``update_scope="all"``, L2 on every row)."""
-    dmp = _dmp(_ebc(tagged=NAMES, update_scope="catchup"), {"a": PLANS["table_wise"], "b": PLANS["row_wise"]})
-    start = {n: _initial(n) for n in NAMES}
-    _tables(dmp, start)
+    dmp = sharded(tagged_ebc(tagged=NAMES, update_scope="catchup"), {"a": PLANS["table_wise"], "b": PLANS["row_wise"]})
+    start = {n: initial(n) for n in NAMES}
+    tables(dmp, start)
     _train_step(dmp, 0)
     assert dmp.module.catch_up_all() == (ROWS - 3) + (ROWS - 3)
     assert dmp.module.catch_up_all() == 0
     want = {n: t.clone() for n, t in start.items()}
     _reference_step(want, {n: CowClipAdamState.zeros_like(t) for n, t in want.items()}, 0, update_scope="all", l2_scope="all")
-    got = _tables(dmp)
+    got = tables(dmp)
     for n in NAMES:
         # the catch-up's block formula in float64 against the reference's float32 iteration
         torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6)

@@ -1,7 +1,8 @@
-"""The one process group the training unit tests may use: gloo, world size 1, in this process.
+"""The one process group the unit tests of recsys may use (training, checkpoints, k-step merges,
+the CowClip sharder and exchange): gloo, world size 1, in this process.
 
 Collectives over a world of one run the real torch.distributed code paths (DCP's save and load,
-all-reduce, all-gather of objects, subgroups) without a second rank; the group is destroyed after
+all-reduce, all-gather of objects, subgroups, DMP's sharding) without a second rank; the group is destroyed after
 each test (unless the test shut it down itself), so no test sees another's.
 """
 
