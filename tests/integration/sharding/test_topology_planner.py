@@ -516,26 +516,6 @@ def test_data_parallel_prefixes_are_spread_geometrically_beyond_the_cap():
     assert s[0] == 1 and s[-1] == 400 and len(s) <= MAX_DATA_PARALLEL_CUTS and s == sorted(set(s))
 
 
-def test_makespan_matches_a_linear_scan_lpt():
-    """``_makespan`` (a heap) against LPT written out with a scan for the least loaded rank."""
-    import random
-
-    from sharding.planner.balance_proposer import _makespan
-
-    def lpt(widths, world):
-        load = [0] * world
-        for w in sorted(widths, reverse=True):
-            i = min(range(world), key=load.__getitem__)
-            load[i] += w
-        return max(load)
-
-    rng = random.Random(0)
-    for _ in range(500):
-        widths = [rng.choice([4, 8, 16, 32, 64, 128]) for _ in range(rng.randint(0, 60))]
-        world = rng.randint(1, 20)
-        assert _makespan(widths, world) == lpt(widths, world)
-
-
 def test_data_parallel_rounds_start_from_other_kinds_of_plan_and_match_the_default_on_16_hosts():
     """dgx-a100-16host, the DLRM-1TB tables (dim 128), data_parallel allowed for both planners.
     torchrec's default plans its 8 largest tables table-row-wise and the 18 others data-parallel;

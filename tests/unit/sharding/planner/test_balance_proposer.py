@@ -144,8 +144,13 @@ def test_makespan_places_runs_of_equal_widths_as_lpt_does_one_by_one():
             load[i] += w
         return max(load)
 
+    rng = random.Random(0)
+    for _ in range(500):  # few shards per rank
+        widths = [rng.choice([4, 8, 16, 32, 64, 128]) for _ in range(rng.randint(0, 60))]
+        world = rng.randint(1, 20)
+        assert _makespan(widths, world) == lpt(widths, world), (world, sorted(widths))
     rng = random.Random(7)
-    for _ in range(300):
+    for _ in range(300):  # many shards per rank
         widths = [rng.choice([0, 1, 3, 4, 8, 16, 32, 64, 128]) for _ in range(rng.randint(0, 400))]
         world = rng.randint(1, 48)
         assert _makespan(widths, world) == lpt(widths, world), (world, sorted(widths))
