@@ -1,6 +1,7 @@
 """Process helpers the multi-process tests share: the tree of processes a launch started (from
 /proc), killing that tree at once, waiting for a file a running job writes, and the output of the
-processes a launcher running in the test process starts. (A free port for a rendezvous is
+processes a launcher running in the test process starts, and a snippet run in a fresh interpreter
+(what importing a module pulls in of its own accord). (A free port for a rendezvous is
 `recsys.training.distributed.free_port`.)"""
 
 from __future__ import annotations
@@ -13,10 +14,13 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+import sys
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from tests.support.cli import run_main
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def descendants(pid: int) -> list[int]:
@@ -111,3 +115,11 @@ def run_main_and_children(module: str, *args: str, cwd: str | Path | None = None
         finally:
             watchdog.cancel()
     return subprocess.CompletedProcess(r.args, r.returncode, r.stdout + children.stdout, r.stderr + children.stderr)
+
+
+def fresh_python(code: str, *, path: Sequence[str] = (), timeout: float = 300) -> subprocess.CompletedProcess:
+    """``code`` run by a new interpreter in the repository root, with nothing imported yet: the
+    repository (then ``path``) on its import path, PATH=/usr/bin:/bin and no other environment,
+    so no variable of the test process (TRITON_INTERPRET, RECSYS_*) leaks in."""
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO), *path]), "PATH": "/usr/bin:/bin"}
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)

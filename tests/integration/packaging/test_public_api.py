@@ -4,11 +4,10 @@ exported object has its own docstring, and importing the roots stays cheap and a
 from __future__ import annotations
 
 import inspect
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from tests.support.processes import fresh_python
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -65,13 +64,6 @@ def test_package_roots_import_lazily_and_sharding_never_imports_recsys():
         "from sharding import TopologyAwarePlanner, ClusterTopology, load_topology, save_plan, load_plan\n"
         "print(sorted(m for m in sys.modules if m == 'recsys' or m.startswith('recsys.')))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
-    )
+    out = fresh_python(code)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "['recsys']"  # only the (empty) root, from the first line

@@ -4,9 +4,8 @@ other without a cycle (not even one hidden by an import inside a function)."""
 from __future__ import annotations
 
 import ast
-import subprocess
-import sys
 from pathlib import Path
+from tests.support.processes import fresh_python
 
 ROOT = Path(__file__).resolve().parents[3]
 # every module, by its dotted name under sharding (packages' __init__ included: "planner.cost")
@@ -34,14 +33,7 @@ def test_importing_every_sharding_module_loads_no_recsys_module():
         "bad = sorted(m for m in sys.modules if m == 'recsys' or m.startswith('recsys.'))\n"
         "print('LOADED', len([m for m in sys.modules if m.startswith('sharding.')]), bad)\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
-    )
+    out = fresh_python(code, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     line = out.stdout.strip().splitlines()[-1]
     assert line == f"LOADED {len(MODULES)} []", line

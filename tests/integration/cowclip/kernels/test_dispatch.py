@@ -6,8 +6,6 @@ kernels' keyword arguments.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ import torch
 import recsys.optim.cowclip.kernels.triton_update as ctr
 from recsys.optim.cowclip.hyper import CowClipHyper
 from recsys.optim.cowclip.kernels.dispatch import catchup_kwargs, update_kwargs
+from tests.support.processes import fresh_python
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 REPO = Path(__file__).resolve().parents[4]
@@ -57,13 +56,6 @@ def test_cpu_install_without_triton_keeps_working():
         "assert d.table_update_op('cuda') is k.fused_cowclip_adam_step\n"
         "print('ok')\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
-    )
+    out = fresh_python(code)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"

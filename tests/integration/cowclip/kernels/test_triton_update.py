@@ -23,6 +23,7 @@ import torch
 
 import recsys.optim.cowclip.kernels.triton_update as ctr
 from recsys.optim.cowclip.reference import CowClipAdamState, cowclip_adam_step
+from tests.support.processes import fresh_python
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 REPO = Path(__file__).resolve().parents[4]
@@ -406,13 +407,6 @@ def test_importing_the_module_does_not_import_triton():
         "assert 'triton' not in sys.modules, 'imported'\n"
         "print('ok')\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={"PYTHONPATH": os.pathsep.join([str(REPO), *sys.path]), "PATH": "/usr/bin:/bin"},
-    )
+    out = fresh_python(code, path=sys.path)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
