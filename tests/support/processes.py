@@ -1,8 +1,8 @@
 """Process helpers the multi-process tests share: the tree of processes a launch started (from
 /proc), killing that tree at once, waiting for a file a running job writes, and the output of the
-processes a launcher running in the test process starts, and a snippet run in a fresh interpreter
-(what importing a module pulls in of its own accord). (A free port for a rendezvous is
-`recsys.training.distributed.free_port`.)"""
+processes a launcher running in the test process starts, a snippet run in a fresh interpreter
+(what importing a module pulls in of its own accord), and the gloo worker processes of a test
+(`start_workers`). (A free port for a rendezvous is `recsys.training.distributed.free_port`.)"""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ import tempfile
 import threading
 import time
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from tests.support.cli import run_main
 
@@ -123,3 +124,32 @@ def fresh_python(code: str, *, path: Sequence[str] = (), timeout: float = 300) -
     so no variable of the test process (TRITON_INTERPRET, RECSYS_*) leaks in."""
     env = {"PYTHONPATH": os.pathsep.join([str(REPO), *path]), "PATH": "/usr/bin:/bin"}
     return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+# what a test's worker process imports anyway: the forkserver imports it once (below)
+WORKER_PRELOAD = ["torch", "torch.distributed", "fbgemm_gpu", "torchrec", "torchrec.distributed", "recsys.optim", "recsys.training.trainer"]
+
+
+def start_workers(fn: Callable[..., Any], args: tuple = (), nprocs: int = 2) -> None:
+    """``torch.multiprocessing.start_processes(fn, args, nprocs)`` (``fn(i, *args)`` in process
+    ``i``; a worker's exception fails the call with its traceback), the processes forked from a
+    forkserver that imported torch, torchrec, fbgemm and recsys once per test process
+    (``WORKER_PRELOAD``): a spawned worker spends ~4.5 CPU-s importing them before it does any
+    work, a forked one nothing. The workers are real processes with their own gloo process group,
+    started, like spawned ones, with the test process's current environment and directory."""
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(WORKER_PRELOAD)
+    mp.start_processes(_in_callers_env, args=(fn, dict(os.environ), os.getcwd(), args), nprocs=nprocs, start_method="forkserver")
+
+
+def _in_callers_env(i: int, fn: Callable[..., Any], env: dict[str, str], cwd: str, args: tuple) -> None:
+    """A forked worker: the forkserver's environment and directory are those of the moment it
+    started; the worker takes the caller's of now."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    fn(i, *args)

@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from recsys.optim.cowclip.reference import CowClipAdamState, cowclip_adam_step
 from recsys.training.distributed import free_port
+from tests.support.processes import start_workers
 
 WORLD = 2
 DIM = 16
@@ -243,7 +243,7 @@ def _reference() -> tuple[dict[str, torch.Tensor], int]:
 
 
 def test_stock_dlrm_pipeline_with_dense_optimizer_only_trains_every_sharding_type(tmp_path):
-    mp.start_processes(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, start_method="spawn")
+    start_workers(_worker, (free_port(), str(tmp_path)), WORLD)
     res = [torch.load(tmp_path / f"r{r}.pt") for r in range(WORLD)]
     assert [r["steps"] for r in res] == [STEPS] * WORLD
     assert res[0]["types"] == {n: kind for n, (_, (kind, _)) in TABLES.items()}

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from recsys.optim.cowclip.reference import CowClipAdamState, cowclip_adam_step
 from recsys.training.distributed import free_port
+from tests.support.processes import start_workers
 from test_cowclip_sharded import _assemble, _full_init, _load_full, _local_pieces, _split_kjt
 
 DIM = 16
@@ -187,7 +187,7 @@ def _run(rank, world, out: Path, steps, only, ckpt_at):
 
 def _spawn(world: int, tmp: Path, steps: int, only: str | None = None, ckpt_at: int = 0) -> None:
     tmp.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(_worker, args=(world, free_port(), str(tmp), steps, only, ckpt_at), nprocs=world, start_method="spawn")
+    start_workers(_worker, (world, free_port(), str(tmp), steps, only, ckpt_at), world)
 
 
 def _check(got: dict, want: dict, what: str) -> None:

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from recsys.optim.cowclip.reference import CowClipAdamState, cowclip_adam_step
 from recsys.training.distributed import free_port
+from tests.support.processes import start_workers
 
 DIM = 16
 B = 12  # global batch
@@ -255,7 +255,7 @@ def _assemble(out: Path, world: int, prefix: str, rows, dims) -> dict[str, torch
 
 def _spawn(world: int, tmp: Path, steps: int, only: str | None = None, ckpt_at: int = 0, pooling: str = "sum") -> None:
     tmp.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(_worker, args=(world, free_port(), str(tmp), steps, only, ckpt_at, pooling), nprocs=world, start_method="spawn")
+    start_workers(_worker, (world, free_port(), str(tmp), steps, only, ckpt_at, pooling), world)
 
 
 def _expected(steps, pooling: str = "sum"):

@@ -204,10 +204,9 @@ def test_dmp_with_uvm_planned_cowclip_tables_trains_and_resumes_on_cpu(tmp_path,
     (table-wise, row-wise, column-wise, one host-mapped), the fused and a fused_uvm table in one
     torchrec group: each table's TBE has the planned location, training equals the per-table
     formula, a DCP round trip replays bit-identically. (On CUDA: tests/gpu/test_cowclip_uvm_cuda.py.)"""
-    import torch.multiprocessing as mp
-
     from tests.support import cowclip_uvm_dmp
     from recsys.training.distributed import free_port
+    from tests.support.processes import start_workers
 
-    mp.start_processes(cowclip_uvm_dmp.gloo_worker, args=(world, free_port(), str(tmp_path)), nprocs=world, start_method="spawn")
+    start_workers(cowclip_uvm_dmp.gloo_worker, (world, free_port(), str(tmp_path)), world)
     cowclip_uvm_dmp.check(tmp_path, world, uvm=False)

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from recsys.training.distributed import free_port
+from tests.support.processes import start_workers
 
 REPO = Path(__file__).resolve().parents[3]
 # RECSYS_TEST_INSTALLED=1: test the installed distribution (a wheel; tools/ci/stack_tier.sh), with its
@@ -275,10 +276,8 @@ def _hook_worker(rank: int, port: int, out: str) -> None:
 
 
 def test_merge_hook_counts_steps_merges_at_k_and_at_the_end(tmp_path):
-    import torch.multiprocessing as mp
-
     out = tmp_path / "out.json"
-    mp.spawn(_hook_worker, args=(free_port(), str(out)), nprocs=2, join=True)
+    start_workers(_hook_worker, (free_port(), str(out)), 2)
     res = json.loads(out.read_text())
     t = res["total_steps"]
     assert (t["hosts"], t["env_world"], t["merges"], t["equal"], t["finish_again"]) == (2, 1, 3, True, False)
