@@ -96,6 +96,10 @@ cleanup() {
 }
 trap cleanup EXIT
 cd "$WORK" || exit 2
+# the tests' own helpers (tests/support, e.g. the forkserver that starts gloo workers) import as
+# `tests.support` from the working directory; the repository itself stays off the import path,
+# so `recsys` is the installed wheel's
+ln -s "$REPO/tests" "$WORK/tests"
 export XDG_CACHE_HOME=$WORK/cache  # a JIT build, if any, lands here (and step 2 checks there is none)
 unset PYTHONPATH RECSYS_NO_CPP RECSYS_CPP_JIT RECSYS_EXT_DIR
 export PATH=$VENV/bin:$PATH
