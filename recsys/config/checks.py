@@ -189,6 +189,14 @@ def check_train(cfg: ExperimentConfig, bad: Bad) -> None:
         bad("train.merge_every", f"train.hosts={t.hosts} needs merge_every > 0 (hosts would never synchronise)")
     if t.merge_moments and t.merge_every == 0:
         bad("train.merge_moments", "only meaningful with train.merge_every > 0")
+    if t.merge_outer != "average" and t.merge_every == 0:
+        bad("train.merge_outer", "only meaningful with train.merge_every > 0")
+    if t.merge_compress != "none" and t.merge_every == 0:
+        bad("train.merge_compress", "only meaningful with train.merge_every > 0")
+    if not t.merge_outer_lr > 0:
+        bad("train.merge_outer_lr", f"{t.merge_outer_lr} must be positive (1 with momentum 0: plain averaging)")
+    if not 0 <= t.merge_outer_momentum < 1:
+        bad("train.merge_outer_momentum", f"{t.merge_outer_momentum} must be in [0, 1)")
     if t.pg_timeout_s <= 0:
         bad("train.pg_timeout_s", "must be positive")
     if t.hosts > 1 and "WORLD_SIZE" in os.environ and world % t.hosts:

@@ -149,6 +149,15 @@ class TrainConfig:
     # which embedding rows a merge averages: touched (rows some host looked up since the last
     # merge; the others are equal everywhere already) | all (whole shards)
     merge_rows: Literal["touched", "all"] = "touched"
+    # the parameters' outer step at a merge (recsys/training/kstep/outer.py): average (plain
+    # averaging) | nesterov (DiLoCo, arXiv 2311.08105: delta = anchor - average, m <- momentum*m + delta,
+    # theta <- anchor - lr*(delta + momentum*m); the anchor: the model right after the last merge)
+    merge_outer: Literal["average", "nesterov"] = "average"
+    merge_outer_lr: float = 0.7  # DiLoCo's outer lr; 1 with momentum 0: plain averaging
+    merge_outer_momentum: float = 0.9  # DiLoCo's outer Nesterov momentum, in [0, 1)
+    # bf16: parameters travel as bf16 deltas from the last merge with error feedback (half the
+    # bytes of the parameters; merged moments stay in their dtype) | none: fp32 values
+    merge_compress: Literal["none", "bf16"] = "none"
     pg_timeout_s: float = 600.0  # collective timeout of hierarchical runs: a lost host stops the job
     # Outputs that need the [viz] extra (tensorboard, matplotlib): TensorBoard events in
     # <run_dir>/tb and the picture <run_dir>/curves.png. metrics.jsonl and summary.json are always written.

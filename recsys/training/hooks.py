@@ -135,6 +135,9 @@ class MergeHook(TrainHook):
             cross_host_bytes_total=total_bytes,
             merge_payload_bytes_per_rank=m.payload_bytes_per_merge,
             merge_rows=m.rows,
+            # the parameters' outer step (DiLoCo's Nesterov, or plain averaging) and their wire format
+            merge_outer={"kind": m.outer.kind, "lr": m.outer.lr, "momentum": m.outer.momentum},
+            merge_compress=m.outer.compress,
             # the last merge: embedding rows averaged / held, in all ranks' tracked shards
             rows_merged_last=int(mean_across_ranks(m.rows_merged) * self.world_size),
             rows_tracked=int(mean_across_ranks(m.rows_tracked) * self.world_size),

@@ -203,6 +203,10 @@ def setup(cfg: ExperimentConfig, model_factory: ModelFactory | None = None) -> J
             host_pg=groups.host_pg,
             route=cfg.train.merge_route,
             rows=cfg.train.merge_rows,
+            outer=cfg.train.merge_outer,
+            outer_lr=cfg.train.merge_outer_lr,
+            outer_momentum=cfg.train.merge_outer_momentum,
+            compress=cfg.train.merge_compress,
         )
         ckpt.per_host_optim = not cfg.train.merge_moments  # unmerged moments: each host saves its own
         _checkpoint_at_merges(ckpt, merger.every_k, total_steps(cfg, source, ckpt.data_start_step), env.is_main)

@@ -11,12 +11,17 @@ summed over all ranks; docs/kstep.md), and wall time (launch to exit, start-up a
     .venv/bin/python tools/experiments/kstep.py --quick         # tiny data, to check the script (~2 min)
     .venv/bin/python tools/experiments/kstep.py --ks 1,16 --moments on --set train.max_steps=100
     .venv/bin/python tools/experiments/kstep.py --quick --ks 1,16 --net rate=100mbit   # root: a real, shaped link
+    .venv/bin/python tools/experiments/kstep.py --quick --ks 16,64 --moments off --outer average,nesterov --compress none,bf16
 
 `--net rate=R[,delay=D][,loss=P%]` runs each host in its own network namespace behind a tc-shaped
 veth (tools/experiments/simnet.py; root, `ip` and `tc` needed, refused in one line otherwise): gloo between
 hosts goes over the link, inside a host over that host's loopback, and each row also gets the
 bytes the hosts sent into the link (veth counters, launch to exit) next to the modelled bytes,
 plus training time and samples/s. Without --net both hosts share loopback (the default).
+
+`--outer average,nesterov` and `--compress none,bf16` cross the grid with the merge's outer step
+(DiLoCo's Nesterov, train.merge_outer) and bf16 parameter deltas (train.merge_compress); rows carry
+`merge_outer` and `merge_compress`, and their labels and keys a suffix (`16 nesterov bf16`).
 
 The network experiment (docs/kstep.md, "Measured: time vs k on a shaped link") adds
 `--sync`, a synchronous baseline arm (one torchrec DMP sharded over all 4 ranks, `train.hosts=1`,
@@ -114,6 +119,8 @@ def run_one(
     timeout: float,
     net: Any = None,
     rows: str = "touched",
+    outer: str = "average",
+    compress: str = "none",
 ) -> dict[str, Any]:
     """One 2 x 2 run; returns its summary plus the wall time. Raises on failure.
 
@@ -134,7 +141,10 @@ def run_one(
         prefix = "  [sync]"
     else:
         arm_args = [f"train.merge_every={k}", f"train.merge_moments={str(moments).lower()}", f"train.merge_rows={rows}"]
-        prefix = f"  [k={k} moments={'on' if moments else 'off'} rows={rows}]"
+        # the outer step / bf16 deltas only where the arm asks for them (the default arms' commands as before)
+        arm_args += [f"train.merge_outer={outer}"] if outer != "average" else []
+        arm_args += [f"train.merge_compress={compress}"] if compress != "none" else []
+        prefix = f"  [k={k} moments={'on' if moments else 'off'} rows={rows}{_variant_of(outer, compress, ' ')}]"
     if run_dir.exists():  # this tool's own output from an earlier invocation: the run starts afresh
         shutil.rmtree(run_dir)
     args = [f"run_dir={run_dir}", "train.threads_per_rank=1", *arm_args, *overrides]
@@ -229,6 +239,8 @@ def run_one(
             merge_payload_bytes_per_rank=s["merge_payload_bytes_per_rank"],
             replica_divergence=s["replica_divergence"],
             merge_rows=s.get("merge_rows", "all"),
+            merge_outer=outer,
+            merge_compress=compress,
             rows_merged_last=s.get("rows_merged_last"),
             rows_tracked=s.get("rows_tracked"),
             merge_seconds=s.get("merge_seconds"),
@@ -334,8 +346,22 @@ print(json.dumps(out))
     return out
 
 
+def _variant_of(outer: str, compress: str, sep: str = "_") -> str:
+    """'' for plain fp32 averaging, else e.g. '_nesterov', '_bf16', '_nesterov_bf16'."""
+    return "".join(sep + x for x in (outer, compress) if x not in ("average", "none"))
+
+
+def _variant(r: dict[str, Any]) -> str:
+    """The arm's outer step and compression (rows written before they existed: plain averaging)."""
+    return _variant_of(r.get("merge_outer", "average"), r.get("merge_compress", "none"))
+
+
 def _k_label(r: dict[str, Any]) -> str:
-    return "sync" if r.get("arm") == "sync" else str(r["k"])
+    return (
+        "sync"
+        if r.get("arm") == "sync"
+        else str(r["k"]) + _variant_of(r.get("merge_outer", "average"), r.get("merge_compress", "none"), " ")
+    )
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -404,7 +430,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 
 def headline(rows: list[dict[str, Any]]) -> dict[str, Any]:
     def key(r):
-        return ("moments" if r["moments"] else "no_moments") + ("_touched" if _rows_of(r) == "touched" else "")
+        return ("moments" if r["moments"] else "no_moments") + ("_touched" if _rows_of(r) == "touched" else "") + _variant(r)
 
     sync = [r for r in rows if r.get("arm") == "sync"]
     rows = [r for r in rows if r.get("arm") != "sync"]
@@ -452,7 +478,7 @@ def _sync_head(sync: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 # -- the network experiment across invocations (one per rate): the --results JSON ---------------------
 def _row_key(r: dict[str, Any]) -> tuple:
-    return (r.get("net", "loopback"), r.get("arm", "kstep"), r["k"], r["moments"], r.get("merge_route"), _rows_of(r))
+    return (r.get("net", "loopback"), r.get("arm", "kstep"), r["k"], r["moments"], r.get("merge_route"), _rows_of(r), _variant(r))
 
 
 def _rows_of(r: dict[str, Any]) -> str:
@@ -461,8 +487,13 @@ def _rows_of(r: dict[str, Any]) -> str:
 
 
 def _arm_key(r: dict[str, Any]) -> str:
-    """k, suffixed for touched-row merges: '16' (whole shards), '16-touched'."""
-    return str(r["k"]) + ("-touched" if _rows_of(r) == "touched" else "")
+    """k, suffixed for touched-row merges and the outer step / bf16 deltas: '16' (whole shards),
+    '16-touched', '16-touched-nesterov-bf16'."""
+    return (
+        str(r["k"])
+        + ("-touched" if _rows_of(r) == "touched" else "")
+        + _variant_of(r.get("merge_outer", "average"), r.get("merge_compress", "none"), "-")
+    )
 
 
 def merge_results(path: Path, rows: list[dict[str, Any]], meta: dict[str, Any], probe: dict[str, Any] | None) -> dict[str, Any]:
@@ -674,6 +705,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--dmpcollection", action="store_true", help="try torchrec's DMPCollection (2D parallelism) here and record whether it runs"
     )
+    ap.add_argument(
+        "--outer", default="average", help="outer step at merges, comma-separated: average (plain), nesterov (DiLoCo; train.merge_outer)"
+    )
+    ap.add_argument(
+        "--compress", default="none", help="parameter deltas at merges, comma-separated: none (fp32), bf16 (train.merge_compress)"
+    )
     a = ap.parse_args(argv)
 
     config = a.config or (QUICK_CONFIG if a.quick else CONFIG)
@@ -683,9 +720,15 @@ def main(argv: list[str] | None = None) -> int:
     merge_rows = [x.strip() for x in a.rows.split(",") if x.strip()]
     if not merge_rows or set(merge_rows) - {"touched", "all"}:
         ap.error(f"--rows {a.rows}: expected touched, all or both")
-    grid = [(k, m, rw) for rw in merge_rows for m in moments for k in ks]
+    outers = [x.strip() for x in a.outer.split(",") if x.strip()]
+    if not outers or set(outers) - {"average", "nesterov"}:
+        ap.error(f"--outer {a.outer}: expected average, nesterov or both")
+    compresses = [x.strip() for x in a.compress.split(",") if x.strip()]
+    if not compresses or set(compresses) - {"none", "bf16"}:
+        ap.error(f"--compress {a.compress}: expected none, bf16 or both")
+    grid = [(k, m, rw, o, c) for o in outers for c in compresses for rw in merge_rows for m in moments for k in ks]
     if a.sync:
-        grid.insert(0, (SYNC, False, "-"))
+        grid.insert(0, (SYNC, False, "-", "average", "none"))
     if a.eval_every:
         bad = [k for k in ks if a.eval_every % k]
         if bad:
@@ -709,11 +752,11 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     t0 = time.perf_counter()
     try:
-        for i, (k, m, rw) in enumerate(grid, 1):
+        for i, (k, m, rw, o, c) in enumerate(grid, 1):
             what = "synchronous DMP over all ranks" if k == SYNC else f"k={k} moments={'merged' if m else 'not merged'} rows={rw}"
-            _log(f"run {i}/{len(grid)}: {what}")
-            run_dir = out / ("sync" if k == SYNC else f"k{k}_{'mom' if m else 'nomom'}_{rw}")
-            r = run_one(config, run_dir, k, m, a.overrides, a.timeout, net, rows=rw)
+            _log(f"run {i}/{len(grid)}: {what}{_variant_of(o, c, ' ')}")
+            run_dir = out / ("sync" if k == SYNC else f"k{k}_{'mom' if m else 'nomom'}_{rw}{_variant_of(o, c)}")
+            r = run_one(config, run_dir, k, m, a.overrides, a.timeout, net, rows=rw, outer=o, compress=c)
             rows.append(r)
             elapsed = time.perf_counter() - t0
             _log(

@@ -6,5 +6,6 @@
 - `merger.py`: `KStepMerger`, the merge of dense parameters and embedding shards (flat or
   hierarchical route);
 - `merge_hook.py`: `KStepMergeHook`, its two-line form for an existing TorchRec loop;
-- `touched_rows.py`: which embedding rows moved since the last merge, so only those are sent.
+- `touched_rows.py`: which embedding rows moved since the last merge, so only those are sent;
+- `outer.py`: the merge's outer step (DiLoCo's Nesterov) and bf16 deltas with error feedback.
 """

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from recsys.training.kstep.merger import KStepMerger
+from recsys.training.kstep.outer import Compress, OuterKind, check_outer
 
 
 class KStepMergeHook:
@@ -52,7 +53,13 @@ class KStepMergeHook:
         route: str = "auto",
         rows: str = "touched",
         timeout: "timedelta | None" = None,
+        outer: OuterKind = "average",
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        compress: Compress = "none",
     ) -> None:
+        """``outer`` / ``outer_lr`` / ``outer_momentum`` / ``compress``: the merge's outer step and
+        bf16 deltas, as ``KStepMerger`` takes them (recsys/training/kstep/outer.py)."""
         from torchrec.distributed.types import ShardingEnv
 
         from recsys.training.kstep.host_groups import build_host_groups, pg_timeout_from_env, resolve_hosts
@@ -66,6 +73,10 @@ class KStepMergeHook:
         self.merge_moments = merge_moments
         self.route = route
         self.rows = rows
+        check_outer(outer, outer_lr, outer_momentum, compress)
+        # plain fp32 averaging: the merger's defaults, nothing to pass
+        plain = outer == "average" and compress == "none"
+        self.outer = {} if plain else dict(outer=outer, outer_lr=outer_lr, outer_momentum=outer_momentum, compress=compress)
         self.hosts = resolve_hosts(hosts or 0)
         self.groups = build_host_groups(self.hosts, timeout or pg_timeout_from_env()) if self.hosts > 1 else None
         self.pg = self.groups.host_pg if self.groups is not None else dist.GroupMember.WORLD
@@ -89,6 +100,7 @@ class KStepMergeHook:
                 route=self.route,
                 rows=self.rows,
                 tracking_from_start=False,
+                **self.outer,
             )
         elif self.merger.dmp is not model or self.merger.optimizer is not optimizer:
             raise ValueError("KStepMergeHook.step: called with another model or optimizer than at the first step")

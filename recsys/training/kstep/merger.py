@@ -54,13 +54,13 @@ from torch import nn
 
 from recsys.optim.cowclip.catchup import catch_up_all_tables
 from recsys.training.distributed import collective_device, local_tensors
-from recsys.training.kstep.touched_rows import TouchedRows, union
+from recsys.training.kstep.divergence import max_divergence
+from recsys.training.kstep.outer import Compress, OuterKind, OuterOptimizer, Part
+from recsys.training.kstep.touched_rows import WHOLE_SHARD_FRACTION, TouchedRows, rows_to_merge
 
 log = logging.getLogger(__name__)
 
 _SKIP_STATE_KEYS = ("step",)
-# a shard whose union of touched rows holds more than this share of its rows is merged whole
-WHOLE_SHARD_FRACTION = 0.75
 
 
 def _params_of(optimizer: Any) -> list[Any]:
@@ -94,12 +94,22 @@ class KStepMerger:
         route: str = "auto",
         rows: str = "touched",
         tracking_from_start: bool = True,
+        *,
+        outer: OuterKind = "average",
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        compress: Compress = "none",
     ) -> None:
         """``rows``: ``touched`` (the default) averages only the embedding rows some host looked
         up since the last merge (``recsys.training.kstep.touched_rows``), ``all`` whole shards.
         ``tracking_from_start``: the merger exists before the model's first forward, so it sees
         every row that moves; when False (a hook bound after the first step) the first merge
-        takes whole shards."""
+        takes whole shards. ``outer`` / ``outer_lr`` / ``outer_momentum``: the parameters'
+        outer step (``nesterov``: DiLoCo's, ``average``: none); ``compress="bf16"``: parameters
+        travel as bf16 deltas from the last merge with error feedback
+        (``recsys.training.kstep.outer``; optimizer moments stay averaged in their dtype).
+        With either, a tracked shard always goes by its merged rows (lazy: the rows nobody
+        touched keep their value, momentum and residual), never whole."""
         if every_k <= 0:
             raise ValueError(f"every_k must be positive, got {every_k}")
         if route not in ("auto", "flat", "hierarchical"):
@@ -137,20 +147,31 @@ class KStepMerger:
         # merge time by phase, summed over merges: catch-up, the union of touched rows; whole
         # tensors (dense part, untracked shards); touched rows packed, all-reduced, unpacked; counters
         self.seconds: dict[str, float] = {}
+        self.outer = OuterOptimizer(outer, outer_lr, outer_momentum, compress, self.hosts)
 
     # -- resume ----------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, int]:
-        """The counters (per rank); checkpoints save them so totals survive a resume."""
-        return {
+    def state_dict(self) -> dict[str, Any]:
+        """The counters (per rank); checkpoints save them so totals survive a resume. With an
+        outer step or bf16 deltas also this rank's outer momentum and residuals: checkpoints are
+        taken at merges, where the anchors are the model itself."""
+        out: dict[str, Any] = {
             "merges": self.merges,
             "cross_host_bytes_total": self.cross_host_bytes_total,
             "intra_host_bytes_total": self.intra_host_bytes_total,
         }
+        if self.outer.active:
+            out["outer"] = self.outer.state_dict()
+        return out
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Call after the model was loaded from a checkpoint taken at a merge: with an outer step
+        or bf16 deltas the anchors are taken from the model now."""
         self.merges = int(state.get("merges", 0))
         self.cross_host_bytes_total = int(state.get("cross_host_bytes_total", 0))
         self.intra_host_bytes_total = int(state.get("intra_host_bytes_total", 0))
+        if self.outer.active or state.get("outer"):
+            with torch.no_grad():
+                self.outer.resume(self._anchor_tensors() if self.outer.active else [], state.get("outer"))
 
     # -- what gets merged ------------------------------------------------------------------------
     def _optimizers(self) -> list[Any]:
@@ -257,31 +278,30 @@ class KStepMerger:
         hierarchical = self.route == "hierarchical"
         items = self._classified_rows()
         counters = self._counter_tensors() if self.merge_moments else []
-        rows_of = self._touched_rows(
+        rows_of = self._rows_to_merge(
             [owner for t, rep, owner in items if not rep and owner is not None] + [owner for _, owner in counters if owner is not None]
         )
-        by_kind: dict[tuple[bool, torch.dtype, torch.device], list[torch.Tensor]] = defaultdict(list)
-        by_rows: dict[tuple[torch.dtype, torch.device], list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
-        for t, rep, owner in items:
-            idx = rows_of.get(owner.data_ptr()) if owner is not None and not rep else None
-            if idx is not None:
-                by_rows[(t.dtype, t.device)].append((t, idx))
-            else:
-                by_kind[(hierarchical and rep, t.dtype, t.device)].append(t)
+        keys = self._param_keys()
+        by_kind, by_rows = self._grouped(items, rows_of, keys)
         if hierarchical and not self._checked_replicated:
-            self._check_replicated([t for (rep, _, _), ts in by_kind.items() if rep for t in ts])
+            self._check_replicated([t for (rep, *_), ts in by_kind.items() if rep for t in ts])
             if self.route != "hierarchical":  # fell back: everything goes flat
                 return self.merge()
         t1 = time.perf_counter()
         payload = 0
         # the same collective order on every rank of a host (their shard lists differ): the
         # host-replicated buckets (with their all-gather over host_pg) first, then the shards
-        order = sorted(by_kind, key=lambda key: (not key[0], str(key[1]), str(key[2])))
-        for split, dtype, device in order:
-            ts = by_kind[(split, dtype, device)]
-            for bucket in _buckets(ts, self.bucket_bytes):
+        for split, dtype, device, outer in sorted(by_kind, key=_kind_order):
+            ts = by_kind[(split, dtype, device, outer)]
+            for b, bucket in enumerate(_buckets(ts, self.bucket_bytes)):
                 flat = torch.cat([t.reshape(-1) for t in bucket])
-                payload += self._merge_split(flat) if split else self._merge_whole(flat)
+                if not outer:
+                    payload += self._merge_split(flat) if split else self._merge_whole(flat)
+                elif split:  # the outer step on this rank's slice, before the all-gather
+                    key = _split_key(dtype, device, b)
+                    payload += self._merge_split(flat, lambda mine, key=key: self._outer_merge(mine, [Part(key, mine)]))
+                else:
+                    payload += self._outer_merge(flat, [Part(keys[_tensor_key(t)], t) for t in bucket])
                 offset = 0
                 for t in bucket:
                     n = t.numel()
@@ -290,13 +310,15 @@ class KStepMerger:
         t2 = time.perf_counter()
         pack = reduce = unpack = 0.0
         # touched rows of the embedding shards (and their state): one packed buffer per dtype
-        for dtype, device in sorted(by_rows, key=str):
-            pairs = by_rows[(dtype, device)]
+        for dtype, device, outer in sorted(by_rows, key=str):
+            pairs = by_rows[(dtype, device, outer)]
             for bucket in _buckets(pairs, self.bucket_bytes, _rows_bytes):
                 ta = time.perf_counter()
                 flat = torch.cat([t.index_select(0, idx).reshape(-1) for t, idx in bucket])
                 tb = time.perf_counter()
-                payload += self._merge_whole(flat)
+                payload += (
+                    self._outer_merge(flat, [Part(keys[_tensor_key(t)], t, idx) for t, idx in bucket]) if outer else self._merge_whole(flat)
+                )
                 tc = time.perf_counter()
                 offset = 0
                 for t, idx in bucket:
@@ -304,6 +326,9 @@ class KStepMerger:
                     t.index_copy_(0, idx, flat[offset : offset + n].view(idx.numel(), *t.shape[1:]))
                     offset += n
                 pack, reduce, unpack = pack + tb - ta, reduce + tc - tb, unpack + time.perf_counter() - tc
+                for t, _ in bucket if outer and self.touched is not None else []:
+                    if t.data_ptr() in self.touched.moves_when_absent:  # absent rows moved by the catch-up:
+                        self.outer.refresh_anchor(keys[_tensor_key(t)], t)  # the anchor is the model now
         if self.merge_moments:  # integer per-row counters (CowClip-Adam's row_step): the largest
             for t, owner in counters:  # count, so bias correction agrees on every host
                 idx = rows_of.get(owner.data_ptr()) if owner is not None else None
@@ -329,55 +354,87 @@ class KStepMerger:
         self.cross_host_bytes_total += int(2 * (self.hosts - 1) / self.hosts * payload) + self.union_bytes_per_merge
         self.merges += 1
 
-    def _touched_rows(self, owners: list[torch.Tensor]) -> dict[int, torch.Tensor]:
-        """Embedding shard (storage pointer) -> the local rows to average: the union over the hosts
-        of the rows looked up since the last merge. Shards without a bitmap, or whose union holds
-        most of their rows, are left out (merged whole). Collective over replica_pg when rows are
-        tracked; every replica lists the same shards in the same order (the same plan)."""
-        self.union_bytes_per_merge = 0
-        self.rows_merged = self.rows_tracked = 0
+    def _rows_to_merge(self, owners: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Embedding shard (storage pointer) -> the local rows to average (``rows_to_merge``);
+        with an outer step or bf16 deltas never a whole tracked shard (the update is lazy)."""
         if self.touched is None or not self.touched.complete:
+            self.union_bytes_per_merge = self.rows_merged = self.rows_tracked = 0
             return {}
-        shards, seen = [], set()
-        for owner in owners:
-            bm = self.touched.bitmap_of(owner)
-            if not self.merge_moments and owner.data_ptr() in self.touched.moves_when_absent:
-                bm = None  # absent rows move by each host's own moments: not equal, merge whole
-            if bm is not None and owner.data_ptr() not in seen:
-                seen.add(owner.data_ptr())
-                shards.append((owner.data_ptr(), bm))
-        if not shards:
-            return {}
-        u = union([bm for _, bm in shards], self.pg)
-        self.union_bytes_per_merge = u.exchange_bytes
-        out = {}
-        for (ptr, bm), idx in zip(shards, u.rows):
-            n = bm.numel()
-            self.rows_tracked += n
-            if idx.numel() > WHOLE_SHARD_FRACTION * n:  # gathering most rows costs more than it saves
-                self.rows_merged += n
-                continue
-            self.rows_merged += idx.numel()
-            out[ptr] = idx
-        return out
+        sel = rows_to_merge(
+            self.touched, owners, self.pg, self.merge_moments, whole_fraction=None if self.outer.active else WHOLE_SHARD_FRACTION
+        )
+        self.union_bytes_per_merge, self.rows_merged, self.rows_tracked = sel.exchange_bytes, sel.merged, sel.tracked
+        return sel.rows
 
     def _merge_whole(self, flat: torch.Tensor) -> int:
         self._all_reduce_avg(flat)
         return flat.numel() * flat.element_size()
 
-    def _merge_split(self, flat: torch.Tensor) -> int:
-        """Host-replicated buffer: my 1/R slice across hosts, then all-gather inside the host."""
-        n, r = flat.numel(), self.host_size
-        chunk = -(-n // r)
-        padded = torch.zeros(chunk * r, dtype=flat.dtype, device=flat.device)
-        padded[:n] = flat
-        parts = list(padded.split(chunk))
+    def _outer_merge(self, flat: torch.Tensor, parts: list[Part]) -> int:
+        def total(buf: torch.Tensor) -> None:
+            dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.pg)
+
+        return self.outer.merge(flat, parts, self._all_reduce_avg, total)
+
+    def _param_keys(self) -> dict[tuple[Any, ...], str]:
+        """The outer state's key of each parameter tensor (its place in the parameter list, the
+        same on every replica of a plan); empty when the merge keeps no outer state."""
+        if not self.outer.active:
+            return {}
+        keys: dict[tuple[Any, ...], str] = {}
+        for t, _, _ in self._param_tensors():
+            keys.setdefault(_tensor_key(t), f"t{len(keys)}")
+        return keys
+
+    def _grouped(
+        self, items: list[tuple[torch.Tensor, bool, torch.Tensor | None]], rows_of: dict[int, torch.Tensor], keys: dict
+    ) -> tuple[dict, dict]:
+        """The tensors of a merge by (split, dtype, device, outer step) and the row-merged ones
+        by (dtype, device, outer step); the outer step applies to the parameters in ``keys``."""
+        by_kind: dict[tuple[bool, torch.dtype, torch.device, bool], list[torch.Tensor]] = defaultdict(list)
+        by_rows: dict[tuple[torch.dtype, torch.device, bool], list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
+        for t, rep, owner in items:
+            idx = rows_of.get(owner.data_ptr()) if owner is not None and not rep else None
+            outer = _tensor_key(t) in keys
+            if idx is not None:
+                by_rows[(t.dtype, t.device, outer)].append((t, idx))
+            else:
+                by_kind[(self.route == "hierarchical" and rep, t.dtype, t.device, outer)].append(t)
+        return by_kind, by_rows
+
+    def _anchor_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """(key, the tensor its anchor is now) for every parameter a merge takes the outer step on:
+        whole tensors, and on the hierarchical route this rank's slice of each host-replicated
+        bucket, cut as ``merge`` cuts it."""
+        keys = self._param_keys()
+        by_kind, _ = self._grouped(self._classified_rows(), {}, keys)
+        out = []
+        for split, dtype, device, outer in sorted(by_kind, key=_kind_order):
+            for b, bucket in enumerate(_buckets(by_kind[(split, dtype, device, outer)], self.bucket_bytes)):
+                if outer and split:
+                    mine = self._host_slices(torch.cat([t.reshape(-1) for t in bucket]))[self.host_rank]
+                    out.append((_split_key(dtype, device, b), mine))
+                elif outer:
+                    out += [(keys[_tensor_key(t)], t) for t in bucket]
+        return out
+
+    def _merge_split(self, flat: torch.Tensor, reduce: Any = None) -> int:
+        """Host-replicated buffer: my 1/R slice across hosts (``reduce``: merges the slice in
+        place, returns the bytes sent; default the plain average), then all-gather inside the host."""
+        parts = self._host_slices(flat)
         mine = parts[self.host_rank].clone()
-        self._all_reduce_avg(mine)
+        sent = (reduce or self._merge_whole)(mine)
         dist.all_gather(parts, mine, group=self.host_pg)
-        flat.copy_(padded[:n])
-        self.intra_host_bytes_total += (r - 1) * chunk * flat.element_size()
-        return chunk * flat.element_size()
+        flat.copy_(torch.cat(parts)[: flat.numel()])
+        self.intra_host_bytes_total += (self.host_size - 1) * mine.numel() * flat.element_size()
+        return sent
+
+    def _host_slices(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """``flat`` zero-padded and cut in R equal slices, one per rank of the host."""
+        chunk = -(-flat.numel() // self.host_size)
+        padded = torch.zeros(chunk * self.host_size, dtype=flat.dtype, device=flat.device)
+        padded[: flat.numel()] = flat
+        return list(padded.split(chunk))
 
     def _check_replicated(self, ts: list[torch.Tensor]) -> None:
         """The hierarchical route relies on the host's copies of the dense tensors being equal."""
@@ -396,50 +453,23 @@ class KStepMerger:
             log.warning("k-step merge: dense tensors differ inside a host (no DDP?): using the flat route")
             self.route = "flat"
 
-    @torch.no_grad()
     def max_divergence(self) -> float:
-        """Largest |difference| between replicas over the model's state_dict (re-read through
-        DMP, not through the merger's own tensor list, so it also checks that merging wrote to the
-        real storage). Collective over replica_pg. Each tensor is first compared by a fingerprint
-        of its bits (``_fingerprint``: exact integer sums, independent of reduction order), a few
-        numbers per tensor; only tensors whose fingerprints differ are compared element by
-        element, so a check of equal replicas costs a pass over the tables, not their bytes
-        across hosts (at Criteo's raw sizes, 4 GB through the link)."""
-        if self.hosts == 1:
-            return 0.0
-        tensors = [t for value in self.dmp.state_dict().values() for t in local_tensors(value) if t.is_floating_point() and t.numel()]
-        mine = [_fingerprint(t) for t in tensors]
-        every: list[Any] = [None] * self.hosts
-        dist.all_gather_object(every, mine, group=self.pg)
-        worst = torch.zeros(1, dtype=torch.float64, device=collective_device(self.pg))
-        for i, t in enumerate(tensors):
-            if all(fp[i] == mine[i] for fp in every):
-                continue  # the same bits on every replica
-            hi, lo = t.detach().clone(), t.detach().clone().neg_()
-            dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=self.pg)
-            dist.all_reduce(lo, op=dist.ReduceOp.MAX, group=self.pg)
-            worst = torch.maximum(worst, (hi + lo).abs().max().double().reshape(1))
-        return float(worst.item())
+        """Largest |difference| between the replicas (``recsys.training.kstep.divergence``).
+        Collective over replica_pg."""
+        return max_divergence(self.dmp, self.pg, self.hosts)
 
 
-_FP_CHUNK = 1 << 20  # elements per exact float64 partial sum (terms < 2^32: sums < 2^52)
+def _tensor_key(t: torch.Tensor) -> tuple[Any, ...]:
+    return (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
 
 
-def _fingerprint(t: torch.Tensor) -> tuple[int, ...]:
-    """Three exact integer sums over a tensor's bits (as 16-bit words): plain, and weighted by
-    two functions of the position. Equal tensors give equal fingerprints on any machine and any
-    thread count (integer-valued float64 partial sums below 2^53 are exact in any order); a
-    differing element changes them unless the differences cancel in all three sums."""
-    words = t.detach().contiguous().view(-1).view(torch.uint8)
-    words = words[: words.numel() // 2 * 2].view(torch.int16).to(torch.int64) & 0xFFFF
-    out = [0, 0, 0]
-    for start in range(0, words.numel(), _FP_CHUNK):
-        w = words[start : start + _FP_CHUNK].double()
-        pos = torch.arange(start, start + w.numel(), dtype=torch.int64, device=w.device)
-        out[0] += int(w.sum().item())
-        out[1] += int((w * ((pos % 65521) + 1).double()).sum().item())
-        out[2] += int((w * ((pos * 40503) % 65536).double()).sum().item())
-    return (t.numel(), *out)
+def _split_key(dtype: torch.dtype, device: torch.device, bucket: int) -> str:
+    return f"slice:{dtype}:{device}:{bucket}"
+
+
+def _kind_order(key: tuple[bool, torch.dtype, torch.device, bool]) -> tuple[Any, ...]:
+    split, dtype, device, outer = key
+    return (not split, str(dtype), str(device), outer)
 
 
 def _host_replicated(value: Any) -> bool:

@@ -158,6 +158,54 @@ def union(bitmaps: list[Tensor], pg: dist.ProcessGroup | None) -> Union:
     return Union(rows, (world - 1) * packed.numel() + 8, "bitmap")
 
 
+# a shard whose union of touched rows holds more than this share of its rows is merged whole
+WHOLE_SHARD_FRACTION = 0.75
+
+
+@dataclass
+class RowsToMerge:
+    """What a merge averages of the tracked shards: ``rows``, shard (storage pointer) -> its local
+    rows (shards absent: merged whole); ``exchange_bytes`` sent to agree on them; rows averaged
+    (``merged``, whole shards counted whole) and held (``tracked``) in tracked shards."""
+
+    rows: dict[int, Tensor]
+    exchange_bytes: int = 0
+    merged: int = 0
+    tracked: int = 0
+
+
+def rows_to_merge(
+    touched: TouchedRows, owners: list[Tensor], pg: dist.ProcessGroup | None, merge_moments: bool, whole_fraction: float | None
+) -> RowsToMerge:
+    """The union over the hosts of the rows looked up since the last merge, per embedding shard in
+    ``owners``. Shards without a bitmap are left out (merged whole), as are tables whose absent
+    rows move (``moves_when_absent``) unless the moments are merged (each host's own moments move
+    them: not equal), and shards whose union holds more than ``whole_fraction`` of their rows
+    (None: never). Collective over ``pg``; every replica lists the same shards in the same order
+    (the same plan)."""
+    shards, seen = [], set()
+    for owner in owners:
+        bm = touched.bitmap_of(owner)
+        if not merge_moments and owner.data_ptr() in touched.moves_when_absent:
+            bm = None
+        if bm is not None and owner.data_ptr() not in seen:
+            seen.add(owner.data_ptr())
+            shards.append((owner.data_ptr(), bm))
+    if not shards:
+        return RowsToMerge({})
+    u = union([bm for _, bm in shards], pg)
+    out = RowsToMerge({}, u.exchange_bytes)
+    for (ptr, bm), idx in zip(shards, u.rows):
+        n = bm.numel()
+        out.tracked += n
+        if whole_fraction is not None and idx.numel() > whole_fraction * n:  # gathering most rows costs more than it saves
+            out.merged += n
+            continue
+        out.merged += idx.numel()
+        out.rows[ptr] = idx
+    return out
+
+
 _BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 
 

@@ -15,7 +15,7 @@ from torch import nn
 from torchrec.optim.keyed import KeyedOptimizerWrapper
 
 import recsys.training.kstep.merger as merger_mod
-from recsys.training.kstep.merger import KStepMerger, _buckets, _fingerprint, _host_replicated
+from recsys.training.kstep.merger import KStepMerger, _buckets, _host_replicated
 
 
 def _trained(seed: int) -> tuple[nn.Module, KeyedOptimizerWrapper]:
@@ -135,16 +135,6 @@ def test_buckets_never_split_a_tensor():
     assert [[t.numel() for t in b] for b in _buckets(ts, cap=24)] == [[3, 3], [5, 1], [1]]
     assert [[t.numel() for t in b] for b in _buckets(ts, cap=8)] == [[3], [3], [5], [1, 1]]  # one tensor over the cap goes alone
     assert list(_buckets([], cap=8)) == []
-
-
-def test_the_fingerprint_of_a_float_by_hand():
-    # 1.0f is 0x3F800000: little-endian 16-bit words 0x0000, 0x3F80 (16256) at positions 0 and 1
-    assert _fingerprint(torch.tensor([1.0])) == (1, 16256, 16256 * 2, 16256 * ((1 * 40503) % 65536))
-    t = torch.randn(1000)
-    assert _fingerprint(t) == _fingerprint(t.clone())
-    moved = t.clone()
-    moved[500] = torch.nextafter(moved[500], torch.tensor(float("inf")))
-    assert _fingerprint(moved) != _fingerprint(t)
 
 
 def test_plain_tensors_are_host_replicated_sharded_ones_are_not():
