@@ -74,9 +74,7 @@ class KStepMergeHook:
         self.route = route
         self.rows = rows
         check_outer(outer, outer_lr, outer_momentum, compress)
-        # plain fp32 averaging: the merger's defaults, nothing to pass
-        plain = outer == "average" and compress == "none"
-        self.outer = {} if plain else dict(outer=outer, outer_lr=outer_lr, outer_momentum=outer_momentum, compress=compress)
+        self.outer = dict(outer=outer, outer_lr=outer_lr, outer_momentum=outer_momentum, compress=compress)
         self.hosts = resolve_hosts(hosts or 0)
         self.groups = build_host_groups(self.hosts, timeout or pg_timeout_from_env()) if self.hosts > 1 else None
         self.pg = self.groups.host_pg if self.groups is not None else dist.GroupMember.WORLD

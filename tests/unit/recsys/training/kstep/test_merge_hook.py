@@ -75,7 +75,16 @@ def test_merges_every_k_steps_and_at_the_total(gloo_world_of_one, monkeypatch):
     model = nn.Linear(1, 1)
     merged = [step for step in range(1, 11) if hook.step(model, "opt")]
     assert merged == [4, 8, 10] and hook.merges == 3
-    assert hook.merger.kwargs == {"host_pg": dist.group.WORLD, "route": "auto", "rows": "touched", "tracking_from_start": False}
+    assert hook.merger.kwargs == {
+        "host_pg": dist.group.WORLD,
+        "route": "auto",
+        "rows": "touched",
+        "tracking_from_start": False,
+        "outer": "average",
+        "outer_lr": 0.7,
+        "outer_momentum": 0.9,
+        "compress": "none",
+    }
     # (bound after the first step: the rows that step moved were not seen)
     assert not hook.finish()  # the total was a merge
 
