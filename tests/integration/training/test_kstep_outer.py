@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from recsys.config import ConfigError, load_config
 from recsys.training.distributed import free_port
+from tests.support.processes import start_workers
 
 REPO = Path(__file__).resolve().parents[3]
 SMOKE = REPO / "configs" / "experiments" / "smoke.yaml"
@@ -140,7 +140,7 @@ def _recompute_worker(rank: int, port: int, out: str, steps: int) -> None:
 
 def test_merges_equal_an_independent_recomputation_and_replicas_stay_equal(tmp_path):
     out = tmp_path / "out.json"
-    mp.start_processes(_recompute_worker, args=(free_port(), str(out), 8), nprocs=2, start_method="spawn")
+    start_workers(_recompute_worker, (free_port(), str(out), 8), 2)
     n = 4 * 8 + 8 + 8 + 1
     for arm, merges in json.loads(out.read_text()).items():
         assert len(merges) == 4, arm
@@ -198,7 +198,7 @@ def test_hierarchical_route_takes_the_step_on_slices_and_equals_flat(tmp_path):
     """The outer step and the bf16 deltas on each rank's 1/R slice before the all-gather: the
     same model, bit for bit, as the flat route, on all 4 ranks, for half the parameter bytes."""
     out = tmp_path / "out.json"
-    mp.start_processes(_route_worker, args=(free_port(), str(out), 8), nprocs=4, start_method="spawn")
+    start_workers(_route_worker, (free_port(), str(out), 8), 4)
     n = 4 * 8 + 8 + 8 + 1
     for r in json.loads(out.read_text()):
         assert r["equal"] and r["all_ranks_equal"] and r["divergence"] == 0.0, r
@@ -261,7 +261,7 @@ def _resume_worker(rank: int, port: int, out: str, steps: int) -> None:
 
 def test_a_resume_between_merges_equals_the_uninterrupted_run(tmp_path):
     out = tmp_path / "out.json"
-    mp.start_processes(_resume_worker, args=(free_port(), str(out), 14), nprocs=2, start_method="spawn")
+    start_workers(_resume_worker, (free_port(), str(out), 14), 2)
     r = json.loads(out.read_text())
     assert r["equal"], r  # momentum and residuals saved, anchors taken from the loaded model
     assert r["saved_keys"] == ["t0", "t1", "t2", "t3"] and r["merges"] == 3, r
