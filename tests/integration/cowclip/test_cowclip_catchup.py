@@ -23,6 +23,7 @@ from recsys.optim.cowclip.catchup import (
 )
 from recsys.optim.cowclip.tbe import CowClipAdamTBE
 from recsys.optim.cowclip.hyper import CowClipHyper
+from tests.support.processes import start_workers
 
 B1, B2 = 0.9, 0.999
 D = 8
@@ -345,12 +346,10 @@ def test_merge_averages_caught_up_replicas(tmp_path):
     (every row brought to the merge step first), not rows left at different steps per host."""
     import socket
 
-    import torch.multiprocessing as mp
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_merge_worker, args=(port, str(tmp_path)), nprocs=2, start_method="spawn")
+    start_workers(_merge_worker, (port, str(tmp_path)), 2)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
     for r in (r0, r1):
         assert r["row_step"].eq(7).all()
@@ -433,23 +432,40 @@ def test_catchup_is_accepted_with_every_sharding_type_and_with_merges(tmp_path):
 
 
 def test_a_column_wise_plan_trains_with_catchup(tmp_path):
-    """The real job with embedding_l2_scope=catchup on column-wise tables (a saved plan): it
-    trains, and its checkpoint holds every row at the final step."""
-    import subprocess
-    import sys
+    """The real job with embedding_l2_scope=catchup on column-wise tables (a saved plan, made by
+    `recsys-plan make`): it trains, and its checkpoint holds every row at the final step. Both
+    commands run in this process (tests/support/cli.py); the job's torchrun and worker are real
+    processes."""
+    import json
     from pathlib import Path
+
+    from tests.support.cli import run_main
+    from tests.support.processes import run_main_and_children
 
     repo = Path(__file__).resolve().parents[3]
     smoke = repo / "configs" / "experiments" / "smoke.yaml"
-
-    def run(*o: str) -> subprocess.CompletedProcess:
-        cmd = [sys.executable, "-m", "recsys.cli", "train", "--config", str(smoke), *o]
-        return subprocess.run(cmd, capture_output=True, text=True, cwd=repo, timeout=600)
-
-    r = run(f"run_dir={tmp_path / 'cw'}", "train.max_steps=2", "train.nproc_per_node=1", "sharding.sharding_types=[column_wise]")
+    plan = tmp_path / "plan.json"
+    r = run_main(
+        "recsys.plan_cli",
+        "make",
+        "--config",
+        str(smoke),
+        "--world-size",
+        "1",
+        "--compute-device",
+        "cpu",
+        "--set",
+        "sharding.sharding_types=[column_wise]",
+        "--out",
+        str(plan),
+        cwd=repo,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
-    plan = tmp_path / "cw" / "plan.json"
-    r = run(
+    r = run_main_and_children(
+        "recsys.cli",
+        "train",
+        "--config",
+        str(smoke),
         f"run_dir={tmp_path / 'cu'}",
         "train.max_steps=12",
         "train.nproc_per_node=1",
@@ -457,10 +473,11 @@ def test_a_column_wise_plan_trains_with_catchup(tmp_path):
         "optim.embedding=cowclip_adam",
         "optim.embedding_l2=1e-4",
         "optim.embedding_l2_scope=catchup",
+        cwd=repo,
     )
     assert r.returncode == 0, r.stderr[-2000:]
-    import json
-
+    used = json.loads((tmp_path / "cu" / "plan.json").read_text())["modules"]
+    assert {t["sharding_type"] for m in used.values() for t in m["params"].values()} == {"column_wise"}
     assert json.loads((tmp_path / "cu" / "summary.json").read_text())["auc"] > 0.55
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -690,8 +707,6 @@ def test_sharded_catchup_two_ranks_equals_one_rank_the_dense_reference_and_resum
     has no plan generator for it, so it is not built here.)"""
     import socket
 
-    import torch.multiprocessing as mp
-
     def port() -> int:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -699,7 +714,7 @@ def test_sharded_catchup_two_ranks_equals_one_rank_the_dense_reference_and_resum
 
     for world in (1, 2):
         (tmp_path / str(world)).mkdir()
-        mp.start_processes(_sh_worker, args=(world, port(), str(tmp_path / str(world)), world == 1), nprocs=world, start_method="spawn")
+        start_workers(_sh_worker, (world, port(), str(tmp_path / str(world)), world == 1), world)
     one, two = _sh_assemble(tmp_path / "1", 1, "final"), _sh_assemble(tmp_path / "2", 2, "final")
     resumed = _sh_assemble(tmp_path / "2", 2, "resumed")
     reloaded = _sh_assemble(tmp_path / "2", 2, "reloaded")

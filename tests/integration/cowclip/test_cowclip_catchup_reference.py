@@ -33,6 +33,7 @@ import torch
 from recsys.optim.cowclip.tbe import CowClipAdamTBE
 from recsys.optim.cowclip.hyper import CowClipHyper
 from test_cowclip_catchup import _sh_local  # ((row, col) offset, tensor) of each local shard
+from tests.support.processes import start_workers
 
 TABLES = [(60, 16), (30, 8)]
 B = 8
@@ -300,8 +301,6 @@ def test_every_sharding_type_on_one_and_two_ranks_stays_within_one_lr_of_the_den
     the dense reference on the global batches (measured: 0.22-0.63 lr)."""
     import socket
 
-    import torch.multiprocessing as mp
-
     def port() -> int:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -310,7 +309,7 @@ def test_every_sharding_type_on_one_and_two_ranks_stays_within_one_lr_of_the_den
     got = {}
     for world in (1, 2):
         (tmp_path / str(world)).mkdir()
-        mp.start_processes(_sh_worker, args=(world, port(), str(tmp_path / str(world))), nprocs=world, start_method="spawn")
+        start_workers(_sh_worker, (world, port(), str(tmp_path / str(world))), world)
         full = {}
         for r in range(world):
             for cell, tables in torch.load(tmp_path / str(world) / f"r{r}.pt").items():

@@ -10,13 +10,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.support.processes import run_main_and_children
+
 REPO = Path(__file__).resolve().parents[3]
 SMOKE = REPO / "configs" / "experiments" / "smoke.yaml"
 
 
 def _train(run_dir: Path, *overrides: str) -> dict:
-    cmd = [sys.executable, "-m", "recsys.cli", "train", "--config", str(SMOKE), f"run_dir={run_dir}", *overrides]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
+    """`recsys train`, its launcher in this process (its torchrun and workers are real processes)."""
+    r = run_main_and_children("recsys.cli", "train", "--config", str(SMOKE), f"run_dir={run_dir}", *overrides, cwd=REPO)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return json.loads((run_dir / "summary.json").read_text())
 

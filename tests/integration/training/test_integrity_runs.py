@@ -458,12 +458,21 @@ def test_corrupt_bytes_in_a_checkpoint_without_hashes_is_one_line(run30, tmp_pat
     assert (broken / "metrics.jsonl").read_text() == before
 
 
-def test_overwrite_moves_the_earlier_run_aside(run30, tmp_path):
-    run_dir = tmp_path / "run"
+@pytest.fixture(scope="module")
+def overwritten10(run30, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """A copy of `run30` overwritten by a new 10-step run that merges every 50 steps and asks for a
+    checkpoint every 5: the overwrite test reads what was moved aside, the interval test the
+    rounded checkpoint interval (one launch for both)."""
+    run_dir = tmp_path_factory.mktemp("overwritten10") / "run"
     shutil.copytree(run30, run_dir)
-    old_metrics = (run_dir / "metrics.jsonl").read_text()
-    r = _ok([f"run_dir={run_dir}", "train.max_steps=10", "overwrite=true"])
-    (aside,) = tmp_path.glob("run.old-*")
+    r = _ok([f"run_dir={run_dir}", "train.max_steps=10", "overwrite=true", "train.merge_every=50", "checkpoint.every_steps=5"])
+    return run_dir, r
+
+
+def test_overwrite_moves_the_earlier_run_aside(run30, overwritten10):
+    run_dir, r = overwritten10
+    old_metrics = (run30 / "metrics.jsonl").read_text()
+    (aside,) = run_dir.parent.glob("run.old-*")
     assert f"overwrite=true: moved the earlier run in {run_dir} to {aside}" in r.stderr
     assert sorted(p.name for p in (aside / "checkpoints").iterdir()) == [f"step_{s:09d}" for s in (10, 20, 30)]
     assert (aside / "metrics.jsonl").read_text() == old_metrics
@@ -826,9 +835,8 @@ def test_resume_when_no_checkpoint_is_complete_stops_and_keeps_them(run30, tmp_p
     assert _snapshot(run) == before
 
 
-def test_checkpoint_interval_rounded_to_merge_steps_is_said(tmp_path):
-    run = tmp_path / "run"
-    r = _ok([f"run_dir={run}", "train.merge_every=50", "train.max_steps=10", "checkpoint.every_steps=5"])
+def test_checkpoint_interval_rounded_to_merge_steps_is_said(overwritten10):
+    run, r = overwritten10
     assert (
         "checkpoint.every_steps=5 rounded up to 50: checkpoints are taken at merge steps only "
         "(train.merge_every=50); none before the final one at step 10"

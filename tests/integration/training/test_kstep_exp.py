@@ -5,43 +5,39 @@ one JSON object. Slow (~40 s)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.support.processes import run_main_and_children
 
 REPO = Path(__file__).resolve().parents[3]
 
 
 def test_exp_kstep_quick(tmp_path):
     out, results = tmp_path / "exp", tmp_path / "net.json"
-    r = subprocess.run(
-        [
-            sys.executable,
-            "tools/experiments/kstep.py",
-            "--quick",
-            "--ks",
-            "1,16",
-            "--moments",
-            "off",
-            "--rows",
-            "all",
-            "--out",
-            str(out),
-            "--sync",
-            "--eval-every",
-            "16",
-            "--results",
-            str(results),
-            "--network-plot",
-            str(tmp_path / "net.png"),
-            "--dmpcollection",
-        ],
+    # the script's main in this process (its torchrun agents and workers are real processes);
+    # tests/integration/cowclip/test_cowclip_training.py starts the real script
+    r = run_main_and_children(
+        "tools.experiments.kstep",
+        "--quick",
+        "--ks",
+        "1,16",
+        "--moments",
+        "off",
+        "--rows",
+        "all",
+        "--out",
+        str(out),
+        "--sync",
+        "--eval-every",
+        "16",
+        "--results",
+        str(results),
+        "--network-plot",
+        str(tmp_path / "net.png"),
+        "--dmpcollection",
         cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
     )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     head = json.loads(r.stdout.strip().splitlines()[-1])

@@ -8,17 +8,16 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from recsys.config import ConfigError, load_config
 from recsys.training.distributed import free_port
+from tests.support.processes import start_workers
+from tests.support.simulated_hosts import train_on_hosts
 
 REPO = Path(__file__).resolve().parents[3]
 SMOKE = REPO / "configs" / "experiments" / "smoke.yaml"
@@ -96,7 +95,7 @@ def _worker(rank: int, port: int, out: str, steps: int) -> None:
 def test_merger_k1_sgd_equals_sync_data_parallel(tmp_path):
     out = tmp_path / "out.json"
     steps = 20
-    mp.start_processes(_worker, args=(free_port(), str(out), steps), nprocs=2, start_method="spawn")
+    start_workers(_worker, (free_port(), str(out), steps), 2)
     r = json.loads(out.read_text())
     n_params = 4 * 8 + 8 + 8 + 1
     assert r["sgd"]["diff"] < 1e-6, r  # SGD: averaging updated replicas == averaging gradients
@@ -110,79 +109,59 @@ def test_merger_k1_sgd_equals_sync_data_parallel(tmp_path):
 # -- two simulated hosts with torchrun --------------------------------------------------------
 
 
-def _launch(run_dir: Path, nnodes: int, overrides: list[str], timeout: int = 400) -> dict:
-    port = free_port()
-    # the rendezvous store here, not in an agent that may exit before the other (docs/kstep.md)
-    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True, wait_for_workers=False)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = []
-    for node in range(nnodes):
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes",
-            str(nnodes),
-            "--nproc_per_node",
-            str(4 // nnodes),
-            "--node_rank",
-            str(node),
-            "--rdzv_backend",
-            "c10d",
-            "--rdzv_endpoint",
-            f"127.0.0.1:{port}",
-            "--rdzv_id",
-            run_dir.name,
-            "--rdzv_conf",
-            "is_host=false",
-            "-m",
-            "recsys.train",
-            "--config",
-            str(SMOKE),
-            f"run_dir={run_dir}",
-            "train.threads_per_rank=1",
-            *overrides,
-        ]
-        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outs = [p.communicate(timeout=timeout)[0] for p in procs]
-    del store
-    for p, o in zip(procs, outs):
-        assert p.returncode == 0, o[-4000:]
+# k=4 runs of 24 steps (6 merges), moments merged: the bytes test and the touched-row test share
+# the whole-shard run with FBGEMM's row-wise Adagrad (`whole_k4_adagrad`)
+STEPS, K4 = 24, ["train.max_steps=24", "train.log_every=8", "train.merge_moments=true"]
+ROWWISE = ["optim.embedding=rowwise_adagrad"]
+
+
+def _summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
-def test_two_hosts_kstep_bytes(tmp_path):
+@pytest.fixture(scope="module")
+def whole_k4_adagrad(tmp_path_factory) -> Path:
+    """2 hosts, k=4, whole-shard merges of row-wise Adagrad tables: the k=4 run of the bytes test
+    and the whole-shard run that touched-row merges must equal (one launch, read by both)."""
+    run_dir = tmp_path_factory.mktemp("kstep") / "k4_all"
+    train_on_hosts(run_dir, 2, [*K4, *ROWWISE, "train.merge_every=4", "train.merge_rows=all"])
+    return run_dir
+
+
+def test_two_hosts_kstep_bytes(tmp_path, whole_k4_adagrad):
     """Whole-shard merges (train.merge_rows=all): a merge's bytes do not depend on k."""
-    common = ["train.max_steps=32", "train.log_every=8", "train.merge_moments=true", "train.merge_rows=all"]
-    k4 = _launch(tmp_path / "k4", 2, [*common, "train.merge_every=4"])
-    k1 = _launch(tmp_path / "k1", 2, [*common, "train.merge_every=1"])
-    for s, merges in ((k4, 8), (k1, 32)):
-        assert s["world_size"] == 4 and s["hosts"] == 2 and s["steps"] == 32
+    k4 = _summary(whole_k4_adagrad)
+    k1 = train_on_hosts(tmp_path / "k1", 2, [*K4, *ROWWISE, "train.merge_every=1", "train.merge_rows=all"])
+    for s, merges in ((k4, STEPS // 4), (k1, STEPS)):
+        assert s["world_size"] == 4 and s["hosts"] == 2 and s["steps"] == STEPS
         assert s["merges"] == merges and s["replica_divergence"] == 0.0
         assert s["auc"] > 0.6
     assert k4["cross_host_bytes_per_step"] == pytest.approx(k1["cross_host_bytes_per_step"] / 4, rel=1e-6)
     # 2 hosts: every rank sends its whole payload once per merge (2*(H-1)/H = 1); payloads differ
     # by rank (shard sizes), the summary has rank 0's
-    assert k1["cross_host_bytes_total"] == pytest.approx(32 * 4 * k1["merge_payload_bytes_per_rank"], rel=0.1)
-    train = [json.loads(ln) for ln in (tmp_path / "k4" / "metrics.jsonl").read_text().splitlines()]
+    assert k1["cross_host_bytes_total"] == pytest.approx(STEPS * 4 * k1["merge_payload_bytes_per_rank"], rel=0.1)
+    train = [json.loads(ln) for ln in (whole_k4_adagrad / "metrics.jsonl").read_text().splitlines()]
     train = [x for x in train if x["kind"] == "train"]
     assert train and all(x["cross_host_bytes_per_step"] > 0 for x in train)
 
 
 @pytest.mark.parametrize(
     "optim",
-    [["optim.embedding=rowwise_adagrad"], ["optim.embedding=cowclip_adam", "optim.embedding_lr=0.002", "optim.embedding_l2=0.0001"]],
+    [ROWWISE, ["optim.embedding=cowclip_adam", "optim.embedding_lr=0.002", "optim.embedding_l2=0.0001"]],
     ids=["rowwise_adagrad", "cowclip_catchup"],
 )
-def test_touched_row_merges_equal_whole_shard_merges_with_fewer_bytes(tmp_path, optim):
+def test_touched_row_merges_equal_whole_shard_merges_with_fewer_bytes(request, tmp_path, optim):
     """Merging only the rows some host looked up since the last merge ends at the very model
     whole-shard merges give (2 hosts: averaging two equal values is exact), for FBGEMM's fused
     row-wise Adagrad and for CowClip-Adam by catch-up (untouched rows advance by the same
     catch-up on every host), with moments merged and per-row counters max-reduced; and sends
     fewer bytes across hosts, union exchange included."""
-    common = ["train.max_steps=24", "train.log_every=8", "train.merge_every=4", "train.merge_moments=true", *optim]
-    whole = _launch(tmp_path / "all", 2, [*common, "train.merge_rows=all"])
-    touched = _launch(tmp_path / "touched", 2, [*common, "train.merge_rows=touched"])
+    common = [*K4, "train.merge_every=4", *optim]
+    if optim == ROWWISE:
+        whole = _summary(request.getfixturevalue("whole_k4_adagrad"))
+    else:
+        whole = train_on_hosts(tmp_path / "all", 2, [*common, "train.merge_rows=all"])
+    touched = train_on_hosts(tmp_path / "touched", 2, [*common, "train.merge_rows=touched"])
     assert whole["merge_rows"] == "all" and touched["merge_rows"] == "touched"
     for s in (whole, touched):
         assert s["merges"] == 6 and s["replica_divergence"] == 0.0
@@ -196,8 +175,8 @@ def test_two_hosts_k1_sgd_close_to_synchronous(tmp_path):
     start from different embedding tables (docs/kstep.md); the exact k=1 == sync check is the
     fast test above."""
     common = ["train.max_steps=30", "optim.embedding=sgd"]
-    sync = _launch(tmp_path / "sync", 1, common)
-    hier = _launch(tmp_path / "hier", 2, [*common, "train.merge_every=1", "train.merge_moments=true"])
+    sync = train_on_hosts(tmp_path / "sync", 1, common)
+    hier = train_on_hosts(tmp_path / "hier", 2, [*common, "train.merge_every=1", "train.merge_moments=true"])
     assert "hosts" not in sync and hier["hosts"] == 2
     assert hier["auc"] == pytest.approx(sync["auc"], abs=0.02), (sync, hier)
     assert hier["logloss"] == pytest.approx(sync["logloss"], abs=0.02), (sync, hier)
@@ -257,7 +236,7 @@ def _route_worker(rank: int, port: int, out: str, steps: int) -> None:
 def test_hierarchical_route_equals_flat_with_fewer_cross_host_bytes(tmp_path):
     out = tmp_path / "out.json"
     steps = 8
-    mp.start_processes(_route_worker, args=(free_port(), str(out), steps), nprocs=4, start_method="spawn")
+    start_workers(_route_worker, (free_port(), str(out), steps), 4)
     n = 4 * 8 + 8 + 8 + 1  # parameters; x3 with both Adam moments
     for r in json.loads(out.read_text()):
         assert r["equal"] and r["odd_equal"], r  # bitwise the same model as the flat route
@@ -305,7 +284,7 @@ def _union_worker(rank: int, port: int, out: str) -> None:
 def test_fingerprint_is_exact_and_order_free():
     """Replica checks compare bit fingerprints: equal bits give equal fingerprints whatever the
     thread count; one changed element or two swapped ones change them."""
-    from recsys.training.kstep.merger import _fingerprint
+    from recsys.training.kstep.divergence import fingerprint as _fingerprint
 
     a = torch.randn(3001, 7, generator=torch.Generator().manual_seed(0))
     threads = torch.get_num_threads()
@@ -328,7 +307,7 @@ def test_union_of_touched_rows_is_the_or_of_the_replicas_in_the_smaller_encoding
     """Row lists when few rows moved (4 B a row), packed bitmaps when many (1 bit a row, odd
     length), nothing moved: each equals the OR of both replicas' bitmaps."""
     out = tmp_path / "u.json"
-    mp.start_processes(_union_worker, args=(free_port(), str(out)), nprocs=2, start_method="spawn")
+    start_workers(_union_worker, (free_port(), str(out)), 2)
     r = json.loads(out.read_text())
     assert all(r[k]["or"] for k in ("sparse", "dense", "empty")), r
     assert r["sparse"]["mode"] == "ids" and r["sparse"]["bytes"] < 100_000 // 8

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from recsys.config import ConfigError, load_config
 from recsys.training.distributed import free_port
 from tests.support.processes import start_workers
+from tests.support.simulated_hosts import train_on_hosts
 
 REPO = Path(__file__).resolve().parents[3]
 SMOKE = REPO / "configs" / "experiments" / "smoke.yaml"
@@ -283,10 +284,9 @@ def test_two_hosts_nesterov_bf16_touched_rows_keep_replicas_equal(tmp_path, opti
     """DeepFM on two simulated hosts, Nesterov outer step with bf16 deltas, touched rows merged
     lazily (with CowClip's catch-up the absent rows move at each merge, equally on every host,
     and their anchor follows): the replicas end equal and the model learns."""
-    from tests.integration.training.test_kstep_merge import _launch
 
     common = ["train.max_steps=24", "train.log_every=8", "train.merge_every=4", "train.merge_moments=true", *optim]
-    s = _launch(tmp_path / "run", 2, [*common, "train.merge_outer=nesterov", "train.merge_compress=bf16"])
+    s = train_on_hosts(tmp_path / "run", 2, [*common, "train.merge_outer=nesterov", "train.merge_compress=bf16"])
     assert s["merges"] == 6 and s["replica_divergence"] == 0.0, s
     assert s["merge_rows"] == "touched" and 0 < s["rows_merged_last"] <= s["rows_tracked"], s
     assert s["auc"] > 0.6, s

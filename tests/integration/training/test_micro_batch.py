@@ -5,8 +5,6 @@ model, with chunks that do not divide the batch; checked against a plain `loss.b
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,6 +16,7 @@ from recsys.config import ModelConfig
 from recsys.models.ctr import TrainModule, build_model
 from recsys.models.micro_batch import SplitCTRModel, chunked_loss
 from tests.support.models import CARDS, CPU, NAMES, kjt
+from tests.support.processes import run_main_and_children
 
 
 def _batch(n: int, seed: int = 1):
@@ -99,9 +98,7 @@ REPO = Path(__file__).resolve().parents[3]
 
 
 def _train(run_dir: Path, rows: int) -> tuple[list[float], dict, str]:
-    cmd = [
-        sys.executable,
-        "-m",
+    r = run_main_and_children(
         "recsys.cli",
         "train",
         "--config",
@@ -111,8 +108,8 @@ def _train(run_dir: Path, rows: int) -> tuple[list[float], dict, str]:
         "train.max_steps=12",
         "train.log_every=4",
         f"train.micro_batch_rows={rows}",
-    ]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
+        cwd=REPO,
+    )  # the launcher in this process; its torchrun and workers are real processes
     assert r.returncode == 0, r.stderr[-3000:]
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [x["loss"] for x in recs if x.get("kind") == "train"], json.loads((run_dir / "summary.json").read_text()), r.stderr

@@ -107,22 +107,30 @@ def run40(tmp_path_factory):
     return run_dir
 
 
-def test_half_written_checkpoint_is_ignored(run40, tmp_path):
-    """A crash mid-save leaves only a .tmp directory; resume never picks it up."""
-    run_dir = tmp_path / "run"
+@pytest.fixture(scope="module")
+def resumed40(run40, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """A copy of `run40` with what a crash mid-save leaves (a .tmp directory with partial content
+    and no marker, for step 60) and a directory with a checkpoint's name but no COMMITTED marker
+    (copied by hand, truncated), resumed to step 60 with run40's saved plan: the half-written
+    checkpoint test reads the resume, the saved-plan test the plan the run used (one launch)."""
+    run_dir = tmp_path_factory.mktemp("resumed40") / "run"
     shutil.copytree(run40, run_dir)
     ckpts = run_dir / "checkpoints"
-    assert sorted(p.name for p in ckpts.iterdir()) == ["step_000000020", "step_000000040"]
-    # fake a crash while writing step 60: a .tmp dir with partial content and no marker
     partial = ckpts / "step_000000060.tmp"
     partial.mkdir()
     (partial / "__0_0.distcp").write_bytes(b"partial")
-    # and a directory with the final name but no COMMITTED marker (e.g. copied by hand, truncated)
     (ckpts / "step_000000080").mkdir()
-    r = _run([f"run_dir={run_dir}", "train.max_steps=60", "checkpoint.every_steps=20", "resume=true"])
+    r = _run([f"run_dir={run_dir}", "train.max_steps=60", "checkpoint.every_steps=20", "resume=true", f"plan={run40 / 'plan.json'}"])
+    return run_dir, r
+
+
+def test_half_written_checkpoint_is_ignored(run40, resumed40):
+    """A crash mid-save leaves only a .tmp directory; resume never picks it up."""
+    assert sorted(p.name for p in (run40 / "checkpoints").iterdir()) == ["step_000000020", "step_000000040"]
+    run_dir, r = resumed40
     assert "step_000000040" in r.stderr
     assert _summary(run_dir)["resumed_from"].endswith("step_000000040")
-    assert not partial.exists()
+    assert not (run_dir / "checkpoints" / "step_000000060.tmp").exists()
 
 
 SHARED = REPO.parent / "shared" / "data"
@@ -173,14 +181,13 @@ def test_too_many_bad_rows_stops_before_launch(tmp_path):
     assert not (tmp_path / "c").exists() and not (tmp_path / "run").exists()
 
 
-def test_saved_plan_is_reused_and_checked(run40, tmp_path):
-    """A run writes the plan it used; a second run given that file uses it unchanged; a plan for
-    another world size or model is refused before any process starts."""
-    first, second = run40, tmp_path / "second"
+def test_saved_plan_is_reused_and_checked(run40, resumed40, tmp_path):
+    """A run writes the plan it used; a second run given that file (`resumed40`) uses it
+    unchanged; a plan for another world size or model is refused before any process starts."""
+    first, (second, _) = run40, resumed40
     plan_file = first / "plan.json"
     saved = json.loads(plan_file.read_text())
     assert saved["format"] == "recsys-sharding-plan" and saved["world_size"] == 2
-    _run([f"run_dir={second}", "train.max_steps=20", f"plan={plan_file}"])
     reused = json.loads((second / "plan.json").read_text())
     assert reused["modules"] == saved["modules"]
     assert reused["meta"]["loaded_from"] == str(plan_file)
