@@ -45,12 +45,13 @@ def fingerprint(t: torch.Tensor) -> tuple[int, ...]:
     """Three exact integer sums over a tensor's bits (as 16-bit words): plain, and weighted by
     two functions of the position. Equal tensors give equal fingerprints on any machine and any
     thread count (integer-valued float64 partial sums below 2^53 are exact in any order); a
-    differing element changes them unless the differences cancel in all three sums."""
+    differing element changes them unless the differences cancel in all three sums. Memory: a
+    chunk's words at a time (widening a whole raw-size shard to int64 at once took 4x its bytes)."""
     words = t.detach().contiguous().view(-1).view(torch.uint8)
-    words = words[: words.numel() // 2 * 2].view(torch.int16).to(torch.int64) & 0xFFFF
+    words = words[: words.numel() // 2 * 2].view(torch.int16)  # a view: widened a chunk at a time
     out = [0, 0, 0]
     for start in range(0, words.numel(), _FP_CHUNK):
-        w = words[start : start + _FP_CHUNK].double()
+        w = (words[start : start + _FP_CHUNK].to(torch.int64) & 0xFFFF).double()
         pos = torch.arange(start, start + w.numel(), dtype=torch.int64, device=w.device)
         out[0] += int(w.sum().item())
         out[1] += int((w * ((pos % 65521) + 1).double()).sum().item())
