@@ -21,6 +21,9 @@ already); a shard whose union holds most of its rows goes whole. ``all``: whole 
 end at the same model (tests/integration/training/test_kstep_merge.py); the bytes of a touched-row merge follow the
 rows the batches touched, not the table sizes.
 
+``outer="nesterov"`` (DiLoCo's outer step on the parameters) and ``compress="bf16"`` (bf16 deltas
+with error feedback) keep per-tensor state between merges: ``recsys.training.kstep.outer``.
+
 The all-reduce works in place on the real storage: the embedding shards are the local shards of
 the fused optimizer's ShardedTensors, which are views of FBGEMM's weight / momentum buffers.
 Tensors are coalesced into flat buffers per dtype (at most `bucket_bytes` each), so a merge is a
