@@ -6,7 +6,6 @@ bytes over the bandwidth of the link that carries them."""
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import pytest
@@ -15,52 +14,18 @@ from torchrec.distributed.planner.types import Shard, ShardingOption
 from torchrec.distributed.types import ParameterSharding, ShardingPlan
 
 from sharding.planner.cost.model import TopologyCostModel, TopologyPerfModel
-from sharding.planner.cost.placement import PlacedShard
-from sharding.topology.cluster import ClusterTopology, Gpu, Host, Network, Nic, NumaNode, NvlinkSpec, PcieSwitch
+from sharding.topology.cluster import ClusterTopology
 from sharding.topology.topology_file import load_topology
+from tests.support.round_cluster import DDR_BW, GB, HBM_BW, NIC_BW, NVLINK_BW, PORT_BW, UPLINK_BW, host, shard, two_hosts, two_sockets
 
-GB = 1e9
-HBM_BW = 1000 * GB
-NVLINK_BW = 100 * GB  # one link per GPU, per direction
-PORT_BW = 50 * GB  # each device's PCIe port, per direction
-UPLINK_BW = 25 * GB  # the switch's uplink to the socket, shared by both GPUs
-NIC_BW = 25 * GB  # one NIC per host, on the GPUs' switch
-DDR_BW = 100 * GB
 B = 1000  # batch per rank
 LATENCY = 15e-6 + 10e-6  # one collective spanning hosts (network latency 0)
 INDEX_BYTES = 8 + 20 + 4 * 24 + 16 + 2 * 32  # a CUDA TBE's id handling per lookup and shard
 
 
-def _host(name: str) -> Host:
-    """Two GPUs on one PCIe switch with the host's NIC, NVSwitch between them, one NUMA node."""
-    sw = PcieSwitch("sw", 0, UPLINK_BW, PORT_BW, (0, 1), ("n0",))
-    gpus = tuple(Gpu(i, 80 * 2**30, HBM_BW, "sw", 0) for i in range(2))
-    nic = (Nic("n0", NIC_BW, "sw", 0),)
-    return Host(name, gpus, NvlinkSpec("nvswitch", NVLINK_BW, 1), (sw,), (NumaNode(0, 2**40, DDR_BW),), math.inf, nic)
-
-
-def two_hosts(latency: float = 0.0) -> ClusterTopology:
-    """Ranks 0, 1 on host a, 2, 3 on host b."""
-    return ClusterTopology((_host("a"), _host("b")), Network(latency=latency))
-
-
-def two_sockets() -> ClusterTopology:
-    """One host, GPU i on socket i behind its own switch; 10 GB/s between the sockets."""
-    switches = tuple(PcieSwitch(f"sw{i}", i, UPLINK_BW, PORT_BW, (i,)) for i in range(2))
-    gpus = tuple(Gpu(i, 80 * 2**30, HBM_BW, f"sw{i}", i) for i in range(2))
-    numa = tuple(NumaNode(i, 2**30, DDR_BW) for i in range(2))
-    return ClusterTopology((Host("h", gpus, NvlinkSpec(), switches, numa, 10 * GB),))
-
-
 @pytest.fixture(scope="module")
 def model() -> TopologyCostModel:
     return TopologyCostModel(two_hosts(), B)
-
-
-def shard(rank: int, rows: int = 1000, cols: int = 25, st: str = "table_wise", kernel: str = "fused", **kw) -> PlacedShard:
-    """A shard of a 1000-row table of width ``cols`` (the whole table unless ``rows`` says less)."""
-    kw.setdefault("table_rows", 1000)
-    return PlacedShard(kw.pop("table", "t"), st, kernel, rank, rows, cols, kw.pop("table_rows"), cols, **kw)
 
 
 def by_name(m: TopologyCostModel, load: np.ndarray) -> dict[str, float]:
@@ -102,7 +67,7 @@ def test_ssd_rows_and_input_ids_in_bytes(model):
 
 
 def test_a_collectives_latency_grows_with_hosts_and_the_networks_latency():
-    assert TopologyCostModel(ClusterTopology((_host("a"),)), B).collective_latency == pytest.approx(15e-6)
+    assert TopologyCostModel(ClusterTopology((host("a"),)), B).collective_latency == pytest.approx(15e-6)
     assert TopologyCostModel(two_hosts(), B).collective_latency == pytest.approx(25e-6)
     assert TopologyCostModel(two_hosts(latency=5e-6), B).collective_latency == pytest.approx(30e-6)
     assert TopologyCostModel(load_topology("cpu-gloo"), B).collective_latency == pytest.approx(170e-6)  # gloo over loopback
@@ -116,7 +81,7 @@ def test_each_sharding_type_pays_its_collectives_latency(model, sharding_type, c
 
 
 def test_table_row_wise_in_one_nvlink_domain_prices_as_row_wise_and_unknown_types_have_no_collectives(model):
-    one = TopologyCostModel(ClusterTopology((_host("a"),)), B)
+    one = TopologyCostModel(ClusterTopology((host("a"),)), B)
     assert one.type_latency("table_row_wise") == one.type_latency("row_wise") == pytest.approx(5 * 15e-6)
     assert model.type_latency("grid_shard") == 0.0
 

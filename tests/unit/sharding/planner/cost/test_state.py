@@ -12,17 +12,21 @@ import pytest
 
 from sharding.planner.cost.model import TopologyCostModel
 from sharding.planner.cost.placement import PlacedShard
-from sharding.topology.cluster import ClusterTopology, Gpu, Host, Network, Nic, NumaNode, NvlinkSpec, PcieSwitch, SsdSpec
 from sharding.topology.topology_file import load_topology
+from tests.support.round_cluster import (
+    GB,
+    HBM_BW,
+    NIC_BW,
+    NVLINK_BW,
+    PORT_BW,
+    SSD_READ_BW,
+    SSD_WRITE_BW,
+    UPLINK_BW,
+    shard,
+    two_hosts,
+    two_sockets,
+)
 
-GB = 1e9
-HBM_BW = 1000 * GB
-NVLINK_BW = 100 * GB
-PORT_BW = 50 * GB
-UPLINK_BW = 25 * GB
-NIC_BW = 25 * GB
-DDR_BW = 100 * GB
-SSD_READ_BW, SSD_WRITE_BW = 4 * GB, 2 * GB
 B = 1000
 LATENCY = 25e-6  # one collective spanning hosts
 LOOKUP_BYTES = 3 * 128 + 204  # a 25-column row: 3 passes over 4 sectors, plus a CUDA TBE's id handling
@@ -30,36 +34,9 @@ IDS = B * (8 + 4)  # one rank's ids and lengths for a table of pooling 1
 POOLED = B * 25 * 4  # a 25-column table's pooled output for one rank's batch
 
 
-def _host(name: str, ssd: SsdSpec | None) -> Host:
-    sw = PcieSwitch("sw", 0, UPLINK_BW, PORT_BW, (0, 1), ("n0",))
-    gpus = tuple(Gpu(i, 80 * 2**30, HBM_BW, "sw", 0) for i in range(2))
-    nic = (Nic("n0", NIC_BW, "sw", 0),)
-    return Host(name, gpus, NvlinkSpec("nvswitch", NVLINK_BW, 1), (sw,), (NumaNode(0, 2**40, DDR_BW),), math.inf, nic, ssd)
-
-
-def two_hosts(ssd_on: tuple[bool, bool] = (True, False)) -> ClusterTopology:
-    """Ranks 0, 1 on host a (with an SSD tier), 2, 3 on host b (without, unless asked)."""
-    ssd = SsdSpec(2**40, SSD_READ_BW, SSD_WRITE_BW)
-    return ClusterTopology((_host("a", ssd if ssd_on[0] else None), _host("b", ssd if ssd_on[1] else None)), Network())
-
-
-def two_sockets(ddr_bytes: int) -> ClusterTopology:
-    """One host, GPU i on socket i behind its own switch; 10 GB/s between the sockets."""
-    switches = tuple(PcieSwitch(f"sw{i}", i, UPLINK_BW, PORT_BW, (i,)) for i in range(2))
-    gpus = tuple(Gpu(i, 80 * 2**30, HBM_BW, f"sw{i}", i) for i in range(2))
-    numa = tuple(NumaNode(i, ddr_bytes, DDR_BW) for i in range(2))
-    return ClusterTopology((Host("h", gpus, NvlinkSpec(), switches, numa, 10 * GB),))
-
-
 @pytest.fixture(scope="module")
 def model() -> TopologyCostModel:
-    return TopologyCostModel(two_hosts(), B)
-
-
-def shard(rank: int, rows: int = 1000, cols: int = 25, st: str = "table_wise", kernel: str = "fused", **kw) -> PlacedShard:
-    """A shard of a 1000-row table (``table_rows`` to change it) of width ``cols``."""
-    kw.setdefault("table_rows", 1000)
-    return PlacedShard(kw.pop("table", "t"), st, kernel, rank, rows, cols, kw.pop("table_rows"), cols, **kw)
+    return TopologyCostModel(two_hosts(ssd_on=(True, False)), B)  # host a with an SSD tier
 
 
 def added(model: TopologyCostModel, *shards: PlacedShard):

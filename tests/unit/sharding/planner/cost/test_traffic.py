@@ -4,7 +4,6 @@ a batch of 10 per rank and tables of a few columns."""
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import pytest
@@ -18,25 +17,16 @@ from sharding.planner.cost.traffic import (
     link_kind,
     traffic,
 )
-from sharding.topology.cluster import ClusterTopology, Gpu, Host, Network, Nic, NumaNode, NvlinkSpec, PcieSwitch
+from sharding.topology.cluster import ClusterTopology
 from sharding.topology.topology_file import load_topology
+from tests.support.round_cluster import GIB, host, two_hosts
 
 B = 10
-GB = 1e9
-GIB = 2**30
 
 
-def _host(name: str, nvlink: bool = True) -> Host:
-    """Two GPUs of 80 GiB on one PCIe switch with the host's NIC, NVSwitch between them (or none)."""
-    sw = PcieSwitch("sw", 0, 25 * GB, 50 * GB, (0, 1), ("n0",))
-    gpus = tuple(Gpu(i, 80 * GIB, 1000 * GB, "sw", 0) for i in range(2))
-    links = NvlinkSpec("nvswitch", 100 * GB, 1) if nvlink else NvlinkSpec()
-    return Host(name, gpus, links, (sw,), (NumaNode(0, 512 * GIB, 100 * GB),), math.inf, (Nic("n0", 25 * GB, "sw", 0),))
-
-
-def two_hosts() -> ClusterTopology:
-    """Ranks 0, 1 on host a, 2, 3 on host b."""
-    return ClusterTopology((_host("a"), _host("b")), Network(), name="two-by-two")
+def two_by_two() -> ClusterTopology:
+    """Ranks 0, 1 on host a, 2, 3 on host b; 512 GiB of host memory each."""
+    return two_hosts(ddr_bytes=512 * GIB, name="two-by-two")
 
 
 def table(sharding_type: str, *shards: tuple[int, int, int], kernel: str = "fused", name: str = "t") -> TableInfo:
@@ -141,9 +131,9 @@ def test_the_batch_is_the_plans_or_512(header, batch):
 
 
 def test_link_kinds():
-    t = two_hosts()
+    t = two_by_two()
     assert (link_kind(t, 0, 1), link_kind(t, 1, 0), link_kind(t, 0, 2), link_kind(t, 3, 1)) == ("nvlink", "nvlink", "network", "network")
-    pcie_only = ClusterTopology((_host("h", nvlink=False),))
+    pcie_only = ClusterTopology((host("h", nvlink=False, ddr_bytes=512 * GIB),))
     assert link_kind(pcie_only, 0, 1) == "pcie"
     assert link_kind(load_topology("cpu-gloo"), 0, 1) == "shm"
 
@@ -152,7 +142,7 @@ def test_bytes_by_link_kind_through_each_switch_and_into_each_host():
     infos = [table("table_wise", (0, 100, 4)), table("table_wise", (3, 100, 4), kernel="fused_uvm", name="u")]
     memory = [{"hbm_bytes": 1600, "host_bytes": 0}, {"hbm_bytes": 0, "host_bytes": 0}, {"hbm_bytes": 0, "host_bytes": 0}]
     memory.append({"hbm_bytes": 0, "host_bytes": 1600, "ssd_bytes": 0})
-    tr = apply_topology(traffic(infos, 4, B), two_hosts(), infos, memory)
+    tr = apply_topology(traffic(infos, 4, B), two_by_two(), infos, memory)
     ids, pooled = B * 8, B * 4 * 4
     assert tr.topology == "two-by-two"
     # each owner's slices go to its host's other rank over NVLink and to the other host's over the network;
@@ -183,20 +173,23 @@ def test_bytes_by_link_kind_through_each_switch_and_into_each_host():
 
 
 def test_without_rank_memory_the_hosts_hold_nothing():
-    tr = apply_topology(traffic([], 4, B), two_hosts())
+    tr = apply_topology(traffic([], 4, B), two_by_two())
     assert [(h["hbm_bytes"], h["host_bytes"], h["ssd_bytes"]) for h in tr.hosts] == [(0, 0, 0), (0, 0, 0)]
 
 
 def test_a_topology_of_another_world_size_is_refused():
     with pytest.raises(ValueError, match=r"^topology two-by-two: 4 ranks, the plan has 2$"):
-        apply_topology(traffic([], 2, B), two_hosts())
+        apply_topology(traffic([], 2, B), two_by_two())
 
 
 def test_the_text_report_in_megabytes_per_rank_and_gigabytes_per_host():
     mb = 2**20
     infos = [table("table_wise", (0, 100, 4096))]  # 160 KiB of pooled output per peer
     tr = apply_topology(
-        traffic(infos, 4, B), two_hosts(), infos, [{"hbm_bytes": 2 * GIB, "host_bytes": 0}] + [{"hbm_bytes": 0, "host_bytes": 0}] * 3
+        traffic(infos, 4, B),
+        two_by_two(),
+        infos,
+        [{"hbm_bytes": 2 * GIB, "host_bytes": 0}] + [{"hbm_bytes": 0, "host_bytes": 0}] * 3,
     )
     lines = format_text(tr).splitlines()
     assert lines[0].startswith("traffic by link kind on two-by-two (MB per step, forward + backward, batch 10 per rank;")
