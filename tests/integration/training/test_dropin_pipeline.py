@@ -20,6 +20,7 @@ import torch
 
 from recsys.training.distributed import free_port
 from tests.support.processes import start_workers
+from tests.support.simulated_hosts import run_agents
 
 REPO = Path(__file__).resolve().parents[3]
 # RECSYS_TEST_INSTALLED=1: test the installed distribution (a wheel; tools/ci/stack_tier.sh), with its
@@ -154,38 +155,7 @@ def test_dropin_two_ranks_follow_the_plan_and_train(tmp_path):
 
 @pytest.mark.parametrize("per_host", [1, 2])
 def test_dropin_two_hosts_merge_to_the_mean(tmp_path, per_host):
-    port = free_port()
-    # the rendezvous store here, not in an agent that may exit before the other (docs/kstep.md)
-    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True, wait_for_workers=False)
-    procs = []
-    for node in range(2):
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes",
-            "2",
-            "--nproc_per_node",
-            str(per_host),
-            "--node_rank",
-            str(node),
-            "--rdzv_backend",
-            "c10d",
-            "--rdzv_endpoint",
-            f"127.0.0.1:{port}",
-            "--rdzv_id",
-            tmp_path.name,
-            "--rdzv_conf",
-            "is_host=false",
-            str(WORKER),
-            "merge",
-            str(tmp_path),
-        ]
-        procs.append(subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outs = [p.communicate(timeout=900)[0] for p in procs]
-    del store
-    for p, o in zip(procs, outs):
-        assert p.returncode == 0, o[-4000:]
+    run_agents(2, per_host, tmp_path.name, [str(WORKER), "merge", str(tmp_path)], cwd=tmp_path, env=_env(), timeout=900)
     res = _results(tmp_path, 2 * per_host)
     for r in res:
         assert r["hosts"] == 2 and r["host_world"] == per_host
