@@ -8,22 +8,11 @@ are skipped with that reason (shown by ``-ra``).
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
 import recsys.optim.cowclip.kernels.cpp_op as ck
-
-NO_CPP = os.environ.get("RECSYS_NO_CPP", "") not in ("", "0")
-
-
-@pytest.fixture(scope="module")
-def ext():
-    if NO_CPP:
-        pytest.skip("RECSYS_NO_CPP=1: C++ CowClip op not built")
-    ck.load_extension(require=True)  # raises (test fails) when the build fails
-    return torch.ops.recsys.cowclip_adam_step_
 
 
 def test_tbe_inline_backward_uses_tables_op(ext):

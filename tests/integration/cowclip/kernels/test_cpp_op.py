@@ -23,17 +23,10 @@ import torch
 
 import recsys.optim.cowclip.kernels.cpp_op as ck
 from recsys.optim.cowclip.reference import CowClipAdamState, cowclip_adam_step
+from tests.support.cowclip_tables import assert_update_matches
 
 NO_CPP = os.environ.get("RECSYS_NO_CPP", "") not in ("", "0")
 REPO = Path(__file__).resolve().parents[4]
-
-
-@pytest.fixture(scope="module")
-def ext():
-    if NO_CPP:
-        pytest.skip("RECSYS_NO_CPP=1: C++ CowClip op not built; only the fallback is tested")
-    ck.load_extension(require=True)  # raises (test fails) when the build fails
-    return torch.ops.recsys.cowclip_adam_step_
 
 
 # ----------------------------------------------------------------------------- random cases
@@ -381,20 +374,9 @@ def _tables_fused(c, **hp):
 
 
 def _assert_tables_close(c, got, want, stats_got, stats_want):
-    (w, m1, m2, rs), (w_r, m1_r, m2_r, rs_r) = got, want
-    torch.testing.assert_close(w, w_r, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(m1, m1_r, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(m2, m2_r, rtol=1e-5, atol=1e-9)
-    assert torch.equal(rs, rs_r)
-    assert torch.equal(stats_got[:, 0], stats_want[:, 0])
-    assert (stats_got[:, 1] - stats_want[:, 1]).abs().max() <= 1
-    # rows of no table in the batch: bit-identical (flat buffers)
-    moved = rs != c["row_step"]
-    rows_of = torch.repeat_interleave(
-        moved, torch.tensor([c["specs"][t][1] for t in range(len(c["specs"])) for _ in range(c["specs"][t][0])])
-    )
-    for new, old in ((w, c["weights"]), (m1, c["m1"]), (m2, c["m2"])):
-        assert torch.equal(new[~rows_of], old[~rows_of])
+    row_dims = torch.tensor([dim for rows, dim, *_ in c["specs"] for _ in range(rows)])
+    before = (c["weights"], c["m1"], c["m2"], c["row_step"])
+    assert_update_matches(got, want, before, row_dims, stats_got, stats_want)
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -23,6 +23,7 @@ import torch
 
 import recsys.optim.cowclip.kernels.triton_update as ctr
 from recsys.optim.cowclip.reference import CowClipAdamState, cowclip_adam_step
+from tests.support.cowclip_tables import assert_update_matches
 from tests.support.processes import fresh_python
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -159,24 +160,6 @@ def _run_triton(g: Group, bufs, indices, offsets, grad, psw, **hp):
     return ctr.triton_cowclip_adam_tables(*bufs, g.meta, g.zeta, on(indices), on(offsets), on(grad), on(psw), **hp).cpu()
 
 
-def _assert_close(g: Group, got, want, before, stats_got, stats_want, exact_clipped=False):
-    got = [x.cpu() for x in got]
-    (w, m1, m2, rs), (w_r, m1_r, m2_r, rs_r) = got, want
-    torch.testing.assert_close(w, w_r, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(m1, m1_r, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(m2, m2_r, rtol=1e-5, atol=1e-9)
-    assert torch.equal(rs, rs_r)
-    assert torch.equal(stats_got[:, 0], stats_want[:, 0])
-    if exact_clipped:
-        assert torch.equal(stats_got[:, 1], stats_want[:, 1])
-    else:  # a row exactly at the threshold may round either way
-        assert (stats_got[:, 1] - stats_want[:, 1]).abs().max() <= 1
-    # rows absent from the batch: bit-identical
-    absent = torch.repeat_interleave(rs == before[3], g.row_dims())
-    for new, old in zip((w, m1, m2), before[:3]):
-        assert torch.equal(new[absent], old[absent])
-
-
 SPECS = [(50, 16, True), (3, 4, True), (60, 7, False), (40, 33, True), (20, 1, False)]
 
 
@@ -201,7 +184,7 @@ def test_tables_match_reference_over_steps(eps_mode, l2, weighted):
         before = [x.cpu().clone() for x in bufs]
         s_got = _run_triton(g, bufs, idx, off, grad, psw, **hp)
         s_want = g.reference(ref, idx, off, grad, psw, **hp)
-        _assert_close(g, bufs, ref, before, s_got, s_want)
+        assert_update_matches(bufs, ref, before, g.row_dims(), s_got, s_want)
         clipped_seen += int(s_want[:, 1].sum())
     assert clipped_seen > 0, "the random case should clip some rows (zeta' floor rows)"
     rs = ref[3]
@@ -227,7 +210,7 @@ def test_clip_active_and_inactive():
             assert torch.equal(s_want[clip_f, 1], s_want[clip_f, 0]) and int(s_want[~clip_f, 1].sum()) == 0
         else:
             assert int(s_want[:, 1].sum()) == 0
-        _assert_close(g, bufs, ref, [g.weights, g.m1, g.m2, g.row_step], s_got, s_want, exact_clipped=True)
+        assert_update_matches(bufs, ref, [g.weights, g.m1, g.m2, g.row_step], g.row_dims(), s_got, s_want, exact_clipped=True)
 
 
 @needs_triton
@@ -252,7 +235,7 @@ def test_zeta_floor_and_distinct_counts_over_chunks():
     s_got = _run_triton(g, bufs, idx, off, grad, None, **hp)
     s_want = g.reference(ref, idx, off, grad, None, **hp)
     assert torch.equal(s_got[:, 1], s_got[:, 0])  # every row clipped
-    _assert_close(g, bufs, ref, [g.weights, g.m1, g.m2, g.row_step], s_got, s_want, exact_clipped=True)
+    assert_update_matches(bufs, ref, [g.weights, g.m1, g.m2, g.row_step], g.row_dims(), s_got, s_want, exact_clipped=True)
     m1 = bufs[1].cpu()
     for f, t in enumerate(g.feature_table):
         n, d, _ = specs[t]
@@ -313,7 +296,7 @@ def test_int32_ids_empty_feature_strided_grad_and_rerun_bit_identical():
     for _ in range(2):
         bufs = g.state()
         s_got = _run_triton(g, bufs, idx.int(), off.int(), strided, psw, **hp)
-        _assert_close(g, bufs, ref, [g.weights, g.m1, g.m2, g.row_step], s_got, s_want)
+        assert_update_matches(bufs, ref, [g.weights, g.m1, g.m2, g.row_step], g.row_dims(), s_got, s_want)
         outs.append(bufs)
     assert int(s_got[1, 0]) == 0
     for a, b in zip(*outs):
