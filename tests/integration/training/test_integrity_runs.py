@@ -291,7 +291,7 @@ def _launch_until_a_checkpoint(run_dir: Path) -> subprocess.Popen:
     return launcher
 
 
-def test_torchrun_killed_alone_is_said_by_the_launcher(tmp_path):
+def test_torchrun_killed_alone_is_said_by_the_launcher(tmp_path, real_worker_processes):
     """kill -9 of torchrun (the OOM killer's choice, say): the workers follow it, and the launcher
     says what happened in one line and exits 128 + 9, instead of a silent 247."""
     run_dir = tmp_path / "run"
@@ -321,7 +321,7 @@ def test_torchrun_killed_alone_is_said_by_the_launcher(tmp_path):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=lambda s: s.name)
-def test_killing_the_launcher_stops_every_worker(tmp_path, sig):
+def test_killing_the_launcher_stops_every_worker(tmp_path, sig, real_worker_processes):
     """A second run on the same dir stops at once naming the holder; the launcher alone killed
     (Ctrl-C, SIGTERM, SIGKILL) takes torchrun and every worker with it; SIGINT/SIGTERM print one
     line, and the last complete checkpoint resumes. Under SIGINT the second run is the real command

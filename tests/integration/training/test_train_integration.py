@@ -60,7 +60,7 @@ def test_two_process_run_learns(tmp_path):
     assert (run_dir / "checkpoints" / "step_000000300" / "COMMITTED").is_file()
 
 
-def test_sigkill_and_resume_matches_uninterrupted_run(tmp_path):
+def test_sigkill_and_resume_matches_uninterrupted_run(tmp_path, real_worker_processes):
     """Killed mid-run (shuffled epochs, the default; 80 steps an epoch, so the resumed part
     crosses into epoch 2): the resumed run logs the uninterrupted run's losses step by step,
     i.e. it reads the same rows in the same order, each once per epoch."""

@@ -1,0 +1,44 @@
+"""The integration tier's training workers start from a zygote (``tests/support/zygote.py``):
+torchrun and the worker processes stay real, the ~4.5 CPU-s of imports each worker would spend
+are spent once per test process. A test whose subject is the process tree (killing it, parent
+death, a lost host) asks for ``real_worker_processes``."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from tests.support import zygote
+
+
+@pytest.fixture(scope="session", autouse=True)
+def worker_zygote():
+    if os.environ.get("RECSYS_TEST_NO_ZYGOTE"):  # every worker starts as torchrun starts it
+        yield None
+        return
+    procs, where, extra = zygote.start(dict(os.environ))
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield where
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=30)
+        if not os.environ.get("RECSYS_TEST_ZYGOTE_KEEP"):  # its log says which tests' workers it served
+            shutil.rmtree(where, ignore_errors=True)
+
+
+@pytest.fixture
+def real_worker_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers this test launches start as torchrun starts them (children of their agent,
+    importing everything themselves)."""
+    monkeypatch.delenv(zygote.ENV_SOCKET, raising=False)
