@@ -1,21 +1,26 @@
-"""A zygote for the training workers that the integration tests launch through torchrun.
+"""A zygote for the torchrun agents and training workers that the integration tests launch.
 
 A worker that torchrun starts (``python -u -m recsys.train ...``) spends ~4.5 CPU-s importing
-torch, torchrec, fbgemm and recsys before its first line of work; the integration tier starts
-~130 of them, most of its time on a 2-core machine. Here one process per test process (the
-zygote) imports them once; the Python process torchrun starts hands its job over at interpreter
-start-up (``tests/support/worker_zygote/sitecustomize.py``), the zygote forks a worker for it, and
-that process stands in for the worker until it ends. What stays real: torchrun, its rendezvous
-and its agent, the worker's process, its gloo process group, its stdin/stdout/stderr (the same
-file descriptors), its environment, directory and arguments, ``recsys.train``'s own ``main`` (run
-as ``-m`` runs it), signals (passed on by the stand-in) and its exit status (the stand-in exits
-the same way). What differs: the worker is a child of the zygote, not of torchrun, so the tests
-whose subject is the process tree (killing a tree, parent death, lost hosts) turn it off
-(``real_worker_processes``).
+torch, torchrec, fbgemm and recsys before its first line of work, an agent ~1.7 CPU-s importing
+torch; the integration tier starts ~130 workers and ~70 agents, most of its time on a 2-core
+machine. Here a process per test process (the zygote; two, with different hash seeds, so the
+ranks of a job do not share one) imports them once. The Python process that torchrun or a
+launcher starts hands its job over at interpreter start-up
+(``tests/support/worker_zygote/sitecustomize.py``), the zygote forks a process for it, and the
+started process stands in for that one until it ends.
 
-Per connection the zygote forks a reaper, which forks the worker, passes on the stand-in's
-signals, kills the worker if the stand-in disappears (SIGKILL, as a killed tree would), and
-reports the worker's status.
+What stays real: torchrun and its rendezvous, the agent's and the worker's processes, their gloo
+process groups, their stdin/stdout/stderr (the same file descriptors), environment, directory and
+arguments, the module's own ``main`` (run as ``-m`` runs it), signals (passed on by the stand-in)
+and exit status (the stand-in exits the same way). What differs: the process is a child of the
+zygote, not of its launcher, so tests whose subject is the process tree (killing a tree, parent
+death) start real ones (``real_worker_processes``), and a request the zygote cannot stand for
+(another interpreter or checkout, other import-time settings, a launcher in another process whose
+run lock only its descendants may take) starts as usual.
+
+Per connection the zygote forks a reaper, which forks the process, passes on the stand-in's
+signals, kills the process if the stand-in disappears (SIGKILL, as a killed tree would), and
+reports its status.
 """
 
 from __future__ import annotations

@@ -1,14 +1,13 @@
-"""The other half of ``tests/support/zygote.py``: in a Python process that torchrun (or a test)
-starts to run ``-m recsys.train`` or a script, hand the job to the test process's zygote, which
-forks a worker that has torch, torchrec, fbgemm and recsys imported already, and stand in for that
-worker until it ends: signals this process gets are passed on, and this process exits the way the
-worker did (the same code, or the same signal). The worker writes to this process's stdin,
-stdout and stderr (passed over the socket), runs in its directory with its environment.
+"""The other half of ``tests/support/zygote.py``: a Python process that a test, a launcher or
+torchrun starts to run a torchrun agent, ``-m recsys.train`` or a test's ``*_worker.py`` hands its
+job to the test process's zygote, which forks a process with torch, torchrec, fbgemm and recsys
+imported already, and stands in for that process until it ends: signals it gets are passed on,
+and it exits the way that process did (the same code, or the same signal). That process uses this
+one's stdin, stdout and stderr (passed over the socket), directory and environment.
 
 Active only where the tests put this directory on PYTHONPATH and set ``RECSYS_TEST_ZYGOTE`` (the
-zygotes' sockets); anything the zygote cannot stand for (another interpreter, another checkout of
-recsys or torch, import-time settings such as TRITON_INTERPRET that differ) and this process
-starts as usual. Standard library only: it runs before anything else is imported.
+zygotes' sockets); what the zygote cannot stand for starts as usual. Standard library only: it
+runs before anything else is imported.
 """
 
 from __future__ import annotations
@@ -16,9 +15,13 @@ from __future__ import annotations
 import os
 
 
+# the torchrun agents (torch's and the one `recsys train` starts) and the training worker
+MODULES = ("torch.distributed.run", "recsys.training.torchrun_quiet", "recsys.train")
+
+
 def _command() -> list[str] | None:
-    """What this interpreter was asked to run, if the zygote can stand for it: ``["-m",
-    "recsys.train", *args]`` or ``[tests/support/*_worker.py, *args]``; else None."""
+    """What this interpreter was asked to run, if the zygote can stand for it: ``["-m", one of
+    MODULES, *args]`` or ``[tests/support/*_worker.py, *args]``; else None."""
     try:
         argv = open("/proc/self/cmdline", "rb").read().split(b"\0")[:-1]
     except OSError:
@@ -30,7 +33,7 @@ def _command() -> list[str] | None:
     if i >= len(args) or args[i] in ("-c", "-"):
         return None
     if args[i] == "-m":
-        return args[i:] if i + 1 < len(args) and args[i + 1] == "recsys.train" else None
+        return args[i:] if i + 1 < len(args) and args[i + 1] in MODULES else None
     return args[i:] if "/tests/support/" in os.path.realpath(args[i]) and args[i].endswith("_worker.py") else None
 
 
