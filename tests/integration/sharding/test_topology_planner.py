@@ -5,8 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +16,7 @@ from sharding.planner.cost.placement import PlacedShard
 from sharding.topology.topology_file import load_topology
 from sharding.planner.topology_planner import ModelDoesNotFitError, TopologyAwarePlanner
 from tests.support.plan_models import PLANNER_SPECS as SPECS, meta_ebc as ebc
+from tests.support.processes import run_main_and_children
 
 ROOT = Path(__file__).resolve().parents[3]
 GIB = 1024**3
@@ -134,10 +133,7 @@ def test_cpu_gloo_plan():
 
 def test_training_with_topology_planner(tmp_path):
     run_dir = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "recsys.cli",
+    args = [
         "train",
         "--config",
         str(ROOT / "configs/experiments/smoke.yaml"),
@@ -145,7 +141,7 @@ def test_training_with_topology_planner(tmp_path):
         "train.max_steps=20",
         f"run_dir={run_dir}",
     ]
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    r = run_main_and_children("recsys.cli", *args, cwd=ROOT)  # the launcher in this process; torchrun and workers as usual
     assert r.returncode == 0, r.stderr[-3000:]
     assert (run_dir / "summary.json").exists()
     plan = json.loads((run_dir / "plan.json").read_text())
