@@ -1,7 +1,8 @@
-"""The integration tier's training workers start from a zygote (``tests/support/zygote.py``):
-torchrun and the worker processes stay real, the ~4.5 CPU-s of imports each worker would spend
-are spent once per test process. A test whose subject is the process tree (killing it, parent
-death, a lost host) asks for ``real_worker_processes``."""
+"""The integration tier's torchrun agents and training workers start from a zygote
+(``tests/support/zygote.py``): the processes stay real, the imports each would spend ~4.5 CPU-s
+on (a worker) are spent once per test process. A test whose subject is the process tree (killing
+it, parent death) asks for ``real_worker_processes``. ``RECSYS_TEST_NO_ZYGOTE=1``: no zygote;
+``RECSYS_TEST_ZYGOTE_KEEP=1``: its directory (with a log of what it served and refused) stays."""
 
 from __future__ import annotations
 
@@ -39,6 +40,6 @@ def worker_zygote():
 
 @pytest.fixture
 def real_worker_processes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Workers this test launches start as torchrun starts them (children of their agent,
+    """Agents and workers this test launches start as usual (children of their launcher,
     importing everything themselves)."""
     monkeypatch.delenv(zygote.ENV_SOCKET, raising=False)

@@ -40,8 +40,10 @@ import time
 import traceback
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-SITE_DIR = Path(__file__).resolve().parent / "worker_zygote"
+# not resolved: where tests/ is linked into another directory (CI's stack tier, beside an installed
+# wheel), the zygote imports what the tests there import
+REPO = Path(__file__).absolute().parents[2]
+SITE_DIR = Path(__file__).absolute().parent / "worker_zygote"
 ENV_SOCKET = "RECSYS_TEST_ZYGOTE"
 PRELOAD = ["torch", "torch.distributed", "fbgemm_gpu", "torchrec", "torchrec.distributed", "recsys.optim", "recsys.training.trainer"]
 # packages whose copy a worker must share with the zygote (the same files), and environment keys read
