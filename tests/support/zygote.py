@@ -155,7 +155,7 @@ def _fresh_interpreter_state() -> None:
     torch.seed()  # a new process seeds torch's default generator from the OS
     numpy.random.seed()  # numpy seeds its global generator from the OS when it is imported
     warnings.filters[:] = _FRESH["warnings"]
-    warnings._filters_mutated()
+    getattr(warnings, "_filters_mutated", lambda: None)()  # the filters' cache (CPython 3.11-3.13)
     logging.root.handlers[:] = _FRESH["root"][0]
     logging.root.setLevel(_FRESH["root"][1])
 
