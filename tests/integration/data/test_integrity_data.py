@@ -34,6 +34,7 @@ from recsys.data.errors import CacheWriteError, DataFileError  # noqa: E402
 from recsys.data.shard_format import MANIFEST_NAME  # noqa: E402
 from recsys.data.shard_reader import ShardedDataset  # noqa: E402
 from recsys.data.source import TRAIN, ShardSource, prepare_data, shard_dir  # noqa: E402
+from tests.support.processes import run_main_and_children  # noqa: E402
 
 SMOKE = REPO / "configs" / "experiments" / "smoke.yaml"
 SHARED = Path(os.environ.get("RECSYS_SHARED_DIR") or REPO.parent / "shared") / "data"
@@ -72,11 +73,13 @@ def overrides(tmp_path: Path, data_path: Path | str, *extra: str) -> list[str]:
 def recsys_train(
     tmp_path: Path, args: list[str], config: Path = SMOKE, as_nobody: bool = False, timeout: int = 300
 ) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "recsys.cli", "train", "--config", str(config), *args]
-    if as_nobody:
-        cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *cmd]
+    """`recsys train` with the launcher in this process (its torchrun and workers are real
+    processes), or, ``as_nobody``, the whole command as another user."""
+    if not as_nobody:
+        return run_main_and_children("recsys.cli", "train", "--config", str(config), *args, cwd=tmp_path, timeout=timeout)
+    cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-m", "recsys.cli", "train"]
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([*cmd, "--config", str(config), *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def assert_one_line_error(r: subprocess.CompletedProcess, message: str, before: list[str] = ()) -> None:
