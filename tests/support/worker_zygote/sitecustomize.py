@@ -73,7 +73,8 @@ def _hand_over(sock_path: str, command: list[str]) -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         return  # refused (first[1] says why): start as usual
 
-    # as recsys.train's main() does first: die (SIGTERM) with the parent; the worker follows
+    # die (SIGTERM) with the parent, as recsys.train's main() does first and as `recsys train` has its
+    # torchrun do; the SIGTERM is passed on to the forked process like any other
     import ctypes
 
     try:
