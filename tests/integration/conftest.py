@@ -20,16 +20,12 @@ def worker_zygote():
         yield None
         return
     procs, where, extra = zygote.start(dict(os.environ))
-    saved = {k: os.environ.get(k) for k in extra}
-    os.environ.update(extra)
     try:
-        yield where
+        with pytest.MonkeyPatch.context() as mp:
+            for k, v in extra.items():
+                mp.setenv(k, v)
+            yield where
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         for proc in procs:
             proc.terminate()
         for proc in procs:

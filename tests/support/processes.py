@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.support.cli import run_main
+from tests.support.zygote import PRELOAD
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -126,8 +127,9 @@ def fresh_python(code: str, *, path: Sequence[str] = (), timeout: float = 300) -
     return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
 
 
-# what a test's worker process imports anyway: the forkserver imports it once (below)
-WORKER_PRELOAD = ["torch", "torch.distributed", "fbgemm_gpu", "torchrec", "torchrec.distributed", "recsys.optim", "recsys.training.trainer"]
+# what a test's worker process imports anyway: the forkserver imports it once (below), as the
+# torchrun workers' zygote does
+WORKER_PRELOAD = PRELOAD
 
 
 def start_workers(fn: Callable[..., Any], args: tuple = (), nprocs: int = 2) -> None:

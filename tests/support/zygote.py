@@ -36,7 +36,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 import traceback
 from pathlib import Path
 
@@ -99,17 +98,6 @@ def _found(path: list[str]) -> dict[str, str | None]:
         sys.path[:] = saved
 
 
-def _ancestors(pid: int) -> set[int]:
-    out: set[int] = set()
-    while pid > 1:
-        try:
-            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except OSError:
-            break
-        out.add(pid)
-    return out
-
-
 def _refusal(req: dict, mine: dict[str, str | None]) -> str | None:
     """Why this zygote cannot stand for the request's process, or None."""
     if req["exe"] != os.path.realpath(sys.executable):
@@ -118,7 +106,9 @@ def _refusal(req: dict, mine: dict[str, str | None]) -> str | None:
     for name in SAME_FILES:
         if theirs[name] != mine[name]:
             return f"another {name} ({theirs[name]})"
-    launcher = req["env"].get("RECSYS_RUN_LOCK_PID", "")
+    from recsys.training.run_dir import LAUNCHER_ENV, _ancestors  # the run lock's own rule
+
+    launcher = req["env"].get(LAUNCHER_ENV, "")
     if launcher.isdigit() and int(launcher) not in _ancestors(os.getpid()):
         # a `recsys train` launcher in its own process: its workers take its run lock only as its descendants
         return f"the launcher {launcher} is not the zygote's ancestor"
@@ -299,16 +289,6 @@ def serve(sock_path: str) -> None:
             finally:
                 os._exit(0)
         conn.close()
-
-
-def wait_ready(proc: subprocess.Popen, sock_path: str, timeout: float = 120.0) -> None:
-    t0 = time.time()
-    while not os.path.exists(sock_path):
-        if proc.poll() is not None:
-            raise RuntimeError(f"the worker zygote exited with {proc.returncode}")
-        if time.time() - t0 > timeout:
-            raise RuntimeError(f"the worker zygote was not ready in {timeout} s")
-        time.sleep(0.05)
 
 
 if __name__ == "__main__":
