@@ -38,6 +38,8 @@ class TopologyPartitioner(Partitioner):
         self.compare_default = compare_default
         self.refine = refine
         self.last_storage_constraint: Topology | None = None
+        self._needs: dict[tuple, tuple] = {}
+        self._traces = _Traces()
 
     def partition(
         self, proposal: list[ShardingOption], storage_constraint: Topology, hbm_per_device: Optional[int] = None
@@ -85,6 +87,36 @@ class TopologyPartitioner(Partitioner):
                 return False
         return True
 
+    def _uniform_need(self, so: ShardingOption, host_of: np.ndarray, nh: int) -> tuple[np.ndarray, ...] | None:
+        """(HBM per rank, host memory per host, SSD per host) of a uniform option's shards, shard
+        i on rank i (memoized per option: a search proposes the same options again and again)."""
+        key = (id(so), len(so.shards), nh)
+        hit = self._needs.get(key)
+        if hit is None or hit[0] is not so:
+            st = [sh.storage for sh in so.shards]
+            if any(x is None for x in st):
+                return None
+            hbm = np.array([float(x.hbm) for x in st])
+            ddr, ssd = np.zeros(nh), np.zeros(nh)
+            np.add.at(ddr, host_of, [float(x.ddr) for x in st])
+            np.add.at(ssd, host_of, [float(x.ssd) for x in st])
+            if len(self._needs) > 100_000:
+                self._needs.clear()
+            hit = self._needs[key] = (so, hbm, ddr, ssd)
+        return hit[1:]
+
+    @staticmethod
+    def _take_uniform(need, hbm_free: np.ndarray, host_free: np.ndarray, ssd_free: np.ndarray, host_of: np.ndarray) -> bool:
+        """Takes a uniform option's memory if all of it fits (False: nothing taken, the caller
+        checks shard by shard to name the one that does not)."""
+        hbm, ddr, ssd = need
+        if not ((hbm <= hbm_free).all() and (ddr <= host_free).all() and (ssd <= ssd_free).all()):
+            return False
+        hbm_free -= hbm
+        host_free -= ddr
+        ssd_free -= ssd
+        return True
+
     def _partition(self, proposal: list[ShardingOption], sc: Topology, hbm_per_device: Optional[int]) -> list[ShardingOption]:
         m = self.cost_model
         w, lw = sc.world_size, sc.local_world_size
@@ -117,17 +149,35 @@ class TopologyPartitioner(Partitioner):
         def fail(so: ShardingOption, what: str) -> PlannerError:
             return PlannerError(f"{so.name} ({so.sharding_type}, {so.compute_kernel}): {what}", PlannerErrorType.PARTITION)
 
-        # 1. uniform options (RW, DP): shard i on rank i, as torchrec does
+        # 1. uniform options (RW, DP): shard i on rank i, as torchrec does. Where what a
+        # data-parallel table adds to the step is the same on every rank (device-resident, every
+        # rank's memory as fast), it cannot change where the other shards go: its memory is taken
+        # now, its cost added after the greedy, so proposals that differ in their data-parallel
+        # tables can share greedy steps (``_Traces``).
+        uniform_mem = float(np.ptp(m.mem_bw)) == 0.0
+        deferred: list = []
+        first: list[int] = []  # the uniform options whose cost is in the state before the greedy
         for so in proposal:
             if so.sharding_type in UNIFORM:
                 if len(so.shards) != w:
                     raise fail(so, f"{len(so.shards)} shards for {w} ranks")
+                need = self._uniform_need(so, host_of, nh)
+                if need is None or not self._take_uniform(need, hbm_free, host_free, ssd_free, host_of):
+                    for r, sh in enumerate(so.shards):
+                        if not fits(r, sh.storage):
+                            raise fail(so, f"shard does not fit on rank {r}")
+                        take(r, sh.storage)
                 for r, sh in enumerate(so.shards):
-                    if not fits(r, sh.storage):
-                        raise fail(so, f"shard does not fit on rank {r}")
-                    take(r, sh.storage)
                     sh.rank = r
-                st.add_many(m.placed(so))
+                c = m.contribution(so)
+                if c is not None and uniform_mem and so.sharding_type == "data_parallel":
+                    deferred.append(c)
+                    continue
+                first.append(id(so))
+                if c is None:
+                    st.add_many(m.placed(so))
+                else:
+                    st.add_contribution(c)
 
         rest = [so for so in proposal if so.sharding_type not in UNIFORM]
         rest.sort(
@@ -187,28 +237,86 @@ class TopologyPartitioner(Partitioner):
             else:
                 st = trial
 
-        # 3. table-/column-wise shards, heaviest first, each where the modeled step grows least
-        for so in rest:
-            if so.sharding_type == "table_row_wise":
-                continue
+        # 3. table-/column-wise shards, heaviest first, each where the modeled step grows least.
+        # A step whose state and candidates equal those of a recent proposal's step is not
+        # searched again: its rank is that step's (the same inputs give the same choice).
+        order = [so for so in rest if so.sharding_type != "table_row_wise"]
+        start = (
+            id(sc),
+            hbm_per_device,
+            tuple(first),
+            tuple((id(so), so.shards[0].rank) for so in rest if so.sharding_type == "table_row_wise"),
+        )
+        known = self._traces.longest(start, order)
+        trace: list[tuple[ShardingOption, list[bytes], list[int]]] = []
+        for i, so in enumerate(order):
+            step = known[i] if known is not None and i < len(known) and known[i][0] is so else None
+            if step is None:
+                known = None
             protos = placed_from_option(_with_all_ranks(so, 0))
             host_lock = None
-            for sh, proto in zip(so.shards, protos):
+            masks, ranks = [], []
+            for k, (sh, proto) in enumerate(zip(so.shards, protos)):
                 ok = fitting(sh.storage)
                 if host_lock is not None:
                     ok &= host_of == host_lock
-                cands = np.flatnonzero(ok).tolist()
-                if not cands:
-                    raise fail(so, f"a shard needing {sh.storage} fits on no rank")
-                r = _pick(st, proto, cands)
+                mask = np.packbits(ok).tobytes()
+                if step is not None and step[1][k] == mask:
+                    r = step[2][k]
+                else:
+                    step = known = None
+                    cands = np.flatnonzero(ok).tolist()
+                    if not cands:
+                        raise fail(so, f"a shard needing {sh.storage} fits on no rank")
+                    r = _pick(st, proto, cands)
+                masks.append(mask)
+                ranks.append(r)
                 sh.rank = r
                 take(r, sh.storage)
                 st.add(dataclasses.replace(proto, rank=r))
                 if so.sharding_type == "table_column_wise":
                     host_lock = host_of[r]
+            trace.append((so, masks, ranks))
+        self._traces.add(start, trace, (sc, proposal))
+        for c in deferred:
+            st.add_contribution(c)
         if self.refine:
             refine_placement(st, [so for so in rest if so.sharding_type != "table_row_wise"], hbm_free, host_of)
         return proposal
+
+
+class _Traces:
+    """The greedy steps of the latest proposals: per option in greedy order, each shard's
+    candidate ranks (a bit mask) and the rank chosen, under the state the placement started
+    from (``start``: the storage, the uniform tables whose cost was added first, the
+    table-row-wise placements). A new proposal with the same start and the same first options
+    replays their steps while its candidates are the same, and searches from the first that
+    differs, so it gets exactly the placement a full search gives. Recent traces only: the
+    search walks from proposal to neighbouring proposal."""
+
+    KEEP = 8
+
+    def __init__(self) -> None:
+        self.items: list[tuple[tuple, list, object]] = []
+
+    def longest(self, start: tuple, order: list[ShardingOption]) -> list | None:
+        best, best_n = None, 0
+        for key, steps, _ in self.items:
+            if key != start:
+                continue
+            n = 0
+            for (so, _, _), new in zip(steps, order):
+                if so is not new:
+                    break
+                n += 1
+            if n > best_n:
+                best, best_n = steps, n
+        return best
+
+    def add(self, start: tuple, steps: list, keep_alive: object) -> None:
+        """``keep_alive``: what the ids in ``start`` refer to, held so no id is reused."""
+        self.items.append((start, steps, keep_alive))
+        del self.items[: -self.KEEP]
 
 
 REFINE_MAX_MOVES = 200
@@ -355,6 +463,9 @@ def refine_placement(st: CostState, options: list[ShardingOption], hbm_free: np.
     return changes
 
 
+TIE = 1e-9  # relative: steps this close to the lowest are a tie, broken by spread, then rank
+
+
 def _pick(st: CostState, proto: PlacedShard, cands: list[int]) -> int:
     """The candidate with the lowest resulting step time; ties: the lowest resulting spread (sum
     of squared rank and link times: evens loads, spreads host traffic over switches), then the
@@ -362,17 +473,17 @@ def _pick(st: CostState, proto: PlacedShard, cands: list[int]) -> int:
     if len(cands) == 1:
         return cands[0]
     c = np.asarray(cands)
-    maxes, sums = st.candidate_scores(proto, cands)
+    maxes, sums = st.candidate_scores(proto, cands, ties=TIE)
     lo = maxes.min()
-    tol = 1e-9 * max(lo, 1e-12)
+    tol = TIE * max(lo, 1e-12)
     ok = maxes <= lo + tol
     idx = np.flatnonzero(ok)
     best = idx[np.lexsort((c[idx], sums[idx]))[0]]
     return int(c[best])
 
 
-def _sig(plan: list[ShardingOption]) -> tuple:
-    return tuple(sh.rank for so in plan for sh in so.shards)
+def _sig(plan: list[ShardingOption]) -> list:
+    return [sh.rank for so in plan for sh in so.shards]
 
 
 def _ranks(plan: list[ShardingOption]) -> list[list[int]]:

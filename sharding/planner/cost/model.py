@@ -85,11 +85,13 @@ from sharding.constants import (
     ID_BYTES,
     LENGTH_BYTES,
     SSD_KERNELS,
+    UNIFORM_TYPES,
     UVM_KERNELS,
 )
 from sharding.topology.cluster import ClusterTopology
 from sharding.planner.cost.placement import PlacedShard, placed_from_option, placed_from_plan
 from sharding.planner.cost.result import PlanCost
+from sharding.planner.cost.contribution import Contribution
 from sharding.planner.cost.state import CostState
 
 
@@ -145,6 +147,7 @@ class TopologyCostModel:
         base = CPU_COLLECTIVE_LATENCY_S if self.cpu else COLLECTIVE_LATENCY_S
         self.collective_latency = base + (CROSS_HOST_LATENCY_S + topo.network.latency if len(topo.hosts) > 1 else 0.0)
         self._placed_cache: dict[tuple, tuple] = {}
+        self._contribution_cache: dict[tuple, tuple] = {}
         # the directed (full-duplex) links of every rank pair's path, for the collectives
         self.links = links = build_links(topo)
         mult = links.edge_links()
@@ -167,7 +170,8 @@ class TopologyCostModel:
         self._ring_cache: dict[tuple[int, ...], np.ndarray] = {}
         self._group_cache: dict[tuple[int, ...], tuple] = {}
         self._off_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
-        self._rows_cache: dict[bytes, dict[str, np.ndarray]] = {}
+        self._rows_cache: dict[bytes, dict[str, np.ndarray]] = {}  # insertion order = use order
+        self._rows_bytes = 0
         self._norm2 = {"in": (links.in_inv**2).sum(axis=1), "out": (links.out_inv**2).sum(axis=1)}
         # host-memory resources: per GPU port, per switch uplink, per NUMA DDR, per socket link
         self.res_bw: list[float] = []
@@ -309,18 +313,28 @@ class TopologyCostModel:
         return hit
 
     def link_rows(self, cand: np.ndarray) -> dict[str, np.ndarray]:
-        """``in_inv`` and ``out_inv`` restricted to the candidate ranks, for the greedy placement's
-        vectorized scores: the same candidate list comes back shard after shard, and copying two
-        [ranks, links] matrices was a large part of a big search's time. Read-only copies."""
+        """``in_inv`` and ``out_inv`` restricted to the candidate ranks, transposed (``in`` /
+        ``out``: [links, candidates], so the links a score reads are contiguous rows), with their
+        maxima per link (``in_max`` / ``out_max``), for the greedy placement's vectorized scores:
+        the same candidate list comes back shard after shard, and copying two [ranks, links]
+        matrices was a large part of a big search's time. Read-only copies."""
         key = cand.tobytes()
-        hit = self._rows_cache.get(key)
+        cache = self._rows_cache
+        hit = cache.pop(key, None)
         if hit is None:
             L = self.links
-            if len(self._rows_cache) >= 8:
-                self._rows_cache.clear()
-            hit = self._rows_cache[key] = {"in": L.in_inv[cand], "out": L.out_inv[cand]}
+            hit = {"in": np.ascontiguousarray(L.in_inv[cand].T), "out": np.ascontiguousarray(L.out_inv[cand].T)}
+            # per link, the most any candidate adds to it per byte: bounds which links can set a
+            # phase's new maximum (CostState.candidate_scores)
+            hit["in_max"], hit["out_max"] = hit["in"].max(axis=1), hit["out"].max(axis=1)
             for a in hit.values():
                 a.flags.writeable = False
+            # least recently used out, within a byte budget: the lists of one host's ranks (a
+            # table-column-wise table's later shards) alternate with the whole world's
+            self._rows_bytes += sum(a.nbytes for a in hit.values())
+            while cache and self._rows_bytes > ROWS_CACHE_BYTES:
+                self._rows_bytes -= sum(a.nbytes for a in cache.pop(next(iter(cache))).values())
+        cache[key] = hit  # now the most recent
         return hit
 
     def group_sums(self, group: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -349,9 +363,10 @@ class TopologyCostModel:
 
     # --- scoring whole plans ------------------------------------------------------------------
 
-    def score_shards(self, shards: Iterable[PlacedShard]) -> PlanCost:
+    def score_shards(self, shards: Iterable[PlacedShard], bulk: Iterable[Contribution] = ()) -> PlanCost:
         """Whole-plan score. Table-/column-wise device-resident shards (the bulk) are summed per
-        owner and their all-to-all applied as one matrix product; the rest go through ``add``."""
+        owner and their all-to-all applied as one matrix product; the rest go through ``add``;
+        ``bulk``: row-wise / data-parallel tables already reduced to what they add."""
         st = self.new_state()
         ids_bytes = {t: np.zeros(self.world) for t in _A2A}  # per owner, by sharding type
         pooled_bytes = {t: np.zeros(self.world) for t in _A2A}
@@ -374,6 +389,8 @@ class TopologyCostModel:
                     pending = []
                 pending.append(s)
         st.add_many(pending)
+        for c in bulk:
+            st.add_contribution(c)
         st.lookup += lookup_bytes / self.mem_bw
         L = self.links
         for t in _A2A:
@@ -384,7 +401,31 @@ class TopologyCostModel:
         return st.cost()
 
     def score(self, plan: list[ShardingOption]) -> PlanCost:
-        return self.score_shards(p for so in plan for p in self.placed(so))
+        shards: list[PlacedShard] = []
+        bulk: list[Contribution] = []
+        for so in plan:
+            c = self.contribution(so) if so.sharding_type in UNIFORM_TYPES else None
+            if c is None:
+                shards.extend(self.placed(so))
+            else:
+                bulk.append(c)
+        return self.score_shards(shards, bulk)
+
+    def contribution(self, so: ShardingOption) -> Contribution | None:
+        """What a row-wise or data-parallel option adds to a state as placed now
+        (``Contribution.of``; None where it depends on the state), memoized per option and
+        ranks: 500 tables data-parallel on 128 ranks are 64,000 shards in every proposal."""
+        cp = so.cache_params
+        key = (id(so), so.name, so.sharding_type, so.compute_kernel, tuple(so.tensor.shape), len(so.shards))
+        key += (tuple(so.input_lengths) if so.input_lengths else None,)
+        key += (None if cp is None else (cp.load_factor, id(getattr(cp, "stats", None))),)
+        ranks = [sh.rank for sh in so.shards]
+        hit = self._contribution_cache.get(key)
+        if hit is None or hit[1] != ranks:
+            if len(self._contribution_cache) > 100_000:
+                self._contribution_cache.clear()
+            hit = self._contribution_cache[key] = (Contribution.of(self, self.placed(so)), ranks, so, getattr(cp, "stats", None))
+        return hit[0]
 
     def placed(self, so: ShardingOption) -> list[PlacedShard]:
         """``placed_from_option(so)``, memoized: a search scores the same options (a row-wise one
@@ -411,6 +452,9 @@ class TopologyCostModel:
     def score_sharding_plan(self, plan: ShardingPlan, tables: dict[str, dict], pooling: dict[str, float] | None = None) -> PlanCost:
         """A ShardingPlan + ``{table: {num_embeddings, embedding_dim}}`` (plan_io.model_tables)."""
         return self.score_shards(placed_from_plan(plan, tables, pooling or {}))
+
+
+ROWS_CACHE_BYTES = 64 * 2**20  # link_rows' copies kept (24 on 128 ranks x 1,280 links)
 
 
 class TopologyPerfModel(PerfModel):

@@ -166,3 +166,105 @@ def test_one_rank_plans_without_links():
     assert planner.cost_model.score(planner.best_plan).comm_time == pytest.approx(
         sum(planner.cost_model.type_latency(t) for t in {so.sharding_type for so in planner.best_plan})
     )
+
+
+def test_candidate_scores_spread_only_for_ties():
+    """With ``ties``, the spread comes for the candidates whose step ties with the lowest (the
+    same numbers as without), inf for the others; both ways of computing it (many ties, one)."""
+    m = TopologyCostModel(load_topology("dgx-a100-2host"), 512)
+    few, busy = m.new_state(), m.new_state()
+    for r in range(m.world):
+        if r in (3, 5, 9):
+            few.add(PlacedShard(f"x{r}", "table_wise", "fused", r, 1000, 32, 1000, 32))
+        if r != 7:
+            busy.add(PlacedShard(f"b{r}", "table_wise", "fused", r, 10**6, 256, 10**6, 256, 20.0))
+    proto = PlacedShard("y", "table_wise", "fused", 0, 1000, 16, 1000, 16, 2.0)
+    ties = []
+    for st in (few, busy):
+        steps, spreads = st.candidate_scores(proto, list(range(m.world)))
+        s2, sp2 = st.candidate_scores(proto, list(range(m.world)), ties=1e-9)
+        assert np.array_equal(steps, s2)
+        tied = steps <= steps.min() * (1 + 1e-9)
+        assert np.isinf(sp2[~tied]).all()
+        assert sp2[tied] == pytest.approx(spreads[tied], rel=1e-12)
+        ties.append(int(tied.sum()))
+    assert ties[0] > m.world // 2 and ties[1] == 1
+
+
+def _dp_planner_run(monkeypatch, specs):
+    """Plans ``specs`` on 2 DGX hosts with data-parallel allowed; returns the planner and every
+    proposal it partitioned with the ranks it gave them (copies)."""
+    from sharding.planner import partitioners
+    from sharding.planner.topology_planner import TopologyAwarePlanner
+    from sharding.constants import MODEL_PARALLEL_TYPES
+
+    seen = []
+    inner = partitioners.TopologyPartitioner.partition
+
+    def recording(self, proposal, storage_constraint, hbm_per_device=None):
+        out = inner(self, proposal, storage_constraint, hbm_per_device)
+        seen.append((list(proposal), [[sh.rank for sh in so.shards] for so in proposal], storage_constraint))
+        return out
+
+    monkeypatch.setattr(partitioners.TopologyPartitioner, "partition", recording)
+    module = ebc(specs)
+    cluster = load_topology("dgx-a100-2host")
+    cons = default_constraints(module, "cuda", list(MODEL_PARALLEL_TYPES) + ["data_parallel"])
+    planner = TopologyAwarePlanner(cluster, 4096, cons, compare_default=False)
+    planner.plan(module, [EmbeddingBagCollectionSharder()])
+    monkeypatch.setattr(partitioners.TopologyPartitioner, "partition", inner)
+    return planner, seen
+
+
+def test_replayed_greedy_steps_give_a_fresh_searchs_placement(monkeypatch):
+    """The partitioner replays the greedy steps a recent proposal shares (same start, same
+    candidates): every proposal of a data-parallel search gets exactly the ranks a partitioner
+    without that memory gives it, and the memory spared most of the searches."""
+    from sharding.planner import partitioners
+
+    rng = np.random.default_rng(3)
+    rows = np.exp(rng.uniform(np.log(100), np.log(2e6), 40)).astype(int)
+    specs = [(int(r), int(d)) for r, d in zip(rows, rng.choice([16, 32, 64, 128], 40))]
+    picks = {"n": 0}
+    pick = partitioners._pick
+
+    def counting(*a):
+        picks["n"] += 1
+        return pick(*a)
+
+    monkeypatch.setattr(partitioners, "_pick", counting)
+    planner, seen = _dp_planner_run(monkeypatch, specs)
+    with_memory = picks["n"]
+    assert len(seen) > 20 and any(so.sharding_type == "data_parallel" for p, _, _ in seen for so in p)
+    picks["n"] = 0
+    for proposal, ranks, sc in seen:
+        fresh = partitioners.TopologyPartitioner(planner.cost_model, compare_default=False)
+        fresh.partition(proposal, sc)
+        assert [[sh.rank for sh in so.shards] for so in proposal] == ranks
+    assert with_memory < 0.8 * picks["n"]
+
+
+def test_a_data_parallel_table_moves_no_other_shard():
+    """A data-parallel table costs every rank the same (lookups, all-reduce), so adding one
+    leaves every table-wise shard where it was (its memory permitting), refinement included."""
+    from sharding.planner.partitioners import TopologyPartitioner
+
+    cluster = load_topology("dgx-a100-2host")
+    cm = TopologyCostModel(cluster, 4096)
+    topo = torchrec_topology(cluster)
+    specs = [(200_000 + 1000 * i, 64 if i % 3 else 128) for i in range(30)] + [(5_000, 64), (20_000, 32)]
+    module = ebc(specs)
+    cons = default_constraints(module, "cuda", ["table_wise", "data_parallel"])
+    space = EmbeddingEnumerator(topology=topo, batch_size=4096, constraints=cons).enumerate(module, [EmbeddingBagCollectionSharder()])
+
+    def option(i, st):
+        return next(so for so in space if so.name == f"t_{i}" and so.sharding_type == st)
+
+    placed = []
+    for extra in ([], [30], [30, 31]):
+        proposal = [option(i, "table_wise") for i in range(30)] + [option(i, "data_parallel") for i in extra]
+        TopologyPartitioner(cm, compare_default=False).partition(proposal, topo)
+        placed.append([[sh.rank for sh in so.shards] for so in proposal[:30]])
+        assert all(sh.rank == r for so in proposal[30:] for r, sh in enumerate(so.shards))
+    assert placed[0] == placed[1] == placed[2]
+    assert len({r for ranks in placed[0] for r in ranks}) == cm.world  # spread over every rank

@@ -148,7 +148,8 @@ def test_group_sums_and_candidate_rows_are_the_link_matrices_rows(model):
     assert np.array_equal(in_sum, L.in_inv[2] + L.in_inv[3]) and np.array_equal(out_off, L.out_off_inv[2] + L.out_off_inv[3])
     assert np.array_equal(in_off, L.in_off_inv[2] + L.in_off_inv[3])
     rows = model.link_rows(np.array([3, 0]))
-    assert np.array_equal(rows["in"], L.in_inv[[3, 0]]) and np.array_equal(rows["out"], L.out_inv[[3, 0]])
+    assert np.array_equal(rows["in"], L.in_inv[[3, 0]].T) and np.array_equal(rows["out"], L.out_inv[[3, 0]].T)
+    assert np.array_equal(rows["in_max"], L.in_inv[[3, 0]].max(axis=0))
     with pytest.raises(ValueError, match="read-only"):
         rows["in"][0, 0] = 1.0
 
