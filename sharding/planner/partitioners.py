@@ -39,6 +39,7 @@ class TopologyPartitioner(Partitioner):
         self.refine = refine
         self.last_storage_constraint: Topology | None = None
         self._needs: dict[tuple, tuple] = {}
+        self._placed: dict[int, tuple] = {}
         self._traces = _Traces()
 
     def partition(
@@ -104,6 +105,16 @@ class TopologyPartitioner(Partitioner):
                 self._needs.clear()
             hit = self._needs[key] = (so, hbm, ddr, ssd)
         return hit[1:]
+
+    def _protos(self, so: ShardingOption) -> tuple[list[PlacedShard], dict[tuple[int, int], PlacedShard]]:
+        """The option's shards as the cost model sees them (rank 0), and a memo of them placed
+        ({(shard, rank): placed shard}), kept per option across proposals."""
+        hit = self._placed.get(id(so))
+        if hit is None or hit[0] is not so or hit[3] is not so.cache_params:
+            if len(self._placed) > 100_000:
+                self._placed.clear()
+            hit = self._placed[id(so)] = (so, placed_from_option(_with_all_ranks(so, 0)), {}, so.cache_params)
+        return hit[1], hit[2]
 
     @staticmethod
     def _take_uniform(need, hbm_free: np.ndarray, host_free: np.ndarray, ssd_free: np.ndarray, host_of: np.ndarray) -> bool:
@@ -253,7 +264,7 @@ class TopologyPartitioner(Partitioner):
             step = known[i] if known is not None and i < len(known) and known[i][0] is so else None
             if step is None:
                 known = None
-            protos = placed_from_option(_with_all_ranks(so, 0))
+            protos, on_rank = self._protos(so)
             host_lock = None
             masks, ranks = [], []
             for k, (sh, proto) in enumerate(zip(so.shards, protos)):
@@ -273,7 +284,10 @@ class TopologyPartitioner(Partitioner):
                 ranks.append(r)
                 sh.rank = r
                 take(r, sh.storage)
-                st.add(dataclasses.replace(proto, rank=r))
+                placed = on_rank.get((k, r))
+                if placed is None:
+                    placed = on_rank[(k, r)] = dataclasses.replace(proto, rank=r)
+                st.add(placed)
                 if so.sharding_type == "table_column_wise":
                     host_lock = host_of[r]
             trace.append((so, masks, ranks))

@@ -268,3 +268,25 @@ def test_a_data_parallel_table_moves_no_other_shard():
         assert all(sh.rank == r for so in proposal[30:] for r, sh in enumerate(so.shards))
     assert placed[0] == placed[1] == placed[2]
     assert len({r for ranks in placed[0] for r in ranks}) == cm.world  # spread over every rank
+
+
+def test_search_loops_hash_of_an_option_is_the_options_hash():
+    """Inside the planner's speedups, torchrec's search loop hashes options through a memo: the
+    same value as ``hash``, and a shard with a rank set is hashed afresh."""
+    from torchrec.distributed.planner import planners
+
+    cluster = load_topology("dgx-a100-2host")
+    module = ebc(SPECS)
+    space = EmbeddingEnumerator(
+        topology=torchrec_topology(cluster), batch_size=512, constraints=default_constraints(module, "cuda")
+    ).enumerate(module, [EmbeddingBagCollectionSharder()])
+    with fast_planner_internals():
+        memo = planners.hash
+        assert [memo(so) for so in space] == [hash(so) for so in space] == [memo(so) for so in space]
+        so = next(so for so in space if len(so.shards) > 1)
+        before = memo(so)
+        so.shards[1].rank = 5
+        assert memo(so) == hash(so) != before
+        so.shards[1].rank = None
+        assert memo(so) == before
+    assert "hash" not in planners.__dict__
