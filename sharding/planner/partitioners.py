@@ -3,6 +3,15 @@
 key_value kernel's rows, ``sharding/planner/ssd_tier.py``), then a local search
 (``refine_placement``); torchrec's ``GreedyPerfPartitioner`` placement is kept when the model
 prefers it (``compare_with_default``). Given to torchrec's planner as ``partitioner=``.
+
+A search partitions hundreds of proposals that differ in a few tables, so the partitioner keeps
+what does not change between them: each uniform option's memory and cost, each option's shards
+as the model sees them, and the greedy steps of recent proposals (``_Traces``), replayed while
+the start and the candidates match, which gives exactly the placement a fresh search gives.
+Data-parallel tables cost every rank the same (on ranks with equally fast memory), so they
+cannot move another shard: their cost is added after the greedy, and proposals that differ only
+in which tables are data-parallel share their greedy steps up to the first table that left or
+joined the all-to-all.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from sharding.planner.cost.model import TopologyCostModel
 from sharding.planner.cost.placement import PlacedShard, placed_from_option
 from sharding.planner.cost.state import CostState
 from sharding.planner.cost.placement import with_all_ranks as _with_all_ranks
+from sharding.planner.cost.candidates import candidate_scores
 
 UNIFORM = UNIFORM_TYPES
 
@@ -188,7 +198,7 @@ class TopologyPartitioner(Partitioner):
                 if c is None:
                     st.add_many(m.placed(so))
                 else:
-                    st.add_contribution(c)
+                    c.add_to(st)
 
         rest = [so for so in proposal if so.sharding_type not in UNIFORM]
         rest.sort(
@@ -293,7 +303,7 @@ class TopologyPartitioner(Partitioner):
             trace.append((so, masks, ranks))
         self._traces.add(start, trace, (sc, proposal))
         for c in deferred:
-            st.add_contribution(c)
+            c.add_to(st)
         if self.refine:
             refine_placement(st, [so for so in rest if so.sharding_type != "table_row_wise"], hbm_free, host_of)
         return proposal
@@ -487,7 +497,7 @@ def _pick(st: CostState, proto: PlacedShard, cands: list[int]) -> int:
     if len(cands) == 1:
         return cands[0]
     c = np.asarray(cands)
-    maxes, sums = st.candidate_scores(proto, cands, ties=TIE)
+    maxes, sums = candidate_scores(st, proto, cands, ties=TIE)
     lo = maxes.min()
     tol = TIE * max(lo, 1e-12)
     ok = maxes <= lo + tol

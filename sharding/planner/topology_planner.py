@@ -46,10 +46,12 @@ proposals that do not improve, and every proposer after ``max_proposals`` propos
 a search). torchrec's wall-clock ``timeout_seconds`` is off unless the caller sets it (then plans
 depend on the machine's load again, and the log says when it cut the search).
 
-Speed (500 tables on 128 GPUs in ~22 s on a 2-core machine, idle): torchrec's enumerator runs
-with memoized estimator internals (``sharding/planner/torchrec_speedups.py``, only while this
-planner plans); the partitioner adds row-wise tables in bulk, scores table-row-wise hosts in
-closed form and memoizes option -> shards.
+Speed (500 tables on 128 GPUs in ~22 s on a 2-core machine, idle; ~34 s with data-parallel
+allowed): torchrec's enumerator runs with memoized estimator internals
+(``sharding/planner/torchrec_speedups.py``, only while this planner plans); the partitioner adds
+row-wise and data-parallel tables in bulk (their cost recorded once per option), scores
+table-row-wise hosts in closed form, and replays the greedy steps a proposal shares with a recent
+one (``partitioners._Traces``: the same ranks a fresh search gives).
 
     planner = TopologyAwarePlanner(load_topology("dgx-a100-2host"), batch_size=512)
     plan = planner.plan(model_on_meta, sharders)       # or collective_plan(model, sharders, pg)

@@ -32,3 +32,13 @@ class Contribution:
             return None
         st.add_many(shards)
         return cls(tuple(sorted(st.types)), st.lookup, st.hbm_bytes, tuple(st.loads.items()))
+
+    def add_to(self, st: CostState) -> None:
+        """Adds it to ``st``: the same floats as ``add_many`` of its shards (each rank gets one
+        term, so adding the recorded vector rounds the same)."""
+        for t in self.types:
+            st.mark_type(t)
+        st.lookup += self.lookup
+        st.hbm_bytes += self.hbm_bytes
+        for phase, v in self.loads:
+            st.add_load(phase, v)

@@ -173,6 +173,7 @@ class TopologyCostModel:
         self._rows_cache: dict[bytes, dict[str, np.ndarray]] = {}  # insertion order = use order
         self._rows_bytes = 0
         self._norm2 = {"in": (links.in_inv**2).sum(axis=1), "out": (links.out_inv**2).sum(axis=1)}
+        self._gram: dict[str, np.ndarray] = {}
         # host-memory resources: per GPU port, per switch uplink, per NUMA DDR, per socket link
         self.res_bw: list[float] = []
         self._res_index: dict[str, int] = {}
@@ -325,7 +326,7 @@ class TopologyCostModel:
             L = self.links
             hit = {"in": np.ascontiguousarray(L.in_inv[cand].T), "out": np.ascontiguousarray(L.out_inv[cand].T)}
             # per link, the most any candidate adds to it per byte: bounds which links can set a
-            # phase's new maximum (CostState.candidate_scores)
+            # phase's new maximum (candidates.candidate_scores)
             hit["in_max"], hit["out_max"] = hit["in"].max(axis=1), hit["out"].max(axis=1)
             for a in hit.values():
                 a.flags.writeable = False
@@ -336,6 +337,17 @@ class TopologyCostModel:
                 self._rows_bytes -= sum(a.nbytes for a in cache.pop(next(iter(cache))).values())
         cache[key] = hit  # now the most recent
         return hit
+
+    def gram(self, which: str) -> np.ndarray:
+        """``in_inv @ in_inv.T`` (``"in"``) or ``out_inv @ out_inv.T`` (``"out"``), [ranks, ranks]:
+        what a shard on rank r adds to every rank's product with a phase's loads
+        (``CostState.dots``). Computed when first asked for (the greedy placement's states)."""
+        g = self._gram.get(which)
+        if g is None:
+            m = self.links.in_inv if which == "in" else self.links.out_inv
+            g = self._gram[which] = m @ m.T
+            g.flags.writeable = False
+        return g
 
     def group_sums(self, group: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Sums over ``group`` of ``in_inv``, ``out_off_inv`` and ``in_off_inv`` (memoized)."""
@@ -390,7 +402,7 @@ class TopologyCostModel:
                 pending.append(s)
         st.add_many(pending)
         for c in bulk:
-            st.add_contribution(c)
+            c.add_to(st)
         st.lookup += lookup_bytes / self.mem_bw
         L = self.links
         for t in _A2A:

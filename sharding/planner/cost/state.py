@@ -7,17 +7,14 @@ rings, link matrices) stay in :class:`~sharding.planner.cost.model.TopologyCostM
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from sharding.constants import A2A_TYPES, DEFAULT_LOAD_FACTOR, LENGTH_BYTES, SSD_KERNELS, UVM_KERNELS
 from sharding.constants import BYTES_PER_WEIGHT as BYTES
 from sharding.planner.cost.result import PlanCost
-from sharding.planner.cost.placement import PlacedShard, with_rank
-
-if TYPE_CHECKING:
-    from sharding.planner.cost.contribution import Contribution
+from sharding.planner.cost.placement import PlacedShard
 
 _A2A = A2A_TYPES
 
@@ -47,6 +44,9 @@ class CostState:
         self.lookup = np.zeros(w)
         self.loads = {}
         self._stats: dict[str, tuple[float, float]] = {}
+        # all-to-all phase -> every rank's link row (in_inv / out_inv, as the phase's shards load
+        # them) times the phase's loads: what a candidate's spread needs (``_track_dots``)
+        self.dots: dict[str, np.ndarray] = {}
         self.latency = 0.0
         self.res_bytes = np.zeros(len(self.model.res_bw) + 8 * len(self.model.topo.hosts) + 8)
         self.rank_res = [set() for _ in range(w)]
@@ -75,6 +75,23 @@ class CostState:
         else:
             cur += v
         self._stats.pop(phase, None)
+        self.dots.pop(phase, None)
+
+    def _track_dots(self, s: PlacedShard, track: dict) -> None:
+        """Keeps ``dots`` of an all-to-all shard's three phases: a shard on rank r adds coef x
+        ``in_inv[r]`` (or ``out_inv[r]``) to a phase, so every rank's product with the phase's
+        loads grows by coef x the Gram matrix's column r. Kept from a phase's first shard on
+        (``add`` only), so they follow the state, not the order of questions asked of it."""
+        m = self.model
+        b = m.batch * s.cols * BYTES
+        t = s.sharding_type
+        for phase, coef, which in ((f"{t}:ids", m.ids_bytes(s.pooling), "in"), (f"{t}:fwd", b, "out"), (f"{t}:bwd", b, "in")):
+            fresh, d = track[phase]
+            if fresh:
+                d = np.zeros(m.world)
+            if d is not None:
+                d += coef * m.gram(which)[:, s.rank]
+                self.dots[phase] = d
 
     def _phase_stats(self, phase: str) -> tuple[float, float]:
         """(busiest link, sum of squares) of one phase's loads, kept until the phase changes: the
@@ -258,8 +275,12 @@ class CostState:
         hf = self._host_fraction(s)
         miss = self._ssd_fraction(s)
         self.lookup[s.rank] += lb * (1 - hf - miss) / m.mem_bw[s.rank]
-        for phase, v in self.shard_loads(s):
+        loads = self.shard_loads(s)
+        track = {p: (p not in self.loads, self.dots.get(p)) for p, _ in loads} if s.sharding_type in _A2A else {}
+        for phase, v in loads:
             self.add_load(phase, v)
+        if track:
+            self._track_dots(s, track)
         dev, host = self._memory(s)
         self.hbm_bytes[s.rank] += dev
         self.host_bytes[s.rank] += host
@@ -384,16 +405,6 @@ class CostState:
         np.add.at(self.lookup, ranks, lb / m.mem_bw[ranks])
         np.add.at(self.hbm_bytes, ranks, rows * s0.cols * BYTES + rows * BYTES)
 
-    def add_contribution(self, c: Contribution) -> None:
-        """Adds what ``Contribution.of`` recorded: the same floats as ``add_many`` of its shards
-        (each rank gets one term, so adding the recorded vector rounds the same)."""
-        for t in c.types:
-            self.mark_type(t)
-        self.lookup += c.lookup
-        self.hbm_bytes += c.hbm_bytes
-        for phase, v in c.loads:
-            self.add_load(phase, v)
-
     def _grow(self) -> None:
         need = len(self.model.res_bw)
         if need > len(self.res_bytes):
@@ -447,70 +458,7 @@ class CostState:
             self.ssd_bytes.copy(),
         )
 
-    # greedy support ------------------------------------------------------------------------------
-
-    def candidate_step_times(self, proto: PlacedShard, candidates: list[int]) -> np.ndarray:
-        """The modeled step time if ``proto`` (its rank ignored) were placed on each candidate.
-        Vectorized for device-resident table-/column-wise shards; others are evaluated one by one."""
-        return self.candidate_scores(proto, candidates)[0]
-
-    def candidate_scores(self, proto: PlacedShard, candidates: list[int], ties: float | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """(step time, spread) for ``proto`` on each candidate (see ``step_time_with``). With
-        ``ties``, spreads only for the candidates whose step is within ``ties`` x the lowest
-        (the greedy's tie-break; the others get inf): most of the cost of a large search."""
-        m = self.model
-        cand = np.asarray(candidates)
-        hf = self._host_fraction(proto)
-        if hf == 0.0 and proto.sharding_type in _A2A and proto.kernel not in SSD_KERNELS:
-            base = self.local_time()
-            lb = self._lookup_bytes(proto)
-            own = base[cand] + lb / m.mem_bw[cand]
-            lk_max = np.maximum(base.max(initial=0.0), own)
-            comm = np.full(len(cand), self.comm_time() + self.new_type_latency(proto.sharding_type))
-            b = m.batch * proto.cols * BYTES
-            t = proto.sharding_type
-            rows = m.link_rows(cand)
-            phases = ((f"{t}:ids", m.ids_bytes(proto.pooling), "in"), (f"{t}:fwd", b, "out"), (f"{t}:bwd", b, "in"))
-            for phase, coef, which in phases:
-                cur = self.load(phase)
-                top = cur.max(initial=0.0)
-                # Only links that some candidate can lift above today's busiest can set the new
-                # maximum; the others stay at or below it, and the busiest link itself only grows.
-                # So the max over those links, floored at today's, is the max over all links,
-                # bit for bit (one link in ten on 128 ranks, mid-search).
-                active = np.flatnonzero(cur + coef * rows[f"{which}_max"] > top)
-                if len(active):
-                    new = rows[which].take(active, axis=0)
-                    new *= coef
-                    new += cur[active][:, None]
-                    comm += np.maximum(new.max(axis=0), top) - top
-            steps = lk_max + comm
-            sel = slice(None)
-            spread = np.full(len(cand), np.inf)
-            if ties is not None:
-                lo = steps.min()
-                sel = np.flatnonzero(steps <= lo + ties * max(lo, 1e-12))
-            c = cand[sel]
-            part = float((base * base).sum()) - base[c] ** 2 + own[sel] ** 2
-            # |cur + c M|^2 - |cur|^2 = 2 c M.cur + c^2 |M|^2, the two phases on in_inv in one product
-            (ids, ci, _), (fwd, cf, _), (bwd, cb, _) = phases
-            if len(c) * 8 < len(cand):  # a few ties: their columns; else all of them, one product
-                dot_in = self.load(ids) @ rows["in"][:, sel] * ci + self.load(bwd) @ rows["in"][:, sel] * cb
-                dot_out = self.load(fwd) @ rows["out"][:, sel]
-            else:
-                dot_in = ((ci * self.load(ids) + cb * self.load(bwd)) @ rows["in"])[sel]
-                dot_out = (self.load(fwd) @ rows["out"])[sel]
-            part += 2 * dot_in + 2 * cf * dot_out
-            part += (ci * ci + cb * cb) * m._norm2["in"][c] + cf * cf * m._norm2["out"][c]
-            part += self.squares()  # every phase's; the three above add their change
-            spread[sel] = part
-            return steps, spread
-        steps, spreads = np.empty(len(cand)), np.empty(len(cand))
-        for k, r in enumerate(cand):
-            trial = self.copy()
-            trial.add(with_rank(proto, int(r)))
-            steps[k], spreads[k] = trial.step_time(), trial.spread()
-        return steps, spreads
+    # greedy support: the candidates' scores are in sharding/planner/cost/candidates.py ----------------
 
     def copy(self) -> "CostState":
         c = CostState.__new__(CostState)
@@ -518,6 +466,7 @@ class CostState:
         c.lookup = self.lookup.copy()
         c.loads = {k: v.copy() for k, v in self.loads.items()}
         c._stats = dict(self._stats)
+        c.dots = {k: v.copy() for k, v in self.dots.items()}
         c.latency = self.latency
         c.res_bytes = self.res_bytes.copy()
         c.rank_res = [set(x) for x in self.rank_res]

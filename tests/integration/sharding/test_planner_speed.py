@@ -20,6 +20,7 @@ from sharding.planner.job_topology import torchrec_topology
 from sharding.planner.topology_planner import default_constraints, greedy_patience_for
 from sharding.planner.torchrec_speedups import fast_deepcopy, fast_planner_internals
 from tests.support.plan_models import meta_ebc as ebc
+from sharding.planner.cost.candidates import candidate_scores
 
 logging.disable(logging.WARNING)
 
@@ -145,7 +146,7 @@ def test_candidate_scores_equal_trial_adds():
         st.add(PlacedShard("x", "table_wise", "fused", 3, 1000, 32, 1000, 32))
         st.add_many(_shards("r", "row_wise", "fused", list(range(m.world)), 80_000, 16))
         proto = PlacedShard("y", "column_wise", "fused", 0, 1000, 16, 1000, 64, 2.0)
-        steps, spreads = st.candidate_scores(proto, list(range(m.world)))
+        steps, spreads = candidate_scores(st, proto, list(range(m.world)))
         for r in range(m.world):
             trial = st.copy()
             trial.add(dataclasses.replace(proto, rank=r))
@@ -166,29 +167,6 @@ def test_one_rank_plans_without_links():
     assert planner.cost_model.score(planner.best_plan).comm_time == pytest.approx(
         sum(planner.cost_model.type_latency(t) for t in {so.sharding_type for so in planner.best_plan})
     )
-
-
-def test_candidate_scores_spread_only_for_ties():
-    """With ``ties``, the spread comes for the candidates whose step ties with the lowest (the
-    same numbers as without), inf for the others; both ways of computing it (many ties, one)."""
-    m = TopologyCostModel(load_topology("dgx-a100-2host"), 512)
-    few, busy = m.new_state(), m.new_state()
-    for r in range(m.world):
-        if r in (3, 5, 9):
-            few.add(PlacedShard(f"x{r}", "table_wise", "fused", r, 1000, 32, 1000, 32))
-        if r != 7:
-            busy.add(PlacedShard(f"b{r}", "table_wise", "fused", r, 10**6, 256, 10**6, 256, 20.0))
-    proto = PlacedShard("y", "table_wise", "fused", 0, 1000, 16, 1000, 16, 2.0)
-    ties = []
-    for st in (few, busy):
-        steps, spreads = st.candidate_scores(proto, list(range(m.world)))
-        s2, sp2 = st.candidate_scores(proto, list(range(m.world)), ties=1e-9)
-        assert np.array_equal(steps, s2)
-        tied = steps <= steps.min() * (1 + 1e-9)
-        assert np.isinf(sp2[~tied]).all()
-        assert sp2[tied] == pytest.approx(spreads[tied], rel=1e-12)
-        ties.append(int(tied.sum()))
-    assert ties[0] > m.world // 2 and ties[1] == 1
 
 
 def _dp_planner_run(monkeypatch, specs):

@@ -27,6 +27,7 @@ from sharding.topology.topology_dump import dump_topology, topology_to_dict
 from sharding.topology.topology_file import load_topology
 from sharding.planner.job_topology import torchrec_topology
 from sharding.planner.topology_planner import ModelDoesNotFitError, TopologyAwarePlanner
+from sharding.planner.cost.candidates import candidate_step_times
 
 logging.disable(logging.WARNING)
 GIB = 1024**3
@@ -308,7 +309,7 @@ def test_ssd_time_is_misses_times_row_bytes_over_read_plus_write_bandwidth():
     st = m.new_state()
     st.add(kv(3, rows, cols, table_rows, lf))
     assert st.cost().ssd_io[3] == pytest.approx(expected, rel=1e-12)
-    assert st.candidate_step_times(kv(0, rows, cols, table_rows, lf), [5])[0] == pytest.approx(both.step_time, rel=1e-9)
+    assert candidate_step_times(st, kv(0, rows, cols, table_rows, lf), [5])[0] == pytest.approx(both.step_time, rel=1e-9)
 
 
 def test_key_value_on_a_host_without_ssd_costs_infinite_time():

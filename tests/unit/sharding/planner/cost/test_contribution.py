@@ -26,7 +26,7 @@ def test_a_tables_contribution_equals_add_many():
             st.add(PlacedShard("x", "table_wise", "fused", 3, 1000, 32, 1000, 32))
             st.add_many(_shards("r", "row_wise", "fused", list(range(16)), 80_000, 16))
         a.add_many(shards)
-        b.add_contribution(Contribution.of(cm, shards))
+        Contribution.of(cm, shards).add_to(b)
         for f in ("lookup", "hbm_bytes", "host_bytes"):
             assert np.array_equal(getattr(a, f), getattr(b, f)), f
         assert a.loads.keys() == b.loads.keys() and all(np.array_equal(a.loads[p], b.loads[p]) for p in a.loads)

@@ -13,6 +13,7 @@ import pytest
 from sharding.planner.cost.model import TopologyCostModel
 from sharding.planner.cost.placement import PlacedShard
 from sharding.topology.topology_file import load_topology
+from sharding.planner.cost.candidates import candidate_scores, candidate_step_times
 from tests.support.round_cluster import (
     GB,
     HBM_BW,
@@ -276,7 +277,7 @@ def test_a_trial_prices_a_shards_loads_without_adding_them(model):
 
 def test_a_second_table_is_cheapest_on_the_other_host(model):
     st = added(model, shard(0, table="a"))
-    steps = st.candidate_step_times(shard(0, table="b"), [0, 1, 2, 3])
+    steps = candidate_step_times(st, shard(0, table="b"), [0, 1, 2, 3])
     lookup = B * 4 * LOOKUP_BYTES / HBM_BW
     one_nic = (2 * IDS + 4 * POOLED) / NIC_BW + 5 * LATENCY  # each host's NIC carries one owner's traffic
     both_on_a = (4 * IDS + 8 * POOLED) / NIC_BW + 5 * LATENCY  # host a's NIC carries both owners'
@@ -305,7 +306,7 @@ def _state_with_a_table_wise_and_a_row_wise_table(model):
 )
 def test_a_candidates_step_time_is_the_placed_states_and_its_spread_orders_candidates_alike(model, proto):
     st = _state_with_a_table_wise_and_a_row_wise_table(model)
-    steps, spreads = st.candidate_scores(proto, [0, 1, 2, 3])
+    steps, spreads = candidate_scores(st, proto, [0, 1, 2, 3])
     placed_steps, placed_spreads = _placed_scores(st, proto, [0, 1, 2, 3])
     assert steps.tolist() == pytest.approx(placed_steps, rel=1e-12)
     assert (spreads - spreads[0]).tolist() == pytest.approx([x - placed_spreads[0] for x in placed_spreads], rel=1e-9, abs=1e-24)
@@ -320,13 +321,13 @@ def test_a_candidates_step_time_is_the_placed_states_and_its_spread_orders_candi
 def test_a_candidates_spread_on_a_state_without_its_type_is_the_placed_states(model, proto):
     other = shard(0, table="a") if proto.sharding_type == "row_wise" else shard(3, rows=500, st="row_wise", table="c", group=(3,))
     st = added(model, other)
-    _, spreads = st.candidate_scores(proto, [0, 1, 2, 3])
+    _, spreads = candidate_scores(st, proto, [0, 1, 2, 3])
     assert spreads.tolist() == pytest.approx(_placed_scores(st, proto, [0, 1, 2, 3])[1], rel=1e-9)
 
 
 def test_a_candidates_spread_on_a_state_holding_its_type_is_the_placed_states(model):
     st = _state_with_a_table_wise_and_a_row_wise_table(model)
-    _, spreads = st.candidate_scores(shard(0, table="b"), [0, 1, 2, 3])
+    _, spreads = candidate_scores(st, shard(0, table="b"), [0, 1, 2, 3])
     assert spreads.tolist() == pytest.approx(_placed_scores(st, shard(0, table="b"), [0, 1, 2, 3])[1], rel=1e-9)
 
 
