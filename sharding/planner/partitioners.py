@@ -152,7 +152,7 @@ class TopologyPartitioner(Partitioner):
         gw = m.topo.ranks_per_nvlink_domain
         groups = w // gw
         st = m.new_state()
-        _reset(proposal)
+        _reset([so for so in proposal if so.sharding_type not in UNIFORM])  # uniform ones: every shard set below
 
         def fits(rank: int, s: Storage) -> bool:
             h = host_of[rank]
@@ -190,7 +190,7 @@ class TopologyPartitioner(Partitioner):
                         take(r, sh.storage)
                 for r, sh in enumerate(so.shards):
                     sh.rank = r
-                c = m.contribution(so)
+                c = m.contribution(so, in_order=True)
                 if c is not None and uniform_mem and so.sharding_type == "data_parallel":
                     deferred.append(c)
                     continue
@@ -286,8 +286,8 @@ class TopologyPartitioner(Partitioner):
                     r = step[2][k]
                 else:
                     step = known = None
-                    cands = np.flatnonzero(ok).tolist()
-                    if not cands:
+                    cands = np.flatnonzero(ok)
+                    if not len(cands):
                         raise fail(so, f"a shard needing {sh.storage} fits on no rank")
                     r = _pick(st, proto, cands)
                 masks.append(mask)
@@ -490,14 +490,14 @@ def refine_placement(st: CostState, options: list[ShardingOption], hbm_free: np.
 TIE = 1e-9  # relative: steps this close to the lowest are a tie, broken by spread, then rank
 
 
-def _pick(st: CostState, proto: PlacedShard, cands: list[int]) -> int:
+def _pick(st: CostState, proto: PlacedShard, cands: np.ndarray) -> int:
     """The candidate with the lowest resulting step time; ties: the lowest resulting spread (sum
     of squared rank and link times: evens loads, spreads host traffic over switches), then the
     lowest rank."""
     if len(cands) == 1:
-        return cands[0]
+        return int(cands[0])
     c = np.asarray(cands)
-    maxes, sums = candidate_scores(st, proto, cands, ties=TIE)
+    maxes, sums = candidate_scores(st, proto, c, ties=TIE)
     lo = maxes.min()
     tol = TIE * max(lo, 1e-12)
     ok = maxes <= lo + tol

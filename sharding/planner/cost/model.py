@@ -423,7 +423,7 @@ class TopologyCostModel:
                 bulk.append(c)
         return self.score_shards(shards, bulk)
 
-    def contribution(self, so: ShardingOption) -> Contribution | None:
+    def contribution(self, so: ShardingOption, in_order: bool = False) -> Contribution | None:
         """What a row-wise or data-parallel option adds to a state as placed now
         (``Contribution.of``; None where it depends on the state), memoized per option and
         ranks: 500 tables data-parallel on 128 ranks are 64,000 shards in every proposal."""
@@ -431,7 +431,8 @@ class TopologyCostModel:
         key = (id(so), so.name, so.sharding_type, so.compute_kernel, tuple(so.tensor.shape), len(so.shards))
         key += (tuple(so.input_lengths) if so.input_lengths else None,)
         key += (None if cp is None else (cp.load_factor, id(getattr(cp, "stats", None))),)
-        ranks = [sh.rank for sh in so.shards]
+        # in_order: the caller just put shard i on rank i (the partitioner), no need to look
+        ranks = list(range(len(so.shards))) if in_order else [sh.rank for sh in so.shards]
         hit = self._contribution_cache.get(key)
         if hit is None or hit[1] != ranks:
             if len(self._contribution_cache) > 100_000:
