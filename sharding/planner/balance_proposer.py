@@ -346,7 +346,7 @@ class BalanceProposer(Proposer):
 
 MAX_DATA_PARALLEL_CUTS = 24
 # neighbourhoods that get a data-parallel round (each round proposes up to MAX_DATA_PARALLEL_CUTS
-# plans; on 500 tables x 128 ranks a proposal takes ~0.3-0.8 s)
+# plans; on 500 tables x 128 ranks a proposal takes ~0.1-0.3 s)
 MAX_DATA_PARALLEL_ROUNDS = 3
 # walks from the best plans of other kinds (largest table's sharding type) when data_parallel is allowed
 MAX_OTHER_STARTS = 2
