@@ -55,6 +55,11 @@ class TopologyPartitioner(Partitioner):
     def partition(
         self, proposal: list[ShardingOption], storage_constraint: Topology, hbm_per_device: Optional[int] = None
     ) -> list[ShardingOption]:
+        if storage_constraint is not self.last_storage_constraint:
+            # a new search (torchrec's planner reserves storage once per plan): what was kept
+            # for the last one's options goes, so a long-lived planner holds one search's
+            self._needs, self._placed, self._traces = {}, {}, _Traces()
+            self.cost_model.forget_options()
         self.last_storage_constraint = storage_constraint
         self._partition(proposal, storage_constraint, hbm_per_device)
         self.last = (id(proposal), _sig(proposal), self.cost_model.score(proposal).step_time)

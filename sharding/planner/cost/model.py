@@ -423,6 +423,11 @@ class TopologyCostModel:
                 bulk.append(c)
         return self.score_shards(shards, bulk)
 
+    def forget_options(self) -> None:
+        """Drops what ``placed`` and ``contribution`` keep per option (and the options with it)."""
+        self._placed_cache.clear()
+        self._contribution_cache.clear()
+
     def contribution(self, so: ShardingOption, in_order: bool = False) -> Contribution | None:
         """What a row-wise or data-parallel option adds to a state as placed now
         (``Contribution.of``; None where it depends on the state), memoized per option and

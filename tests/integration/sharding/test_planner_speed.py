@@ -268,3 +268,19 @@ def test_search_loops_hash_of_an_option_is_the_options_hash():
         so.shards[1].rank = None
         assert memo(so) == before
     assert "hash" not in planners.__dict__
+
+
+def test_a_long_lived_planner_keeps_one_searchs_options():
+    """What the partitioner and the cost model keep per option (memory, shards, contributions,
+    greedy steps) is dropped when the next search starts: a planner that plans many models holds
+    only the latest search's options."""
+    from sharding.planner.topology_planner import TopologyAwarePlanner
+
+    planner = TopologyAwarePlanner("dgx-a100-2host", 512)
+    for _ in range(2):
+        planner.plan(ebc(SPECS), [EmbeddingBagCollectionSharder()])
+        space = {id(so) for so in planner.search_space + planner.best_plan}  # the best plan: torchrec's copy
+        part, cm = planner.partitioner, planner.cost_model
+        kept = [h[0] for h in part._placed.values()] + [h[2] for h in cm._contribution_cache.values()]
+        kept += [so for _, steps, _ in part._traces.items for so, _, _ in steps]
+        assert kept and all(id(so) in space for so in kept)
