@@ -267,12 +267,8 @@ class TopologyPartitioner(Partitioner):
         # A step whose state and candidates equal those of a recent proposal's step is not
         # searched again: its rank is that step's (the same inputs give the same choice).
         order = [so for so in rest if so.sharding_type != "table_row_wise"]
-        start = (
-            id(sc),
-            hbm_per_device,
-            tuple(first),
-            tuple((id(so), so.shards[0].rank) for so in rest if so.sharding_type == "table_row_wise"),
-        )
+        twrw = tuple((id(so), so.shards[0].rank) for so in rest if so.sharding_type == "table_row_wise")
+        start = (id(sc), hbm_per_device, tuple(first), twrw)
         known = self._traces.longest(start, order)
         trace: list[tuple[ShardingOption, list[bytes], list[int]]] = []
         for i, so in enumerate(order):
