@@ -138,6 +138,8 @@ class MergeHook(TrainHook):
             # the parameters' outer step (DiLoCo's Nesterov, or plain averaging) and their wire format
             merge_outer={"kind": m.outer.kind, "lr": m.outer.lr, "momentum": m.outer.momentum},
             merge_compress=m.outer.compress,
+            # what the outer step and bf16 deltas keep between merges, all ranks (anchors, momentum, residuals)
+            merge_outer_state_bytes=int(mean_across_ranks(m.outer.state_bytes()) * self.world_size),
             # the last merge: embedding rows averaged / held, in all ranks' tracked shards
             rows_merged_last=int(mean_across_ranks(m.rows_merged) * self.world_size),
             rows_tracked=int(mean_across_ranks(m.rows_tracked) * self.world_size),

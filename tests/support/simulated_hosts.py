@@ -52,3 +52,21 @@ def run_agents(nnodes: int, nproc_per_node: int, rdzv_id: str, entry: list[str],
     del store
     for p, o in zip(procs, outs):
         assert p.returncode == 0, o[-4000:]
+
+
+def flat_checkpoint(ckpt: Path, out: Path) -> dict[str, torch.Tensor]:
+    """A run's DCP checkpoint directory as one flat {dotted key: tensor} dict (written to ``out``)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(ckpt), str(out))
+    flat: dict[str, torch.Tensor] = {}
+
+    def walk(d: dict, prefix: str) -> None:
+        for k, v in d.items():
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+            elif isinstance(v, torch.Tensor):
+                flat[prefix + str(k)] = v
+
+    walk(torch.load(out, weights_only=False), "")
+    return flat

@@ -23,6 +23,7 @@ import torch
 from recsys.training.distributed import free_port
 from tests.integration.training.test_kstep_merge import SMOKE, REPO
 from tests.support.processes import descendants, kill_tree, wait_for
+from tests.support.simulated_hosts import flat_checkpoint
 
 
 COMMON = ["train.max_steps=48", "train.log_every=12", "train.merge_every=4", "checkpoint.every_steps=10"]
@@ -164,23 +165,6 @@ def _records(run_dir: Path) -> list[dict]:
     return [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _flat_checkpoint(ckpt: Path, out: Path) -> dict[str, torch.Tensor]:
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    dcp_to_torch_save(str(ckpt), str(out))
-    flat: dict[str, torch.Tensor] = {}
-
-    def walk(d: dict, prefix: str) -> None:
-        for k, v in d.items():
-            if isinstance(v, dict):
-                walk(v, f"{prefix}{k}.")
-            elif isinstance(v, torch.Tensor):
-                flat[prefix + str(k)] = v
-
-    walk(torch.load(out, weights_only=False), "")
-    return flat
-
-
 @pytest.mark.parametrize("moments", [False, True], ids=["moments_unmerged", "moments_merged"])
 def test_host_killed_between_merges_then_resume_matches(tmp_path, moments):
     common = [*COMMON, f"train.merge_moments={str(moments).lower()}"]
@@ -236,12 +220,12 @@ def test_host_killed_between_merges_then_resume_matches(tmp_path, moments):
     marker = json.loads((final_a / "COMMITTED").read_text())
     assert (marker["hosts"], marker["ranks_per_host"], marker["world_size"]) == (2, 2, 4)
     # the final weights and optimizer state (host 0's copy) equal the uninterrupted run's
-    wa, wb = _flat_checkpoint(final_a, tmp_path / "a.pt"), _flat_checkpoint(final_b, tmp_path / "b.pt")
+    wa, wb = flat_checkpoint(final_a, tmp_path / "a.pt"), flat_checkpoint(final_b, tmp_path / "b.pt")
     assert wa.keys() == wb.keys() and any("embedding_bags" in k for k in wa)
     for k in wa:
         assert torch.allclose(wa[k].double(), wb[k].double(), atol=1e-6, rtol=0), k
     if not moments:  # host 1's own moments too
-        ha, hb = _flat_checkpoint(final_a / "host1", tmp_path / "ha.pt"), _flat_checkpoint(final_b / "host1", tmp_path / "hb.pt")
+        ha, hb = flat_checkpoint(final_a / "host1", tmp_path / "ha.pt"), flat_checkpoint(final_b / "host1", tmp_path / "hb.pt")
         assert ha.keys() == hb.keys() and ha
         for k in ha:
             assert torch.allclose(ha[k].double(), hb[k].double(), atol=1e-6, rtol=0), k

@@ -151,6 +151,8 @@ class KStepMerger:
         # tensors (dense part, untracked shards); touched rows packed, all-reduced, unpacked; counters
         self.seconds: dict[str, float] = {}
         self.outer = OuterOptimizer(outer, outer_lr, outer_momentum, compress, self.hosts)
+        if self.outer.active and self.touched is not None:  # lazy anchors of the shards merged by rows
+            self.touched.keep_first_values([t for t, rep, _ in self._param_tensors() if not rep])
 
     # -- resume ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -304,7 +306,7 @@ class KStepMerger:
                     key = _split_key(dtype, device, b)
                     payload += self._merge_split(flat, lambda mine, key=key: self._outer_merge(mine, [Part(key, mine)]))
                 else:
-                    payload += self._outer_merge(flat, [Part(keys[_tensor_key(t)], t) for t in bucket])
+                    payload += self._outer_merge(flat, [Part(keys[_tensor_key(t)], t, before=self._before(t)) for t in bucket])
                 offset = 0
                 for t in bucket:
                     n = t.numel()
@@ -320,7 +322,9 @@ class KStepMerger:
                 flat = torch.cat([t.index_select(0, idx).reshape(-1) for t, idx in bucket])
                 tb = time.perf_counter()
                 payload += (
-                    self._outer_merge(flat, [Part(keys[_tensor_key(t)], t, idx) for t, idx in bucket]) if outer else self._merge_whole(flat)
+                    self._outer_merge(flat, [Part(keys[_tensor_key(t)], t, idx, self._before(t)) for t, idx in bucket])
+                    if outer
+                    else self._merge_whole(flat)
                 )
                 tc = time.perf_counter()
                 offset = 0
@@ -369,6 +373,11 @@ class KStepMerger:
         self.union_bytes_per_merge, self.rows_merged, self.rows_tracked = sel.exchange_bytes, sel.merged, sel.tracked
         return sel.rows
 
+    def _before(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For an embedding shard with a lazy anchor: its rows this replica changed since the last
+        merge and their values before (``TouchedRows.first_values``); None otherwise."""
+        return self.touched.first_values(t) if self.touched is not None and self.outer.active else None
+
     def _merge_whole(self, flat: torch.Tensor) -> int:
         self._all_reduce_avg(flat)
         return flat.numel() * flat.element_size()
@@ -405,10 +414,10 @@ class KStepMerger:
                 by_kind[(self.route == "hierarchical" and rep, t.dtype, t.device, outer)].append(t)
         return by_kind, by_rows
 
-    def _anchor_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        """(key, the tensor its anchor is now) for every parameter a merge takes the outer step on:
-        whole tensors, and on the hierarchical route this rank's slice of each host-replicated
-        bucket, cut as ``merge`` cuts it."""
+    def _anchor_tensors(self) -> list[tuple[str, torch.Tensor, bool]]:
+        """(key, the tensor its anchor is now, lazy) for every parameter a merge takes the outer
+        step on: whole tensors, and on the hierarchical route this rank's slice of each
+        host-replicated bucket, cut as ``merge`` cuts it."""
         keys = self._param_keys()
         by_kind, _ = self._grouped(self._classified_rows(), {}, keys)
         out = []
@@ -416,9 +425,9 @@ class KStepMerger:
             for b, bucket in enumerate(_buckets(by_kind[(split, dtype, device, outer)], self.bucket_bytes)):
                 if outer and split:
                     mine = self._host_slices(torch.cat([t.reshape(-1) for t in bucket]))[self.host_rank]
-                    out.append((_split_key(dtype, device, b), mine))
+                    out.append((_split_key(dtype, device, b), mine, False))
                 elif outer:
-                    out += [(keys[_tensor_key(t)], t) for t in bucket]
+                    out += [(keys[_tensor_key(t)], t, self._before(t) is not None) for t in bucket]
         return out
 
     def _merge_split(self, flat: torch.Tensor, reduce: Any = None) -> int:

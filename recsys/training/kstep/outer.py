@@ -21,6 +21,14 @@ averages plainly (fp32) and takes its result as the anchor, so nothing assumes t
 started equal. Embedding shards merged by rows (``rows`` of a part) take the step on those rows only,
 their momentum and residual rows too (lazy, as sparse optimizers are); the other rows keep their
 value, momentum and residual.
+
+Lazy anchors: a shard merged by its touched rows keeps no copy of itself. Every row this replica
+did not change since the last merge still holds the value that merge left, its anchor; a row it
+changed had that value when it first changed, which the caller records then (``Part.before``:
+``TouchedRows`` copies a row in the kernel's forward, before its first update). Its momentum and
+residual are kept for the rows merged so far (``recsys.training.kstep.row_state``). So the state
+grows with the rows merged, not with the tables: at Criteo's raw sizes three dense fp32 copies of
+every shard did not fit four ranks on one 23.5 GB machine.
 """
 
 from __future__ import annotations
@@ -32,6 +40,8 @@ from typing import Callable, Literal
 import torch
 from torch import Tensor
 
+from recsys.training.kstep.row_state import MergedRows, Saved, fits
+
 log = logging.getLogger(__name__)
 
 OuterKind = Literal["average", "nesterov"]
@@ -41,21 +51,31 @@ Reduce = Callable[[Tensor], None]  # an in-place collective over the replica gro
 
 @dataclass
 class Slot:
-    """One merged tensor's state, shaped like the tensor (a hierarchical slice: like the slice)."""
+    """One merged tensor's state. Dense: ``anchor`` shaped like the tensor (a hierarchical slice:
+    like the slice), ``momentum`` / ``residual`` when first used. Lazy (``rows`` set, module
+    docstring): no anchor, momentum and residual per merged row."""
 
-    anchor: Tensor
+    shape: torch.Size
+    anchor: Tensor | None = None
     momentum: Tensor | None = None
     residual: Tensor | None = None
+    rows: MergedRows | None = None
 
 
 @dataclass
 class Part:
     """One tensor of a flat merge buffer: its state key, the tensor (full shape, the model's own
-    storage or a slice buffer) and the rows of it in the buffer (None: all of it)."""
+    storage or a slice buffer), the rows of it in the buffer (None: all of it, sorted otherwise)
+    and, for a tensor whose anchor is lazy, ``before``: the rows this replica changed since the
+    last merge (sorted, each among ``rows``) and their values before they changed."""
 
     key: str
     tensor: Tensor
     rows: Tensor | None = None
+    before: tuple[Tensor, Tensor] | None = None
+
+    def row_ids(self) -> Tensor:
+        return self.rows if self.rows is not None else torch.arange(self.tensor.shape[0], device=self.tensor.device)
 
 
 class OuterOptimizer:
@@ -80,18 +100,19 @@ class OuterOptimizer:
         model's values, which the caller writes back. ``average`` / ``total``: in-place mean /
         sum over the replicas. Returns the bytes this replica put into the collective."""
         slots = [self.slots.get(p.key) for p in parts]
-        if any(s is None or s.anchor.shape != p.tensor.shape for s, p in zip(slots, parts)):
+        if any(s is None or s.shape != p.tensor.shape or (s.rows is None) != (p.before is None) for s, p in zip(slots, parts)):
             average(local)  # no anchor yet: plain average, whose result becomes the anchor
             for p in parts:
-                self.slots[p.key] = Slot(p.tensor.detach().clone())
-            self._unpack_into(local, parts, "anchor")
+                lazy = p.before is not None
+                anchor = None if lazy else p.tensor.detach().clone()
+                self.slots[p.key] = Slot(p.tensor.shape, anchor, rows=MergedRows(p.tensor.shape, p.tensor.device) if lazy else None)
+            self._store(local, parts, "anchor")
             return local.numel() * local.element_size()
-        anchor = pack([s.anchor for s in slots], parts)  # type: ignore[union-attr]
+        anchor = torch.cat([_anchor_of(s, p) for s, p in zip(slots, parts)])  # type: ignore[arg-type]
         if self.compress == "bf16" and local.dtype == torch.float32:
-            residual = pack([self._state(s, p, "residual") for s, p in zip(slots, parts)], parts)  # type: ignore[arg-type]
-            delta = local - anchor + residual
+            delta = local - anchor + self._gather(parts, "residual")
             sent = delta.to(torch.bfloat16)
-            self._unpack_into(delta - sent.float(), parts, "residual")
+            self._store(delta - sent.float(), parts, "residual")
             total(sent)
             mean = anchor + sent.float() / self.hosts
             nbytes = sent.numel() * sent.element_size()
@@ -99,74 +120,111 @@ class OuterOptimizer:
             average(local)
             mean, nbytes = local, local.numel() * local.element_size()
         if self.kind == "nesterov":
-            m = pack([self._state(s, p, "momentum") for s, p in zip(slots, parts)], parts)  # type: ignore[arg-type]
+            m = self._gather(parts, "momentum")
             new = nesterov_step(anchor, mean, m, self.lr, self.momentum)
-            self._unpack_into(m, parts, "momentum")
+            self._store(m, parts, "momentum")
         else:
             new = mean
         local.copy_(new)
-        self._unpack_into(local, parts, "anchor")
+        self._store(local, parts, "anchor")
         return nbytes
+
+    def state_bytes(self) -> int:
+        """Bytes of the state this replica keeps between merges (anchors, momentum, residuals)."""
+        total = 0
+        for slot in self.slots.values():
+            for t in (slot.anchor, slot.momentum, slot.residual):
+                total += 0 if t is None else t.numel() * t.element_size()
+            total += 0 if slot.rows is None else slot.rows.nbytes()
+        return total
 
     def refresh_anchor(self, key: str, tensor: Tensor) -> None:
         """The anchor of ``key`` becomes ``tensor`` as it is now: for tables whose absent rows move
         at the merge by the same catch-up on every host, so the anchor stays the model as it was
-        right after the merge, catch-up included."""
+        right after the merge, catch-up included (such tables keep dense anchors)."""
         slot = self.slots.get(key)
-        if slot is not None and slot.anchor.shape == tensor.shape:
+        if slot is not None and slot.anchor is not None and slot.shape == tensor.shape:
             slot.anchor.copy_(tensor)
 
-    def set_anchor(self, key: str, tensor: Tensor) -> None:
-        """The anchor of ``key`` is ``tensor`` as it is now (a resume: the model a merge left)."""
+    def set_anchor(self, key: str, tensor: Tensor, lazy: bool = False) -> None:
+        """The anchor of ``key`` is ``tensor`` as it is now (a resume: the model a merge left);
+        ``lazy``: the tensor is a shard merged by its touched rows (module docstring)."""
         slot = self.slots.get(key)
-        if slot is None or slot.anchor.shape != tensor.shape:
-            self.slots[key] = Slot(tensor.detach().clone())
-        else:
+        if slot is None or slot.shape != tensor.shape or (slot.rows is not None) != lazy:
+            rows = MergedRows(tensor.shape, tensor.device) if lazy else None
+            self.slots[key] = Slot(tensor.shape, None if lazy else tensor.detach().clone(), rows=rows)
+        elif slot.anchor is not None:
             slot.anchor.copy_(tensor)
 
-    def _state(self, slot: Slot, part: Part, name: str) -> Tensor:
-        value = getattr(slot, name)
-        if value is None:
-            value = torch.zeros(part.tensor.shape, dtype=torch.float32, device=part.tensor.device)
-            setattr(slot, name, value)
-        return value
+    def _gather(self, parts: list[Part], name: str) -> Tensor:
+        """``momentum`` or ``residual`` of the parts' rows, flat fp32 (zero where never set)."""
+        out = []
+        for p in parts:
+            slot = self.slots[p.key]
+            if slot.rows is not None:
+                out.append(slot.rows.get(name, p.row_ids()).reshape(-1))
+            else:
+                value = getattr(slot, name)
+                if value is None:
+                    value = torch.zeros(slot.shape, dtype=torch.float32, device=p.tensor.device)
+                    setattr(slot, name, value)
+                out.append(pack([value], [p]))
+        return torch.cat(out)
 
-    def _unpack_into(self, flat: Tensor, parts: list[Part], name: str) -> None:
-        unpack(flat, [getattr(self.slots[p.key], name) for p in parts], parts)
+    def _store(self, flat: Tensor, parts: list[Part], name: str) -> None:
+        """Writes ``flat`` (packed as ``pack`` does) as the parts' ``name``; a lazy slot's anchor is
+        the merged model itself, so nothing is stored for it."""
+        offset = 0
+        for p in parts:
+            slot = self.slots[p.key]
+            n = _packed_numel(p)
+            chunk = flat[offset : offset + n]
+            offset += n
+            if slot.rows is not None:
+                if name != "anchor":
+                    slot.rows.put(name, p.row_ids(), chunk)
+                continue
+            if getattr(slot, name) is None:
+                setattr(slot, name, torch.zeros(slot.shape, dtype=torch.float32, device=p.tensor.device))
+            unpack(chunk, [getattr(slot, name)], [p])
 
     # -- resume ----------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, dict[str, Tensor]]:
-        """Momentum and residual per key (the anchors are the model a checkpoint holds)."""
-        out: dict[str, dict[str, Tensor]] = {"momentum": {}, "residual": {}}
+    def state_dict(self) -> dict[str, dict[str, Tensor | Saved]]:
+        """Momentum and residual per key (the anchors are the model a checkpoint holds); a lazy
+        slot's as its merged rows and their values."""
+        out: dict[str, dict[str, Tensor | Saved]] = {"momentum": {}, "residual": {}}
         for key, slot in self.slots.items():
             for name in out:
-                value = getattr(slot, name)
+                value = slot.rows.saved(name) if slot.rows is not None else getattr(slot, name)
+                if isinstance(value, Tensor):
+                    value = value.detach().clone()
                 if value is not None:
-                    out[name][key] = value.detach().clone()
+                    out[name][key] = value
         return out
 
-    def resume(self, anchors: list[tuple[str, Tensor]], state: dict[str, dict[str, Tensor]] | None) -> None:
+    def resume(self, anchors: list[tuple[str, Tensor, bool]], state: dict[str, dict[str, Tensor | Saved]] | None) -> None:
         """After a checkpoint taken at a merge was loaded: the anchors are the model now (``anchors``:
-        (key, tensor)), momentum and residuals come from ``state``; each loss is logged."""
+        (key, tensor, lazy)), momentum and residuals come from ``state``; each loss is logged."""
         if not self.active:
             log.warning("k-step merge: the checkpoint's outer momentum / bf16 residuals are not used (plain averaging)")
             return
-        for key, tensor in anchors:
-            self.set_anchor(key, tensor)
+        for key, tensor, lazy in anchors:
+            self.set_anchor(key, tensor, lazy)
         if state is None:
             log.warning("k-step merge: the checkpoint has no outer state: outer momentum and bf16 residuals start from zero")
         self.load_state_dict(state or {})
 
-    def load_state_dict(self, state: dict[str, dict[str, Tensor]]) -> None:
+    def load_state_dict(self, state: dict[str, dict[str, Tensor | Saved]]) -> None:
         """Momentum and residual for the slots whose anchors ``set_anchor`` just took from the
-        loaded model. Saved state that does not fit these slots (another plan, another number
-        of ranks per host) is not used: all of it restarts from zero, with one warning."""
+        loaded model (dense or per merged row, whichever the checkpoint has). Saved state that
+        does not fit these slots (another plan, another number of ranks per host) is not used:
+        all of it restarts from zero, with one warning."""
         saved = {name: state.get(name, {}) for name in ("momentum", "residual")}
         misfit = [
             f"{name} {key}"
             for name, values in saved.items()
             for key, value in values.items()
-            if key not in self.slots or tuple(value.shape) != tuple(self.slots[key].anchor.shape)
+            if key not in self.slots or not _fits(self.slots[key], value)
         ]
         if misfit:
             log.warning(
@@ -179,10 +237,49 @@ class OuterOptimizer:
             saved = {"momentum": {}, "residual": {}}
         for slot in self.slots.values():
             slot.momentum = slot.residual = None
+            if slot.rows is not None:
+                slot.rows = MergedRows(slot.shape, slot.rows.position.device)
         for name, values in saved.items():
             for key, value in values.items():
                 slot = self.slots[key]
-                setattr(slot, name, value.to(device=slot.anchor.device, dtype=torch.float32).clone())
+                if slot.rows is not None:
+                    slot.rows.load(name, value)
+                    continue
+                assert slot.anchor is not None
+                device = slot.anchor.device
+                if isinstance(value, Tensor):
+                    setattr(slot, name, value.to(device=device, dtype=torch.float32).clone())
+                    continue
+                dense = torch.zeros(slot.shape, dtype=torch.float32, device=device)
+                dense[value["rows"].to(device, torch.long)] = value["values"].to(device, torch.float32)
+                setattr(slot, name, dense)
+
+
+def _fits(slot: Slot, value: Tensor | Saved) -> bool:
+    return isinstance(value, (Tensor, dict)) and fits(slot.shape, value)
+
+
+def _anchor_of(slot: Slot, part: Part) -> Tensor:
+    """The anchor of a part's rows, flat fp32: a dense slot's, or a lazy slot's (module docstring):
+    the tensor's values with the rows this replica changed since the last merge as they were."""
+    if slot.rows is None:
+        assert slot.anchor is not None
+        return pack([slot.anchor], [part])
+    assert part.before is not None
+    rows = part.row_ids()
+    base = pack([part.tensor], [part]).view(rows.numel(), -1).clone()
+    changed, values = part.before
+    if changed.numel():
+        at = torch.searchsorted(rows, changed) if part.rows is not None else changed
+        if int(at.max()) >= rows.numel() or not torch.equal(rows[at], changed):
+            raise RuntimeError(f"k-step merge: rows of {part.key} this replica changed since the last merge are not among the rows merged")
+        base[at] = values.reshape(changed.numel(), -1).to(base.dtype)
+    return base.reshape(-1)
+
+
+def _packed_numel(part: Part) -> int:
+    t = part.tensor
+    return t.numel() if part.rows is None else part.rows.numel() * (t.numel() // max(t.shape[0], 1))
 
 
 def nesterov_step(anchor: Tensor, mean: Tensor, m: Tensor, lr: float, mu: float) -> Tensor:

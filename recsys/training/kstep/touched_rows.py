@@ -17,6 +17,10 @@ the kernel reads and its backward updates). A bitmap per local table (one byte a
 the table's local weight (storage pointer), which is what the merger finds among the fused
 optimizer's local shards.
 
+For an outer step or bf16 deltas (``recsys.training.kstep.outer``) the hook can also keep each
+row's value as it was before its first update since the last merge (``keep_first_values``): the
+row's anchor, so the merge needs no copy of the table.
+
 ``union`` agrees on the rows across a replica group in one all-gather, of whichever is smaller:
 sorted row lists (4 bytes a touched row) or packed bitmaps (1 bit a local row).
 """
@@ -53,19 +57,23 @@ class TouchedRows:
         # semantics: catch-up or every row every step), by the same key
         self.moves_when_absent: set[int] = set()
         self.complete = complete
+        # tables whose rows' first values since the last merge are kept (``keep_first_values``):
+        # data_ptr -> [(rows, their values before the rows first changed)]
+        self.first: dict[int, list[tuple[Tensor, Tensor]]] = {}
         self._handles = []
         for kernel in embedding_kernels(model):
             split = getattr(kernel, "split_embedding_weights", None)
             ftm = getattr(kernel, "_feature_table_map", None)
             if split is None or ftm is None:
                 continue
-            maps = []
+            maps, weights = [], []
             for w in split():
                 if not isinstance(w, Tensor) or w.dim() != 2:  # a kernel whose weights are not plain rows
                     maps = []
                     break
                 bm = torch.zeros(w.shape[0], dtype=torch.bool, device=w.device)
                 maps.append(bm)
+                weights.append(w)
                 if w.shape[0] == 0:  # an empty shard shares its storage pointer with the next table's
                     continue
                 self.bitmaps[w.data_ptr()] = bm
@@ -73,16 +81,38 @@ class TouchedRows:
                 if getattr(hyper, "update_scope", "batch") != "batch":
                     self.moves_when_absent.add(w.data_ptr())
             if maps:
-                self._handles.append(kernel.register_forward_pre_hook(_recorder(list(ftm), maps)))
+                self._handles.append(kernel.register_forward_pre_hook(_recorder(list(ftm), maps, weights, self.first)))
 
     def bitmap_of(self, weight: Tensor) -> Tensor | None:
         """The bitmap of a table's local weight (a view at the same storage offset), or None."""
         bm = self.bitmaps.get(weight.data_ptr())
         return bm if bm is not None and bm.numel() == weight.shape[0] else None
 
+    def keep_first_values(self, weights: list[Tensor]) -> None:
+        """From now on keep, for these tables' local weights (those tracked here whose absent rows
+        do not move), each row's value before its first lookup since ``reset``: the value the
+        last merge left, as the row is updated only after the lookup."""
+        for w in weights:
+            if self.bitmap_of(w) is not None and w.data_ptr() not in self.moves_when_absent:
+                self.first.setdefault(w.data_ptr(), [])
+
+    def first_values(self, weight: Tensor) -> tuple[Tensor, Tensor] | None:
+        """The rows of ``weight`` looked up since ``reset`` (sorted) and their values before that
+        first lookup; None for a table whose first values are not kept."""
+        kept = self.first.get(weight.data_ptr()) if self.bitmap_of(weight) is not None else None
+        if kept is None:
+            return None
+        if not kept:
+            return torch.empty(0, dtype=torch.long, device=weight.device), weight.new_empty((0, *weight.shape[1:]))
+        rows = torch.cat([r for r, _ in kept])
+        order = torch.argsort(rows)
+        return rows[order], torch.cat([v for _, v in kept])[order]
+
     def reset(self) -> None:
         for bm in self.bitmaps.values():
             bm.zero_()
+        for kept in self.first.values():
+            kept.clear()
         self.complete = True
 
     def close(self) -> None:
@@ -91,7 +121,9 @@ class TouchedRows:
         self._handles.clear()
 
 
-def _recorder(feature_table_map: list[int], maps: list[Tensor]):
+def _recorder(feature_table_map: list[int], maps: list[Tensor], weights: list[Tensor], first: dict[int, list[tuple[Tensor, Tensor]]]):
+    pointers = [w.data_ptr() for w in weights]
+
     def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
         features = args[0]
         values = features.values()
@@ -101,7 +133,13 @@ def _recorder(feature_table_map: list[int], maps: list[Tensor]):
         for f, t in enumerate(feature_table_map):
             lo, hi = offsets[f], offsets[f + 1]
             if hi > lo:
-                maps[t][values[lo:hi].long()] = True
+                ids = values[lo:hi].long()
+                kept = first.get(pointers[t])
+                if kept is not None:  # rows seen for the first time since the last merge: their values now
+                    new = torch.unique(ids[~maps[t][ids]])
+                    if new.numel():
+                        kept.append((new, weights[t].index_select(0, new)))
+                maps[t][ids] = True
 
     return hook
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from recsys.config import ConfigError, load_config
 from recsys.training.distributed import free_port
 from tests.support.processes import start_workers
-from tests.support.simulated_hosts import train_on_hosts
+from tests.support.simulated_hosts import flat_checkpoint, train_on_hosts
 
 REPO = Path(__file__).resolve().parents[3]
 SMOKE = REPO / "configs" / "experiments" / "smoke.yaml"
@@ -290,3 +291,32 @@ def test_two_hosts_nesterov_bf16_touched_rows_keep_replicas_equal(tmp_path, opti
     assert s["merges"] == 6 and s["replica_divergence"] == 0.0, s
     assert s["merge_rows"] == "touched" and 0 < s["rows_merged_last"] <= s["rows_tracked"], s
     assert s["auc"] > 0.6, s
+
+
+def test_two_hosts_resume_between_merges_with_lazy_anchors_equals_the_uninterrupted_run(tmp_path):
+    """Touched rows with lazy anchors (row-wise Adagrad: no copy of a table is kept; bf16
+    residuals and outer momentum per merged row, saved as rows and values): the run resumed
+    from the checkpoint of step 16 ends with the uninterrupted run's weights, bit for bit."""
+    common = [
+        "train.max_steps=24",
+        "train.log_every=8",
+        "train.merge_every=4",
+        "checkpoint.every_steps=8",
+        "optim.embedding=rowwise_adagrad",
+        "train.merge_outer=nesterov",
+        "train.merge_compress=bf16",
+    ]
+    straight = tmp_path / "straight"
+    a = train_on_hosts(straight, 2, common)
+    resumed = tmp_path / "resumed"
+    shutil.copytree(straight, resumed, ignore=shutil.ignore_patterns("step_000000024", "summary.json"))
+    saved = torch.load(resumed / "checkpoints" / "step_000000016" / "rank0.pt", weights_only=True)["state"]["merger"]["outer"]
+    lazy = [v for v in saved["residual"].values() if isinstance(v, dict)]
+    assert lazy and all(v["rows"].numel() == v["values"].shape[0] > 0 for v in lazy)  # merged rows, not tables
+    b = train_on_hosts(resumed, 2, [*common, "resume=true"])
+    assert b["resumed_from"].endswith("step_000000016") and a["replica_divergence"] == b["replica_divergence"] == 0.0
+    wa = flat_checkpoint(straight / "checkpoints" / "step_000000024", tmp_path / "a.pt")
+    wb = flat_checkpoint(resumed / "checkpoints" / "step_000000024", tmp_path / "b.pt")
+    assert wa.keys() == wb.keys() and any("embedding_bags" in k for k in wa)
+    assert [k for k in wa if not torch.equal(wa[k], wb[k])] == []
+    assert a["merge_outer_state_bytes"] > 0

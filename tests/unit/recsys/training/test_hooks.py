@@ -65,7 +65,7 @@ class _Merger:
         self.payload_bytes_per_merge = 400
         self.rows_merged, self.rows_tracked = 30, 120
         self.seconds = {"union": 0.12345}
-        self.outer = SimpleNamespace(kind="nesterov", lr=0.7, momentum=0.9, compress="bf16")
+        self.outer = SimpleNamespace(kind="nesterov", lr=0.7, momentum=0.9, compress="bf16", state_bytes=lambda: 4096)
         self.loaded: list[dict] = []
 
     def step(self, step: int) -> bool:
@@ -125,6 +125,7 @@ def test_merge_hook_accounts_cross_host_bytes_per_step_across_a_resume(gloo_worl
         "merge_rows": "touched",
         "merge_outer": {"kind": "nesterov", "lr": 0.7, "momentum": 0.9},
         "merge_compress": "bf16",
+        "merge_outer_state_bytes": 4096,
         "rows_merged_last": 30,
         "rows_tracked": 120,
         "merge_seconds": {"union": 0.123},

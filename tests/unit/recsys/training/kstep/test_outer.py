@@ -104,6 +104,68 @@ def test_rows_take_the_step_lazily():
     assert outer.slots["e"].momentum[2].tolist() == [0.0, 0.0]  # never merged
 
 
+def _merge_rows(outer: OuterOptimizer, table: torch.Tensor, idx, before, collectives) -> None:
+    """A merge of ``table``'s rows ``idx`` (None: whole) written back, as the merger does."""
+    local = (table if idx is None else table.index_select(0, idx)).reshape(-1).clone()
+    outer.merge(local, [Part("e", table, idx, before)], *collectives)
+    if idx is None:
+        table.copy_(local.view_as(table))
+    else:
+        table.index_copy_(0, idx, local.view(idx.numel(), -1))
+
+
+def test_a_lazy_anchor_merges_as_a_dense_one_and_keeps_state_only_for_merged_rows():
+    """A shard merged by rows with no copy of itself (the rows this replica changed handed in
+    with their values from before, as TouchedRows keeps them) merges bit for bit as with a dense
+    anchor: Nesterov steps on bf16 deltas over 8 merges, rows the other replica alone changed
+    among them; momentum and residual are kept only for the rows merged so far, and its saved
+    state loads into a lazy and into a dense slot alike."""
+    g = torch.Generator().manual_seed(3)
+    n, d = 40, 4
+    dense, lazy = (OuterOptimizer("nesterov", 0.7, 0.9, "bf16", hosts=2) for _ in range(2))
+    start = torch.randn(n, d, generator=g)
+    tables = {"dense": start.clone(), "lazy": start.clone()}
+    merged: set[int] = set()
+    for merge in range(8):
+        mine = torch.randperm(n, generator=g)[:6].sort().values
+        union = torch.unique(torch.cat([mine, torch.randperm(n, generator=g)[:6]]))
+        step = 0.01 * torch.randn(mine.numel(), d, generator=g)
+        if merge == 0:  # the first merge: whole, a plain average with the other replica's values
+            collectives, idx = _with_other((start + 0.01).reshape(-1)), None
+        else:  # then the other replica's bf16 deltas of the union's rows
+            collectives, idx = _with_other((0.01 * torch.randn(union.numel() * d, generator=g)).to(torch.bfloat16)), union
+            merged.update(union.tolist())
+        for name, outer in (("dense", dense), ("lazy", lazy)):
+            t = tables[name]
+            before = (mine, t[mine].clone()) if name == "lazy" else None
+            t[mine] += step
+            _merge_rows(outer, t, idx, before, collectives)
+        assert torch.equal(tables["dense"], tables["lazy"]), merge
+    slot = lazy.slots["e"]
+    assert slot.anchor is None and slot.momentum is None and slot.residual is None
+    assert slot.rows.count == len(merged) < n
+    every = torch.arange(n)
+    for name in ("momentum", "residual"):
+        assert torch.equal(slot.rows.get(name, every), getattr(dense.slots["e"], name)), name
+        assert getattr(dense.slots["e"], name).abs().sum() > 0
+    state = lazy.state_dict()
+    assert set(state["residual"]["e"]) == {"rows", "values"} and state["residual"]["e"]["rows"].numel() == len(merged)
+    resumed = {}
+    for name, lazy_slot in (("lazy", True), ("dense", False)):
+        outer = OuterOptimizer("nesterov", 0.7, 0.9, "bf16", hosts=2)
+        outer.set_anchor("e", tables["lazy"], lazy=lazy_slot)
+        outer.load_state_dict(state)
+        t = tables["lazy"].clone()
+        rows = torch.tensor([1, 5, 9])
+        before = (rows, t[rows].clone()) if lazy_slot else None
+        t[rows] += 0.5
+        _merge_rows(outer, t, torch.arange(12), before, _with_other(torch.ones(12 * d).to(torch.bfloat16)))
+        resumed[name] = t
+    assert torch.equal(resumed["lazy"], resumed["dense"])
+    with pytest.raises(RuntimeError, match=r"rows of e this replica changed since the last merge are not among the rows merged"):
+        _merge_rows(lazy, tables["lazy"], torch.tensor([0, 1]), (torch.tensor([1, 2]), torch.zeros(2, d)), collectives)
+
+
 def test_bf16_error_feedback_sends_the_true_deltas_without_drift():
     """One replica (hosts=1: the mean is what it sent) over 300 merges of small deltas on values
     near 1: the sum of what it sent stays within one bf16 rounding of the sum of its true deltas,

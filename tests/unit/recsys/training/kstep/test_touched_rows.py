@@ -81,6 +81,34 @@ def test_each_lookup_marks_its_rows_in_its_tables_bitmap():
     assert _rows(tracked.bitmap_of(t0)) == []  # no longer recorded
 
 
+def test_first_values_are_the_rows_before_their_first_lookup_since_the_reset():
+    """A row's value is kept at its first lookup only: later updates (the kernel's backward,
+    written here by hand) do not change what was kept; features sharing a table and ids repeated
+    in a batch keep a row once; tables whose absent rows move, or not named, keep nothing."""
+    kernel = _Kernel([5, 8], feature_table_map=[0, 1, 1])
+    kernel.weights.copy_(torch.arange(13 * 4, dtype=torch.float32).view(13, 4))
+    other = _Kernel([6], feature_table_map=[0], update_scope="catchup")
+    tracked = TouchedRows(_Sharded(kernel, other))
+    t0, t1 = kernel.split_embedding_weights()
+    (o,) = other.split_embedding_weights()
+    assert tracked.first_values(t0) is None  # not asked for
+    tracked.keep_first_values([t1, o])
+    assert tracked.first_values(o) is None and tracked.first_values(t0) is None
+    start = t1.clone()
+    kernel(_kjt({"f0": [4], "f1": [7, 2, 7], "f2": [2, 5]}))
+    t1[[2, 5, 7]] += 100.0  # the update after the lookup
+    kernel(_kjt({"f0": [], "f1": [5, 0], "f2": [7]}))
+    t1[[0, 5, 7]] += 100.0
+    rows, values = tracked.first_values(t1)
+    assert rows.tolist() == [0, 2, 5, 7]
+    assert torch.equal(values, start[[0, 2, 5, 7]])
+    tracked.reset()
+    rows, values = tracked.first_values(t1)
+    assert rows.tolist() == [] and values.shape == (0, 4)
+    kernel(_kjt({"f0": [], "f1": [2], "f2": []}))
+    assert torch.equal(tracked.first_values(t1)[1], t1[[2]])  # after a reset: the value now
+
+
 def test_tracking_started_late_is_incomplete_until_the_first_reset():
     tracked = TouchedRows(_Sharded(_Kernel([4], [0]), _Kernel([2], [0])), complete=False)
     assert not tracked.complete
