@@ -244,6 +244,7 @@ def run_one(
             rows_merged_last=s.get("rows_merged_last"),
             rows_tracked=s.get("rows_tracked"),
             merge_seconds=s.get("merge_seconds"),
+            merge_outer_state_bytes=s.get("merge_outer_state_bytes"),  # all ranks: anchors, momentum, residuals
         )
     row["cross_host_bytes_per_sample"] = row["cross_host_bytes_total"] / s["samples"]
     row["net"] = str(net.link) if net is not None else "loopback"

@@ -108,7 +108,7 @@ class OuterOptimizer:
                 self.slots[p.key] = Slot(p.tensor.shape, anchor, rows=MergedRows(p.tensor.shape, p.tensor.device) if lazy else None)
             self._store(local, parts, "anchor")
             return local.numel() * local.element_size()
-        anchor = torch.cat([_anchor_of(s, p) for s, p in zip(slots, parts)])  # type: ignore[arg-type]
+        anchor = _cat([_anchor_of(s, p) for s, p in zip(slots, parts)])  # type: ignore[arg-type]
         if self.compress == "bf16" and local.dtype == torch.float32:
             delta = local - anchor + self._gather(parts, "residual")
             sent = delta.to(torch.bfloat16)
@@ -169,7 +169,7 @@ class OuterOptimizer:
                     value = torch.zeros(slot.shape, dtype=torch.float32, device=p.tensor.device)
                     setattr(slot, name, value)
                 out.append(pack([value], [p]))
-        return torch.cat(out)
+        return _cat(out)
 
     def _store(self, flat: Tensor, parts: list[Part], name: str) -> None:
         """Writes ``flat`` (packed as ``pack`` does) as the parts' ``name``; a lazy slot's anchor is
@@ -267,7 +267,9 @@ def _anchor_of(slot: Slot, part: Part) -> Tensor:
         return pack([slot.anchor], [part])
     assert part.before is not None
     rows = part.row_ids()
-    base = pack([part.tensor], [part]).view(rows.numel(), -1).clone()
+    base = pack([part.tensor], [part]).view(rows.numel(), -1)
+    if part.rows is None or base.data_ptr() == part.tensor.data_ptr():  # a view of the model: copy
+        base = base.clone()
     changed, values = part.before
     if changed.numel():
         at = torch.searchsorted(rows, changed) if part.rows is not None else changed
@@ -297,7 +299,11 @@ def pack(tensors: list[Tensor], parts: list[Part]) -> Tensor:
     for t, p in zip(tensors, parts):
         v = t if p.rows is None else t.index_select(0, p.rows)
         out.append(v.reshape(-1).to(torch.promote_types(t.dtype, torch.float32)))
-    return torch.cat(out)
+    return _cat(out)
+
+
+def _cat(parts: list[Tensor]) -> Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def unpack(flat: Tensor, tensors: list[Tensor], parts: list[Part]) -> None:

@@ -17,53 +17,54 @@ Saved = dict[str, Tensor]  # {"rows": the rows merged so far, "values": their st
 
 class MergedRows:
     """Named per-row state (``momentum``, ``residual``) of a shard shaped ``shape``: a position per
-    shard row (-1: never merged, its state is zero) into packed values that grow as new rows are
-    merged (capacity doubles up to the shard's rows, so adding rows costs amortised O(rows added)
-    and the whole never holds more than the shard's rows)."""
+    shard row into packed values that grow as new rows are merged. Position 0 is a row of zeros,
+    where every row never merged points, so reading any rows is one gather. Capacity doubles up
+    to the shard's rows: adding rows costs amortised O(rows added), and the whole never holds
+    more than the shard's rows (and the zero row)."""
 
     def __init__(self, shape: torch.Size | tuple[int, ...], device: torch.device | str = "cpu") -> None:
         self.shape = torch.Size(shape)
-        self.position = torch.full((self.shape[0],), -1, dtype=torch.int32 if self.shape[0] < 2**31 else torch.int64, device=device)
-        self.rows = torch.empty(0, dtype=torch.long, device=device)
+        index = torch.int32 if self.shape[0] < 2**31 - 1 else torch.int64
+        self.position = torch.zeros((self.shape[0],), dtype=index, device=device)
+        self.rows = torch.full((1,), -1, dtype=torch.long, device=device)  # the shard row at each position
         self.values: dict[str, Tensor] = {}
-        self.count = 0
+        self.count = 0  # rows stored (positions 1 .. count)
+
+    def stored_rows(self) -> Tensor:
+        return self.rows[1 : self.count + 1]
 
     def get(self, name: str, rows: Tensor) -> Tensor:
         """The state ``name`` of ``rows`` (fp32, zero for rows never stored)."""
-        out = torch.zeros((rows.numel(), *self.shape[1:]), dtype=torch.float32, device=self.position.device)
         values = self.values.get(name)
-        if values is None or rows.numel() == 0:
-            return out
-        pos = self.position[rows].long()
-        hit = pos >= 0
-        out[hit] = values[pos[hit]]
-        return out
+        if values is None:
+            return torch.zeros((rows.numel(), *self.shape[1:]), dtype=torch.float32, device=self.position.device)
+        return values.index_select(0, self.position.index_select(0, rows).long())
 
     def put(self, name: str, rows: Tensor, values: Tensor) -> None:
         """Stores ``values`` (one per row of ``rows``, rows distinct) as the state ``name`` of ``rows``."""
         if rows.numel() == 0:
             return
-        pos = self.position[rows].long()
-        new = pos < 0
+        pos = self.position.index_select(0, rows).long()
+        new = pos == 0
         if bool(new.any()):
             added = rows[new]
-            self._reserve(self.count + added.numel())
-            at = torch.arange(self.count, self.count + added.numel(), device=pos.device)
+            self._reserve(self.count + 1 + added.numel())
+            at = torch.arange(self.count + 1, self.count + 1 + added.numel(), device=pos.device)
             self.position[added] = at.to(self.position.dtype)
             self.rows[at] = added
             self.count += added.numel()
             pos[new] = at
         if name not in self.values:
             self.values[name] = torch.zeros((self.rows.numel(), *self.shape[1:]), dtype=torch.float32, device=pos.device)
-        self.values[name][pos] = values.reshape(rows.numel(), *self.shape[1:]).to(torch.float32)
+        self.values[name].index_copy_(0, pos, values.reshape(rows.numel(), *self.shape[1:]).to(torch.float32))
 
     def _reserve(self, n: int) -> None:
         capacity = self.rows.numel()
         if n <= capacity:
             return
-        capacity = min(max(n, 2 * capacity, 64), self.shape[0])
-        self.rows = _grown(self.rows, capacity, self.count)
-        self.values = {name: _grown(v, capacity, self.count) for name, v in self.values.items()}
+        capacity = min(max(n, 2 * capacity, 64), self.shape[0] + 1)
+        self.rows = _grown(self.rows, capacity, self.count + 1)
+        self.values = {name: _grown(v, capacity, self.count + 1) for name, v in self.values.items()}
 
     def nbytes(self) -> int:
         """Bytes held: the positions, and the rows and values at their capacity."""
@@ -74,7 +75,7 @@ class MergedRows:
         """``name``'s rows and values, for a checkpoint; None when nothing was stored."""
         if name not in self.values:
             return None
-        return {"rows": self.rows[: self.count].clone(), "values": self.values[name][: self.count].clone()}
+        return {"rows": self.stored_rows().clone(), "values": self.values[name][1 : self.count + 1].clone()}
 
     def load(self, name: str, saved: Tensor | Saved) -> None:
         """Stores a checkpoint's state (``fits`` this shard): a dense tensor's non-zero rows, or saved rows."""
