@@ -27,8 +27,8 @@ did not change since the last merge still holds the value that merge left, its a
 changed had that value when it first changed, which the caller records then (``Part.before``:
 ``TouchedRows`` copies a row in the kernel's forward, before its first update). Its momentum and
 residual are kept for the rows merged so far (``recsys.training.kstep.row_state``). So the state
-grows with the rows merged, not with the tables: at Criteo's raw sizes three dense fp32 copies of
-every shard did not fit four ranks on one 23.5 GB machine.
+grows with the rows merged, not with the tables: at Criteo's raw sizes a dense anchor and
+residual per shard (2.2 GB a rank) did not fit four ranks on one 23.5 GB machine.
 """
 
 from __future__ import annotations
