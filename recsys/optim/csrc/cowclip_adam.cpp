@@ -937,64 +937,104 @@ inline float g_of(float vx, const float* f, float eps) {
 // vectorize. In double: the power needs h to far below float's resolution of P = 1 + b1 - h(1-b1)
 // (h is ~1e-6 where v holds data gradients; in float, (1-h)^k came out wrong by 1e-4 relative and
 // more), and the double arithmetic cost no measurable time against float in tools/bench/catchup.py.
+constexpr int64_t kChunk = 16;  // columns a block works on at once (the Lucas rounds' vectors)
+
+// One chunk of a block's columns between its two ends: the frozen step's trace P, P^2 - 4 b1,
+// g = lr * mean G, and the Lucas sequences U_k, V_k once the rounds have run.
+struct BlockCols {
+  double P[kChunk], DIS[kChunk], G[kChunk], U[kChunk], VL[kChunk];
+};
+
+// A block's start on n <= kChunk columns: g from the predicted w path, P, and U_1, V_1.
 template <bool KERAS>
-inline __attribute__((always_inline)) void advance_block(const CatchHyper& h, const Piece& p, float* W, float* M,
-                                                         float* V, int64_t D) {
+inline __attribute__((always_inline)) void block_start(const CatchHyper& h, const Piece& p, const float* W,
+                                                       const float* M, const float* V, int64_t n, BlockCols& c) {
   // the piece's factors as locals: W, M, V stores could alias p.f, which kept the loops scalar
-  const float f0 = p.f[0], f1 = p.f[1], f13 = p.f[13], f17 = p.f[17], f18 = p.f[18], f19 = p.f[19], f20 = p.f[20];
+  const float f0 = p.f[0], f1 = p.f[1], f13 = p.f[13];
   const float n1[3] = {p.f[3], p.f[4], p.f[5]}, n2[3] = {p.f[6], p.f[7], p.f[8]};
   const float pa1 = p.f[9], pb1 = p.f[10], pa2 = p.f[11], pb2 = p.f[12];
   const float epsf = h.epsf, c2 = h.c2, b1f = h.b1f, b2f = h.b2f, c_m = h.c_m, c_v = h.c_v;
   const double b1 = h.b1, half_lr = 0.5 * h.lr, ca = h.c * (1.0 - h.b1);
   const double g_max = h.c > 0.0 ? 2.0 * (1.0 + b1) / ((1.0 - b1) * h.c) : 1e300;
-  const int64_t k = p.k;
+  for (int64_t j = 0; j < n; ++j) {
+    const float w = W[j], m = M[j], v = V[j];
+    const float dv = (w * w) * c2 - v;
+    // the predicted w path: the block's first step (exact, at t0 + 1), continued; stopped at 0
+    const float m1 = m * b1f + w * c_m, v1 = v * b2f + (w * w) * c_v;
+    float sp = -exact_step<KERAS>(m1, v1, f0, f1, epsf);
+    const float lim = std::fabs(w) * f13;
+    sp = sp * w < 0.f ? std::min(std::max(sp, -lim), lim) : sp;
+    const float ws = w * sp, ss = sp * sp;
+    const float vx1 = std::max(v + dv * n1[0] + ws * pa1 + ss * pb1, 0.f);
+    const float vx2 = std::max(v + dv * n2[0] + ws * pa2 + ss * pb2, 0.f);
+    const double g =
+        std::min(static_cast<double>(g_of<KERAS>(vx1, n1, epsf) + g_of<KERAS>(vx2, n2, epsf)) * half_lr, g_max);
+    c.G[j] = g;
+    c.P[j] = 1.0 - ca * g + b1;
+    c.DIS[j] = c.P[j] * c.P[j] - 4.0 * b1;
+    c.U[j] = 1.0;  // n = 1: U_1 = 1, V_1 = P (k's top bit)
+    c.VL[j] = c.P[j];
+  }
+}
+
+// The Lucas doubling rounds for a block of k >= 2 steps on nb chunks at once (Q = b1 for all).
+// The rounds of one chunk are one dependency chain; rows advanced together give the CPU
+// several independent chains to overlap.
+inline __attribute__((always_inline)) void lucas_rounds(double b1, int64_t k, BlockCols* cs, int nb, int64_t n) {
   const int top = 63 - __builtin_clzll(static_cast<unsigned long long>(k));  // k's top bit (k >= 2)
-  constexpr int64_t kChunk = 16;
+  double qn = b1;
+  for (int bit = top - 1; bit >= 0; --bit) {
+    const bool one = ((k >> bit) & 1) != 0;
+    for (int b = 0; b < nb; ++b) {
+      BlockCols& c = cs[b];
+      for (int64_t j = 0; j < n; ++j) {  // n -> 2n, then 2n + 1 where the bit is set
+        const double u = c.U[j] * c.VL[j], vl = c.VL[j] * c.VL[j] - 2.0 * qn;
+        c.U[j] = one ? (c.P[j] * u + vl) * 0.5 : u;
+        c.VL[j] = one ? (c.DIS[j] * u + c.P[j] * vl) * 0.5 : vl;
+      }
+    }
+    qn = one ? qn * qn * b1 : qn * qn;
+  }
+}
+
+// A block's end: A^k = (V_k / 2) I + U_k N, N = A - (P/2) I (no cancellation between large
+// terms) applied to (w, m), and v at the block end along the straight w path.
+inline __attribute__((always_inline)) void block_end(const CatchHyper& h, const Piece& p, float* W, float* M,
+                                                     float* V, int64_t n, const BlockCols& c) {
+  const float f13 = p.f[13], f17 = p.f[17], f18 = p.f[18], f19 = p.f[19], f20 = p.f[20];
+  const double b1 = h.b1, ca = h.c * (1.0 - h.b1);
+  for (int64_t j = 0; j < n; ++j) {
+    const float w = W[j], m = M[j], v = V[j];
+    const double wd = w, md = m, n11 = (c.P[j] - 2.0 * b1) * 0.5, vh = c.VL[j] * 0.5, uk = c.U[j];
+    const float we = static_cast<float>(vh * wd + uk * (n11 * wd - c.G[j] * b1 * md));
+    const float me = static_cast<float>(vh * md + uk * (ca * wd - n11 * md));
+    const float s = (we - w) * f13;
+    const float ww = w * w;
+    const float ve = ww * f17 + (w * s) * f18 + (s * s) * f19 + v * f20;
+    W[j] = we;
+    M[j] = me;
+    V[j] = std::max(ve, 0.f);
+  }
+}
+
+// A block of k >= 2 steps on a row's D columns: the frozen-step matrix power
+// (recsys/optim/cowclip/catchup.py, _block and _lucas). Per column g = lr * mean G (2 Gauss-Legendre
+// nodes, v there along the w path that the block's first step predicts, stopped at 0),
+// A = [[1 - h(1-b1), -g b1], [(1-b1) c, b1]] with h = c g (capped so A's spectral radius is <= 1),
+// A^k = (V_k / 2) I + U_k (A - (P/2) I) with the Lucas sequences U_n, V_n (P = trace, Q = b1) by
+// binary doubling. Columns go in chunks so the doubling rounds (uniform: they follow the bits of k)
+// vectorize. In double: the power needs h to far below float's resolution of P = 1 + b1 - h(1-b1)
+// (h is ~1e-6 where v holds data gradients; in float, (1-h)^k came out wrong by 1e-4 relative and
+// more), and the double arithmetic cost no measurable time against float in tools/bench/catchup.py.
+template <bool KERAS>
+inline __attribute__((always_inline)) void advance_block(const CatchHyper& h, const Piece& p, float* W, float* M,
+                                                         float* V, int64_t D) {
   for (int64_t d0 = 0; d0 < D; d0 += kChunk) {
     const int64_t n = std::min(kChunk, D - d0);
-    double P[kChunk], DIS[kChunk], G[kChunk], U[kChunk], VL[kChunk];
-    for (int64_t j = 0; j < n; ++j) {
-      const float w = W[d0 + j], m = M[d0 + j], v = V[d0 + j];
-      const float dv = (w * w) * c2 - v;
-      // the predicted w path: the block's first step (exact, at t0 + 1), continued; stopped at 0
-      const float m1 = m * b1f + w * c_m, v1 = v * b2f + (w * w) * c_v;
-      float sp = -exact_step<KERAS>(m1, v1, f0, f1, epsf);
-      const float lim = std::fabs(w) * f13;
-      sp = sp * w < 0.f ? std::min(std::max(sp, -lim), lim) : sp;
-      const float ws = w * sp, ss = sp * sp;
-      const float vx1 = std::max(v + dv * n1[0] + ws * pa1 + ss * pb1, 0.f);
-      const float vx2 = std::max(v + dv * n2[0] + ws * pa2 + ss * pb2, 0.f);
-      const double g = std::min(
-          static_cast<double>(g_of<KERAS>(vx1, n1, epsf) + g_of<KERAS>(vx2, n2, epsf)) * half_lr, g_max);
-      G[j] = g;
-      P[j] = 1.0 - ca * g + b1;
-      DIS[j] = P[j] * P[j] - 4.0 * b1;
-      U[j] = 1.0;  // n = 1: U_1 = 1, V_1 = P (k's top bit)
-      VL[j] = P[j];
-    }
-    double qn = b1;
-    for (int bit = top - 1; bit >= 0; --bit) {
-      const bool one = ((k >> bit) & 1) != 0;
-      for (int64_t j = 0; j < n; ++j) {  // n -> 2n, then 2n + 1 where the bit is set
-        const double u = U[j] * VL[j], vl = VL[j] * VL[j] - 2.0 * qn;
-        U[j] = one ? (P[j] * u + vl) * 0.5 : u;
-        VL[j] = one ? (DIS[j] * u + P[j] * vl) * 0.5 : vl;
-      }
-      qn = one ? qn * qn * b1 : qn * qn;
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      const float w = W[d0 + j], m = M[d0 + j], v = V[d0 + j];
-      // A^k = (V_k / 2) I + U_k N, N = A - (P/2) I: no cancellation between large terms
-      const double wd = w, md = m, n11 = (P[j] - 2.0 * b1) * 0.5, vh = VL[j] * 0.5, uk = U[j];
-      const float we = static_cast<float>(vh * wd + uk * (n11 * wd - G[j] * b1 * md));
-      const float me = static_cast<float>(vh * md + uk * (ca * wd - n11 * md));
-      const float s = (we - w) * f13;
-      const float ww = w * w;
-      const float ve = ww * f17 + (w * s) * f18 + (s * s) * f19 + v * f20;
-      W[d0 + j] = we;
-      M[d0 + j] = me;
-      V[d0 + j] = std::max(ve, 0.f);
-    }
+    BlockCols c;
+    block_start<KERAS>(h, p, W + d0, M + d0, V + d0, n, c);
+    lucas_rounds(h.b1, p.k, &c, 1, n);
+    block_end(h, p, W + d0, M + d0, V + d0, n, c);
   }
 }
 
@@ -1028,10 +1068,33 @@ struct BehindRow {
 
 constexpr int kCatchGroup = 8;  // rows advanced together, piece by piece
 
+// Rows of a group whose piece i is a block of one size k (full pieces of one index are): their
+// columns go through block_start, then the Lucas rounds of all of them together, then block_end.
+// Each chunk's rounds are one dependency chain; side by side the CPU overlaps them.
+template <bool KERAS>
+inline __attribute__((always_inline)) void advance_blocks_together(const CatchHyper& h, const BehindRow* rows,
+                                                                   const int* which, int nb, int64_t i, int64_t D) {
+  const int64_t k = rows[which[0]].ps[i].k;
+  for (int64_t d0 = 0; d0 < D; d0 += kChunk) {
+    const int64_t n = std::min(kChunk, D - d0);
+    BlockCols cs[kCatchGroup];
+    for (int b = 0; b < nb; ++b) {
+      const BehindRow& r = rows[which[b]];
+      block_start<KERAS>(h, r.ps[i], r.W + d0, r.M + d0, r.V + d0, n, cs[b]);
+    }
+    lucas_rounds(h.b1, k, cs, nb, n);
+    for (int b = 0; b < nb; ++b) {
+      const BehindRow& r = rows[which[b]];
+      block_end(h, r.ps[i], r.W + d0, r.M + d0, r.V + d0, n, cs[b]);
+    }
+  }
+}
+
 // Advance a group of rows piece-major: piece i of every row, then piece i+1. A row's pieces form
 // one long dependency chain (sqrt, divide, exp, ...); the rows of a group are independent, so the
 // CPU overlaps their chains instead of waiting on one (13.6 -> 11.8 ms for the 24K rows behind of a
-// steady-state step in tools/bench/catchup.py, measured).
+// steady-state step in tools/bench/catchup.py, measured). The blocks of one size among piece i
+// run together (advance_blocks_together); rows are distinct, so the order changes no bit.
 // Compiled for AVX-512, AVX2 and baseline x86-64, picked at load time (target_clones): the
 // extension is otherwise built for baseline x86-64.
 template <bool KERAS>
@@ -1039,9 +1102,22 @@ inline __attribute__((always_inline)) void advance_group_impl(const CatchHyper& 
                                                               int64_t D) {
   int64_t most = 0;
   for (int r = 0; r < g; ++r) most = std::max(most, rows[r].n);
-  for (int64_t i = 0; i < most; ++i)
-    for (int r = 0; r < g; ++r)
-      if (i < rows[r].n) advance_piece<KERAS>(h, rows[r].ps[i], rows[r].W, rows[r].M, rows[r].V, D);
+  for (int64_t i = 0; i < most; ++i) {
+    int which[kCatchGroup];
+    int nb = 0;
+    int64_t k = 0;
+    for (int r = 0; r < g; ++r) {
+      if (i >= rows[r].n) continue;
+      const Piece& p = rows[r].ps[i];
+      if (p.k >= 2 && (nb == 0 || p.k == k)) {
+        which[nb++] = r;
+        k = p.k;
+      } else {
+        advance_piece<KERAS>(h, p, rows[r].W, rows[r].M, rows[r].V, D);
+      }
+    }
+    if (nb) advance_blocks_together<KERAS>(h, rows, which, nb, i, D);
+  }
 }
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
