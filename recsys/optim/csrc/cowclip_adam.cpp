@@ -928,15 +928,6 @@ inline float g_of(float vx, const float* f, float eps) {
   return KERAS ? (1.f / (std::sqrt(vx) + eps)) * f[1] : 1.f / (std::sqrt(vx) * f[1] + f[2]);
 }
 
-// A block of k >= 2 steps on a row's D columns: the frozen-step matrix power
-// (recsys/optim/cowclip/catchup.py, _block and _lucas). Per column g = lr * mean G (2 Gauss-Legendre
-// nodes, v there along the w path that the block's first step predicts, stopped at 0),
-// A = [[1 - h(1-b1), -g b1], [(1-b1) c, b1]] with h = c g (capped so A's spectral radius is <= 1),
-// A^k = (V_k / 2) I + U_k (A - (P/2) I) with the Lucas sequences U_n, V_n (P = trace, Q = b1) by
-// binary doubling. Columns go in chunks so the doubling rounds (uniform: they follow the bits of k)
-// vectorize. In double: the power needs h to far below float's resolution of P = 1 + b1 - h(1-b1)
-// (h is ~1e-6 where v holds data gradients; in float, (1-h)^k came out wrong by 1e-4 relative and
-// more), and the double arithmetic cost no measurable time against float in tools/bench/catchup.py.
 constexpr int64_t kChunk = 16;  // columns a block works on at once (the Lucas rounds' vectors)
 
 // One chunk of a block's columns between its two ends: the frozen step's trace P, P^2 - 4 b1,
