@@ -152,9 +152,10 @@ def host_lost(e: BaseException, peers: Peers | None = None) -> HostLostError | N
 _WATCHDOG = r"""
 import os, signal, sys, time
 pid, start, grace = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
-def same():
+def same():  # the agent still runs: same start time, and not a zombie its parent has yet to reap
     try:
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[19] == start
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        return fields[19] == start and fields[0] != "Z"
     except (OSError, IndexError):
         return False
 deadline = time.monotonic() + grace
