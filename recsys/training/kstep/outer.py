@@ -224,7 +224,7 @@ class OuterOptimizer:
             f"{name} {key}"
             for name, values in saved.items()
             for key, value in values.items()
-            if key not in self.slots or not _fits(self.slots[key], value)
+            if key not in self.slots or not fits(self.slots[key].shape, value)
         ]
         if misfit:
             log.warning(
@@ -255,10 +255,6 @@ class OuterOptimizer:
                 setattr(slot, name, dense)
 
 
-def _fits(slot: Slot, value: Tensor | Saved) -> bool:
-    return isinstance(value, (Tensor, dict)) and fits(slot.shape, value)
-
-
 def _anchor_of(slot: Slot, part: Part) -> Tensor:
     """The anchor of a part's rows, flat fp32: a dense slot's, or a lazy slot's (module docstring):
     the tensor's values with the rows this replica changed since the last merge as they were."""
@@ -268,7 +264,7 @@ def _anchor_of(slot: Slot, part: Part) -> Tensor:
     assert part.before is not None
     rows = part.row_ids()
     base = pack([part.tensor], [part]).view(rows.numel(), -1)
-    if part.rows is None or base.data_ptr() == part.tensor.data_ptr():  # a view of the model: copy
+    if base.untyped_storage().data_ptr() == part.tensor.untyped_storage().data_ptr():  # a view of the model: copy
         base = base.clone()
     changed, values = part.before
     if changed.numel():

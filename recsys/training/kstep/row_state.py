@@ -87,10 +87,13 @@ class MergedRows:
             self.put(name, saved["rows"].to(self.position.device, torch.long), saved["values"].to(self.position.device))
 
 
-def fits(shape: torch.Size | tuple[int, ...], saved: Tensor | Saved) -> bool:
-    """Whether a checkpoint's state (a dense tensor, or saved rows and values) is of a shard shaped ``shape``."""
+def fits(shape: torch.Size | tuple[int, ...], saved: object) -> bool:
+    """Whether a checkpoint's state (a dense tensor, or saved rows and values) is of a shard shaped
+    ``shape``; anything else a checkpoint may hold there does not fit."""
     if isinstance(saved, Tensor):
         return tuple(saved.shape) == tuple(shape)
+    if not isinstance(saved, dict):
+        return False
     rows, values = saved.get("rows"), saved.get("values")
     return (
         isinstance(rows, Tensor)

@@ -119,7 +119,8 @@ def test_a_lazy_anchor_merges_as_a_dense_one_and_keeps_state_only_for_merged_row
     with their values from before, as TouchedRows keeps them) merges bit for bit as with a dense
     anchor: Nesterov steps on bf16 deltas over 8 merges, rows the other replica alone changed
     among them; momentum and residual are kept only for the rows merged so far, and its saved
-    state loads into a lazy and into a dense slot alike."""
+    state loads into a lazy and into a dense slot alike, and a whole merge after it (a union too
+    large for rows) is the same from either."""
     g = torch.Generator().manual_seed(3)
     n, d = 40, 4
     dense, lazy = (OuterOptimizer("nesterov", 0.7, 0.9, "bf16", hosts=2) for _ in range(2))
@@ -160,6 +161,10 @@ def test_a_lazy_anchor_merges_as_a_dense_one_and_keeps_state_only_for_merged_row
         before = (rows, t[rows].clone()) if lazy_slot else None
         t[rows] += 0.5
         _merge_rows(outer, t, torch.arange(12), before, _with_other(torch.ones(12 * d).to(torch.bfloat16)))
+        before = (rows, t[rows].clone()) if lazy_slot else None
+        t[rows] -= 0.25
+        # then a whole merge (a union too large for rows), bf16 deltas of every row
+        _merge_rows(outer, t, None, before, _with_other(torch.full((n * d,), 0.5).to(torch.bfloat16)))
         resumed[name] = t
     assert torch.equal(resumed["lazy"], resumed["dense"])
     with pytest.raises(RuntimeError, match=r"rows of e this replica changed since the last merge are not among the rows merged"):

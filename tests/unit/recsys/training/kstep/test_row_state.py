@@ -70,3 +70,4 @@ def test_fits_only_state_of_the_shards_shape():
     assert not fits((10, 4), {"rows": torch.tensor([0, 9]), "values": torch.zeros(2, 5)})  # another width
     assert not fits((10, 4), {"rows": torch.tensor([0]), "values": torch.zeros(2, 4)})
     assert not fits((10, 4), {"values": torch.zeros(2, 4)})
+    assert not fits((10, 4), [torch.zeros(10, 4)]) and not fits((10, 4), None)  # not a tensor or saved rows
