@@ -15,6 +15,7 @@ from torchrec.distributed.planner.types import ShardingOption, Topology
 from torchrec.distributed.types import ModuleSharder
 
 from sharding.planner.ssd_tier import apply_key_value_storage
+from sharding.planner.torchrec_speedups import no_search_space_copy
 
 # column-wise variants the planner adds: each device-resident table cut into 2 and 4 column shards
 DEFAULT_COLUMN_SPLITS = (2, 4)
@@ -143,6 +144,11 @@ class TopologyEnumerator(EmbeddingEnumerator):
             return space
 
         t0 = time.perf_counter()
-        self.last_search_space = _sorted_enumeration(base, extra=extra)(module=module, sharders=sharders)
+        # torchrec's cache of the last search space (a deep copy, for a second call with the same
+        # module) is neither made nor read: enumeration is once per plan
+        self._last_stored_module = None
+        with no_search_space_copy():
+            self.last_search_space = _sorted_enumeration(base, extra=extra)(module=module, sharders=sharders)
+        self._last_stored_module = self._last_stored_search_space = None
         self.last_enumerate_s += time.perf_counter() - t0
         return self.last_search_space

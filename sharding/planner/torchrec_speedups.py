@@ -21,6 +21,15 @@ the time in torchrec itself, not in our cost model:
 - torchrec's search loop keys each proposal by its options' hashes, each hashing every shard
   (``_OptionHashes``): an option's hash is kept while its shards have no rank.
 
+- the v2 estimator builds one ``ShardPerfContext`` per shard, although a context depends on the
+  option and the shard's size only; shards of one size share one (``_shared_contexts``), and
+  ``compute_perf`` finds a shared context's perf by the object before building its key.
+
+- the enumerator ends by deep-copying the whole search space, to answer a second ``enumerate``
+  of the same module from the copy. ``TopologyEnumerator`` is built for one plan and asks once
+  (it also clears that cache, so a second call enumerates afresh), so within its call
+  (``no_search_space_copy``) the copy is skipped: ~2 s for 500 tables on 128 ranks.
+
 ``fast_planner_internals()`` is a context manager; torchrec's functions are restored on exit, so
 torchrec's own planner (e.g. in ``tools/bench/planner.py``) runs unpatched outside it.
 """
@@ -28,6 +37,7 @@ torchrec's own planner (e.g. in ``tools/bench/planner.py``) runs unpatched outsi
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy as _copy
 import operator
 import threading
@@ -66,17 +76,43 @@ def _shallow(obj: Any) -> Any:
     return new
 
 
+_SHARD_FIELDS = frozenset(("size", "offset", "storage", "perf", "rank"))
+
+
 def _copy_shard(sh, Shard):
-    return Shard(
-        size=list(sh.size),
-        offset=list(sh.offset),
-        storage=None if sh.storage is None else _shallow(sh.storage),
-        perf=None if sh.perf is None else _shallow(sh.perf),
-        rank=sh.rank,
+    """A deep copy of a ``Shard`` of torchrec's five fields, without its ``__init__`` (a Shard
+    with other fields: ``copy.deepcopy``)."""
+    d = sh.__dict__
+    if d.keys() != _SHARD_FIELDS:
+        return _copy.deepcopy(sh)
+    new = object.__new__(Shard)
+    storage, perf = d["storage"], d["perf"]
+    new.__dict__.update(
+        size=list(d["size"]),
+        offset=list(d["offset"]),
+        storage=None if storage is None else _shallow(storage),
+        perf=None if perf is None else _shallow(perf),
+        rank=d["rank"],
     )
+    return new
 
 
 _ATOMIC = (int, float, str, bool, type(None))
+
+# set while a TopologyEnumerator runs torchrec's enumerate, whose one deep copy of a list of
+# options is the search space it stores for a second call that never comes
+_skip_search_space_copy: contextvars.ContextVar[bool] = contextvars.ContextVar("skip_search_space_copy", default=False)
+
+
+@contextlib.contextmanager
+def no_search_space_copy() -> Iterator[None]:
+    """Within it, a deep copy of a list of ``ShardingOption`` (under ``fast_planner_internals``)
+    returns the list itself: for an enumerator whose stored search space is never read."""
+    token = _skip_search_space_copy.set(True)
+    try:
+        yield
+    finally:
+        _skip_search_space_copy.reset(token)
 
 
 def fast_deepcopy(obj: Any, memo: dict | None = None) -> Any:
@@ -84,6 +120,8 @@ def fast_deepcopy(obj: Any, memo: dict | None = None) -> Any:
     from torchrec.distributed.planner.types import Shard, ShardingOption
 
     if isinstance(obj, list) and obj and all(type(o) is ShardingOption for o in obj):
+        if _skip_search_space_copy.get():
+            return obj
         memo = {} if memo is None else memo
         out = []
         for so in obj:
@@ -104,11 +142,20 @@ class _MemoEvaluator:
     """An evaluator whose ``compute_perf`` is memoized on the context's field values (the
     shards of a row-wise option on 128 ranks have one context, repeated 128 times)."""
 
-    def __init__(self, inner: Any, cache: dict) -> None:
+    def __init__(self, inner: Any, cache: dict, by_object: dict) -> None:
         self._inner = inner
         self._cache = cache
+        self._by_object = by_object
 
     def compute_perf(self, ctx: Any, config: Any) -> Any:
+        # a context shared by shards of one size (``_shared_contexts``): found by the object
+        key = (type(self._inner), id(config), id(ctx))
+        hit = self._by_object.get(key)
+        if hit is None:
+            hit = self._by_object[key] = (self._by_fields(ctx, config), ctx, config)  # ids stay taken
+        return _shallow(hit[0])
+
+    def _by_fields(self, ctx: Any, config: Any) -> Any:
         key = [type(self._inner), id(config)]
         refs = [config]  # objects keyed by id stay referenced, so their ids are not reused
         for v in ctx.__dict__.values():
@@ -126,10 +173,30 @@ class _MemoEvaluator:
         if hit is None:
             perf = self._inner.compute_perf(ctx=ctx, config=config)
             hit = self._cache[key] = (perf, refs)
-        return _shallow(hit[0])
+        return hit[0]
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
+
+
+def _shared_contexts(build: Any) -> Any:
+    """``ShardPerfContext.build_shard_perf_contexts`` building one context per distinct shard size
+    (a context is the option's values and the shard's [rows, columns]); shards of one size get the
+    same object, which the estimator only reads."""
+
+    def shared(cls: Any, *args: Any, **kwargs: Any) -> list:
+        sizes = kwargs.get("shard_sizes")
+        if args or sizes is None:
+            return build.__func__(cls, *args, **kwargs)
+        first: dict[tuple[int, ...], int] = {}
+        for size in sizes:
+            first.setdefault(tuple(size), len(first))
+        if len(first) == len(sizes):
+            return build.__func__(cls, *args, **kwargs)
+        made = build.__func__(cls, **dict(kwargs, shard_sizes=[list(size) for size in first]))
+        return [made[first[tuple(size)]] for size in sizes]
+
+    return classmethod(shared)
 
 
 class _OptionHashes:
@@ -175,16 +242,32 @@ def fast_planner_internals() -> Iterator[None]:
             planners.__dict__.get("hash"),
         )
         perf_cache: dict = {}
+        perf_by_object: dict = {}
         get_evaluator = saved[4]
         annotations._get_annotated_method = _memoized(saved[0])
         annotations._get_coefficient_method = _memoized(saved[1])
         enumerators.copy = copy_ns
         planners.copy = copy_ns
-        estimator.get_embedding_perf_sharding_evaluator = lambda *a, **k: _MemoEvaluator(get_evaluator(*a, **k), perf_cache)
+        evaluators: dict[tuple[str, bool], _MemoEvaluator] = {}  # asked for once per shard
+
+        def memo_evaluator(sharding_type: str, is_inference: bool = False) -> _MemoEvaluator:
+            ev = evaluators.get((sharding_type, is_inference))
+            if ev is None:
+                ev = _MemoEvaluator(get_evaluator(sharding_type=sharding_type, is_inference=is_inference), perf_cache, perf_by_object)
+                evaluators[(sharding_type, is_inference)] = ev
+            return ev
+
+        estimator.get_embedding_perf_sharding_evaluator = memo_evaluator
         planners.hash = _OptionHashes()  # the module's name for the builtin, which its search loop calls
+        context_type = getattr(estimator, "ShardPerfContext", None)
+        build = context_type.__dict__.get("build_shard_perf_contexts") if context_type is not None else None
+        if isinstance(build, classmethod):
+            context_type.build_shard_perf_contexts = _shared_contexts(build)
         try:
             yield
         finally:
+            if isinstance(build, classmethod):
+                context_type.build_shard_perf_contexts = build
             (
                 annotations._get_annotated_method,
                 annotations._get_coefficient_method,

@@ -15,7 +15,13 @@ from torchrec.distributed.planner.types import Perf
 from sharding.planner.constraints import default_constraints
 from sharding.planner.enumerators import TopologyEnumerator
 from sharding.planner.job_topology import torchrec_topology
-from sharding.planner.torchrec_speedups import _MemoEvaluator, _memoized, fast_deepcopy, fast_planner_internals
+from sharding.planner.torchrec_speedups import (
+    _MemoEvaluator,
+    _memoized,
+    fast_deepcopy,
+    fast_planner_internals,
+    no_search_space_copy,
+)
 from sharding.topology.topology_file import load_topology
 from tests.support.plan_models import meta_ebc
 
@@ -23,9 +29,10 @@ logging.disable(logging.WARNING)
 SPECS = [(100, 16), (1000, 256), (300, 32)]
 
 
-def _space():
-    model = meta_ebc(SPECS)
-    enumerator = TopologyEnumerator(torchrec_topology(load_topology("cpu-gloo")), 64, (2, 4), default_constraints(model, "cpu"))
+def _space(topology: str = "cpu-gloo", specs=SPECS):
+    model = meta_ebc(specs)
+    cluster = load_topology(topology)
+    enumerator = TopologyEnumerator(torchrec_topology(cluster), 64, (2, 4), default_constraints(model, cluster.compute_device))
     return enumerator.enumerate(model, [EmbeddingBagCollectionSharder()])
 
 
@@ -40,6 +47,7 @@ def _patched() -> tuple:
         enumerators.copy,
         planners.copy,
         estimator.get_embedding_perf_sharding_evaluator,
+        estimator.ShardPerfContext.__dict__["build_shard_perf_contexts"],
     )
 
 
@@ -62,11 +70,64 @@ def test_the_fast_copy_of_a_search_space_equals_deepcopys():
     assert other == nested and other[1] is not nested[1]
 
 
-def test_estimates_are_the_same_with_the_fast_internals():
-    plain = _estimates(_space())
+@pytest.mark.parametrize("topology", ["cpu-gloo", "workstation-4gpu-nvlink-pairs"])
+def test_estimates_are_the_same_with_the_fast_internals(monkeypatch, topology):
+    specs = SPECS + [(10, 16), (1001, 8)]  # rows 3, 3, 3, 1 on 4 ranks: shards of two sizes
+    plain = _estimates(_space(topology, specs))
+    built: list[int] = []
+    build = estimator.ShardPerfContext._build_contexts.__func__
+
+    def counting(cls, **kwargs):
+        built.append(len(kwargs["shard_sizes"]))
+        return build(cls, **kwargs)
+
+    monkeypatch.setattr(estimator.ShardPerfContext, "_build_contexts", classmethod(counting))
     with fast_planner_internals():
-        fast = _estimates(_space())
+        space = _space(topology, specs)
+        fast = _estimates(space)
     assert fast == plain
+    # shards of one size shared one context: fewer built than there are shards
+    assert sum(built) < sum(len(so.shards) for so in space)
+    assert any(len({tuple(sh.size) for sh in so.shards}) < len(so.shards) for so in space)
+
+
+class _SizeEvaluator:
+    """Prices a shard by its context's size alone, so a shard given another's context shows."""
+
+    def compute_perf(self, ctx, config) -> Perf:
+        return Perf(fwd_compute=float(ctx.hash_size), fwd_comms=float(ctx.emb_dim), bwd_compute=0.0, bwd_comms=0.0)
+
+
+def test_each_shard_is_priced_from_a_context_of_its_own_size(monkeypatch):
+    monkeypatch.setattr(estimator, "get_embedding_perf_sharding_evaluator", lambda sharding_type, is_inference=False: _SizeEvaluator())
+    specs = SPECS + [(10, 16), (1001, 8)]
+    with fast_planner_internals():
+        space = _space("workstation-4gpu-nvlink-pairs", specs)
+    two_sizes = 0
+    for so in space:
+        for sh in so.shards:
+            assert (sh.perf.fwd_compute, sh.perf.fwd_comms) == (float(sh.size[0]), float(sh.size[1])), so.sharding_type
+        sizes = [tuple(sh.size) for sh in so.shards]
+        two_sizes += 1 < len(set(sizes)) < len(sizes)
+    assert two_sizes  # options whose shards come in repeated and distinct sizes
+
+
+def test_the_enumerator_keeps_no_copy_of_its_search_space_and_enumerates_again_afresh():
+    model = meta_ebc(SPECS)
+    enumerator = TopologyEnumerator(torchrec_topology(load_topology("cpu-gloo")), 64, (2, 4), default_constraints(model, "cpu"))
+    with fast_planner_internals():
+        first = enumerator.enumerate(model, [EmbeddingBagCollectionSharder()])
+        assert enumerator._last_stored_search_space is None
+        for so in first:  # what a search does to its options
+            for sh in so.shards:
+                sh.rank = 0
+        second = enumerator.enumerate(model, [EmbeddingBagCollectionSharder()])
+    assert len(second) == len(first) and all(a is not b for a, b in zip(first, second))
+    assert _estimates(second) == _estimates(_space()) and all(sh.rank is None for so in second for sh in so.shards)
+    # only inside no_search_space_copy is a list of options returned as it is
+    with no_search_space_copy():
+        assert fast_deepcopy(first) is first
+    assert fast_deepcopy(first) is not first
 
 
 def test_torchrecs_functions_are_restored_on_exit_and_on_error():
@@ -122,11 +183,15 @@ class _Evaluator:
 
 def test_perf_is_computed_once_per_context_and_each_shard_gets_its_own_copy():
     inner = _Evaluator()
-    memo = _MemoEvaluator(inner, {})
+    memo = _MemoEvaluator(inner, {}, {})
     config = _Config()
     first = memo.compute_perf(_Context(rows=10, sizes=[1, 2], name="t"), config)
     again = memo.compute_perf(_Context(rows=10, sizes=[1, 2], name="t"), config)
     assert inner.calls == 1 and first == again and first is not again
+    shared = _Context(rows=12, sizes=[object()], name="t")  # one context of shards of one size
+    assert memo.compute_perf(shared, config) == memo.compute_perf(shared, config)
+    assert inner.calls == 2  # found by the object, though its fields are not a key
+    inner.calls = 1
     assert first.total == 10.0 + 1.0 + 2.0 + 3.0
     assert memo.compute_perf(_Context(rows=11, sizes=[1, 2], name="t"), config).fwd_compute == 11.0
     assert inner.calls == 2
