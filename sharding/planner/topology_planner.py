@@ -46,7 +46,7 @@ proposals that do not improve, and every proposer after ``max_proposals`` propos
 a search). torchrec's wall-clock ``timeout_seconds`` is off unless the caller sets it (then plans
 depend on the machine's load again, and the log says when it cut the search).
 
-Speed (500 tables on 128 GPUs in ~15 s on a 2-core machine, idle; ~30 s with data-parallel
+Speed (500 tables on 128 GPUs in ~12.5 s on a 2-core machine, idle; ~28 s with data-parallel
 allowed): torchrec's enumerator runs with memoized estimator internals
 (``sharding/planner/torchrec_speedups.py``, only while this planner plans); the partitioner adds
 row-wise and data-parallel tables in bulk (their cost recorded once per option), scores
