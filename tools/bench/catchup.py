@@ -29,6 +29,12 @@ catch-up methods only, the state restored before each call (not timed).
 
     python tools/bench/catchup.py --all-rows --batch 65536 --trained-steps 183   # a 64K run's epoch
 
+``--split``: a catch-up step's parts, the lookup's catch-up timed alone before the step (whose own
+catch-up then finds the rows current); ``--growth g``: the blocks' growth (a huge g: one block
+per gap, the floor of the block scheme's cost).
+
+    python tools/bench/catchup.py --methods batch catchup --split --growth 1e9
+
 Methods: ``batch`` (lazy), ``catchup`` (the fused C++ catch-up op, what CPU runs use),
 ``catchup_torch`` (the same scheme as torch ops: the peer the op replaced), ``all`` (dense pass).
 
@@ -109,6 +115,10 @@ def steady_state_row_step(cards: list[int], batch: int, trained: int, seed: int 
     return torch.cat(out)
 
 
+def _growth(args) -> dict:
+    return {} if args.growth is None else {"catchup_growth": args.growth}
+
+
 def run(args) -> dict:
     import torch
 
@@ -130,7 +140,13 @@ def run(args) -> dict:
         scope = "catchup" if m.startswith("catchup") else m
         hp = CowClipHyper(update_scope=scope, **HP)
         tbe = CowClipAdamTBE(
-            [(n, DIM) for n in cards], list(range(T)), hp, [DIM] * T, mode="inline", catchup_op="torch" if m == "catchup_torch" else "auto"
+            [(n, DIM) for n in cards],
+            list(range(T)),
+            hp,
+            [DIM] * T,
+            mode="inline",
+            catchup_op="torch" if m == "catchup_torch" else "auto",
+            **_growth(args),
         )
         with torch.no_grad():
             tbe.weights.normal_(0, 1e-2)
@@ -143,9 +159,14 @@ def run(args) -> dict:
                 tbe.row_step.fill_(args.trained_steps)
         tbes[m] = tbe
 
+    parts: dict[str, list[float]] = {}
+
     def step(m: str, i: int) -> float:
         idx, off = batches[i]
         t0 = time.perf_counter()
+        if args.split and m.startswith("catchup"):  # the lookup's catch-up alone, then the step
+            tbes[m].catch_up_lookup(idx, off)
+            parts.setdefault(m, []).append(time.perf_counter() - t0)
         tbes[m](idx, off).backward(grad)
         return time.perf_counter() - t0
 
@@ -178,7 +199,13 @@ def run(args) -> dict:
         "iters": args.iters,
         "step_ms": med,
         "step_ms_min": {m: 1e3 * min(v) for m, v in times.items()},
+        "growth": _growth(args).get("catchup_growth", "default"),
     }
+    if parts:  # per catch-up method: the lookup's catch-up, and the rest of the step (medians)
+        res["catch_up_lookup_ms"] = {m: 1e3 * statistics.median(v[args.warmup :]) for m, v in parts.items()}
+        res["step_without_catch_up_ms"] = {
+            m: 1e3 * statistics.median([t - c for t, c in zip(times[m], v[args.warmup :])]) for m, v in parts.items()
+        }
     if cu:
         res["catchup_op"] = tbes[cu].catchup_op
         res["catchup_rows_behind_per_step"] = statistics.median(behind)
@@ -225,7 +252,13 @@ def run_all_rows(args) -> dict:
     for m in methods:
         hp = CowClipHyper(update_scope="catchup", **HP)
         tbes[m] = CowClipAdamTBE(
-            [(c, DIM) for c in cards], list(range(T)), hp, [DIM] * T, mode="inline", catchup_op="torch" if m == "catchup_torch" else "auto"
+            [(c, DIM) for c in cards],
+            list(range(T)),
+            hp,
+            [DIM] * T,
+            mode="inline",
+            catchup_op="torch" if m == "catchup_torch" else "auto",
+            **_growth(args),
         )
         tbes[m].set_optimizer_step(args.trained_steps)
     times: dict[str, list[float]] = {m: [] for m in methods}
@@ -280,6 +313,17 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--all-rows", action="store_true", help="time catch_up_all (what a checkpoint runs) instead")
+    ap.add_argument(
+        "--growth",
+        type=float,
+        default=None,
+        help="catch-up block growth (default: the library's); a huge value is one block per gap, the block scheme's floor",
+    )
+    ap.add_argument(
+        "--split",
+        action="store_true",
+        help="also time a catch-up step's parts: the lookup's catch-up alone, then the step (whose catch-up finds the rows current)",
+    )
     args = ap.parse_args(argv)
     if not 0 < args.fraction <= 1:
         ap.error("--fraction must be in (0, 1]")
