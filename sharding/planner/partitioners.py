@@ -32,9 +32,8 @@ from torchrec.distributed.planner.types import (
 
 from sharding.constants import A2A_TYPES, SSD_KERNELS, UNIFORM_TYPES, UVM_KERNELS
 from sharding.planner.cost.model import TopologyCostModel
-from sharding.planner.cost.placement import PlacedShard, placed_from_option
+from sharding.planner.cost.placement import PlacedShard, placed_from_option, placed_on_rank
 from sharding.planner.cost.state import CostState
-from sharding.planner.cost.placement import with_all_ranks as _with_all_ranks
 from sharding.planner.cost.candidates import candidate_scores
 
 UNIFORM = UNIFORM_TYPES
@@ -128,7 +127,7 @@ class TopologyPartitioner(Partitioner):
         if hit is None or hit[0] is not so or hit[3] is not so.cache_params:
             if len(self._placed) > 100_000:
                 self._placed.clear()
-            hit = self._placed[id(so)] = (so, placed_from_option(_with_all_ranks(so, 0)), {}, so.cache_params)
+            hit = self._placed[id(so)] = (so, placed_on_rank(so, 0), {}, so.cache_params)
         return hit[1], hit[2]
 
     @staticmethod
@@ -219,7 +218,7 @@ class TopologyPartitioner(Partitioner):
             best = None
             fast = groups > 1 and not m.cpu and so.compute_kernel not in UVM_KERNELS + SSD_KERNELS
             if fast:  # device-resident: the step time on each host in closed form, no trial states
-                protos = placed_from_option(_with_all_ranks(so, 0))
+                protos = placed_on_rank(so, 0)
                 base = st.base_scores()
             for h in range(groups):
                 ranks = list(range(h * gw, (h + 1) * gw))
@@ -369,7 +368,7 @@ def refine_placement(st: CostState, options: list[ShardingOption], hbm_free: np.
     for so in options:
         if so.sharding_type not in A2A_TYPES or so.compute_kernel != "fused":
             continue
-        for proto, sh in zip(placed_from_option(_with_all_ranks(so, 0)), so.shards):
+        for proto, sh in zip(placed_on_rank(so, 0), so.shards):
             items.append((so, sh, m.ids_bytes(proto.pooling), m.batch * proto.cols * 4.0, st._lookup_bytes(proto)))
     if len(items) < 2:
         return 0

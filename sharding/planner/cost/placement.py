@@ -5,6 +5,7 @@ lists, a ``ShardingPlan`` with its tables' shapes) into placed shards."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 from torchrec.distributed.planner.types import ShardingOption
 from torchrec.distributed.types import ShardingPlan
@@ -71,32 +72,38 @@ def with_all_ranks(so: ShardingOption, rank: int) -> ShardingOption:
 
 
 def placed_from_option(so: ShardingOption, rank_of=None) -> list[PlacedShard]:
+    ranks = tuple(sh.rank for sh in so.shards if sh.rank is not None)
+    return _placed(so, [(sh, sh.rank) for sh in so.shards if sh.rank is not None], ranks)
+
+
+def placed_on_rank(so: ShardingOption, rank: int) -> list[PlacedShard]:
+    """``placed_from_option(with_all_ranks(so, rank))`` without the view: the prototypes the
+    partitioner prices an option's shards from before they have ranks."""
+    return _placed(so, [(sh, rank) for sh in so.shards], (rank,) * len(so.shards))
+
+
+def _placed(so: ShardingOption, shards: list[tuple[Any, int]], ranks: tuple[int, ...]) -> list[PlacedShard]:
     rows, cols = int(so.tensor.shape[0]), int(so.tensor.shape[1])
     pooling = float(sum(so.input_lengths)) if so.input_lengths else 1.0
-    ranks = tuple(sh.rank for sh in so.shards if sh.rank is not None)
     group = ranks if so.sharding_type in ("row_wise", "table_row_wise", "data_parallel") else ()
     lf, miss = _lf(so.cache_params), _miss(so.compute_kernel, so.cache_params)
-    out = []
-    for sh in so.shards:
-        if sh.rank is None:
-            continue
-        out.append(
-            PlacedShard(
-                so.name,
-                so.sharding_type,
-                so.compute_kernel,
-                sh.rank,
-                int(sh.size[0]),
-                int(sh.size[1]),
-                rows,
-                cols,
-                pooling,
-                lf,
-                group,
-                miss,
-            )
+    return [
+        PlacedShard(
+            so.name,
+            so.sharding_type,
+            so.compute_kernel,
+            rank,
+            int(sh.size[0]),
+            int(sh.size[1]),
+            rows,
+            cols,
+            pooling,
+            lf,
+            group,
+            miss,
         )
-    return out
+        for sh, rank in shards
+    ]
 
 
 def placed_from_options(plan: list[ShardingOption]) -> list[PlacedShard]:

@@ -16,6 +16,7 @@ from sharding.planner.cost.placement import (
     placed_from_option,
     placed_from_options,
     placed_from_plan,
+    placed_on_rank,
     with_all_ranks,
     with_rank,
 )
@@ -133,6 +134,16 @@ def test_with_all_ranks_views_every_shard_on_one_rank_without_touching_the_optio
     got = placed_from_option(with_all_ranks(so, 3))
     assert [(p.rank, p.rows) for p in got] == [(3, 60), (3, 40)]
     assert [sh.rank for sh in so.shards] == [None, None]
+
+
+@pytest.mark.parametrize("kind", ["row_wise", "column_wise", "data_parallel", "table_wise"])
+def test_placed_on_rank_is_the_view_placed(kind):
+    shards = ((None, 60, 8), (None, 40, 8)) if kind != "table_wise" else ((None, 100, 8),)
+    so = option(kind, shards=shards)
+    got = placed_on_rank(so, 2)
+    assert got == placed_from_option(with_all_ranks(so, 2))
+    assert all(p.rank == 2 for p in got) and [sh.rank for sh in so.shards] == [None] * len(shards)
+    assert got[0].group == ((2,) * len(shards) if kind in ("row_wise", "data_parallel") else ())
 
 
 def test_placed_from_options_is_every_options_shards_in_order():
