@@ -4,6 +4,7 @@ applied only inside ``fast_planner_internals``."""
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 
 import pytest
@@ -200,3 +201,34 @@ def test_perf_is_computed_once_per_context_and_each_shard_gets_its_own_copy():
     memo.compute_perf(_Context(rows=10, sizes=[object()], name="t"), config)
     assert inner.calls == 4
     assert memo.calls == 4  # other attributes are the inner evaluator's
+
+
+def test_the_collector_is_paused_while_planning_and_restored_after(monkeypatch):
+    from sharding import TopologyAwarePlanner
+    from sharding.planner.torchrec_speedups import paused_gc
+
+    seen: list[bool] = []
+    enumerate_ = TopologyEnumerator.enumerate
+
+    def watched(self, *args, **kwargs):
+        seen.append(gc.isenabled())
+        return enumerate_(self, *args, **kwargs)
+
+    monkeypatch.setattr(TopologyEnumerator, "enumerate", watched)
+    planner = TopologyAwarePlanner(load_topology("cpu-gloo"), batch_size=64)
+    model = meta_ebc(SPECS)
+    was = gc.isenabled()
+    try:
+        for on in (True, False):
+            gc.enable() if on else gc.disable()
+            planner.plan(model, [EmbeddingBagCollectionSharder()])
+            assert gc.isenabled() is on  # as it was before
+        assert seen == [False, False]
+        gc.enable()
+        with pytest.raises(RuntimeError, match="^inside$"):
+            with paused_gc():
+                assert not gc.isenabled()
+                raise RuntimeError("inside")
+        assert gc.isenabled()
+    finally:
+        gc.enable() if was else gc.disable()
