@@ -46,8 +46,9 @@ proposals that do not improve, and every proposer after ``max_proposals`` propos
 a search). torchrec's wall-clock ``timeout_seconds`` is off unless the caller sets it (then plans
 depend on the machine's load again, and the log says when it cut the search).
 
-Speed (500 tables on 128 GPUs in ~12.5 s on a 2-core machine, idle; ~28 s with data-parallel
-allowed): torchrec's enumerator runs with memoized estimator internals
+Speed (500 tables on 128 GPUs in ~10 s on a 2-core machine, idle; ~23 s with data-parallel
+allowed; the cyclic garbage collector paused while planning): torchrec's enumerator runs with
+memoized estimator internals
 (``sharding/planner/torchrec_speedups.py``, only while this planner plans); the partitioner adds
 row-wise and data-parallel tables in bulk (their cost recorded once per option), scores
 table-row-wise hosts in closed form, and replays the greedy steps a proposal shares with a recent

@@ -36,7 +36,7 @@ the time in torchrec itself, not in our cost model:
   (``paused_gc``; not a torchrec internal, but the same cause of lost time): the
   search allocates millions of short-lived objects, so the collector ran ~6,000 times over a heap
   of ~10^6 live options, shards and estimates, and found ~10,000 objects in all (the garbage
-  goes by reference counting). 500 tables on 128 ranks: 26.4 -> 22.5 s.
+  goes by reference counting). 500 tables on 128 ranks: 26.3 -> 22.7 s.
 
 ``fast_planner_internals()`` is a context manager; torchrec's functions are restored on exit, so
 torchrec's own planner (e.g. in ``tools/bench/planner.py``) runs unpatched outside it.
