@@ -119,12 +119,28 @@ def _growth(args) -> dict:
     return {} if args.growth is None else {"catchup_growth": args.growth}
 
 
+def _tbe(method: str, cards: list[int], args):
+    """One method's ``CowClipAdamTBE`` over the tables (inline mode; ``catchup_torch``: the torch
+    catch-up, else the op this machine runs)."""
+    from recsys.optim.cowclip.hyper import CowClipHyper
+    from recsys.optim.cowclip.tbe import CowClipAdamTBE
+
+    hp = CowClipHyper(update_scope="catchup" if method.startswith("catchup") else method, **HP)
+    return CowClipAdamTBE(
+        [(n, DIM) for n in cards],
+        list(range(len(cards))),
+        hp,
+        [DIM] * len(cards),
+        mode="inline",
+        catchup_op="torch" if method == "catchup_torch" else "auto",
+        **_growth(args),
+    )
+
+
 def run(args) -> dict:
     import torch
 
     from recsys.config import CARDINALITY_PRESETS
-    from recsys.optim.cowclip.tbe import CowClipAdamTBE
-    from recsys.optim.cowclip.hyper import CowClipHyper
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -138,16 +154,7 @@ def run(args) -> dict:
     tbes = {}
     for m in args.methods:
         scope = "catchup" if m.startswith("catchup") else m
-        hp = CowClipHyper(update_scope=scope, **HP)
-        tbe = CowClipAdamTBE(
-            [(n, DIM) for n in cards],
-            list(range(T)),
-            hp,
-            [DIM] * T,
-            mode="inline",
-            catchup_op="torch" if m == "catchup_torch" else "auto",
-            **_growth(args),
-        )
+        tbe = _tbe(m, cards, args)
         with torch.no_grad():
             tbe.weights.normal_(0, 1e-2)
             tbe.momentum1.normal_(0, 1e-5)
@@ -234,13 +241,10 @@ def run_all_rows(args) -> dict:
     import torch
 
     from recsys.config import CARDINALITY_PRESETS
-    from recsys.optim.cowclip.tbe import CowClipAdamTBE
-    from recsys.optim.cowclip.hyper import CowClipHyper
 
     torch.set_num_threads(args.threads)
     full = CARDINALITY_PRESETS["criteo_kaggle_raw"]
     cards = [max(1, int(n * args.fraction)) for n in full]
-    T = len(cards)
     methods = [m for m in args.methods if m.startswith("catchup")]
     if not methods:
         raise SystemExit("--all-rows times catchup and/or catchup_torch: give one in --methods")
@@ -250,16 +254,7 @@ def run_all_rows(args) -> dict:
     state0 = (torch.randn(n, generator=g) * 1e-2, torch.randn(n, generator=g) * 1e-5, torch.rand(n, generator=g) * 1e-10 + 1e-12)
     tbes = {}
     for m in methods:
-        hp = CowClipHyper(update_scope="catchup", **HP)
-        tbes[m] = CowClipAdamTBE(
-            [(c, DIM) for c in cards],
-            list(range(T)),
-            hp,
-            [DIM] * T,
-            mode="inline",
-            catchup_op="torch" if m == "catchup_torch" else "auto",
-            **_growth(args),
-        )
+        tbes[m] = _tbe(m, cards, args)
         tbes[m].set_optimizer_step(args.trained_steps)
     times: dict[str, list[float]] = {m: [] for m in methods}
     advanced = {}
