@@ -19,7 +19,12 @@ Iterating that costs O(n) per coordinate for a gap of n steps; summed over train
 dense pass. Instead, a row that was last current at global step ``s`` and is needed at step
 ``s + n`` is advanced in **blocks** of k steps whose nominal size grows by ``growth`` (default 2:
 1, 2, 4, 8, ...), the last block cut to what is left, so a gap of n costs about ``log2(n) + 1``
-block evaluations. Inside a block starting at (w, m, v):
+block evaluations. Early in training a block is also cut to ``bias_cap`` (about ``0.2 t`` steps
+at global step t below a few hundred; none past a few thousand): there Adam's bias corrections
+move G along the block, and a frozen step misses that (see ``bias_cap``). A gap from step 0 to
+step 5,500 takes about 60 pieces instead of 13; in the steady state of tools/bench/catchup.py
+(raw Criteo sizes, step 5,500) the rows behind take 7.5% more pieces. Inside a block starting
+at (w, m, v):
 
 * **The w path the block's first step predicts.** The block's first step is taken exactly, and
   its displacement s, continued over the block (stopped at 0 when it moves toward 0), gives v at
@@ -66,17 +71,19 @@ the L2 equilibrium or holding data gradients 100x the L2 gradient, every coordin
     |m - m_dense| <= ERR_M_CLR * c * lr + ERR_M_REL * (|m_start| * b1^n + c * |w_dense|)
     |v - v_dense| <= ERR_V_C2LR2 * (c * lr)^2 + ERR_V_REL * v_dense
 
-(constants below; at most 57%, 43% and 54% of them is used). This is a measured bound, not a
+(constants below; at most 57%, 16% and 8% of them is used). This is a measured bound, not a
 proof. Through training, against an independent float64 reference written from the paper code's
 semantics (tests/integration/cowclip/test_cowclip_catchup_reference.py: lr 1e-4 to 1e-2, l2 1e-5 to 1e-2, zeta 1e-5
-and 1e-2, 300 steps, rows absent for up to ~280 steps): every gap, started from the reference's
-state, ends within 0.31 lr of it, and the norm the next clip reads within 5% of the reference's
-(or within 0.13 lr for rows near 0); the trained tables end within 0.14-0.69 lr of the reference
-(0.22-0.63 lr under table-, row-, table-row-, column-wise and data-parallel sharding on 1 and 2
-ranks). One case, lr 1e-2, l2 1e-3, zeta 1e-5, amplifies any difference (the clip threshold is
-proportional to ||w||): moving the reference's initial weights by 0.01 lr moves its final ones
-by 0.9-1.35 lr, by 0.1 lr 3.6 lr; on another draw of the batches the catch-up ended 4.5 lr away
-there (0.43 lr on the other cases).
+and 1e-2, 300 steps, rows absent for up to ~280 steps; 1,571 gaps per case): every gap, started
+from the reference's state, ends within 0.17 lr of it (0.04 lr at lr 1e-4 and 1e-3), and the
+norm the next clip reads within 5% of the reference's on all but 2 gaps of one case (lr 1e-2, l2
+1e-2, zeta 1e-5: 1.22x, 0.054 lr, rows oscillating around 0 near the lr scale, where a block's v
+at its end, from a straight w path, misses what the oscillation feeds it; tools/experiments/catchup_blocks.py
+measures a fix); the trained tables end within 0.04-0.14 lr of the reference (0.02-0.21 lr under
+table-, row-, table-row-, column-wise and data-parallel sharding on 1 and 2 ranks). One case,
+lr 1e-2, l2 1e-3, zeta 1e-5, amplifies any difference (the clip threshold is proportional to
+||w||): moving the reference's initial weights by 0.01 lr moves its final ones by 0.9-1.35 lr;
+the catch-up ends 0.66 lr away there.
 The exact iteration is ``growth=1`` (every block one step), at O(gap) cost.
 
 Not covered: an embedding lr that changes during a gap (the catch-up applies the current lr to
@@ -96,6 +103,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "BIAS_CAP",
     "DEFAULT_GROWTH",
     "ERR_M_CLR",
     "ERR_M_REL",
@@ -104,22 +112,24 @@ __all__ = [
     "ERR_W_LR",
     "ERR_W_REL",
     "catch_up",
+    "bias_cap",
     "catch_up_all_tables",
     "check_catchup_hyper",
     "dense_l2_steps",
 ]
 
 # the bound of the module docstring (asserted by tests/integration/cowclip/test_cowclip_catchup.py; the worst
-# coordinates use 57% (w), 43% (m) and 54% (v) of it)
+# coordinates use 57% (w), 16% (m) and 8% (v) of it)
 ERR_W_LR, ERR_W_REL = 1.5, 0.05
 ERR_M_CLR, ERR_M_REL = 0.5, 0.05
 ERR_V_C2LR2, ERR_V_REL = 0.5, 0.1
 
 _GL = 1.0 / math.sqrt(3.0)  # 2-node Gauss-Legendre on [-1, 1]: nodes +-1/sqrt(3), weights 1
-# block sizes double (1, 2, 4, ...): about log2(n) + 1 blocks for a gap of n; growth sqrt(2) (twice
-# the blocks) measured within 0.2 lr on the per-gap grid of tests/integration/cowclip/test_cowclip_catchup_reference.py,
-# growth 2 within 0.31 lr
+# block sizes double (1, 2, 4, ...): about log2(n) + 1 blocks for a gap of n (growth 4 breaks the
+# per-gap bound on v: benchmarks/2026-11-29-catchup-step-floor.md)
 DEFAULT_GROWTH = 2.0
+# no block longer than BIAS_CAP / (the bias corrections' relative change per step): ``bias_cap``
+BIAS_CAP = 0.1
 
 
 def catch_up_all_tables(module: torch.nn.Module) -> int:
@@ -144,6 +154,25 @@ def check_catchup_hyper(l2: float, r: float, clip: bool = True) -> None:
 def _pow(b: float, x: Tensor) -> Tensor:
     """b ** x for a scalar base (one exp instead of pow's scalar-to-tensor round trip)."""
     return torch.exp(x * math.log(b))
+
+
+def bias_cap(t0: Tensor, b1: float, b2: float) -> Tensor:
+    """The longest block that may start at global step ``t0`` (float64, any shape): about
+    ``BIAS_CAP`` over the per-step relative change of Adam's bias corrections there,
+    ``rate(t) = 0.5 ln(1/b2) / expm1(t ln(1/b2)) + ln(1/b1) / expm1(t ln(1/b1))`` (of sqrt(1 - b2^t)
+    and 1 - b1^t; t at least 1), floored, at least 1. Early in training (t of a few hundred
+    steps) this is about ``BIAS_CAP * 2t``; past a few thousand steps it exceeds any gap. Why:
+    a block freezes Adam's factor G at its mean, and the steps' order matters where G changes
+    along the block (the frozen step's matrices do not commute), which it does mostly through
+    the bias corrections early on: gaps from the first steps of training (rows not touched
+    since the start) ended up to 0.24-0.31 lr off with blocks of 1, 2, 4, ... steps, 0.03-0.04 lr
+    with the cap at lr 1e-4 and 1e-3 (tools/experiments/catchup_blocks.py on the gaps of
+    tests/integration/cowclip/test_cowclip_catchup_reference.py). The C++ op and the Triton
+    kernel use the same formula in double."""
+    t = t0.clamp(min=1.0)
+    l1, l2 = -math.log(b1), -math.log(b2)
+    rate = (0.5 * l2) / torch.expm1(t * l2) + l1 / torch.expm1(t * l1)
+    return torch.floor(BIAS_CAP / rate).clamp_(min=1.0)
 
 
 def _exact_step(
@@ -263,11 +292,10 @@ def catch_up(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Rows ``w, m, v`` [R, D] (gathered copies), current at global steps ``row_step`` [R], advanced
     to global step ``step`` by the block scheme of the module doc; returns new (w, m, v).
-    Rows with ``row_step >= step`` come back unchanged. No Python loop over rows: one pass of a
-    few dozen elementwise ops per block, over the rows whose gap still has steps left (rows are
-    sorted by gap, so those are a prefix). ``presorted``: the caller already ordered the rows by
-    ``row_step`` ascending (gap descending), which saves the permutation gathers, and passes
-    float32 copies it does not need again (they are advanced in place and returned)."""
+    Rows with ``row_step >= step`` come back unchanged. No Python loop over rows: per piece, one
+    pass of a few dozen elementwise ops over the rows that take a block, one over those that take
+    an exact step. ``presorted``: the caller passes float32 copies it does not need again (they
+    are advanced in place and returned; the name is from when rows had to come sorted by gap)."""
     if eps_mode not in ("torch", "keras"):
         raise ValueError(f"eps_mode must be torch|keras, got {eps_mode!r}")
     if growth < 1.0:
@@ -279,35 +307,29 @@ def catch_up(
     c = 2.0 * l2
     keras = eps_mode == "keras"
     if presorted:
-        order = None
-        gap_s, w_s, m_s, v_s = gap, w.float(), m.float(), v.float()
-        t0_all = row_step.long().to(torch.float64).unsqueeze(1)
+        w_s, m_s, v_s = w.float(), m.float(), v.float()
     else:
-        order = torch.argsort(gap, descending=True, stable=True)
-        gap_s = gap[order]
-        w_s, m_s, v_s = w[order].float(), m[order].float(), v[order].float()
-        t0_all = row_step.long()[order].to(torch.float64).unsqueeze(1)
-    gap_f = gap_s.to(torch.float64).unsqueeze(1)
-    done, size = 0, 1.0
-    max_gap = int(gap_s[0])
-    while done < max_gap:
-        k_nom = int(size)
-        p = int((gap_s > done).sum())  # rows with steps left: a prefix (sorted by gap)
-        # rows with one step left (a suffix of the prefix) take the exact step, the others a block
-        p1 = 0 if k_nom == 1 else int((gap_s > done + 1).sum())
-        if p1 < p:
-            sl = slice(p1, p)
-            w_s[sl], m_s[sl], v_s[sl] = _exact_step(w_s[sl], m_s[sl], v_s[sl], t0_all[sl] + (done + 1), c, lr, b1, b2, eps, keras)
-        if p1 > 0 and k_nom > 1:
-            k = torch.clamp(gap_f[:p1] - done, max=k_nom)
-            w_s[:p1], m_s[:p1], v_s[:p1] = _block(w_s[:p1], m_s[:p1], v_s[:p1], t0_all[:p1] + done, k, c, lr, b1, b2, eps, keras)
-        done += k_nom
+        w_s, m_s, v_s = (x.to(torch.float32, copy=True) for x in (w, m, v))
+    t0_all = row_step.long().to(torch.float64).unsqueeze(1)
+    gap_f = gap.to(torch.float64).unsqueeze(1)
+    done = torch.zeros_like(gap_f)  # steps taken per row (a capped row falls behind the nominal sum)
+    size = 1.0
+    while True:
+        # piece of nominal size k_nom, cut to what the row has left and to the bias-correction cap
+        k = torch.minimum(torch.clamp(gap_f - done, max=float(int(size))), bias_cap(t0_all + done, b1, b2))
+        k.clamp_(min=0)
+        one, blk = (k == 1).squeeze(1), (k >= 2).squeeze(1)
+        if not bool(one.any()) and not bool(blk.any()):
+            break
+        if bool(one.any()):
+            i = one.nonzero().squeeze(1)
+            w_s[i], m_s[i], v_s[i] = _exact_step(w_s[i], m_s[i], v_s[i], t0_all[i] + done[i] + 1, c, lr, b1, b2, eps, keras)
+        if bool(blk.any()):
+            i = blk.nonzero().squeeze(1)
+            w_s[i], m_s[i], v_s[i] = _block(w_s[i], m_s[i], v_s[i], t0_all[i] + done[i], k[i], c, lr, b1, b2, eps, keras)
+        done += k
         size *= growth
-    if order is None:
-        return w_s.to(w.dtype), m_s.to(m.dtype), v_s.to(v.dtype)
-    inv = torch.empty_like(order)
-    inv[order] = torch.arange(order.numel(), device=order.device)
-    return w_s[inv].to(w.dtype), m_s[inv].to(m.dtype), v_s[inv].to(v.dtype)
+    return w_s.to(w.dtype), m_s.to(m.dtype), v_s.to(v.dtype)
 
 
 def dense_l2_steps(

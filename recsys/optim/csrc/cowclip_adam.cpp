@@ -707,11 +707,11 @@ Tensor cowclip_adam_tables_cpu(
 // ------------------------------------------------------------------------------------------
 // catch-up of rows behind the global step (update_scope="catchup")
 //
-// recsys/optim/cowclip_catchup.py has the math (module doc) and the torch version; this is the same
+// recsys/optim/cowclip/catchup.py has the math (module doc) and the torch version; this is the same
 // block scheme, row by row, fused with finding the rows: for every id of the lookup whose row_step
 // is behind `step`, the row's w, m, v are advanced in place to `step` and row_step set to it (so a
 // repeated id is skipped: no dedup pass). Rows are read and written once, by the thread that owns
-// the table. A row's schedule (blocks 1, 2, 4, ... steps, the scalar factors of each block) depends
+// the table. A row's schedule (blocks 1, 2, 4, ... steps cut to bias_cap, the scalar factors of each block) depends
 // only on its gap (step is fixed per call): computed once per distinct gap in double, rounded to
 // float as the torch version's [P, 1] factors are, and cached for the call.
 
@@ -822,6 +822,18 @@ Piece make_piece(const CatchHyper& h, int64_t t_start, int64_t done, int64_t k_n
   return p;
 }
 
+// The longest block that may start at global step t0: recsys/optim/cowclip/catchup.py's bias_cap
+// (BIAS_CAP over the per-step relative change of Adam's bias corrections at t0, floored, >= 1),
+// the same formula in double.
+constexpr double kBiasCap = 0.1;
+
+inline double bias_cap(const CatchHyper& h, double t0) {
+  const double t = std::max(t0, 1.0);
+  const double l1 = -std::log(h.b1), l2 = -std::log(h.b2);
+  const double rate = (0.5 * l2) / std::expm1(t * l2) + l1 / std::expm1(t * l1);
+  return std::max(std::floor(kBiasCap / rate), 1.0);
+}
+
 // A full piece (a block not cut by the row's gap) has factors of two kinds: most depend only on
 // its size k (f[9..13] and f[17..20], the nodes x, b^x), and the rest on the global step through
 // the bias corrections 1 - b^(t0 + x) = 1 - b^t_start * b^done * b^x. The first kind and b^done are the
@@ -835,6 +847,7 @@ Piece make_piece(const CatchHyper& h, int64_t t_start, int64_t done, int64_t k_n
 // through the op against the torch version).
 struct PieceConst {
   int64_t k_nom, done;
+  int64_t t_free;           // from this global step on, bias_cap does not cut the piece
   double b1_done, b2_done;  // b^done
   double b1x[3], b2x[3];    // b^x at the nodes (block) / b^1 (exact step)
   Piece base;               // the k-only factors (block)
@@ -862,6 +875,16 @@ const std::vector<PieceConst>& piece_consts(const CatchHyper& h, int64_t gap) {
     PieceConst c{};
     c.k_nom = static_cast<int64_t>(size);
     c.done = done;
+    // bias_cap grows with t: the first t where it reaches k_nom, by bisection (once per setting)
+    int64_t lo = 0, hi = int64_t(1) << 50;
+    while (lo < hi) {
+      const int64_t mid = lo + (hi - lo) / 2;
+      if (bias_cap(h, static_cast<double>(mid)) >= static_cast<double>(c.k_nom))
+        hi = mid;
+      else
+        lo = mid + 1;
+    }
+    c.t_free = lo;
     c.b1_done = std::pow(h.b1, static_cast<double>(done));
     c.b2_done = std::pow(h.b2, static_cast<double>(done));
     if (c.k_nom == 1) {
@@ -909,10 +932,27 @@ void make_schedule(const CatchHyper& h, int64_t t_start, int64_t gap, std::vecto
   const std::vector<PieceConst>& pcs = piece_consts(h, gap);
   const double ts = static_cast<double>(t_start);
   const double b1s = std::exp(ts * std::log(h.b1)), b2s = std::exp(ts * std::log(h.b2));
-  for (const PieceConst& c : pcs) {
-    if (c.done >= gap) break;
-    const int64_t left = gap - c.done;
-    out.push_back(left >= c.k_nom ? full_piece(h, c, b1s, b2s) : make_piece(h, t_start, c.done, c.k_nom, left));
+  // piece i: nominal size k_nom(i), cut to what is left and to the bias-correction cap; while no
+  // cap has acted, a row's pieces start where the nominal ones do and full ones use their constants
+  int64_t done = 0;
+  bool nominal = true;
+  double size = 1.0;
+  for (size_t i = 0; done < gap; ++i) {
+    const int64_t k_nom = i < pcs.size() ? pcs[i].k_nom : static_cast<int64_t>(size);
+    const int64_t left = gap - done;
+    int64_t k = std::min(left, k_nom);
+    if (i >= pcs.size() || t_start + done < pcs[i].t_free) {
+      const double cap = bias_cap(h, static_cast<double>(t_start + done));
+      if (cap < static_cast<double>(k)) k = static_cast<int64_t>(cap);
+    }
+    if (k < k_nom) nominal = nominal && k == left;  // a cut last piece keeps the row nominal
+    if (nominal && k == k_nom) {
+      out.push_back(full_piece(h, pcs[i], b1s, b2s));
+    } else {
+      out.push_back(make_piece(h, t_start, done, k, k));
+    }
+    done += k;
+    size *= h.growth;
   }
 }
 

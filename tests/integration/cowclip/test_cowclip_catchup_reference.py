@@ -39,10 +39,10 @@ TABLES = [(60, 16), (30, 8)]
 B = 8
 STEPS = 300
 B1, B2, EPS = 0.9, 0.999, 1e-8
-W_ERR_LR = 1.0
+W_ERR_LR = 0.3
 CHAOS = 1.5
-GAP_W_LR = 0.4
-THR_REL, GAP_THR_LR = 0.05, 0.15
+GAP_W_LR = 0.25
+THR_REL, GAP_THR_LR = 0.05, 0.07
 
 
 def _batches(steps: int, tables, batch: int, seed: int = 0):
@@ -137,13 +137,11 @@ def _spread(init, batches, *, lr: float, l2: float, zeta: float, ref) -> float:
 @pytest.mark.parametrize("lr", [1e-4, 1e-3, 1e-2])
 def test_catchup_stays_within_one_lr_of_the_dense_reference(lr):
     """300 steps, l2 in {1e-5, 1e-3, 1e-2}, zeta in {1e-5, 1e-2}, the default kernel: final tables
-    within W_ERR_LR lr of the reference (measured: 0.14-0.69 lr), or, on at most one case, where
+    within W_ERR_LR lr of the reference (measured: 0.04-0.14 lr), or, on at most one case, where
     the reference itself moves further than W_ERR_LR when its initial weights move by 0.01 lr,
     within CHAOS x that spread. Such a case is lr 1e-2, l2 1e-3, zeta 1e-5 (the clip threshold is
     proportional to ||w||, so that case amplifies any difference): on these batches the
-    reference moves 1.35 lr and the catch-up ends 0.69 lr away; on another draw (seed 5) the
-    reference moves 0.86 / 3.6 lr for a 0.01 / 0.1 lr change and the catch-up ends 4.5 lr away
-    while the 17 other cases stay within 0.43 lr."""
+    reference moves 1.35 lr and the catch-up ends 0.66 lr away."""
     batches, init = _batches(STEPS, TABLES, B), _init(TABLES)
     worst = []
     for l2 in (1e-5, 1e-3, 1e-2):
@@ -163,9 +161,10 @@ def test_catchup_stays_within_one_lr_of_the_dense_reference(lr):
 def test_each_gap_ends_where_the_reference_is_and_the_clip_reads_the_right_norm(lr):
     """Every gap of the reference run (a row absent from step s+1 to T-1, read at T), advanced by
     ``catch_up`` from the reference's own (w, m, v) at s: at T-1 its weights are within GAP_W_LR lr
-    of the reference's (measured: 0.31 lr), and max(||w||, zeta'), what the clip at T reads, within
-    5% of the reference's or, for rows near 0, within GAP_THR_LR lr (measured: 0.13 lr). This
-    isolates the catch-up from the amplification of the end-to-end test."""
+    of the reference's (measured: 0.17 lr; 0.04 lr at lr 1e-4 and 1e-3), and max(||w||, zeta'),
+    what the clip at T reads, within 5% of the reference's or, for rows near 0, within GAP_THR_LR
+    lr (measured: 2 of 1,571 gaps beyond 5%, at lr 1e-2, l2 1e-2, zeta 1e-5: 1.22x, 0.054 lr).
+    This isolates the catch-up from the amplification of the end-to-end test."""
     from recsys.optim.cowclip.catchup import catch_up
 
     batches, init = _batches(STEPS, TABLES, B), _init(TABLES)
@@ -298,7 +297,7 @@ def test_every_sharding_type_on_one_and_two_ranks_stays_within_one_lr_of_the_den
     """Table-wise, row-wise, table-row-wise, column-wise and data-parallel CowClip tables (each
     rank's loss the mean over its samples: torchrec averages the ranks' gradients), 200 steps, the
     default kernel of this machine: 2 ranks equal 1 rank, and every table is within W_ERR_LR lr of
-    the dense reference on the global batches (measured: 0.22-0.63 lr)."""
+    the dense reference on the global batches (measured: 0.02-0.21 lr)."""
     import socket
 
     def port() -> int:

@@ -7,10 +7,11 @@ and the torch version, which CUDA runs used before this kernel: on an H200, 26 t
 small torch ops per lookup; with this kernel catch-up plus update cost 1.7x (benchmarks/2026-11-26-triton-gpu.md,
 "Triton kernels on a GPU"; measured with the block formula this kernel had before the frozen-step
 matrix power and the predicted w path, which have not run on a GPU yet). One program advances
-one row: it reads the row's w, m, v and ``row_step`` once, walks the row's schedule (blocks of 1, 2, 4, ... steps,
-``growth``), gets each piece's scalar factors in float64 (those that depend on the block size
-alone from a table built once on the host, as the C++ op's per-piece constants; the bias
-corrections from ``b^t0``, carried from piece to piece; a row's last, cut piece computes all of
+one row: it reads the row's w, m, v and ``row_step`` once, walks the row's schedule (blocks of
+1, 2, 4, ... steps, ``growth``, each cut to ``catchup.bias_cap`` early in training), gets each
+piece's scalar factors in float64 (those that depend on the block size alone from a table built
+once on the host, as the C++ op's per-piece constants; the bias
+corrections from ``b^t0``, carried from piece to piece; a cut or capped piece computes all of
 them), applies the piece to the row's columns (G in float32, the block's matrix power and the
 new w and m in float64: the same formulas as the C++ op's ``advance_piece``), and writes w, m, v
 and ``row_step = step`` back.

@@ -64,7 +64,14 @@ def _advance_row(
     while done < gap:
         k_nom = size.to(tl.int64)
         left = gap - done
-        exact = (k_nom == 1) | (left == 1)
+        # the piece's size: nominal, cut to what is left and to the bias-correction cap at its
+        # start t0 (catchup.py's bias_cap, the same formula in double)
+        t_cap = tl.maximum((rs + done).to(tl.float64), 1.0)
+        rate = (-0.5 * ln_b2) / (tl.exp(-t_cap * ln_b2) - 1.0) + (-ln_b1) / (tl.exp(-t_cap * ln_b1) - 1.0)
+        cap = tl.maximum(tl.floor(0.1 / rate), 1.0)  # 0.1: catchup.BIAS_CAP
+        kk = tl.minimum(left, k_nom)
+        kk = tl.where(cap < kk.to(tl.float64), cap.to(tl.int64), kk)
+        exact = kk == 1
         # the exact step at global step t0 + 1
         bc1e = 1.0 - b1t * b1
         bc2e = 1.0 - b2t * b2
@@ -75,8 +82,8 @@ def _advance_row(
             e0 = (lr / bc1e).to(tl.float32)
             e1 = (1.0 / tl.sqrt(bc2e)).to(tl.float32)
         # a block of k steps (make_piece): the factors that depend on k alone come from the host's
-        # table for a full piece (CONST row i), and are computed here for a row's last, cut one
-        if (left >= k_nom) & (i < n_const):
+        # table for a full piece (CONST row i), and are computed here for a cut or capped one
+        if (kk == k_nom) & (i < n_const):
             row = CONST + i * 16  # _piece_table's columns
             b1x1 = tl.load(row + 1)
             b1x2 = tl.load(row + 2)
@@ -94,7 +101,7 @@ def _advance_row(
             pa2 = tl.load(row + 14).to(tl.float32)
             pb2 = tl.load(row + 15).to(tl.float32)
         else:
-            k = tl.minimum(left, k_nom).to(tl.float64)
+            k = kk.to(tl.float64)
             b1k = tl.exp(k * ln_b1)
             half = k / 2.0
             mid = (k + 1.0) / 2.0
@@ -176,7 +183,7 @@ def _advance_row(
         lu = lp * 0.0 + 1.0  # U_1 = 1, V_1 = P: k's top bit
         lv = lp
         qn = b1
-        k_i = tl.minimum(left, k_nom)
+        k_i = kk
         top = k_i * 0
         while (k_i >> (top + 1)) > 0:
             top = top + 1
@@ -203,10 +210,10 @@ def _advance_row(
         w = tl.where(exact, we, wb)
         m = tl.where(exact, me, mb)
         v = tl.where(exact, ve, vb)
-        # b^t0 of the next piece (only a full piece has one: the cut piece is the row's last)
+        # b^t0 of the next piece
         b1t = b1t * tl.where(exact, b1, b1k)
         b2t = b2t * tl.where(exact, b2, b2k)
-        done = done + k_nom
+        done = done + kk
         size = size * growth
         i = i + 1
     tl.store(W + woff + d, w, mask=dmask)
