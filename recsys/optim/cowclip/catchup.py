@@ -275,6 +275,50 @@ def _block(
     return w_e, m_e, v_e.clamp_(min=0)
 
 
+def _advance_sorted(w, m, v, gap, t0, growth, hp) -> None:
+    """Rows [R, D] float32, sorted by ``gap`` [R] descending, none of whose blocks ``bias_cap``
+    cuts, advanced in place: the rows with steps left are a prefix, so every piece works on
+    slices."""
+    gap_f = gap.to(torch.float64).unsqueeze(1)
+    done, size = 0, 1.0
+    max_gap = int(gap[0])
+    while done < max_gap:
+        k_nom = int(size)
+        p = int((gap > done).sum())  # rows with steps left: a prefix (sorted by gap)
+        # rows with one step left (a suffix of the prefix) take the exact step, the others a block
+        p1 = 0 if k_nom == 1 else int((gap > done + 1).sum())
+        if p1 < p:
+            sl = slice(p1, p)
+            w[sl], m[sl], v[sl] = _exact_step(w[sl], m[sl], v[sl], t0[sl] + (done + 1), *hp)
+        if p1 > 0 and k_nom > 1:
+            k = torch.clamp(gap_f[:p1] - done, max=k_nom)
+            w[:p1], m[:p1], v[:p1] = _block(w[:p1], m[:p1], v[:p1], t0[:p1] + done, k, *hp)
+        done += k_nom
+        size *= growth
+
+
+def _advance_capped(w, m, v, gap, t0, growth, hp, b1: float, b2: float) -> None:
+    """Rows [R, D] float32 in any order, advanced in place; each piece cut to ``bias_cap`` at its
+    start, so rows fall behind the nominal schedule by different amounts (a step count per row)."""
+    gap_f = gap.to(torch.float64).unsqueeze(1)
+    done = torch.zeros_like(gap_f)
+    size = 1.0
+    while True:
+        k = torch.minimum(torch.clamp(gap_f - done, max=float(int(size))), bias_cap(t0 + done, b1, b2))
+        k.clamp_(min=0)
+        one, blk = (k == 1).squeeze(1), (k >= 2).squeeze(1)
+        if not bool(one.any()) and not bool(blk.any()):
+            break
+        if bool(one.any()):
+            i = one.nonzero().squeeze(1)
+            w[i], m[i], v[i] = _exact_step(w[i], m[i], v[i], t0[i] + done[i] + 1, *hp)
+        if bool(blk.any()):
+            i = blk.nonzero().squeeze(1)
+            w[i], m[i], v[i] = _block(w[i], m[i], v[i], t0[i] + done[i], k[i], *hp)
+        done += k
+        size *= growth
+
+
 def catch_up(
     w: Tensor,
     m: Tensor,
@@ -292,10 +336,14 @@ def catch_up(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Rows ``w, m, v`` [R, D] (gathered copies), current at global steps ``row_step`` [R], advanced
     to global step ``step`` by the block scheme of the module doc; returns new (w, m, v).
-    Rows with ``row_step >= step`` come back unchanged. No Python loop over rows: per piece, one
-    pass of a few dozen elementwise ops over the rows that take a block, one over those that take
-    an exact step. ``presorted``: the caller passes float32 copies it does not need again (they
-    are advanced in place and returned; the name is from when rows had to come sorted by gap)."""
+    Rows with ``row_step >= step`` come back unchanged. No Python loop over rows: one pass of a
+    few dozen elementwise ops per piece. Rows whose blocks ``bias_cap`` never cuts (it grows with
+    the step: those with ``bias_cap(row_step) >= gap``, nearly all past the first few thousand
+    steps) are sorted by gap, so each piece works on a prefix of them; the others go through a
+    loop with a step count per row. ``presorted``: the caller already ordered the rows by
+    ``row_step`` ascending (gap descending), which saves the permutation gathers when all rows
+    are of the first kind, and passes float32 copies it does not need again (they are advanced in
+    place and returned)."""
     if eps_mode not in ("torch", "keras"):
         raise ValueError(f"eps_mode must be torch|keras, got {eps_mode!r}")
     if growth < 1.0:
@@ -304,32 +352,25 @@ def catch_up(
     if w.numel() == 0 or int(gap.max()) == 0:
         return w, m, v
     b1, b2 = betas
-    c = 2.0 * l2
-    keras = eps_mode == "keras"
-    if presorted:
+    hp = (2.0 * l2, lr, b1, b2, eps, eps_mode == "keras")
+    t0 = row_step.long().to(torch.float64).unsqueeze(1)
+    is_free = bias_cap(t0, b1, b2).squeeze(1) >= gap.to(torch.float64)
+    if presorted and bool(is_free.all()):  # the common case: one pass over the caller's copies
         w_s, m_s, v_s = w.float(), m.float(), v.float()
-    else:
-        w_s, m_s, v_s = (x.to(torch.float32, copy=True) for x in (w, m, v))
-    t0_all = row_step.long().to(torch.float64).unsqueeze(1)
-    gap_f = gap.to(torch.float64).unsqueeze(1)
-    done = torch.zeros_like(gap_f)  # steps taken per row (a capped row falls behind the nominal sum)
-    size = 1.0
-    while True:
-        # piece of nominal size k_nom, cut to what the row has left and to the bias-correction cap
-        k = torch.minimum(torch.clamp(gap_f - done, max=float(int(size))), bias_cap(t0_all + done, b1, b2))
-        k.clamp_(min=0)
-        one, blk = (k == 1).squeeze(1), (k >= 2).squeeze(1)
-        if not bool(one.any()) and not bool(blk.any()):
-            break
-        if bool(one.any()):
-            i = one.nonzero().squeeze(1)
-            w_s[i], m_s[i], v_s[i] = _exact_step(w_s[i], m_s[i], v_s[i], t0_all[i] + done[i] + 1, c, lr, b1, b2, eps, keras)
-        if bool(blk.any()):
-            i = blk.nonzero().squeeze(1)
-            w_s[i], m_s[i], v_s[i] = _block(w_s[i], m_s[i], v_s[i], t0_all[i] + done[i], k[i], c, lr, b1, b2, eps, keras)
-        done += k
-        size *= growth
-    return w_s.to(w.dtype), m_s.to(m.dtype), v_s.to(v.dtype)
+        _advance_sorted(w_s, m_s, v_s, gap, t0, growth, hp)
+        return w_s.to(w.dtype), m_s.to(m.dtype), v_s.to(v.dtype)
+    free, capped = is_free.nonzero().squeeze(1), (~is_free).nonzero().squeeze(1)
+    out_w, out_m, out_v = (x.to(torch.float32, copy=True) for x in (w, m, v))
+    if free.numel():
+        order = free[torch.argsort(gap[free], descending=True, stable=True)]
+        w_s, m_s, v_s = out_w[order], out_m[order], out_v[order]
+        _advance_sorted(w_s, m_s, v_s, gap[order], t0[order], growth, hp)
+        out_w[order], out_m[order], out_v[order] = w_s, m_s, v_s
+    if capped.numel():
+        w_s, m_s, v_s = out_w[capped], out_m[capped], out_v[capped]
+        _advance_capped(w_s, m_s, v_s, gap[capped], t0[capped], growth, hp, b1, b2)
+        out_w[capped], out_m[capped], out_v[capped] = w_s, m_s, v_s
+    return out_w.to(w.dtype), out_m.to(m.dtype), out_v.to(v.dtype)
 
 
 def dense_l2_steps(

@@ -164,6 +164,8 @@ class CatchUpMixin:
                 if g.numel() == 0:
                     continue
             rs = self.row_step.index_select(0, g)
+            rs, order = torch.sort(rs, stable=True)  # longest gaps first: catch_up's prefixes
+            g, t = g[order], t[order]
             bufs = (self.weights, self.momentum1, self.momentum2)
             if (
                 len(dim_set) == 1
