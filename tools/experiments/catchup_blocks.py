@@ -2,10 +2,11 @@
 reference run.
 
 The catch-up (recsys/optim/cowclip/catchup.py) advances an absent row over a gap in blocks, each a
-frozen Adam step raised to the block's power. This script replays every gap of a dense float64
-reference run (written here from the paper code's semantics: data gradient + 2 l2 w on every row,
-clip r cnt max(||w||, r sqrt(D) zeta), torch-eps Adam with the global step) from the reference's
-own state, through block variants, and reports per cell of the grid lr x l2 x zeta the worst
+frozen Adam step raised to the block's power. This script replays every gap of the dense float64
+reference run of tests/integration/cowclip/test_cowclip_catchup_reference.py (its batches,
+initial tables and reference, loaded from that module: the gaps are the ones the test asserts on)
+from the reference's own state, through block variants, and reports per cell of the grid lr x l2
+x zeta the worst
 ratio of the norm the next clip reads, max(||w||, zeta'), to the reference's, the rows beyond
 1.05x, the worst weight error (in lr) and the pieces (blocks and exact steps) per gap:
 
@@ -34,50 +35,26 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
+from pathlib import Path
 
 import torch
 
 B1, B2, EPS = 0.9, 0.999, 1e-8
-TABLES = [(60, 16), (30, 8)]
-BATCH, STEPS = 8, 300
 VARIANTS = ("uncapped", "library", "traj", "uncapped+traj")
 
 
-def batches(steps: int, seed: int = 0) -> list:
-    """Per step: one Zipf(1.2) id per sample and table, and the labels."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(steps):
-        ids = []
-        for n, _d in TABLES:
-            p = 1.0 / torch.arange(1, n + 1, dtype=torch.float64) ** 1.2
-            ids.append(torch.multinomial(p / p.sum(), BATCH, replacement=True, generator=g))
-        out.append((ids, (torch.rand(BATCH, generator=g) < 0.3).double()))
-    return out
+def reference_test():
+    """tests/integration/cowclip/test_cowclip_catchup_reference.py as a module (it imports its
+    sibling test module and tests.support by those names)."""
+    root = Path(__file__).resolve().parents[2]
+    for p in (root, root / "tests" / "integration" / "cowclip"):
+        if str(p) not in sys.path:
+            sys.path.insert(0, str(p))
+    import test_cowclip_catchup_reference as ref
 
-
-def dense_history(bs: list, *, lr: float, l2: float, zeta: float, r: float = 1.0) -> list:
-    """(w, m, v) per table after every step of the dense reference (index 0: the start)."""
-    gen = torch.Generator().manual_seed(1)
-    w = [torch.randn(n, d, generator=gen, dtype=torch.float64) * 0.05 for n, d in TABLES]
-    proj = [torch.randn(d, generator=torch.Generator().manual_seed(7 + i), dtype=torch.float64) for i, (_n, d) in enumerate(TABLES)]
-    m = [torch.zeros_like(t) for t in w]
-    v = [torch.zeros_like(t) for t in w]
-    hist = [([x.clone() for x in w], [x.clone() for x in m], [x.clone() for x in v])]
-    for t, (ids, labels) in enumerate(bs, 1):
-        z = sum(w[i][ids[i]] @ proj[i] for i in range(len(TABLES)))
-        dz = (torch.sigmoid(z) - labels) / len(labels)
-        for i, (n, d) in enumerate(TABLES):
-            g = torch.zeros(n, d, dtype=torch.float64).index_add_(0, ids[i], dz[:, None] * proj[i][None, :]) + 2.0 * l2 * w[i]
-            cnt = torch.bincount(ids[i], minlength=n).double().clamp(min=1.0)
-            clip = r * cnt * w[i].norm(dim=1).clamp(min=r * math.sqrt(d) * zeta)
-            gn = g.norm(dim=1)
-            g = g * torch.where(gn > clip, clip / gn, torch.ones_like(gn))[:, None]
-            m[i] = B1 * m[i] + (1 - B1) * g
-            v[i] = B2 * v[i] + (1 - B2) * g * g
-            w[i] = w[i] - lr * (m[i] / (1 - B1**t)) / (v[i].sqrt() / math.sqrt(1 - B2**t) + EPS)
-        hist.append(([x.clone() for x in w], [x.clone() for x in m], [x.clone() for x in v]))
-    return hist
+    assert (ref.B1, ref.B2, ref.EPS) == (B1, B2, EPS), "the reference test's Adam constants changed"
+    return ref
 
 
 def _traj_feed(wd, md, w_k, m_k, g, k, c):
@@ -116,12 +93,6 @@ def traj_block(w, m, v, t0, k, c, lr, b1, b2, eps, keras):
     bk = torch.exp(k * math.log(b2))
     half, mid = k / 2, (k + 1) / 2
 
-    def lucas_end(g):
-        a11 = 1.0 - (c * (1.0 - b1)) * g
-        u_k, v_k = C._lucas(a11 + b1, k, b1)
-        n11 = (a11 - b1) * 0.5
-        return v_k * 0.5 * wd + u_k * (n11 * wd - (g * b1) * md), v_k * 0.5 * md + u_k * (((1.0 - b1) * c) * wd - n11 * md)
-
     def g_of(feed):  # lr * mean G at the 2 Gauss-Legendre nodes, the feed spread as if uniform
         out = torch.zeros_like(wd)
         for x in (mid - half * C._GL, mid + half * C._GL):
@@ -132,13 +103,13 @@ def traj_block(w, m, v, t0, k, c, lr, b1, b2, eps, keras):
             out += bc2.sqrt() / (bc1 * (vx.sqrt() + eps)) if keras else 1.0 / (bc1 * (vx.sqrt() / bc2.sqrt() + eps))
         return (0.5 * lr * out).clamp(max=2.0 * (1.0 + b1) / ((1.0 - b1) * c))
 
-    # g the library used, recovered from its straight-path v: re-derive it as the library does
-    g0 = _library_g(w, m, v, t0, k, c, lr, b1, b2, eps, keras)
-    w_k, m_k = lucas_end(g0)
+    # the library's g (straight predicted w path), then g again from the trajectory's v
+    g0 = C._block_g(w, w * w, m, v, t0, k, c, lr, b1, b2, eps, keras)
+    w_k, m_k = C._frozen_power(wd, md, g0, k, c, b1)
     s, ok = _traj_feed(wd, md, w_k, m_k, g0, k, c)
     feed = (1 - b2) * c * c * s
     g1 = torch.where(ok, g_of(torch.where(ok, feed, torch.zeros_like(feed))), g0)
-    w_k, m_k = lucas_end(g1)
+    w_k, m_k = C._frozen_power(wd, md, g1, k, c, b1)
     s, ok2 = _traj_feed(wd, md, w_k, m_k, g1, k, c)
     v_k = bk * vd + (1 - b2) * c * c * s
     ok2 = ok & ok2
@@ -147,22 +118,6 @@ def traj_block(w, m, v, t0, k, c, lr, b1, b2, eps, keras):
         torch.where(ok2, m_k.float(), m_e),
         torch.where(ok2, v_k.float(), v_e),
     )
-
-
-def _library_g(w, m, v, t0, k, c, lr, b1, b2, eps, keras):
-    """g = lr * mean G of the library's _block (straight predicted w path), float64."""
-    from recsys.optim.cowclip import catchup as C
-
-    ww = w * w
-    d = torch.addcmul(-v, ww, torch.tensor(c * c, dtype=w.dtype))
-    w1, _, _ = C._exact_step(w, m, v, t0 + 1, c, lr, b1, b2, eps, keras)
-    sp = w1 - w
-    lim = w.abs() * (1 / k).float()
-    sp = torch.where(sp * w < 0, torch.minimum(torch.maximum(sp, -lim), lim), sp)
-    half, mid = k / 2, (k + 1) / 2
-    g = C._g_path(v, d, w * sp, sp * sp, mid - half * C._GL, t0, c, b1, b2, eps, keras)
-    g = (g + C._g_path(v, d, w * sp, sp * sp, mid + half * C._GL, t0, c, b1, b2, eps, keras)).double() * (0.5 * lr)
-    return g.clamp(max=2.0 * (1.0 + b1) / ((1.0 - b1) * c))
 
 
 def catch_up_variant(w, m, v, row_step, step, *, lr, l2, variant: str, growth: float = 2.0):
@@ -197,10 +152,10 @@ def catch_up_variant(w, m, v, row_step, step, *, lr, l2, variant: str, growth: f
     return w, pieces
 
 
-def run_cell(bs, *, lr: float, l2: float, zeta: float, variants) -> list[dict]:
-    hist = dense_history(bs, lr=lr, l2=l2, zeta=zeta)
+def run_cell(ref, bs, init, *, lr: float, l2: float, zeta: float, variants) -> list[dict]:
+    _final, hist = ref.tf_dense_reference(init, bs, ref.TABLES, lr=lr, l2=l2, zeta=zeta, history=True)
     res = {x: {"worst_ratio": 1.0, "rows_over_1_05": 0, "worst_w_err_lr": 0.0, "pieces": 0, "gaps": 0} for x in variants}
-    for i, (n, d) in enumerate(TABLES):
+    for i, (n, d) in enumerate(ref.TABLES):
         floor = math.sqrt(d) * zeta
         by_end: dict[int, list[tuple[int, int]]] = {}
         last = [0] * n
@@ -236,14 +191,15 @@ def main() -> None:
     ap.add_argument("--l2", type=float, nargs="+", default=[1e-5, 1e-3, 1e-2])
     ap.add_argument("--zeta", type=float, nargs="+", default=[1e-5, 1e-2])
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    ap.add_argument("--steps", type=int, default=STEPS)
+    ap.add_argument("--steps", type=int, default=300)
     args = ap.parse_args()
-    bs = batches(args.steps)
+    ref = reference_test()
+    bs, init = ref._batches(args.steps, ref.TABLES, ref.B), ref._init(ref.TABLES)
     summary: dict[str, dict] = {}
     for lr in args.lr:
         for l2 in args.l2:
             for zeta in args.zeta:
-                for row in run_cell(bs, lr=lr, l2=l2, zeta=zeta, variants=args.variants):
+                for row in run_cell(ref, bs, init, lr=lr, l2=l2, zeta=zeta, variants=args.variants):
                     print(json.dumps(row), flush=True)
                     s = summary.setdefault(
                         row["variant"], {"worst_ratio": 1.0, "rows_over_1_05": 0, "worst_w_err_lr": 0.0, "pieces_per_gap": []}

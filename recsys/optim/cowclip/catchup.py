@@ -236,12 +236,13 @@ def _g_path(
     return vx.sqrt_().mul_((bc1 / bc2.sqrt()).float()).add_((bc1 * eps).float()).reciprocal_()
 
 
-def _block(
-    w: Tensor, m: Tensor, v: Tensor, t0: Tensor, k: Tensor, c: float, lr: float, b1: float, b2: float, eps: float, keras: bool
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Advance rows [P, D] by k [P, 1] (float64, k >= 2; the last block of a row may be shorter)
-    dense L2-only steps from global step t0 [P, 1]: the frozen-step matrix power of the module doc."""
-    ww = w * w
+def _block_g(
+    w: Tensor, ww: Tensor, m: Tensor, v: Tensor, t0: Tensor, k: Tensor, c: float, lr: float, b1: float, b2: float, eps: float, keras: bool
+) -> Tensor:
+    """g = lr * mean of Adam's factor G over a block of k [P, 1] steps from t0 [P, 1] (2-node
+    Gauss-Legendre, v along the w path the block's first exact step predicts), capped at the
+    period-2 limit; float64 [P, D]. ``ww``: w * w. h = c g: one frozen step is (w, m) -> A (w, m),
+    A = [[1 - h(1-b1), -g b1], [(1-b1) c, b1]], trace P, determinant b1."""
     d = torch.addcmul(-v, ww, torch.tensor(c * c, dtype=w.dtype))  # c^2 w^2 - v
     # the predicted w path: the block's first (exact) step, continued, stopped at 0
     w1, _, _ = _exact_step(w, m, v, t0 + 1, c, lr, b1, b2, eps, keras)
@@ -251,14 +252,17 @@ def _block(
     ws, ss = w * sp, sp * sp
     half = k / 2
     mid = (k + 1) / 2
-    # g = lr * mean of G over the block (2-node Gauss-Legendre), h = c g: one frozen step is
-    # (w, m) -> A (w, m), A = [[1 - h(1-b1), -g b1], [(1-b1) c, b1]], trace P, determinant b1
     g = _g_path(v, d, ws, ss, mid - half * _GL, t0, c, b1, b2, eps, keras)
     g.add_(_g_path(v, d, ws, ss, mid + half * _GL, t0, c, b1, b2, eps, keras))
     g = g.double().mul_(0.5 * lr)
     if c > 0:  # h <= 2(1+b1)/(1-b1): A's spectral radius <= 1 (module doc: the period-2 limit)
         g.clamp_(max=2.0 * (1.0 + b1) / ((1.0 - b1) * c))
-    wd, md = w.double(), m.double()
+    return g
+
+
+def _frozen_power(wd: Tensor, md: Tensor, g: Tensor, k: Tensor, c: float, b1: float) -> tuple[Tensor, Tensor]:
+    """(w, m) float64 [P, D] after k [P, 1] frozen steps with factor g: A^k (w, m) through the
+    Lucas sequences of A's eigenvalues (module doc)."""
     a11 = 1.0 - (c * (1.0 - b1)) * g
     u_k, v_k = _lucas(a11 + b1, k, b1)
     # A^k = U_k A - b1 U_{k-1} I (Cayley-Hamilton) = (V_k / 2) I + U_k N with N = A - (P/2) I
@@ -267,6 +271,17 @@ def _block(
     v_h = v_k * 0.5
     w_e = v_h * wd + u_k * (n11 * wd - (g * b1) * md)
     m_e = v_h * md + u_k * (((1.0 - b1) * c) * wd - n11 * md)
+    return w_e, m_e
+
+
+def _block(
+    w: Tensor, m: Tensor, v: Tensor, t0: Tensor, k: Tensor, c: float, lr: float, b1: float, b2: float, eps: float, keras: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Advance rows [P, D] by k [P, 1] (float64, k >= 2; the last block of a row may be shorter)
+    dense L2-only steps from global step t0 [P, 1]: the frozen-step matrix power of the module doc."""
+    ww = w * w
+    g = _block_g(w, ww, m, v, t0, k, c, lr, b1, b2, eps, keras)
+    w_e, m_e = _frozen_power(w.double(), m.double(), g, k, c, b1)
     w_e, m_e = w_e.float(), m_e.float()
     s = (w_e - w).mul_((1 / k).float())  # slope of the linear w path inside the block (for v)
     one2, y2a, y2b = _ema_lin(b2, k)
@@ -275,7 +290,7 @@ def _block(
     return w_e, m_e, v_e.clamp_(min=0)
 
 
-def _advance_sorted(w, m, v, gap, t0, growth, hp) -> None:
+def _advance_sorted(w: Tensor, m: Tensor, v: Tensor, gap: Tensor, t0: Tensor, growth: float, hp: tuple) -> None:
     """Rows [R, D] float32, sorted by ``gap`` [R] descending, none of whose blocks ``bias_cap``
     cuts, advanced in place: the rows with steps left are a prefix, so every piece works on
     slices."""
@@ -297,7 +312,7 @@ def _advance_sorted(w, m, v, gap, t0, growth, hp) -> None:
         size *= growth
 
 
-def _advance_capped(w, m, v, gap, t0, growth, hp, b1: float, b2: float) -> None:
+def _advance_capped(w: Tensor, m: Tensor, v: Tensor, gap: Tensor, t0: Tensor, growth: float, hp: tuple, b1: float, b2: float) -> None:
     """Rows [R, D] float32 in any order, advanced in place; each piece cut to ``bias_cap`` at its
     start, so rows fall behind the nominal schedule by different amounts (a step count per row)."""
     gap_f = gap.to(torch.float64).unsqueeze(1)
